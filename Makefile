@@ -1,0 +1,27 @@
+# One entry point for everything: `make test` builds its own environment on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: test bench venv clean
+
+venv: $(STAMP)
+
+# torch is pinned first so pip takes the CPU wheel that lies on this machine's disk
+# instead of resolving a multi-GB CUDA build; everything else comes from pyproject.toml.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "torch==2.13.0" || $(PY) -m pip install --quiet "torch>=2.4"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) scripts/bench_cpu.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

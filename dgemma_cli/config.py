@@ -1,0 +1,235 @@
+"""Model and generation settings, parsed from a checkpoint's config.json and generation_config.json.
+
+Settings are resolved in one documented order: the checkpoint's files, then built-in defaults for what they
+leave unset, then explicit overrides (command-line flags). Derived per-layer values (head dim, kv heads, RoPE
+frequencies per layer type) follow the reference `DiffusionGemmaTextConfig.__post_init__` exactly.
+No torch import here: the CLI reads configs before deciding to load anything heavy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from .errors import ModelError, UsageError
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+# Keys of text_config that must be present: a config without them is not a DiffusionGemma text stack.
+_REQUIRED_TEXT_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_experts",
+    "top_k_experts",
+    "moe_intermediate_size",
+)
+
+_DEFAULT_ROPE = {
+    SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+    FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+}
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What differs between layers: attention kind and head geometry."""
+
+    kind: str  # SLIDING or FULL
+    head_dim: int
+    num_kv_heads: int
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.kind == SLIDING
+
+
+@dataclass
+class TextConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    num_experts: int
+    top_k_experts: int
+    moe_intermediate_size: int
+    head_dim: int = 256
+    hidden_activation: str = "gelu_pytorch_tanh"
+    max_position_embeddings: int = 131_072
+    rms_norm_eps: float = 1e-6
+    pad_token_id: int = 0
+    bos_token_id: int = 2
+    eos_token_id: int | list[int] = 1
+    sliding_window: int = 512
+    layer_types: list[str] | None = None
+    final_logit_softcapping: float | None = 30.0
+    attention_bias: bool = False
+    use_bidirectional_attention: str | None = None
+    rope_parameters: dict[str, dict[str, Any]] | None = None
+    # Derived in __post_init__:
+    layers: list[LayerSpec] = field(default_factory=list)
+    global_head_dim: int = 512
+    num_global_key_value_heads: int | None = None
+    per_layer_config: dict[str, dict[str, Any]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.use_bidirectional_attention == "all":
+            # Mirrors the reference: flash-style exclusive bounds.
+            self.sliding_window = (self.sliding_window // 2) + 1
+        if self.layer_types is None:
+            self.layer_types = [SLIDING if (i + 1) % 6 else FULL for i in range(self.num_hidden_layers)]
+        self.layer_types = list(self.layer_types)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ModelError(
+                f"config.json: layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
+            )
+        bad = set(self.layer_types) - {SLIDING, FULL}
+        if bad:
+            raise ModelError(f"config.json: unknown layer type {sorted(bad)[0]!r}")
+        if self.layer_types[-1] != FULL:  # the reference forces the last layer to full attention
+            self.layer_types[-1] = FULL
+        if self.rope_parameters is None:
+            self.rope_parameters = _DEFAULT_ROPE
+        if self.attention_bias:
+            raise ModelError("config.json: attention_bias=true is not a DiffusionGemma layout")
+
+        # Per-layer overrides: explicit `per_layer_config` wins; otherwise full layers get the global geometry.
+        if self.per_layer_config is None:
+            overrides: dict[str, Any] = {"head_dim": self.global_head_dim}
+            if self.num_global_key_value_heads is not None:
+                overrides["num_key_value_heads"] = self.num_global_key_value_heads
+            per_layer = {str(i): overrides for i, t in enumerate(self.layer_types) if t == FULL}
+        else:
+            per_layer = {str(k): v for k, v in self.per_layer_config.items()}
+        self.layers = []
+        for i, kind in enumerate(self.layer_types):
+            o = per_layer.get(str(i), {})
+            spec = LayerSpec(
+                kind=kind,
+                head_dim=int(o.get("head_dim", self.head_dim)),
+                num_kv_heads=int(o.get("num_key_value_heads", self.num_key_value_heads)),
+            )
+            if self.num_attention_heads % spec.num_kv_heads:
+                raise ModelError(f"config.json: layer {i} has {spec.num_kv_heads} kv heads for "
+                                 f"{self.num_attention_heads} query heads")
+            self.layers.append(spec)
+        for kind in set(self.layer_types):
+            dims = {s.head_dim for s in self.layers if s.kind == kind}
+            if len(dims) != 1:
+                raise ModelError(f"config.json: {kind} layers have different head dims {sorted(dims)}")
+            if kind not in self.rope_parameters:
+                raise ModelError(f"config.json: rope_parameters has no entry for {kind}")
+
+    @property
+    def eos_ids(self) -> list[int]:
+        e = self.eos_token_id
+        return list(e) if isinstance(e, (list, tuple)) else [e]
+
+    def head_dim_of(self, kind: str) -> int:
+        return next(s.head_dim for s in self.layers if s.kind == kind)
+
+
+@dataclass
+class ModelConfig:
+    text: TextConfig
+    canvas_length: int = 256
+    source: str = ""
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        model_type = raw.get("model_type")
+        archs = raw.get("architectures") or []
+        if model_type != "diffusion_gemma" and "DiffusionGemmaForBlockDiffusion" not in archs:
+            got = model_type or (archs[0] if archs else "unknown")
+            raise ModelError(f"{source}: not a DiffusionGemma checkpoint (model_type {got!r})")
+        text_raw = raw.get("text_config")
+        if not isinstance(text_raw, dict):
+            raise ModelError(f"{source}: DiffusionGemma config has no text_config")
+        missing = [k for k in _REQUIRED_TEXT_KEYS if k not in text_raw]
+        if missing:
+            raise ModelError(f"{source}: text_config is missing {', '.join(missing)}")
+        known = {f.name for f in fields(TextConfig)} - {"layers"}
+        text = TextConfig(**{k: v for k, v in text_raw.items() if k in known})
+        return cls(text=text, canvas_length=int(raw.get("canvas_length") or 256), source=source)
+
+    @classmethod
+    def from_dir(cls, path: Path) -> ModelConfig:
+        cfg_path = Path(path) / "config.json"
+        if not cfg_path.is_file():
+            raise ModelError(f"{path}: no config.json (is this a model directory?)")
+        try:
+            raw = json.loads(cfg_path.read_text())
+        except (OSError, ValueError) as e:
+            raise ModelError(f"{cfg_path}: cannot read JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ModelError(f"{cfg_path}: not a JSON object")
+        return cls.from_dict(raw, source=str(cfg_path))
+
+
+@dataclass
+class GenerationSettings:
+    """The sampler's knobs (DESIGN.md section 3). Defaults are the reference's global defaults."""
+
+    max_new_tokens: int = 256
+    max_denoising_steps: int = 48
+    entropy_bound: float = 0.1
+    t_min: float = 0.4
+    t_max: float = 0.8
+    stability_threshold: int = 1
+    confidence_threshold: float = 0.005
+    eos_token_ids: tuple[int, ...] = (1,)
+    pad_token_id: int = 0
+
+    @classmethod
+    def from_checkpoint(cls, path: Path | None, text: TextConfig | None = None) -> GenerationSettings:
+        """Checkpoint generation_config.json first, then the model config's eos/pad, then built-in defaults."""
+        s = cls()
+        if text is not None:
+            s = replace(s, eos_token_ids=tuple(text.eos_ids), pad_token_id=text.pad_token_id)
+        gen_path = Path(path) / "generation_config.json" if path is not None else None
+        if gen_path is None or not gen_path.is_file():
+            return s
+        try:
+            raw = json.loads(gen_path.read_text())
+        except (OSError, ValueError) as e:
+            raise ModelError(f"{gen_path}: cannot read JSON ({e})") from None
+        upd: dict[str, Any] = {}
+        for key in ("max_new_tokens", "max_denoising_steps", "t_min", "t_max", "stability_threshold",
+                    "confidence_threshold", "pad_token_id"):
+            if raw.get(key) is not None:
+                upd[key] = raw[key]
+        sc = raw.get("sampler_config")
+        if isinstance(sc, dict) and sc.get("entropy_bound") is not None:
+            upd["entropy_bound"] = float(sc["entropy_bound"])
+        if raw.get("eos_token_id") is not None:
+            e = raw["eos_token_id"]
+            upd["eos_token_ids"] = tuple(e) if isinstance(e, list) else (e,)
+        return replace(s, **upd)
+
+    def override(self, **kwargs: Any) -> GenerationSettings:
+        """Apply explicit overrides; `None` means "not given" and keeps the current value."""
+        s = replace(self, **{k: v for k, v in kwargs.items() if v is not None})
+        s.validate()
+        return s
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise UsageError(f"--max-new-tokens must be at least 1 (got {self.max_new_tokens})")
+        if self.max_denoising_steps < 1:
+            raise UsageError(f"--steps must be at least 1 (got {self.max_denoising_steps})")
+        if not (0 <= self.t_min < self.t_max):
+            raise UsageError(f"temperatures need 0 <= t_min < t_max (got {self.t_min}, {self.t_max})")
+        if self.entropy_bound <= 0:
+            raise UsageError("entropy_bound must be > 0")
+
+    def canvases_for(self, canvas_length: int) -> int:
+        return math.ceil(self.max_new_tokens / canvas_length)

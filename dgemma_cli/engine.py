@@ -1,0 +1,200 @@
+"""Load a model and generate: the Python API the CLI, chat and infill are built on.
+
+    engine = load("path/to/checkpoint")                 # device/dtype "auto"
+    result = engine.generate("Why is the sky blue?", seed=0)
+    print(result.texts[0])
+    for event in engine.events(["a", "b"], seed=0): ... # Step / CanvasDone / Done, see sampler.py
+
+The engine joins the pieces (weights, network, tokenizer, sampler) and owns nothing of their insides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from .config import GenerationSettings, ModelConfig
+from .errors import ModelError, UsageError
+from .model import DiffusionGemma, KVCache
+from .sampler import Done, Event, generate_events
+from .tokenizer import Tokenizer
+from .weights import load_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise UsageError(f"--device must be cpu, cuda or auto (got {device!r})")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on a GPU, float32 on the CPU (bf16 matmuls are slow on most CPUs)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)} or auto (got {dtype!r})")
+    return DTYPES[dtype]
+
+
+class ModelDenoiser:
+    """The sampler's view of the network: one batch, one static KV cache."""
+
+    def __init__(self, model: DiffusionGemma, batch: int, capacity: int):
+        self.model = model
+        self.batch = batch
+        self.cache: KVCache = model.new_cache(batch, capacity)
+        self.vocab_size = model.cfg.text.vocab_size
+        self.canvas_length = model.cfg.canvas_length
+        self.sc_dtype = model.dtype
+        self.ctx = None
+
+    def encode(self, ids: torch.Tensor, valid: torch.Tensor | None) -> None:
+        self.model.encode(ids, self.cache, valid)
+
+    def start_canvas(self) -> None:
+        self.ctx = self.model.denoise_context(self.cache, self.batch)
+
+    def denoise(self, canvas: torch.Tensor, sc_logits: torch.Tensor | None) -> torch.Tensor:
+        return self.model.denoise(canvas, self.cache, self.ctx, sc_logits)
+
+
+@dataclass
+class Result:
+    texts: list[str]  # the answers (thought channel removed)
+    thoughts: list[str]  # thought-channel text, "" when the model did not think
+    token_ids: list[list[int]]  # generated ids, ending before the first end-of-sequence id
+    prompt_token_ids: list[list[int]]
+    steps_per_canvas: list[list[int]]
+    tokens_per_forward: list[float]
+    seconds: float
+
+
+class Engine:
+    def __init__(self, model: DiffusionGemma, tokenizer: Tokenizer | None, settings: GenerationSettings,
+                 path: Path | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.settings = settings  # the checkpoint's defaults; per-call overrides never mutate them
+        self.path = path
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.cfg
+
+    # ------------------------------------------------------------------ prompts
+
+    def prompt_ids(self, prompt: str | Sequence[int], raw: bool = False, system: str | None = None,
+                   enable_thinking: bool = False) -> list[int]:
+        """Text -> ids: through the chat template, or (raw) exactly as given with no special tokens added."""
+        if not isinstance(prompt, str):
+            ids = [int(t) for t in prompt]
+        else:
+            if not prompt.strip():
+                raise UsageError("empty prompt")
+            if self.tokenizer is None:
+                raise ModelError(f"{self.path}: no tokenizer.json, so text prompts cannot be encoded")
+            if raw:
+                ids = self.tokenizer.encode(prompt)
+            else:
+                messages = ([{"role": "system", "content": system}] if system else [])
+                messages.append({"role": "user", "content": prompt})
+                ids = self.tokenizer.encode_chat(messages, enable_thinking=enable_thinking)
+        if not ids:
+            raise UsageError("empty prompt")
+        V = self.config.text.vocab_size
+        if min(ids) < 0 or max(ids) >= V:
+            raise UsageError(f"prompt has a token id outside the vocabulary of {V}")
+        return ids
+
+    def check_context(self, prompt_len: int, settings: GenerationSettings) -> int:
+        """Positions the run needs (prompt + whole canvases); raises if that exceeds the model's context."""
+        C = self.config.canvas_length
+        need = prompt_len + settings.canvases_for(C) * C
+        ctx = self.config.text.max_position_embeddings
+        if need > ctx:
+            raise UsageError(f"prompt is {prompt_len} tokens; with {settings.max_new_tokens} new tokens it needs "
+                             f"{need} positions but the model's context is {ctx}")
+        return need
+
+    # ------------------------------------------------------------------ generation
+
+    def events(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], *, raw: bool = False,
+               system: str | None = None, seed: int | None = None, enable_thinking: bool = False,
+               settings: GenerationSettings | None = None, **overrides) -> Iterator[Event]:
+        """Yield sampler events for one prompt or a batch (strings, or lists of token ids).
+
+        Overrides are GenerationSettings fields (max_new_tokens, max_denoising_steps, ...). With `seed`, torch's
+        global generator is seeded first, as `torch.manual_seed(seed)` before the reference's generate.
+        """
+        ids = self.batch_ids(prompts, raw=raw, system=system, enable_thinking=enable_thinking)
+        settings = (settings or self.settings).override(**overrides)
+        T = max(len(x) for x in ids)
+        capacity = self.check_context(T, settings)
+        dev = self.model.device
+        pad = settings.pad_token_id
+        # Left padding: every row's canvas starts at the same position; padding keys are masked.
+        batch = torch.tensor([[pad] * (T - len(x)) + x for x in ids], dtype=torch.long, device=dev)
+        valid = None
+        if any(len(x) != T for x in ids):
+            valid = torch.tensor([[False] * (T - len(x)) + [True] * len(x) for x in ids], device=dev)
+        if seed is not None:
+            torch.manual_seed(seed)
+        denoiser = ModelDenoiser(self.model, len(ids), capacity)
+        with torch.inference_mode():
+            yield from generate_events(denoiser, batch, settings, valid)
+
+    def batch_ids(self, prompts, raw: bool = False, system: str | None = None,
+                  enable_thinking: bool = False) -> list[list[int]]:
+        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not len(prompts):
+            raise UsageError("no prompts")
+        return [self.prompt_ids(p, raw=raw, system=system, enable_thinking=enable_thinking) for p in prompts]
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], *, raw: bool = False,
+                 system: str | None = None, enable_thinking: bool = False,
+                 on_event: Callable[[Event], None] | None = None, **kwargs) -> Result:
+        """Run to completion and decode; `on_event` sees every event. Other kwargs as for `events`."""
+        ids = self.batch_ids(prompts, raw=raw, system=system, enable_thinking=enable_thinking)
+        done = None
+        for ev in self.events(ids, **kwargs):
+            if on_event is not None:
+                on_event(ev)
+            if isinstance(ev, Done):
+                done = ev
+        assert done is not None
+        texts, thoughts = [], []
+        for out in done.token_ids:
+            thought, answer = "", ""
+            if self.tokenizer is not None and raw:
+                answer = self.tokenizer.decode(out)
+            elif self.tokenizer is not None:
+                thought, answer = self.tokenizer.decode_answer(out)
+            thoughts.append(thought)
+            texts.append(answer)
+        return Result(texts, thoughts, done.token_ids, ids, done.steps_per_canvas, done.tokens_per_forward,
+                      done.seconds)
+
+
+def load(model: str | Path, device: str = "auto", dtype: str = "auto") -> Engine:
+    """Load a local checkpoint directory (Hugging Face layout) with its tokenizer and generation defaults."""
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelError(f"{path}: no such model directory")
+    if not path.is_dir():
+        raise ModelError(f"{path}: not a directory")
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    net, cfg = load_model(path, device=dev, dtype=dt)
+    tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
+    settings = GenerationSettings.from_checkpoint(path, cfg.text)
+    return Engine(net, tokenizer, settings, path)

@@ -1,0 +1,443 @@
+"""The DiffusionGemma text network: one set of weights, two modes.
+
+- `encode(ids)`: causal; appends the prompt (or a finished canvas) to a preallocated static KV cache.
+- `denoise(canvas, sc_logits)`: bidirectional over cached prefix + canvas; never advances the cache.
+
+Rules this file keeps: it knows tensors, not tokens or text; every projection is a module called as
+`proj(x)` and the routed experts a module called as `experts(x, top_k_index, top_k_weights)`, so a quantized
+implementation can replace either (the seam for `quant/`). The denoise step reads only fixed-shape tensors
+prepared once per canvas (`DenoiseContext`), so it can later be captured in a CUDA graph.
+Numerics follow the reference implementation op for op (float32 norms, router and logits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import FULL, SLIDING, LayerSpec, ModelConfig, TextConfig
+from .errors import ModelError
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+
+class RMSNorm(nn.Module):
+    """x * (mean(x^2) + eps)^-0.5 [* weight], computed in float32. Gemma 4 scales by `weight`, not 1 + weight."""
+
+    def __init__(self, dim: int, eps: float, with_scale: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if self.weight is not None:
+            h = h * self.weight.float()
+        return h.type_as(x)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def rope_inv_freq(params: dict, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] (float32) for one layer type.
+
+    default:      1 / theta^(2i / d), d = head_dim * partial_rotary_factor.
+    proportional: the first `partial * head_dim // 2` angles are 1 / theta^(2i / head_dim), the rest are 0,
+                  so those dims pass through unrotated while the output keeps the full head_dim.
+    """
+    # Always on the CPU (the model may be under construction on the meta device); moved on use.
+    rope_type = params.get("rope_type", "default")
+    theta = float(params["rope_theta"])
+    partial = float(params.get("partial_rotary_factor", 1.0))
+    if rope_type == "default":
+        dim = int(head_dim * partial)
+        return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
+    if rope_type == "proportional":
+        angles = int(partial * head_dim // 2)
+        rotated = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+        inv = torch.cat([rotated, torch.zeros(head_dim // 2 - angles, dtype=torch.float32, device="cpu")])
+        return inv / float(params.get("factor", 1.0))
+    raise ModelError(f"config.json: unsupported rope_type {rope_type!r}")
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """positions [B or 1, T] -> cos, sin [B or 1, T, 1, D] for x laid out as [B, T, heads, D]."""
+    freqs = positions[..., None].float() * inv_freq.to(positions.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[:, :, None, :], emb.sin().to(dtype)[:, :, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos) + (rotated * sin)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Grouped-query attention with scale 1.0 and no repeated K/V.
+
+    q [B, Hq, T, D], k/v [B, Hkv, S, D], mask bool [B, 1, T or 1, S] (True = attend) or None.
+    Query head h uses kv head h // (Hq / Hkv), so q is viewed as [B, Hkv, G*T, D]. Returns [B, T, Hq*D].
+    """
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    qg = q.reshape(B, Hkv, G * T, D)
+    if mask is not None and mask.shape[2] != 1 and G > 1:
+        mask = mask[:, :, None].expand(B, 1, G, T, mask.shape[-1]).reshape(B, 1, G * T, mask.shape[-1])
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=1.0)
+    return out.reshape(B, Hq, T, D).transpose(1, 2).reshape(B, T, Hq * D)
+
+
+# ----------------------------------------------------------------------------- layer modules
+
+
+class Attention(nn.Module):
+    """Gemma 4 attention. Full-attention layers have no v_proj: V = v_norm(k_proj(x)), taken before k_norm/RoPE."""
+
+    def __init__(self, cfg: TextConfig, spec: LayerSpec):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        H = cfg.hidden_size
+        self.q_proj = nn.Linear(H, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=False) if spec.is_sliding else None
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, H, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.v_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, with_scale=False)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, T, H] -> q [B, Hq, T, D], k, v [B, Hkv, T, D] (normed; q and k rotated)."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, -1, self.head_dim)
+        q = apply_rope(self.q_norm(q), cos, sin).transpose(1, 2)
+        k_raw = self.k_proj(x).view(B, T, -1, self.head_dim)
+        v_raw = self.v_proj(x).view(B, T, -1, self.head_dim) if self.v_proj is not None else k_raw
+        k = apply_rope(self.k_norm(k_raw), cos, sin).transpose(1, 2)
+        v = self.v_norm(v_raw).transpose(1, 2)
+        return q, k, v
+
+
+class MLP(nn.Module):
+    """Gated MLP: down(gelu_tanh(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Top-k routing on the un-normed residual: weightless RMSNorm * scale * H^-0.5 -> linear -> fp32 softmax."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        H = cfg.hidden_size
+        self.top_k = cfg.top_k_experts
+        self.root_size = H**-0.5
+        self.norm = RMSNorm(H, cfg.rms_norm_eps, with_scale=False)
+        self.proj = nn.Linear(H, cfg.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(H))
+        self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts))
+
+    def forward(self, x: torch.Tensor):
+        """x [N, H] -> weights [N, K] (renormalised, times per-expert scale), index [N, K]."""
+        h = self.norm(x) * self.scale * self.root_size
+        probs = F.softmax(self.proj(h), dim=-1, dtype=torch.float32)  # [N, E]
+        w, idx = torch.topk(probs, k=self.top_k, dim=-1)
+        w = w / w.sum(dim=-1, keepdim=True)
+        return w * self.per_expert_scale[idx], idx
+
+
+class Experts(nn.Module):
+    """Routed experts as fused 3-D weights: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
+
+    Tokens are grouped by expert with one stable sort, each group runs two matmuls, and the weighted outputs are
+    scatter-added back in ascending expert order (the reference's summation order). A quantized subclass only
+    overrides `expert_weights(e)`.
+    """
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.num_experts = E
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+
+    def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate_up_proj[e], self.down_proj[e]
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        N, K = top_k_index.shape
+        flat = top_k_index.reshape(-1)  # [N*K]
+        order = torch.argsort(flat, stable=True)  # assignments grouped by expert, token order kept inside
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        token = order // K
+        xs = x[token]  # [N*K, H]
+        outs = []
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            gate_up, down = self.expert_weights(e)
+            gate, up = F.linear(xs[start : start + n], gate_up).chunk(2, dim=-1)
+            outs.append(F.linear(gelu_tanh(gate) * up, down))
+            start += n
+        ys = torch.cat(outs) * top_k_weights.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
+
+
+class Layer(nn.Module):
+    """Attention, then a dense MLP and the MoE in parallel on the same residual; output times layer_scalar."""
+
+    def __init__(self, cfg: TextConfig, spec: LayerSpec):
+        super().__init__()
+        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.spec = spec
+        self.self_attn = Attention(cfg, spec)
+        self.mlp = MLP(H, cfg.intermediate_size)
+        self.router = Router(cfg)
+        self.experts = Experts(cfg)
+        self.input_layernorm = RMSNorm(H, eps)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.pre_feedforward_layernorm = RMSNorm(H, eps)
+        self.post_feedforward_layernorm = RMSNorm(H, eps)
+        self.post_feedforward_layernorm_1 = RMSNorm(H, eps)
+        self.pre_feedforward_layernorm_2 = RMSNorm(H, eps)
+        self.post_feedforward_layernorm_2 = RMSNorm(H, eps)
+
+    def feed_forward(self, x: torch.Tensor, layer_scalar: torch.Tensor) -> torch.Tensor:
+        """x is the post-attention residual [B, T, H]."""
+        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
+        flat = x.reshape(-1, x.shape[-1])
+        weights, index = self.router(flat)  # routed on the un-normed residual
+        moe = self.experts(self.pre_feedforward_layernorm_2(flat), index, weights).reshape(x.shape)
+        moe = self.post_feedforward_layernorm_2(moe)
+        x = x + self.post_feedforward_layernorm(dense + moe)
+        return x * layer_scalar
+
+
+class SelfConditioning(nn.Module):
+    """post_norm(canvas_embeds + MLP(pre_norm(soft_embeds))); the post-norm has no weight."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        H = cfg.hidden_size
+        self.pre_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.post_norm = RMSNorm(H, cfg.rms_norm_eps, with_scale=False)
+        self.gate_proj = nn.Linear(H, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(H, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, H, bias=False)
+
+    def forward(self, embeds: torch.Tensor, soft: torch.Tensor | None) -> torch.Tensor:
+        if soft is None:  # first step: the signal is exactly zero, so skip the MLP
+            return self.post_norm(embeds)
+        h = self.pre_norm(soft)
+        return self.post_norm(embeds + self.down_proj(gelu_tanh(self.gate_proj(h)) * self.up_proj(h)))
+
+
+# ----------------------------------------------------------------------------- the static KV cache
+
+
+class KVCache:
+    """Preallocated keys/values for every layer, plus a canvas-sized scratch tail the decoder writes into.
+
+    full layer:    k, v [B, Hkv, capacity + C, D]; positions [0, length) are cached, [length, length + C) is
+                   the decoder's scratch for the current canvas (never counted as cached).
+    sliding layer: k, v [B, Hkv, W - 1 + C, D]; slots [0, W - 1) hold the last W - 1 cached positions,
+                   right-aligned (the reference keeps exactly these); the last C slots are scratch.
+    valid [B, capacity]: False at left-padding positions of a batch.
+    """
+
+    def __init__(self, model: DiffusionGemma, batch: int, capacity: int, device, dtype):
+        cfg = model.cfg.text
+        self.batch, self.capacity, self.length = batch, capacity, 0
+        self.window = cfg.sliding_window - 1  # cached positions a sliding layer keeps
+        C = model.cfg.canvas_length
+        self.k, self.v = [], []
+        for spec in cfg.layers:
+            slots = (self.window if spec.is_sliding else capacity) + C
+            shape = (batch, spec.num_kv_heads, slots, spec.head_dim)
+            self.k.append(torch.zeros(shape, device=device, dtype=dtype))
+            self.v.append(torch.zeros(shape, device=device, dtype=dtype))
+        self.valid = torch.ones(batch, capacity, dtype=torch.bool, device=device)
+
+    def window_positions(self, device) -> torch.Tensor:
+        """Absolute positions [W-1] of the sliding slots (negative = empty)."""
+        return torch.arange(self.length - self.window, self.length, device=device)
+
+    def window_valid(self) -> torch.Tensor:
+        """[B, W-1]: slot holds a real (non-padding) cached token."""
+        pos = self.window_positions(self.valid.device)
+        return (pos >= 0)[None, :] & self.valid[:, pos.clamp(min=0)]
+
+
+@dataclass
+class DenoiseContext:
+    """Everything the denoise step needs besides the canvas: fixed for one canvas, so graph-capturable."""
+
+    cos: dict[str, torch.Tensor]
+    sin: dict[str, torch.Tensor]
+    mask: dict[str, torch.Tensor | None]  # bool [B, 1, 1, S] over cached + canvas keys, None if all valid
+    full_keys: int  # cache.length + C: the keys a full layer reads
+    scratch: dict[str, int]  # where the canvas k/v go in each layer kind's buffer
+
+
+# ----------------------------------------------------------------------------- the network
+
+
+class DiffusionGemma(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        t = cfg.text
+        if t.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ModelError(f"config.json: unsupported hidden_activation {t.hidden_activation!r}")
+        if t.sliding_window < 2:
+            raise ModelError("config.json: sliding_window must be at least 2")
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(t.vocab_size, t.hidden_size)
+        self.layers = nn.ModuleList(Layer(t, spec) for spec in t.layers)
+        self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
+        self.self_conditioning = SelfConditioning(t)
+        # layer_scalar is stored once per mode in the checkpoint: [L] each.
+        self.encoder_layer_scalar = nn.Parameter(torch.ones(t.num_hidden_layers))
+        self.decoder_layer_scalar = nn.Parameter(torch.ones(t.num_hidden_layers))
+        # RoPE tables are derived from the config, never loaded: plain tensors, moved on use.
+        self.inv_freq = {k: rope_inv_freq(t.rope_parameters[k], t.head_dim_of(k)) for k in set(t.layer_types)}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight
+        scale = torch.tensor(self.cfg.text.hidden_size**0.5, dtype=torch.float32).to(w.dtype)
+        return F.embedding(ids, w) * scale.to(w.device)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden [B, T, H] -> soft-capped float32 logits [B, T, V] (tied embedding)."""
+        logits = F.linear(hidden, self.embed_tokens.weight).float()
+        cap = self.cfg.text.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        return KVCache(self, batch, capacity, self.device, self.dtype)
+
+    # ------------------------------------------------------------------ encoder (causal, writes the cache)
+
+    @torch.inference_mode()
+    def encode(self, ids: torch.Tensor, cache: KVCache, valid: torch.Tensor | None = None,
+               return_hidden: bool = False) -> torch.Tensor | None:
+        """Append ids [B, T] to the cache (positions length .. length+T-1).
+
+        valid [B, T] marks real tokens (False = left padding, masked as a key everywhere).
+        Returns the final-normed hidden states [B, T, H] only if asked (the sampler never needs them).
+        """
+        B, T = ids.shape
+        L0, W = cache.length, self.cfg.text.sliding_window
+        if L0 + T > cache.capacity:
+            raise ValueError(f"KV cache holds {cache.capacity} positions; cannot append {T} to {L0}")
+        dev = ids.device
+        if valid is None:
+            valid = torch.ones(B, T, dtype=torch.bool, device=dev)
+        cache.valid[:, L0 : L0 + T] = valid
+        qpos = torch.arange(L0, L0 + T, device=dev)
+        self_key = torch.eye(T, dtype=torch.bool, device=dev)  # a padding query still sees itself (no NaN rows)
+
+        # full layers read cached [0, L0) + new: causal over absolute positions
+        kpos_full = torch.arange(L0 + T, device=dev)
+        full_mask = (kpos_full[None, :] <= qpos[:, None])[None] & cache.valid[:, None, : L0 + T]
+        full_mask[:, :, L0:] |= self_key
+        # sliding layers read the W-1 window + new: causal and q - k < W
+        kpos_win = torch.cat([cache.window_positions(dev), qpos])
+        kvalid_win = torch.cat([cache.window_valid(), valid], dim=1)
+        near = (kpos_win[None, :] <= qpos[:, None]) & (qpos[:, None] - kpos_win[None, :] < W)
+        slide_mask = near[None] & kvalid_win[:, None, :]
+        slide_mask[:, :, cache.window :] |= self_key
+        masks = {FULL: full_mask[:, None], SLIDING: slide_mask[:, None]}
+
+        x = self.embed(ids)
+        rope = {k: rope_cos_sin(f, qpos[None], x.dtype) for k, f in self.inv_freq.items()}
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            kind = layer.spec.kind
+            cos, sin = rope[kind]
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+            if kind == FULL:
+                cache.k[i][:, :, L0 : L0 + T] = k
+                cache.v[i][:, :, L0 : L0 + T] = v
+                keys, values = cache.k[i][:, :, : L0 + T], cache.v[i][:, :, : L0 + T]
+            else:
+                keys = torch.cat([cache.k[i][:, :, : cache.window], k], dim=2)
+                values = torch.cat([cache.v[i][:, :, : cache.window], v], dim=2)
+                cache.k[i][:, :, : cache.window] = keys[:, :, -cache.window :]
+                cache.v[i][:, :, : cache.window] = values[:, :, -cache.window :]
+            if i == last and not return_hidden:
+                break  # the last layer's output feeds nothing the cache needs
+            h = layer.self_attn.o_proj(attend(q, keys, values, masks[kind]))
+            x = x + layer.post_attention_layernorm(h)
+            x = layer.feed_forward(x, self.encoder_layer_scalar[i])
+        cache.length = L0 + T
+        return self.norm(x) if return_hidden else None
+
+    # ------------------------------------------------------------------ decoder (bidirectional, read-only)
+
+    def denoise_context(self, cache: KVCache, batch: int) -> DenoiseContext:
+        """Masks, RoPE and buffer offsets for a canvas placed right after the cached positions."""
+        C, L, dev = self.cfg.canvas_length, cache.length, self.device
+        pos = torch.arange(L, L + C, device=dev)[None]
+        rope = {k: rope_cos_sin(f, pos, self.dtype) for k, f in self.inv_freq.items()}
+        canvas_valid = torch.ones(batch, C, dtype=torch.bool, device=dev)
+        full_valid = torch.cat([cache.valid[:, :L], canvas_valid], dim=1)
+        slide_valid = torch.cat([cache.window_valid(), canvas_valid], dim=1)
+        mask = {FULL: None if bool(full_valid.all()) else full_valid[:, None, None, :],
+                SLIDING: None if bool(slide_valid.all()) else slide_valid[:, None, None, :]}
+        return DenoiseContext(cos={k: c for k, (c, _) in rope.items()}, sin={k: s for k, (_, s) in rope.items()},
+                              mask=mask, full_keys=L + C, scratch={FULL: L, SLIDING: cache.window})
+
+    @torch.inference_mode()
+    def denoise(self, canvas: torch.Tensor, cache: KVCache, ctx: DenoiseContext,
+                sc_logits: torch.Tensor | None = None, return_hidden: bool = False) -> torch.Tensor:
+        """canvas [B, C] ids, sc_logits [B, C, V] (previous step's processed logits, or None at the first step)
+        -> float32 soft-capped logits [B, C, V]."""
+        C = canvas.shape[1]
+        x = self.embed(canvas)
+        soft = None
+        if sc_logits is not None:
+            w = self.embed_tokens.weight
+            probs = sc_logits.softmax(dim=-1, dtype=torch.float32).to(w.dtype)
+            scale = torch.tensor(self.cfg.text.hidden_size**0.5, dtype=torch.float32).to(w.dtype).to(x.device)
+            soft = torch.matmul(probs, w) * scale.to(x.dtype)
+        x = self.self_conditioning(x, soft)
+        for i, layer in enumerate(self.layers):
+            kind = layer.spec.kind
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), ctx.cos[kind], ctx.sin[kind])
+            at = ctx.scratch[kind]
+            cache.k[i][:, :, at : at + C] = k  # scratch slots past the cached prefix: the cache is not advanced
+            cache.v[i][:, :, at : at + C] = v
+            end = ctx.full_keys if kind == FULL else at + C
+            h = layer.self_attn.o_proj(attend(q, cache.k[i][:, :, :end], cache.v[i][:, :, :end], ctx.mask[kind]))
+            x = x + layer.post_attention_layernorm(h)
+            x = layer.feed_forward(x, self.decoder_layer_scalar[i])
+        x = self.norm(x)
+        return x if return_hidden else self.logits(x)

@@ -1,0 +1,266 @@
+"""Text in, token ids out, and back: the tokenizer and the chat format (DESIGN.md section 4).
+
+The rule: this module knows tokens and text, nothing of the model. It never imports torch.
+
+The chat template is rendered with jinja2 the way transformers renders it (same sandbox, same options,
+same variables), so a checkpoint's shipped template gives the prompt the model was trained on. The rendered
+text already starts with `<bos>`, so it is encoded without adding special tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime
+from pathlib import Path
+
+from .errors import ModelError, UsageError
+
+# Used when a checkpoint ships no chat template. Renders exactly:
+#   <bos><|turn>{role}\n{content}<turn|>\n ... <|turn>model\n
+# "assistant" is Gemma's "model"; with thinking on, `<|think|>` opens the system turn (one is made if missing).
+FALLBACK_CHAT_TEMPLATE = """\
+{{- bos_token -}}
+{%- set starts_with_system = messages and messages[0]['role'] == 'system' -%}
+{%- if enable_thinking and not starts_with_system -%}
+    {{- '<|turn>system\\n<|think|><turn|>\\n' -}}
+{%- endif -%}
+{%- for message in messages -%}
+    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+    {{- '<|turn>' + role + '\\n' -}}
+    {%- if enable_thinking and loop.first and role == 'system' -%}
+        {{- '<|think|>' -}}
+    {%- endif -%}
+    {{- message['content'] -}}
+    {{- '<turn|>\\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|turn>model\\n' -}}
+{%- endif -%}
+"""
+
+# The thought channel the model may write before its answer: <|channel>thought\n ... <channel|>
+CHANNEL_START = "<|channel>"
+CHANNEL_END = "<channel|>"
+THOUGHT_HEADER = "thought\n"
+
+
+def split_thought(text: str) -> tuple[str, str]:
+    """Split text (decoded keeping special tokens) into (thought, answer).
+
+    A complete channel `<|channel>thought\\n...<channel|>` is cut out of the answer. An unterminated one
+    is still being generated: everything after its header is thought and the answer is what came before.
+    Without a thought channel the thought is "" and the text is the answer. Only the first channel is
+    looked at, since the model thinks once, before answering.
+    """
+    start = text.find(CHANNEL_START)
+    if start < 0:
+        return "", text
+    before = text[:start]
+    rest = text[start + len(CHANNEL_START) :]
+    if not rest.startswith(THOUGHT_HEADER):
+        if THOUGHT_HEADER.startswith(rest):
+            # The header itself is still being generated ("<|channel>thou"): no thought text yet.
+            return "", before
+        # Some other channel: not ours to interpret.
+        return "", text
+    rest = rest[len(THOUGHT_HEADER) :]
+    end = rest.find(CHANNEL_END)
+    if end < 0:
+        return rest, before
+    return rest[:end], before + rest[end + len(CHANNEL_END) :]
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer.json plus its chat template."""
+
+    def __init__(self, tokenizer, chat_template: str, special_tokens: dict[str, str] | None = None):
+        """tokenizer: a `tokenizers.Tokenizer`; special_tokens: template variables like bos_token -> "<bos>"."""
+        self._tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})
+        self._template = _compile_template(chat_template)
+        # Every special added token (control tokens, placeholders), longest first so that no token is cut by
+        # a shorter one that is its prefix. Used to clean decoded text.
+        specials = sorted(
+            (t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special), key=len, reverse=True
+        )
+        self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
+
+    @classmethod
+    def from_dir(cls, path) -> Tokenizer:
+        """Load tokenizer.json and the chat template from a model directory.
+
+        The template comes from chat_template.jinja, else tokenizer_config.json's "chat_template", else
+        FALLBACK_CHAT_TEMPLATE. Raises ModelError when tokenizer.json is missing or unreadable.
+        """
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = Path(path)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ModelError(f"{tokenizer_file} not found: the model directory must contain tokenizer.json")
+        try:
+            tokenizer = HFTokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # the library raises plain Exceptions with multi-line messages
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ModelError(f"cannot read {tokenizer_file}: {reason}") from None
+
+        config_file = path / "tokenizer_config.json"
+        config = _read_json(config_file)
+        template_file = path / "chat_template.jinja"
+        if template_file.is_file():
+            chat_template, origin = _read_text(template_file), str(template_file)
+        elif _template_from_config(config.get("chat_template")):
+            chat_template, origin = _template_from_config(config["chat_template"]), f"{config_file} (chat_template)"
+        else:
+            chat_template, origin = FALLBACK_CHAT_TEMPLATE, "the built-in chat template"
+
+        # Template variables named after the config's special tokens, as transformers passes them;
+        # Gemma's own names are the defaults so the fallback template works without a config.
+        special_tokens = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}
+        for name in list(special_tokens) + ["mask_token"]:
+            value = config.get(name)
+            if isinstance(value, dict):  # an AddedToken written out as {"content": ..., ...}
+                value = value.get("content")
+            if isinstance(value, str):
+                special_tokens[name] = value
+        try:
+            return cls(tokenizer, chat_template, special_tokens)
+        except ModelError as e:  # a template that does not compile
+            raise ModelError(f"{origin}: {e}") from None
+
+    # --- tokens ---------------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of text exactly as given. No special tokens are added, but special-token strings in
+        the text (like "<bos>") become their ids."""
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_answer(self, ids) -> tuple[str, str]:
+        """(thought, answer) of generated ids, special tokens removed and surrounding whitespace stripped."""
+        thought, answer = split_thought(self.decode(ids, skip_special_tokens=False))
+        return self.strip_special(thought).strip(), self.strip_special(answer).strip()
+
+    def strip_special(self, text: str) -> str:
+        """Text with every special token string (<turn|>, <eos>, <pad>, <mask>, ...) removed."""
+        return self._special_re.sub("", text) if self._special_re else text
+
+    # Also reachable as a method, for callers that hold a Tokenizer.
+    split_thought = staticmethod(split_thought)
+
+    def token_id(self, token: str) -> int | None:
+        """Id of a token string, or None if the vocabulary lacks it."""
+        return self._tokenizer.token_to_id(token)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_id(self) -> int | None:
+        return self.token_id("<bos>")
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.token_id("<eos>")
+
+    @property
+    def pad_id(self) -> int | None:
+        return self.token_id("<pad>")
+
+    @property
+    def end_of_turn_id(self) -> int | None:
+        return self.token_id("<turn|>")
+
+    # --- chat -----------------------------------------------------------------------------------------
+
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool = False, **kwargs
+    ) -> str:
+        """The chat template applied to messages ([{"role": ..., "content": ...}, ...]).
+
+        Extra keyword arguments become template variables. Raises UsageError when the template rejects
+        the conversation (for example with raise_exception on an unknown role).
+        """
+        import jinja2
+
+        # As transformers does: keys set to None are dropped (templates handle a missing key better
+        # than a None), and the caller's dicts are not modified.
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        variables = {
+            "tools": None,
+            "documents": None,
+            **self.special_tokens,
+            "enable_thinking": enable_thinking,
+            **kwargs,
+        }
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+        except jinja2.TemplateError as e:
+            raise UsageError(f"the chat template rejected the conversation: {e}") from None
+
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool = False, **kwargs
+    ) -> list[int]:
+        """Token ids of the rendered chat (it already starts with <bos>)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt, enable_thinking, **kwargs))
+
+
+def _compile_template(source: str):
+    """A jinja2 template compiled with the environment transformers uses for chat templates."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # Jinja's own tojson escapes HTML characters, which would change the prompt.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(format):
+        return datetime.now().strftime(format)
+
+    # Templates come from downloaded checkpoints, so they run sandboxed and cannot mutate their inputs.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ModelError(f"the chat template has a syntax error (line {e.lineno}): {e.message}") from None
+
+
+def _template_from_config(value) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or a list of {name, template} (use "default")."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        for entry in value:
+            if isinstance(entry, dict) and entry.get("name") == "default":
+                return entry.get("template")
+    return None
+
+
+def _read_text(file: Path) -> str:
+    try:
+        return file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelError(f"cannot read {file}: {e}") from None
+
+
+def _read_json(file: Path) -> dict:
+    """A JSON object from file, {} if the file is absent. A damaged file is an error, not silently ignored."""
+    if not file.is_file():
+        return {}
+    try:
+        value = json.loads(_read_text(file))
+    except json.JSONDecodeError as e:
+        raise ModelError(f"cannot read {file}: {e}") from None
+    return value if isinstance(value, dict) else {}
