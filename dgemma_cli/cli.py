@@ -1,0 +1,145 @@
+"""The `dgemma` command line: parse, build settings, call library code. Thin on purpose.
+
+Nothing heavy is imported at module level: `dgemma --help` and usage errors never import torch.
+Stdout carries only answers; diagnostics go to stderr as one line each, with documented exit codes:
+0 ok, 1 runtime error, 2 usage error, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Optional
+
+import typer
+
+from .errors import EXIT_INTERRUPTED, EXIT_USAGE, DgemmaError, UsageError
+
+app = typer.Typer(
+    name="dgemma",
+    help="Run DiffusionGemma locally: block diffusion, one canvas at a time.",
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+
+@app.callback(invoke_without_command=True)
+def _root(
+    ctx: typer.Context,
+    version: bool = typer.Option(False, "--version", help="Print the version and exit."),
+) -> None:
+    """Run DiffusionGemma locally: block diffusion, one canvas at a time."""
+    if version:
+        from . import __version__
+
+        sys.stdout.write(f"dgemma {__version__}\n")
+        raise typer.Exit(0)
+    if ctx.invoked_subcommand is None:
+        sys.stdout.write(ctx.get_help() + "\n")
+        raise typer.Exit(0)
+
+
+MODEL_HELP = "Model directory (Hugging Face layout). Defaults to $DGEMMA_MODEL."
+
+
+def _read_prompt(prompt: Optional[str]) -> str:
+    if prompt is not None and prompt != "-":
+        return prompt
+    if sys.stdin is None or sys.stdin.isatty():
+        raise UsageError("no prompt: pass PROMPT, or pipe text on stdin")
+    return sys.stdin.read()
+
+
+def _model_dir(model: Optional[str]) -> str:
+    model = model or os.environ.get("DGEMMA_MODEL")
+    if not model:
+        raise UsageError("no model: pass --model DIR (or set DGEMMA_MODEL)")
+    return model
+
+
+@app.command()
+def run(
+    prompt: Optional[str] = typer.Argument(None, help="The prompt; read from stdin when absent or '-'."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Most tokens to generate."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Most denoising steps per canvas."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed torch's generator for a reproducible run."),
+    raw: bool = typer.Option(False, "--raw", help="No chat template: tokenize the text exactly as given."),
+    system: Optional[str] = typer.Option(None, "--system", help="System prompt (chat mode)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the answer."),
+    device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
+    dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto."),
+) -> None:
+    """Generate one answer. Stdout gets only the answer (or one JSON object with --json)."""
+    text = _read_prompt(prompt)
+    if not text.strip():
+        raise UsageError("empty prompt")
+    if raw and system:
+        raise UsageError("--system needs the chat template; it cannot be combined with --raw")
+    from .engine import load  # heavy: torch
+
+    engine = load(_model_dir(model), device=device, dtype=dtype)
+    result = engine.generate(text, raw=raw, system=system, seed=seed,
+                             max_new_tokens=max_new_tokens, max_denoising_steps=steps)
+    if as_json:
+        obj = {
+            "text": result.texts[0],
+            "thought": result.thoughts[0],
+            "token_ids": result.token_ids[0],
+            "prompt_token_ids": result.prompt_token_ids[0],
+            "canvases": result.steps_per_canvas[0],
+            "tokens_per_forward": result.tokens_per_forward[0],
+            "seconds": round(result.seconds, 4),
+        }
+        sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
+    else:
+        out = result.texts[0]
+        sys.stdout.write(out if out.endswith("\n") else out + "\n")
+    sys.stdout.flush()
+
+
+def _fail(message: str, code: int) -> None:
+    sys.stderr.write(f"dgemma: error: {message}\n")
+    sys.stderr.flush()
+    raise SystemExit(code)
+
+
+def _click_exceptions():
+    """Typer's parser exceptions: recent Typer vendors its own click, older releases use click itself."""
+    try:
+        from typer._click import exceptions
+    except ImportError:
+        from click import exceptions
+    return exceptions
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: every failure is one line on stderr and an exit code, never a traceback."""
+    ex = _click_exceptions()
+    try:
+        app(args=argv, standalone_mode=False)
+    except DgemmaError as e:
+        _fail(str(e), e.exit_code)
+    except ex.NoArgsIsHelpError:
+        raise SystemExit(EXIT_USAGE) from None
+    except ex.UsageError as e:
+        hint = f" (see: dgemma {e.ctx.info_name} --help)" if e.ctx is not None and e.ctx.parent else ""
+        _fail(e.format_message().replace("\n", " ") + hint, EXIT_USAGE)
+    except ex.ClickException as e:
+        _fail(e.format_message().replace("\n", " "), e.exit_code)
+    except typer.Exit as e:
+        raise SystemExit(e.exit_code) from None
+    except typer.Abort:
+        _fail("interrupted", EXIT_INTERRUPTED)
+    except KeyboardInterrupt:
+        _fail("interrupted", EXIT_INTERRUPTED)
+    except BrokenPipeError:
+        # the reader went away (e.g. `| head`): nothing more to say
+        try:
+            sys.stdout = open(os.devnull, "w")
+        finally:
+            raise SystemExit(0)
+    except MemoryError:
+        _fail("out of memory: try a smaller --max-new-tokens or a quantized model", 1)

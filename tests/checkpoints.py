@@ -1,0 +1,93 @@
+"""Tiny random DiffusionGemma checkpoints in the real layout, written by the reference implementation.
+
+Each spec is a small config; `build_checkpoint` saves it with transformers' `save_pretrained` (the same
+layout as the published checkpoint: text stack under `model.decoder.*`, a vision tower beside it), adds a
+generation_config.json with the published sampler defaults and a real tokenizer.json.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizer_fixture import build_tokenizer_files
+
+# The published generation_config.json's values (DESIGN.md section 3).
+GENERATION_CONFIG = {
+    "max_new_tokens": 256,
+    "max_denoising_steps": 48,
+    "sampler_config": {"entropy_bound": 0.1, "_cls_name": "EntropyBoundSamplerConfig"},
+    "t_min": 0.4,
+    "t_max": 0.8,
+    "stability_threshold": 1,
+    "confidence_threshold": 0.005,
+    "eos_token_id": [1, 106, 50],
+    "pad_token_id": 0,
+    "bos_token_id": 2,
+}
+
+TINY_VISION = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                   num_attention_heads=2, num_key_value_heads=2, head_dim=8)
+
+SPECS = {
+    # The real 5:1 pattern (full attention at 5 and 11), prompt-sized window, several kv geometries.
+    "five_to_one": dict(
+        text=dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                  num_global_key_value_heads=1, sliding_window=8, num_experts=8, top_k_experts=2,
+                  moe_intermediate_size=32),
+        canvas_length=16,
+    ),
+    # Another pattern (S F S F), multi-query sliding layers, a larger top-k.
+    "alternating": dict(
+        text=dict(vocab_size=512, hidden_size=48, intermediate_size=64, num_hidden_layers=4,
+                  num_attention_heads=6, num_key_value_heads=1, head_dim=8, global_head_dim=16,
+                  num_global_key_value_heads=3, sliding_window=6, num_experts=6, top_k_experts=3,
+                  moe_intermediate_size=24,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]),
+        canvas_length=8,
+    ),
+}
+
+
+def build_checkpoint(directory: Path, spec: dict, seed: int = 0, max_position_embeddings: int | None = None,
+                     tweak=None) -> Path:
+    """Write a random checkpoint. `tweak(model)` may edit weights before saving (e.g. to make it confident)."""
+    import torch
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+    directory = Path(directory)
+    text = dict(spec["text"])
+    if max_position_embeddings is not None:
+        text["max_position_embeddings"] = max_position_embeddings
+    cfg = DiffusionGemmaConfig(text_config=text, vision_config=TINY_VISION, canvas_length=spec["canvas_length"])
+    torch.manual_seed(seed)
+    model = DiffusionGemmaForBlockDiffusion(cfg).eval()
+    with torch.no_grad():
+        # Random init leaves the norms at 1 and the scalars at 1: perturb them so a wrong wiring shows.
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(("router.scale", "per_expert_scale")):
+                p.add_(torch.randn_like(p) * 0.1)
+        for i, layer in enumerate(model.model.decoder.layers):
+            layer.layer_scalar.fill_(1.0 - 0.05 * i)
+        for i, layer in enumerate(model.model.encoder.language_model.layers):
+            layer.layer_scalar.fill_(1.0 - 0.03 * i)  # differs from the decoder's: each mode reads its own
+        if tweak is not None:
+            tweak(model)
+    model.save_pretrained(directory)
+    (directory / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
+    build_tokenizer_files(directory, vocab_size=text["vocab_size"])
+    return directory
+
+
+def make_confident(model) -> None:
+    """Make every position near-certain: the final norm keeps only hidden dim 0, and only two tokens have a
+    non-zero embedding there (`<eos>` and one word), so each position predicts one of them with a logit at
+    the soft cap. Canvases converge in a few steps (adaptive stopping fires) and end with `<eos>`."""
+    dec = model.model.decoder
+    dec.norm.weight.zero_()
+    dec.norm.weight[0] = 1000.0
+    emb = dec.embed_tokens.weight
+    emb[:, 0] = 0.0
+    emb[1, 0] = 1.0  # <eos>
+    emb[300, 0] = -1.0
