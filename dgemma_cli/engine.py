@@ -54,7 +54,6 @@ class ModelDenoiser:
         self.cache: KVCache = model.new_cache(batch, capacity)
         self.vocab_size = model.cfg.text.vocab_size
         self.canvas_length = model.cfg.canvas_length
-        self.sc_dtype = model.dtype
         self.ctx = None
 
     def encode(self, ids: torch.Tensor, valid: torch.Tensor | None) -> None:
@@ -63,8 +62,8 @@ class ModelDenoiser:
     def start_canvas(self) -> None:
         self.ctx = self.model.denoise_context(self.cache, self.batch)
 
-    def denoise(self, canvas: torch.Tensor, sc_logits: torch.Tensor | None) -> torch.Tensor:
-        return self.model.denoise(canvas, self.cache, self.ctx, sc_logits)
+    def denoise(self, canvas: torch.Tensor, sc_probs: torch.Tensor | None, out: torch.Tensor) -> None:
+        self.model.denoise(canvas, self.cache, self.ctx, sc_probs=sc_probs, out=out)
 
 
 @dataclass

@@ -80,20 +80,34 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos) + (rotated * sin)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Grouped-query attention with scale 1.0 and no repeated K/V.
+def repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, Hkv, S, D] -> [B, Hkv * n, S, D]: kv head j serves query heads j*n .. j*n + n - 1."""
+    if n == 1:
+        return x
+    B, H, S, D = x.shape
+    return x[:, :, None].expand(B, H, n, S, D).reshape(B, H * n, S, D)
 
-    q [B, Hq, T, D], k/v [B, Hkv, S, D], mask bool [B, 1, T or 1, S] (True = attend) or None.
-    Query head h uses kv head h // (Hq / Hkv), so q is viewed as [B, Hkv, G*T, D]. Returns [B, T, Hq*D].
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           causal: bool = False) -> torch.Tensor:
+    """Grouped-query attention with scale 1.0.
+
+    q [B, Hq, T, D], k/v [B, Hkv, S, D], mask bool [B, 1, T or 1, S] (True = attend) or None; `causal` (with no
+    mask) means the keys are exactly the queries' own positions. The kernel call is the reference's: without a
+    mask, SDPA's own grouped-query path (head dim <= 256); with one, K/V repeated per query head. Same inputs,
+    same kernel, same bits, so long runs do not drift apart from the reference. Returns [B, T, Hq * D].
     """
     B, Hq, T, D = q.shape
-    Hkv = k.shape[1]
-    G = Hq // Hkv
-    qg = q.reshape(B, Hkv, G * T, D)
-    if mask is not None and mask.shape[2] != 1 and G > 1:
-        mask = mask[:, :, None].expand(B, 1, G, T, mask.shape[-1]).reshape(B, 1, G * T, mask.shape[-1])
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=1.0)
-    return out.reshape(B, Hq, T, D).transpose(1, 2).reshape(B, T, Hq * D)
+    G = Hq // k.shape[1]
+    extra = {}
+    if G > 1:
+        if mask is None and D <= 256:
+            extra["enable_gqa"] = True
+        else:
+            k, v = repeat_kv(k, G), repeat_kv(v, G)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0,
+                                         is_causal=causal and mask is None and T > 1, **extra)
+    return out.transpose(1, 2).reshape(B, T, Hq * D)
 
 
 # ----------------------------------------------------------------------------- layer modules
@@ -166,9 +180,9 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """Routed experts as fused 3-D weights: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
 
-    Tokens are grouped by expert with one stable sort, each group runs two matmuls, and the weighted outputs are
-    scatter-added back in ascending expert order (the reference's summation order). A quantized subclass only
-    overrides `expert_weights(e)`.
+    Token-expert assignments are grouped by expert with one sort, each group runs two matmuls, and each token's
+    K weighted outputs are summed in float32 in slot order, as the reference's grouped path does (same sums,
+    same bits). A quantized subclass only overrides `expert_weights(e)`.
     """
 
     def __init__(self, cfg: TextConfig):
@@ -182,23 +196,28 @@ class Experts(nn.Module):
         return self.gate_up_proj[e], self.down_proj[e]
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """x [N, H], top_k_index / top_k_weights [N, K] -> [N, H]."""
         N, K = top_k_index.shape
-        flat = top_k_index.reshape(-1)  # [N*K]
-        order = torch.argsort(flat, stable=True)  # assignments grouped by expert, token order kept inside
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        token = order // K
-        xs = x[token]  # [N*K, H]
-        outs = []
+        flat = top_k_index.reshape(-1)  # [N*K], entry t*K + k
+        # Group by expert with the reference's own sort call: BLAS results depend on where a row sits in its block,
+        # so the same permutation is what keeps the bits identical.
+        order = torch.sort(flat).indices
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host sync per layer
+        xs = x[order // K]  # [N*K, H]
+        ys = torch.empty_like(xs)
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
+            rows = slice(start, start + n)
             gate_up, down = self.expert_weights(e)
-            gate, up = F.linear(xs[start : start + n], gate_up).chunk(2, dim=-1)
-            outs.append(F.linear(gelu_tanh(gate) * up, down))
+            gate, up = F.linear(xs[rows], gate_up).chunk(2, dim=-1)
+            ys[rows] = F.linear(gelu_tanh(gate) * up, down)
             start += n
-        ys = torch.cat(outs) * top_k_weights.reshape(-1)[order, None]
-        return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
+        y = torch.empty_like(ys)
+        y[order] = ys  # back to (token, slot) order
+        weighted = y * top_k_weights.reshape(-1, 1)  # float32 (router weights are float32)
+        return weighted.view(N, K, -1).sum(dim=1).to(x.dtype)
 
 
 class Layer(nn.Module):
@@ -276,14 +295,18 @@ class KVCache:
             self.v.append(torch.zeros(shape, device=device, dtype=dtype))
         self.valid = torch.ones(batch, capacity, dtype=torch.bool, device=device)
 
+    @property
+    def window_filled(self) -> int:
+        """How many sliding slots hold cached positions: min(length, W - 1), the last ones of [0, W - 1)."""
+        return min(self.length, self.window)
+
     def window_positions(self, device) -> torch.Tensor:
-        """Absolute positions [W-1] of the sliding slots (negative = empty)."""
-        return torch.arange(self.length - self.window, self.length, device=device)
+        """Absolute positions [window_filled] of the filled sliding slots, oldest first."""
+        return torch.arange(self.length - self.window_filled, self.length, device=device)
 
     def window_valid(self) -> torch.Tensor:
-        """[B, W-1]: slot holds a real (non-padding) cached token."""
-        pos = self.window_positions(self.valid.device)
-        return (pos >= 0)[None, :] & self.valid[:, pos.clamp(min=0)]
+        """[B, window_filled]: slot holds a real (non-padding) token."""
+        return self.valid[:, self.length - self.window_filled : self.length]
 
 
 @dataclass
@@ -293,8 +316,7 @@ class DenoiseContext:
     cos: dict[str, torch.Tensor]
     sin: dict[str, torch.Tensor]
     mask: dict[str, torch.Tensor | None]  # bool [B, 1, 1, S] over cached + canvas keys, None if all valid
-    full_keys: int  # cache.length + C: the keys a full layer reads
-    scratch: dict[str, int]  # where the canvas k/v go in each layer kind's buffer
+    keys: dict[str, tuple[int, int]]  # per layer kind: the buffer slots [start, end) read; the canvas fills the last C
 
 
 # ----------------------------------------------------------------------------- the network
@@ -332,13 +354,24 @@ class DiffusionGemma(nn.Module):
         scale = torch.tensor(self.cfg.text.hidden_size**0.5, dtype=torch.float32).to(w.dtype)
         return F.embedding(ids, w) * scale.to(w.device)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final-normed hidden [B, T, H] -> soft-capped float32 logits [B, T, V] (tied embedding)."""
-        logits = F.linear(hidden, self.embed_tokens.weight).float()
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden [B, T, H] -> soft-capped float32 logits [B, T, V] (tied embedding).
+
+        With `out` (float32 [B*T, V]) the logits are written there and capped in place: no canvas x vocab
+        allocation per step (on the CPU a fresh 32 MB buffer costs as much as the op that fills it).
+        """
+        B, T, H = hidden.shape
+        w = self.embed_tokens.weight
+        if out is None:
+            out = F.linear(hidden, w).float().view(B * T, -1)
+        elif w.dtype == torch.float32:
+            torch.matmul(hidden.reshape(B * T, H), w.t(), out=out)
+        else:
+            out.copy_(torch.matmul(hidden.reshape(B * T, H), w.t()))
         cap = self.cfg.text.final_logit_softcapping
         if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+            out.div_(cap).tanh_().mul_(cap)
+        return out.view(B, T, -1)
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         return KVCache(self, batch, capacity, self.device, self.dtype)
@@ -362,19 +395,26 @@ class DiffusionGemma(nn.Module):
             valid = torch.ones(B, T, dtype=torch.bool, device=dev)
         cache.valid[:, L0 : L0 + T] = valid
         qpos = torch.arange(L0, L0 + T, device=dev)
+        n_win = cache.window_filled
+        padded = not bool(valid.all()) or not bool(cache.valid[:, :L0].all())
         self_key = torch.eye(T, dtype=torch.bool, device=dev)  # a padding query still sees itself (no NaN rows)
 
-        # full layers read cached [0, L0) + new: causal over absolute positions
-        kpos_full = torch.arange(L0 + T, device=dev)
-        full_mask = (kpos_full[None, :] <= qpos[:, None])[None] & cache.valid[:, None, : L0 + T]
-        full_mask[:, :, L0:] |= self_key
-        # sliding layers read the W-1 window + new: causal and q - k < W
-        kpos_win = torch.cat([cache.window_positions(dev), qpos])
-        kvalid_win = torch.cat([cache.window_valid(), valid], dim=1)
-        near = (kpos_win[None, :] <= qpos[:, None]) & (qpos[:, None] - kpos_win[None, :] < W)
-        slide_mask = near[None] & kvalid_win[:, None, :]
-        slide_mask[:, :, cache.window :] |= self_key
-        masks = {FULL: full_mask[:, None], SLIDING: slide_mask[:, None]}
+        def mask_for(kpos: torch.Tensor, kvalid: torch.Tensor, window: int | None) -> torch.Tensor | None:
+            """bool [B, 1, T, S] over keys at absolute positions kpos [S]; None when plain causal suffices."""
+            if L0 == 0 and not padded and (window is None or T < window):
+                return None  # keys are exactly the queries: SDPA's causal flag (as the reference does)
+            ok = kpos[None, :] <= qpos[:, None]
+            if window is not None:
+                ok = ok & (qpos[:, None] - kpos[None, :] < window)
+            m = ok[None] & kvalid[:, None, :]
+            m[:, :, -T:] |= self_key
+            return m[:, None]
+
+        masks = {
+            FULL: mask_for(torch.arange(L0 + T, device=dev), cache.valid[:, : L0 + T], None),
+            SLIDING: mask_for(torch.cat([cache.window_positions(dev), qpos]),
+                              torch.cat([cache.window_valid(), valid], dim=1), W),
+        }
 
         x = self.embed(ids)
         rope = {k: rope_cos_sin(f, qpos[None], x.dtype) for k, f in self.inv_freq.items()}
@@ -387,14 +427,16 @@ class DiffusionGemma(nn.Module):
                 cache.k[i][:, :, L0 : L0 + T] = k
                 cache.v[i][:, :, L0 : L0 + T] = v
                 keys, values = cache.k[i][:, :, : L0 + T], cache.v[i][:, :, : L0 + T]
-            else:
-                keys = torch.cat([cache.k[i][:, :, : cache.window], k], dim=2)
-                values = torch.cat([cache.v[i][:, :, : cache.window], v], dim=2)
-                cache.k[i][:, :, : cache.window] = keys[:, :, -cache.window :]
-                cache.v[i][:, :, : cache.window] = values[:, :, -cache.window :]
+            else:  # the filled window slots, then the new tokens; keep the last W - 1 of them
+                win = slice(cache.window - n_win, cache.window)
+                keys = torch.cat([cache.k[i][:, :, win], k], dim=2)
+                values = torch.cat([cache.v[i][:, :, win], v], dim=2)
+                keep = min(cache.window, keys.shape[2])
+                cache.k[i][:, :, cache.window - keep : cache.window] = keys[:, :, -keep:]
+                cache.v[i][:, :, cache.window - keep : cache.window] = values[:, :, -keep:]
             if i == last and not return_hidden:
                 break  # the last layer's output feeds nothing the cache needs
-            h = layer.self_attn.o_proj(attend(q, keys, values, masks[kind]))
+            h = layer.self_attn.o_proj(attend(q, keys, values, masks[kind], causal=True))
             x = x + layer.post_attention_layernorm(h)
             x = layer.feed_forward(x, self.encoder_layer_scalar[i])
         cache.length = L0 + T
@@ -410,34 +452,44 @@ class DiffusionGemma(nn.Module):
         canvas_valid = torch.ones(batch, C, dtype=torch.bool, device=dev)
         full_valid = torch.cat([cache.valid[:, :L], canvas_valid], dim=1)
         slide_valid = torch.cat([cache.window_valid(), canvas_valid], dim=1)
-        mask = {FULL: None if bool(full_valid.all()) else full_valid[:, None, None, :],
-                SLIDING: None if bool(slide_valid.all()) else slide_valid[:, None, None, :]}
+        mask = {FULL: None if bool(full_valid.all()) else full_valid[:, None, None, :].expand(-1, 1, C, -1),
+                SLIDING: None if bool(slide_valid.all()) else slide_valid[:, None, None, :].expand(-1, 1, C, -1)}
+        # keys each layer kind reads: [start, end) of its buffer; the canvas goes at end - C
+        keys = {FULL: (0, L + C), SLIDING: (cache.window - cache.window_filled, cache.window + C)}
         return DenoiseContext(cos={k: c for k, (c, _) in rope.items()}, sin={k: s for k, (_, s) in rope.items()},
-                              mask=mask, full_keys=L + C, scratch={FULL: L, SLIDING: cache.window})
+                              mask=mask, keys=keys)
 
     @torch.inference_mode()
     def denoise(self, canvas: torch.Tensor, cache: KVCache, ctx: DenoiseContext,
-                sc_logits: torch.Tensor | None = None, return_hidden: bool = False) -> torch.Tensor:
-        """canvas [B, C] ids, sc_logits [B, C, V] (previous step's processed logits, or None at the first step)
-        -> float32 soft-capped logits [B, C, V]."""
-        C = canvas.shape[1]
+                sc_logits: torch.Tensor | None = None, sc_probs: torch.Tensor | None = None,
+                out: torch.Tensor | None = None, return_hidden: bool = False) -> torch.Tensor:
+        """One denoising forward pass over the canvas.
+
+        canvas [B, C] ids. Self-conditioning from the previous step, given either as its processed logits
+        sc_logits [B, C, V] or directly as their softmax sc_probs [B*C, V] float32 (the sampler already has it);
+        neither at the first step. Returns float32 soft-capped logits [B, C, V], written into `out` [B*C, V]
+        when given.
+        """
+        B, C = canvas.shape
         x = self.embed(canvas)
         soft = None
         if sc_logits is not None:
+            sc_probs = sc_logits.softmax(dim=-1, dtype=torch.float32)
+        if sc_probs is not None:
             w = self.embed_tokens.weight
-            probs = sc_logits.softmax(dim=-1, dtype=torch.float32).to(w.dtype)
+            probs = sc_probs.view(B, C, -1).to(w.dtype)
             scale = torch.tensor(self.cfg.text.hidden_size**0.5, dtype=torch.float32).to(w.dtype).to(x.device)
             soft = torch.matmul(probs, w) * scale.to(x.dtype)
         x = self.self_conditioning(x, soft)
         for i, layer in enumerate(self.layers):
             kind = layer.spec.kind
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), ctx.cos[kind], ctx.sin[kind])
-            at = ctx.scratch[kind]
-            cache.k[i][:, :, at : at + C] = k  # scratch slots past the cached prefix: the cache is not advanced
-            cache.v[i][:, :, at : at + C] = v
-            end = ctx.full_keys if kind == FULL else at + C
-            h = layer.self_attn.o_proj(attend(q, cache.k[i][:, :, :end], cache.v[i][:, :, :end], ctx.mask[kind]))
+            start, end = ctx.keys[kind]
+            cache.k[i][:, :, end - C : end] = k  # scratch slots past the cached prefix: the cache is not advanced
+            cache.v[i][:, :, end - C : end] = v
+            h = layer.self_attn.o_proj(attend(q, cache.k[i][:, :, start:end], cache.v[i][:, :, start:end],
+                                              ctx.mask[kind]))
             x = x + layer.post_attention_layernorm(h)
             x = layer.feed_forward(x, self.decoder_layer_scalar[i])
         x = self.norm(x)
-        return x if return_hidden else self.logits(x)
+        return x if return_hidden else self.logits(x, out)

@@ -25,13 +25,14 @@ class Denoiser(Protocol):
 
     vocab_size: int
     canvas_length: int
-    sc_dtype: torch.dtype  # dtype the self-conditioning logits are carried in (the embedding's)
 
     def encode(self, ids: torch.Tensor, valid: torch.Tensor | None) -> None: ...
 
     def start_canvas(self) -> None: ...
 
-    def denoise(self, canvas: torch.Tensor, sc_logits: torch.Tensor | None) -> torch.Tensor: ...
+    def denoise(self, canvas: torch.Tensor, sc_probs: torch.Tensor | None, out: torch.Tensor) -> None:
+        """Write float32 soft-capped logits [B*C, V] into `out`; sc_probs [B*C, V] is the previous step's
+        softmax of its processed logits (None at a canvas's first step)."""
 
 
 @dataclass
@@ -69,11 +70,43 @@ class Done:
 Event = Step | CanvasDone | Done
 
 
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) over the last dim, computed as a Categorical distribution computes it."""
-    norm = logits - logits.logsumexp(dim=-1, keepdim=True)
-    probs = torch.softmax(norm, dim=-1)
-    return -(norm.clamp(min=torch.finfo(norm.dtype).min) * probs).sum(-1)
+class SamplerBuffers:
+    """The three canvas x vocab float32 buffers a step needs, allocated once per generation.
+
+    logits: the model's output, then the processed (temperature-scaled) logits, then scratch for the entropy.
+    probs:  softmax of the processed logits: the sampling distribution, and the next step's self-conditioning.
+    noise:  the exponential race that draws the sample, then scratch.
+    """
+
+    def __init__(self, rows: int, vocab: int, device):
+        self.logits = torch.empty(rows, vocab, dtype=torch.float32, device=device)
+        self.probs = torch.empty_like(self.logits)
+        self.noise = torch.empty_like(self.logits)
+
+
+def sample_step(buf: SamplerBuffers, temperature: torch.Tensor):
+    """Temperature, sample, argmax and entropy from the logits in `buf.logits` [N, V]; returns [N] tensors.
+
+    Every value equals the reference's bit for bit and the random draws are the same, in the same order:
+    `torch.multinomial(probs, 1)` is `argmax(probs / q)` with q ~ Exp(1) drawn over the whole [N, V] (spelled
+    out here to reuse a buffer), and the entropy is computed as a Categorical distribution computes it.
+    """
+    logits, probs, scratch = buf.logits, buf.probs, buf.noise
+    logits.div_(temperature)  # processed logits
+    torch.ops.aten._softmax.out(logits, -1, False, out=probs)  # = torch.softmax(logits, -1)
+    scratch.exponential_()
+    torch.div(probs, scratch, out=scratch)
+    sample = scratch.argmax(dim=-1)
+    argmax = logits.argmax(dim=-1)
+    # entropy: normalise by logsumexp (max, exp, sum, log as torch.logsumexp does), softmax, -sum(p log p)
+    peak = logits.amax(dim=-1, keepdim=True)
+    peak.masked_fill_(peak.abs() == float("inf"), 0)
+    torch.sub(logits, peak, out=scratch)
+    lse = scratch.exp_().sum(dim=-1, keepdim=True).log_().add_(peak)
+    logits.sub_(lse)
+    torch.ops.aten._softmax.out(logits, -1, False, out=scratch)
+    entropy = -logits.clamp_(min=torch.finfo(logits.dtype).min).mul_(scratch).sum(dim=-1)
+    return sample, argmax, entropy
 
 
 def entropy_bound_accept(entropy: torch.Tensor, bound: float) -> torch.Tensor:
@@ -104,50 +137,43 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
     steps_per_canvas: list[list[int]] = [[] for _ in range(B)]
     batched_calls = 0
     chunk, chunk_valid = prompt, prompt_valid
+    buf = SamplerBuffers(B * C, V, dev)
 
     for ci in range(settings.canvases_for(C)):
         denoiser.encode(chunk, chunk_valid)
         denoiser.start_canvas()
         canvas = torch.randint(0, V, (B, C), device=dev)
         argmax = canvas
-        sc_logits = None
+        sc_probs = None
         done = torch.zeros(B, dtype=torch.bool, device=dev)  # adaptive stop per row
-        prev_argmax = None  # stability history (threshold 1 keeps one canvas; longer thresholds keep more)
-        history: list[torch.Tensor] = []
+        history: list[torch.Tensor] = []  # the last `stability_threshold` argmax canvases
         row_steps = torch.zeros(B, dtype=torch.int64, device=dev)
 
         for n in range(N, 0, -1):
             active = ~(done | finished_rows)
             forward_passes += active
             row_steps += ~done
-            logits = denoiser.denoise(canvas, sc_logits)  # [B, C, V] float32
+            denoiser.denoise(canvas, sc_probs, buf.logits)
             batched_calls += 1
             # Temperature falls linearly from t_max to t_min; computed as a float32 tensor like the reference.
             frac = torch.tensor(n, dtype=torch.int32, device=dev) / N
             temperature = settings.t_min + (settings.t_max - settings.t_min) * frac
-            logits = logits.div_(temperature)  # processed logits, in place to hold one [B, C, V] buffer less
-            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-            sample = torch.multinomial(probs.view(-1, V), num_samples=1).view(B, C)
-            del probs
-            new_argmax = logits.argmax(dim=-1)
-            entropy = token_entropy(logits)
+            sample, new_argmax, entropy = (t.view(B, C) for t in sample_step(buf, temperature))
             accepted = entropy_bound_accept(entropy, settings.entropy_bound)
             kept = torch.where(accepted, sample, canvas)
             noise = torch.randint(0, V, (B, C), device=dev)
             new_canvas = torch.where(accepted, kept, noise)
-
-            # Rows that already converged keep their canvas and self-conditioning; their entropy no longer
-            # matters because `done` only grows.
+            # Rows that already converged keep their canvas and argmax. (Their self-conditioning and entropy
+            # keep changing, which only affects their own discarded outputs: rows never mix.)
             if done.any():
                 new_argmax = torch.where(done[:, None], argmax, new_argmax)
                 new_canvas = torch.where(done[:, None], canvas, new_canvas)
-                logits = torch.where(done[:, None, None], sc_logits.float(), logits)
             stable = _stable(history, new_argmax, settings.stability_threshold)
             confident = entropy.mean(dim=-1) < settings.confidence_threshold
             done = done | (stable & confident)
 
             canvas, argmax = new_canvas, new_argmax
-            sc_logits = logits.to(denoiser.sc_dtype)
+            sc_probs = buf.probs
             yield Step(ci, N - n + 1, N, canvas, argmax, accepted, entropy, done.clone())
             if bool(done.all()):
                 break
