@@ -119,7 +119,13 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point: every failure is one line on stderr and an exit code, never a traceback."""
     ex = _click_exceptions()
     try:
-        app(args=argv, standalone_mode=False)
+        # Without standalone mode errors propagate to the handlers below, but Typer turns Ctrl-C into an
+        # exit code that it *returns* (130), so the return value matters too.
+        rc = app(args=argv, standalone_mode=False)
+        if rc == EXIT_INTERRUPTED:
+            _fail("interrupted", EXIT_INTERRUPTED)
+        if isinstance(rc, int) and rc != 0:
+            raise SystemExit(rc)
     except DgemmaError as e:
         _fail(str(e), e.exit_code)
     except ex.NoArgsIsHelpError:

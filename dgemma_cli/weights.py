@@ -63,17 +63,29 @@ def read_header(path: Path) -> dict[str, TensorRecord]:
         raise ModelError(f"{path}: cannot read ({e.strerror})") from None
     except ValueError:
         raise ModelError(f"{path}: corrupt safetensors header") from None
+    if not isinstance(header, dict):
+        raise ModelError(f"{path}: corrupt safetensors header")
     base = 8 + n
     records = {}
     data_end = 0
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dtype = _DTYPES.get(info.get("dtype"))
+        try:
+            dtype = _DTYPES.get(info["dtype"])
+            a, b = (int(v) for v in info["data_offsets"])
+            shape = tuple(int(d) for d in info["shape"])
+        except (TypeError, KeyError, ValueError):
+            raise ModelError(f"{path}: corrupt safetensors header (tensor {name})") from None
         if dtype is None:
             raise ModelError(f"{path}: tensor {name} has unsupported dtype {info.get('dtype')}")
-        a, b = info["data_offsets"]
-        records[name] = TensorRecord(path, base + a, base + b, dtype, tuple(info["shape"]))
+        numel = 1
+        for d in shape:
+            numel *= d
+        if not 0 <= a <= b or b - a != numel * torch.empty(0, dtype=dtype).element_size():
+            raise ModelError(f"{path}: corrupt safetensors header (tensor {name}: {b - a} bytes for shape "
+                             f"{list(shape)})")
+        records[name] = TensorRecord(path, base + a, base + b, dtype, shape)
         data_end = max(data_end, base + b)
     if data_end > size:
         raise ModelError(f"{path}: truncated file ({size} bytes, header promises {data_end}); download it again")
@@ -112,12 +124,23 @@ def text_prefix(records: dict[str, TensorRecord]) -> str:
     raise ModelError("checkpoint has no text embedding (expected model.decoder.embed_tokens.weight)")
 
 
-def checkpoint_name(param: str, prefix: str, num_layers: int) -> str:
-    """Map one of our parameter names to its name in a checkpoint (the only place that knows the layout)."""
+DECODER_PREFIX = "model.decoder."
+DECODER_ONLY = ("self_conditioning.", "decoder_layer_scalar.")
+
+
+def checkpoint_name(param: str, prefix: str) -> str:
+    """Map one of our parameter names to its name in a checkpoint (the only place that knows the layout).
+
+    The shared stack (embedding, layers, final norm) comes from `prefix`; what only the decoder has
+    (self-conditioning, the decoder's layer scalars) always lives under `model.decoder.`; the encoder's layer
+    scalars always under `model.encoder.language_model.`.
+    """
     if param.startswith("decoder_layer_scalar."):
-        return f"{prefix}layers.{param.split('.')[1]}.layer_scalar"
+        return f"{DECODER_PREFIX}layers.{param.split('.')[1]}.layer_scalar"
     if param.startswith("encoder_layer_scalar."):
         return ENCODER_SCALAR.format(param.split(".")[1])
+    if param.startswith(DECODER_ONLY):
+        return DECODER_PREFIX + param
     return prefix + param
 
 
@@ -142,6 +165,31 @@ class MappedFiles:
         if raw.storage_offset() % itemsize:  # unaligned data: one copy for this tensor only
             raw = raw.clone()
         return raw.view(rec.dtype).view(rec.shape)
+
+
+def read_converted(rec: TensorRecord, dtype: torch.dtype, device, chunk_bytes: int = 64 << 20) -> torch.Tensor:
+    """Read one tensor through a small bounce buffer straight into a new tensor of another dtype or device.
+
+    Used instead of the memory map whenever a copy is needed anyway: mapped pages would stay resident until
+    the whole load ends, while this holds at most `chunk_bytes` of source data at a time.
+    """
+    out = torch.empty(rec.shape, dtype=dtype, device=device)
+    flat = out.view(-1)
+    itemsize = torch.empty(0, dtype=rec.dtype).element_size()
+    step = max(itemsize, chunk_bytes // itemsize * itemsize)
+    bounce = torch.empty(min(step, rec.end - rec.start), dtype=torch.uint8)
+    done = 0
+    with open(rec.file, "rb", buffering=0) as f:
+        f.seek(rec.start)
+        while rec.start + done < rec.end:
+            n = min(step, rec.end - rec.start - done)
+            view = bounce[:n]
+            if f.readinto(memoryview(view.numpy())) != n:
+                raise ModelError(f"{rec.file}: truncated file; download it again")
+            k = n // itemsize
+            flat[done // itemsize : done // itemsize + k].copy_(view.view(rec.dtype))
+            done += n
+    return out
 
 
 def expected_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -178,10 +226,10 @@ def load_model(directory: Path, device: str | torch.device = "cpu", dtype: torch
     # Check everything before reading any data: a damaged checkpoint fails fast, naming the tensor.
     plan = {}
     for name, meta in expected_tensors(model).items():
-        ck = checkpoint_name(name, prefix, L)
+        ck = checkpoint_name(name, prefix)
         rec = records.get(ck)
-        if rec is None and name.startswith("encoder_layer_scalar."):
-            rec = records.get(checkpoint_name("decoder_" + name[len("encoder_"):], prefix, L))
+        if rec is None and name.startswith("encoder_layer_scalar."):  # some exports store one set of scalars
+            rec = records.get(checkpoint_name("decoder_" + name[len("encoder_"):], prefix))
         if rec is None:
             raise ModelError(f"checkpoint is missing tensor {ck}")
         if tuple(rec.shape) != tuple(meta.shape):
@@ -193,10 +241,12 @@ def load_model(directory: Path, device: str | torch.device = "cpu", dtype: torch
     files = MappedFiles()
     state = {}
     scalars = {"encoder_layer_scalar": [None] * L, "decoder_layer_scalar": [None] * L}
+    zero_copy = torch.device(device).type == "cpu"
     for name, rec in plan.items():
-        t = files.tensor(rec)
-        if t.dtype != dtype or torch.device(device).type != "cpu":
-            t = t.to(device=device, dtype=dtype)
+        if zero_copy and rec.dtype == dtype:
+            t = files.tensor(rec)  # a view of the mapped file: no copy, pages load on first use
+        else:
+            t = read_converted(rec, dtype, device)
         if name.split(".")[0] in scalars:
             kind, i = name.split(".")
             scalars[kind][int(i)] = t.reshape(())

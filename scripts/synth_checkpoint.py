@@ -81,7 +81,7 @@ def checkpoint_tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     with torch.device("meta"):
         model = DiffusionGemma(cfg)
     L = cfg.text.num_hidden_layers
-    return [(checkpoint_name(name, PREFIX, L), tuple(meta.shape)) for name, meta in expected_tensors(model).items()]
+    return [(checkpoint_name(name, PREFIX), tuple(meta.shape)) for name, meta in expected_tensors(model).items()]
 
 
 def _numel(shape: tuple[int, ...]) -> int:

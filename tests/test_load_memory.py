@@ -58,6 +58,6 @@ def test_converting_load_costs_the_converted_copy(synthetic):
     S = r["checkpoint_bytes"]
     assert r["model_dtype"] == "bfloat16"
     assert r["params_not_file_backed"] and len(r["params_not_file_backed"]) == r["params"]
-    # New bfloat16 tensors (S/2) on top of the float32 pages read to make them; the mapping goes with load_model.
-    assert r["peak_growth"] < S + r["param_bytes"] + SLACK, r
+    # New bfloat16 tensors (S/2), read through a bounce buffer: the float32 source is never kept resident.
+    assert r["peak_growth"] < r["param_bytes"] + SLACK, r  # converted copies only: no mapped pages kept
     assert r["file_growth"] < 0.1 * S, r
