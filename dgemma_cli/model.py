@@ -177,12 +177,31 @@ class Router(nn.Module):
         return w * self.per_expert_scale[idx], idx
 
 
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows of x [S, K] grouped by expert (group e ends at offsets[e]) times each group's w[e] [N, K]^T -> [S, N].
+
+    One grouped matmul where torch has it (no Python loop, no host sync, graph-capturable); otherwise one matmul
+    per non-empty group. Both give the bits of per-group F.linear.
+    """
+    if hasattr(F, "grouped_mm") and (x.device.type == "cpu" or (x.dtype == torch.bfloat16 and
+                                                                 torch.cuda.get_device_capability(x.device) >= (8, 0))):
+        return F.grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+    out = x.new_empty(x.shape[0], w.shape[1])
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            out[start:end] = F.linear(x[start:end], w[e])
+        start = end
+    return out
+
+
 class Experts(nn.Module):
     """Routed experts as fused 3-D weights: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
 
-    Token-expert assignments are grouped by expert with one sort, each group runs two matmuls, and each token's
-    K weighted outputs are summed in float32 in slot order, as the reference's grouped path does (same sums,
-    same bits). A quantized subclass only overrides `expert_weights(e)`.
+    Token-expert assignments are grouped by expert with one sort, each projection is one grouped matmul, and each
+    token's K weighted outputs are summed in float32 in slot order, as the reference's grouped path does (same
+    sums, same bits). A quantized subclass only overrides `weights()` (e.g. to dequantize this layer just
+    before use).
     """
 
     def __init__(self, cfg: TextConfig):
@@ -192,8 +211,9 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
 
-    def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.gate_up_proj[e], self.down_proj[e]
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E, 2I, H], down [E, H, I]) in the compute dtype."""
+        return self.gate_up_proj, self.down_proj
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """x [N, H], top_k_index / top_k_weights [N, K] -> [N, H]."""
@@ -202,18 +222,10 @@ class Experts(nn.Module):
         # Group by expert with the reference's own sort call: BLAS results depend on where a row sits in its block,
         # so the same permutation is what keeps the bits identical.
         order = torch.sort(flat).indices
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host sync per layer
-        xs = x[order // K]  # [N*K, H]
-        ys = torch.empty_like(xs)
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            rows = slice(start, start + n)
-            gate_up, down = self.expert_weights(e)
-            gate, up = F.linear(xs[rows], gate_up).chunk(2, dim=-1)
-            ys[rows] = F.linear(gelu_tanh(gate) * up, down)
-            start += n
+        offsets = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0).to(torch.int32)
+        gate_up, down = self.weights()
+        gate, up = grouped_linear(x[order // K], gate_up, offsets).chunk(2, dim=-1)  # [N*K, I] each
+        ys = grouped_linear(gelu_tanh(gate) * up, down, offsets)  # [N*K, H], grouped by expert
         y = torch.empty_like(ys)
         y[order] = ys  # back to (token, slot) order
         weighted = y * top_k_weights.reshape(-1, 1)  # float32 (router weights are float32)
