@@ -41,7 +41,8 @@ def _root(
         raise typer.Exit(0)
 
 
-MODEL_HELP = "Model directory (Hugging Face layout). Defaults to $DGEMMA_MODEL."
+MODEL_HELP = ("Model directory (Hugging Face layout), or 'demo' for the bundled demo model. "
+              "Defaults to $DGEMMA_MODEL, then 'demo'.")
 
 
 def _read_prompt(prompt: Optional[str]) -> str:
@@ -53,9 +54,11 @@ def _read_prompt(prompt: Optional[str]) -> str:
 
 
 def _model_dir(model: Optional[str]) -> str:
+    """--model, else $DGEMMA_MODEL, else the bundled demo model (said on stderr)."""
     model = model or os.environ.get("DGEMMA_MODEL")
     if not model:
-        raise UsageError("no model: pass --model DIR (or set DGEMMA_MODEL)")
+        sys.stderr.write("dgemma: using the bundled demo model (pass --model DIR for another)\n")
+        model = "demo"
     return model
 
 
@@ -71,6 +74,8 @@ def run(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the answer."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
     dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto."),
+    view: Optional[str] = typer.Option(None, "--view",
+                                       help="live, plain or none. Default: live on a terminal, else none."),
 ) -> None:
     """Generate one answer. Stdout gets only the answer (or one JSON object with --json)."""
     text = _read_prompt(prompt)
@@ -78,11 +83,25 @@ def run(
         raise UsageError("empty prompt")
     if raw and system:
         raise UsageError("--system needs the chat template; it cannot be combined with --raw")
+    if view is None:
+        view = "live" if sys.stdout.isatty() and not as_json else "none"
+    if view not in ("live", "plain", "none"):
+        raise UsageError(f"--view must be live, plain or none (got {view!r})")
     from .engine import load  # heavy: torch
 
     engine = load(_model_dir(model), device=device, dtype=dtype)
-    result = engine.generate(text, raw=raw, system=system, seed=seed,
-                             max_new_tokens=max_new_tokens, max_denoising_steps=steps)
+    kwargs = dict(raw=raw, system=system, seed=seed, max_new_tokens=max_new_tokens, max_denoising_steps=steps)
+    if view == "live" and engine.tokenizer is not None:
+        from .view import CanvasView
+
+        tok = engine.tokenizer
+        skip = {i for i in (tok.pad_id, tok.eos_id, tok.end_of_turn_id) if i is not None}
+        with CanvasView(lambda t: tok.decode([t], skip_special_tokens=False), skip_ids=skip) as canvas_view:
+            result = engine.generate(text, on_event=canvas_view, **kwargs)
+    elif view == "plain":
+        result = engine.generate(text, on_event=_plain_progress, **kwargs)
+    else:
+        result = engine.generate(text, **kwargs)
     if as_json:
         obj = {
             "text": result.texts[0],
@@ -98,6 +117,14 @@ def run(
         out = result.texts[0]
         sys.stdout.write(out if out.endswith("\n") else out + "\n")
     sys.stdout.flush()
+
+
+def _plain_progress(event) -> None:
+    """--view plain: one line per finished canvas on stderr."""
+    from .sampler import CanvasDone
+
+    if isinstance(event, CanvasDone):
+        sys.stderr.write(f"dgemma: canvas {event.canvas_index + 1} done in {event.steps[0]} steps\n")
 
 
 def _fail(message: str, code: int) -> None:

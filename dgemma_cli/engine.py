@@ -184,9 +184,19 @@ class Engine:
                       done.seconds)
 
 
+DEMO_MODEL = Path(__file__).resolve().parent / "demo_model"
+
+
+def resolve_model(model: str | Path) -> Path:
+    """'demo' is the bundled demo model; anything else is a local directory."""
+    if str(model) == "demo":
+        return DEMO_MODEL
+    return Path(model).expanduser()
+
+
 def load(model: str | Path, device: str = "auto", dtype: str = "auto") -> Engine:
-    """Load a local checkpoint directory (Hugging Face layout) with its tokenizer and generation defaults."""
-    path = Path(model).expanduser()
+    """Load a checkpoint directory (Hugging Face layout), or 'demo', with its tokenizer and generation defaults."""
+    path = resolve_model(model)
     if not path.exists():
         raise ModelError(f"{path}: no such model directory")
     if not path.is_dir():

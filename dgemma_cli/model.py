@@ -177,14 +177,31 @@ class Router(nn.Module):
         return w * self.per_expert_scale[idx], idx
 
 
+def _grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """torch's grouped matmul exists here and accepts these operands (16-byte aligned rows and pointers;
+    on CUDA only bfloat16 on sm80+)."""
+    if not hasattr(F, "grouped_mm") or x.dtype != w.dtype:
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return False  # no CPU backward for it (training runs the per-group loop)
+    if x.device.type == "cuda":
+        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0):
+            return False
+    elif x.device.type != "cpu":
+        return False
+    size = x.element_size()
+    strides = (*x.stride()[:-1], *w.stride()[:-1])
+    return (all(s * size % 16 == 0 for s in strides) and x.stride(-1) == 1 and w.stride(-1) == 1
+            and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
+
+
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Rows of x [S, K] grouped by expert (group e ends at offsets[e]) times each group's w[e] [N, K]^T -> [S, N].
 
     One grouped matmul where torch has it (no Python loop, no host sync, graph-capturable); otherwise one matmul
     per non-empty group. Both give the bits of per-group F.linear.
     """
-    if hasattr(F, "grouped_mm") and (x.device.type == "cpu" or (x.dtype == torch.bfloat16 and
-                                                                 torch.cuda.get_device_capability(x.device) >= (8, 0))):
+    if _grouped_mm_fits(x, w):
         return F.grouped_mm(x, w.transpose(-2, -1), offs=offsets)
     out = x.new_empty(x.shape[0], w.shape[1])
     start = 0
@@ -316,6 +333,14 @@ class KVCache:
         """Absolute positions [window_filled] of the filled sliding slots, oldest first."""
         return torch.arange(self.length - self.window_filled, self.length, device=device)
 
+    def clone(self) -> KVCache:
+        """An independent copy (training differentiates through a cache that several passes write into)."""
+        other = object.__new__(KVCache)
+        other.__dict__.update(self.__dict__)
+        other.k, other.v = [t.clone() for t in self.k], [t.clone() for t in self.v]
+        other.valid = self.valid.clone()
+        return other
+
     def window_valid(self) -> torch.Tensor:
         """[B, window_filled]: slot holds a real (non-padding) token."""
         return self.valid[:, self.length - self.window_filled : self.length]
@@ -374,13 +399,14 @@ class DiffusionGemma(nn.Module):
         """
         B, T, H = hidden.shape
         w = self.embed_tokens.weight
-        if out is None:
-            out = F.linear(hidden, w).float().view(B * T, -1)
-        elif w.dtype == torch.float32:
+        cap = self.cfg.text.final_logit_softcapping
+        if out is None:  # out of place (differentiable): the same values
+            logits = F.linear(hidden, w).float()
+            return torch.tanh(logits / cap) * cap if cap else logits
+        if w.dtype == torch.float32:
             torch.matmul(hidden.reshape(B * T, H), w.t(), out=out)
         else:
             out.copy_(torch.matmul(hidden.reshape(B * T, H), w.t()))
-        cap = self.cfg.text.final_logit_softcapping
         if cap:
             out.div_(cap).tanh_().mul_(cap)
         return out.view(B, T, -1)
@@ -390,7 +416,6 @@ class DiffusionGemma(nn.Module):
 
     # ------------------------------------------------------------------ encoder (causal, writes the cache)
 
-    @torch.inference_mode()
     def encode(self, ids: torch.Tensor, cache: KVCache, valid: torch.Tensor | None = None,
                return_hidden: bool = False) -> torch.Tensor | None:
         """Append ids [B, T] to the cache (positions length .. length+T-1).
@@ -471,7 +496,6 @@ class DiffusionGemma(nn.Module):
         return DenoiseContext(cos={k: c for k, (c, _) in rope.items()}, sin={k: s for k, (_, s) in rope.items()},
                               mask=mask, keys=keys)
 
-    @torch.inference_mode()
     def denoise(self, canvas: torch.Tensor, cache: KVCache, ctx: DenoiseContext,
                 sc_logits: torch.Tensor | None = None, sc_probs: torch.Tensor | None = None,
                 out: torch.Tensor | None = None, return_hidden: bool = False) -> torch.Tensor:
