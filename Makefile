@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test bench venv clean
+.PHONY: test bench demo venv clean
 
 venv: $(STAMP)
 
@@ -25,3 +25,7 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
+
+# The main job on the bundled demo model: offline, on the CPU, with the live canvas view on a terminal.
+demo: $(STAMP)
+	$(VENV)/bin/dgemma run --model demo --device cpu "upper: hello diffusions"

@@ -165,7 +165,9 @@ def measure(directory: Path, dtype_name: str = "none", timeout: float = 1800) ->
     if proc.returncode != 0:
         raise RuntimeError(f"loading subprocess failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
-    figures["peak"] = max(figures["peak_ru_maxrss"], figures["peak_vmhwm"])
+    # VmHWM belongs to this process's own address space. ru_maxrss does not always: Linux carries it across
+    # exec, so a child forked from a large parent (a long pytest run) reports the parent's peak.
+    figures["peak"] = figures["peak_vmhwm"]
     figures["peak_growth"] = figures["peak"] - figures["baseline_rss"]
     return figures
 

@@ -138,10 +138,6 @@ def test_model_path_is_a_file(capsys, tmp_path):
     assert_error(run_model(capsys, f), 1, str(f), "not a directory")
 
 
-def test_no_model_given_is_a_usage_error(capsys):
-    assert_error(cli(capsys, "run", PROMPT, *CPU), 2, "--model")
-
-
 def test_model_directory_without_config(capsys, tmp_path):
     d = tmp_path / "empty"
     d.mkdir()
