@@ -151,6 +151,40 @@ class Engine:
         with torch.inference_mode():
             yield from generate_events(denoiser, batch, settings, valid)
 
+    def infill_events(self, prefix: str, suffix: str, *, held_tokens: int = 8, seed: int | None = None,
+                      settings: GenerationSettings | None = None, **overrides) -> Iterator[Event]:
+        """Fill the hole between `prefix` and `suffix` (raw text, no chat template).
+
+        The prefix (after `<bos>`) goes through the encoder; the suffix's first `held_tokens` tokens are held
+        fixed at the end of every canvas and the middle is denoised in front of them, ending at `<pad>` or an
+        end-of-sequence token (or continuing over more canvases). The Done event's token_ids are the middle.
+        """
+        if self.tokenizer is None:
+            raise ModelError(f"{self.path}: no tokenizer.json, so text cannot be encoded")
+        tok = self.tokenizer
+        prefix_ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(prefix)
+        held = tok.encode(suffix)[:held_tokens]
+        settings = (settings or self.settings).override(**overrides)
+        if len(held) >= self.config.canvas_length:
+            raise UsageError(f"--held-tokens must leave room in a canvas of {self.config.canvas_length}")
+        capacity = self.check_context(len(prefix_ids), settings)
+        dev = self.model.device
+        if seed is not None:
+            torch.manual_seed(seed)
+        denoiser = ModelDenoiser(self.model, 1, capacity)
+        batch = torch.tensor([prefix_ids], dtype=torch.long, device=dev)
+        held_t = torch.tensor([held], dtype=torch.long, device=dev) if held else None
+        with torch.inference_mode():
+            yield from generate_events(denoiser, batch, settings, None, held=held_t)
+
+    def infill(self, prefix: str, suffix: str, **kwargs) -> str:
+        """The middle text for a hole between prefix and suffix; kwargs as for `infill_events`."""
+        done = None
+        for ev in self.infill_events(prefix, suffix, **kwargs):
+            if isinstance(ev, Done):
+                done = ev
+        return self.tokenizer.decode(done.token_ids[0])
+
     def batch_ids(self, prompts, raw: bool = False, system: str | None = None,
                   enable_thinking: bool = False) -> list[list[int]]:
         if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], int)):

@@ -117,11 +117,16 @@ def entropy_bound_accept(entropy: torch.Tensor, bound: float) -> torch.Tensor:
 
 
 def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: GenerationSettings,
-                    prompt_valid: torch.Tensor | None = None) -> Iterator[Event]:
+                    prompt_valid: torch.Tensor | None = None, held: torch.Tensor | None = None) -> Iterator[Event]:
     """Run the block loop for a batch of prompts.
 
     prompt [B, T] ids (left-padded when lengths differ, with prompt_valid [B, T] False at padding).
     Canvases continue until every row has produced an end-of-sequence token or `max_new_tokens` is covered.
+
+    held [B, h] (infill): token ids fixed in the last h positions of every canvas: set before the first step,
+    accepted at every step, never renoised, excluded from the entropy budget and the confidence test. The
+    free part before them ends at an end-of-sequence token or at `<pad>`; only the free part is kept, appended
+    to the cache, and returned.
     """
     t0 = time.perf_counter()
     B = prompt.shape[0]
@@ -138,11 +143,19 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
     batched_calls = 0
     chunk, chunk_valid = prompt, prompt_valid
     buf = SamplerBuffers(B * C, V, dev)
+    h = 0 if held is None else held.shape[1]
+    free = C - h
+    if h:
+        if free < 1:
+            raise ValueError(f"{h} held tokens leave no free position in a canvas of {C}")
+        eos = torch.cat([eos, torch.tensor([pad], device=dev)])  # an infill's middle may also end at <pad>
 
     for ci in range(settings.canvases_for(C)):
         denoiser.encode(chunk, chunk_valid)
         denoiser.start_canvas()
         canvas = torch.randint(0, V, (B, C), device=dev)
+        if h:
+            canvas[:, free:] = held
         argmax = canvas
         sc_probs = None
         done = torch.zeros(B, dtype=torch.bool, device=dev)  # adaptive stop per row
@@ -159,6 +172,10 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
             frac = torch.tensor(n, dtype=torch.int32, device=dev) / N
             temperature = settings.t_min + (settings.t_max - settings.t_min) * frac
             sample, new_argmax, entropy = (t.view(B, C) for t in sample_step(buf, temperature))
+            if h:  # held tokens: certain by definition
+                entropy[:, free:] = 0
+                sample[:, free:] = held
+                new_argmax[:, free:] = held
             accepted = entropy_bound_accept(entropy, settings.entropy_bound)
             kept = torch.where(accepted, sample, canvas)
             noise = torch.randint(0, V, (B, C), device=dev)
@@ -169,7 +186,7 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
                 new_argmax = torch.where(done[:, None], argmax, new_argmax)
                 new_canvas = torch.where(done[:, None], canvas, new_canvas)
             stable = _stable(history, new_argmax, settings.stability_threshold)
-            confident = entropy.mean(dim=-1) < settings.confidence_threshold
+            confident = entropy[:, :free].mean(dim=-1) < settings.confidence_threshold
             done = done | (stable & confident)
 
             canvas, argmax = new_canvas, new_argmax
@@ -179,7 +196,7 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
                 break
 
         # Keep the argmax canvas; rows that ended earlier get pad; after a first EOS everything is pad.
-        tokens = argmax.clone()
+        tokens = argmax[:, :free].clone()
         tokens[finished_rows] = pad
         is_eos = torch.isin(tokens, eos)
         ended_here = is_eos.any(dim=-1)
@@ -200,7 +217,8 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
     tpf = []
     passes = forward_passes.tolist()
     for b, row in enumerate(generated.tolist()):
-        cut = next((i for i, t in enumerate(row) if t in settings.eos_token_ids), len(row))
+        ends = set(eos.tolist())
+        cut = next((i for i, t in enumerate(row) if t in ends), len(row))
         token_ids.append(row[: min(cut, settings.max_new_tokens)])
         valid = sum(1 for t in row if t != pad)
         tpf.append(valid / passes[b] if passes[b] else 0.0)
