@@ -119,6 +119,52 @@ def run(
     sys.stdout.flush()
 
 
+@app.command()
+def fim(
+    file: str = typer.Argument(..., help="The file to fill; '-' reads stdin."),
+    marker: str = typer.Option("<FILL>", "--marker", help="The text that marks a hole."),
+    lines: Optional[str] = typer.Option(None, "--lines", help="Regenerate lines A:B (1-based, inclusive)."),
+    in_place: bool = typer.Option(False, "--in-place", help="Rewrite FILE atomically (keeps FILE.orig)."),
+    no_backup: bool = typer.Option(False, "--no-backup", help="With --in-place: no FILE.orig."),
+    to_stdout: bool = typer.Option(False, "--stdout", help="Print the whole filled file instead of a diff."),
+    method: str = typer.Option("held", "--method", help="held (default), prefix or instruct."),
+    held_tokens: int = typer.Option(8, "--held-tokens", help="Suffix tokens held at the end of the canvas."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Most tokens for each hole."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Most denoising steps per canvas."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed torch's generator."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
+    dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto."),
+) -> None:
+    """Fill the holes of a file using the text on both sides. Prints a unified diff by default."""
+    from . import fim as F
+
+    if in_place and file == "-":
+        raise UsageError("--in-place needs a file, not stdin")
+    if in_place and to_stdout:
+        raise UsageError("--in-place and --stdout exclude each other")
+    if held_tokens < 0:
+        raise UsageError("--held-tokens must be >= 0")
+    text = F.read_source(file)
+    name = "stdin" if file == "-" else file
+    holes = [F.lines_hole(text, lines, name)] if lines else F.marker_holes(text, marker, name)
+    from .engine import load  # heavy: torch
+
+    engine = load(_model_dir(model), device=device, dtype=dtype)
+    new = F.fill_holes(engine, text, holes, method=method, held_tokens=held_tokens, name=name, marker=marker,
+                       warn=lambda m: sys.stderr.write(m + "\n"), seed=seed, max_new_tokens=max_new_tokens,
+                       max_denoising_steps=steps)
+    if in_place:
+        from pathlib import Path
+
+        F.save_in_place(Path(file), text, new, backup=not no_backup)
+    elif to_stdout:
+        sys.stdout.buffer.write(new.encode("utf-8"))
+    else:
+        sys.stdout.write(F.unified_diff(text, new, name))
+    sys.stdout.flush()
+
+
 def _plain_progress(event) -> None:
     """--view plain: one line per finished canvas on stderr."""
     from .sampler import CanvasDone

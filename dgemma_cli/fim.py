@@ -1,0 +1,167 @@
+"""`dgemma fim`: fill holes in a text file using the text on both sides of each hole.
+
+The rule: this module knows files, holes and text; generation is the engine's (`Engine.infill`). Text outside the
+holes is never re-encoded: the file is decoded once (UTF-8, line endings and all), each hole's span is replaced by
+the generated middle, and the result is encoded back, so every other byte is preserved.
+
+Methods (BENCHMARKS.md compares them on the demo model's infill task):
+- held (default): the prefix goes through the encoder; the first `held_tokens` tokens after the hole are held fixed
+  at the end of the canvas; the middle is denoised in front of them and ends at `<pad>` or an end token.
+- prefix: the same without the held suffix (the model sees only what comes before the hole).
+- instruct: an instruction through the chat template with the file, the hole written as the marker.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import DgemmaError, UsageError
+
+DEFAULT_MARKER = "<FILL>"
+METHODS = ("held", "prefix", "instruct")
+
+
+class FileError(DgemmaError):
+    """A file that cannot be filled (missing, binary, not UTF-8, no hole)."""
+
+    exit_code = 1
+
+
+@dataclass
+class Hole:
+    start: int  # character offsets into the text: text[start:end] is replaced
+    end: int
+
+
+def read_source(path: str) -> str:
+    """The file's text, decoded exactly (no newline translation). '-' reads stdin."""
+    if path == "-":
+        data = sys.stdin.buffer.read()
+        name = "stdin"
+    else:
+        p = Path(path)
+        if not p.exists():
+            raise FileError(f"{path}: no such file")
+        if not p.is_file():
+            raise FileError(f"{path}: not a regular file")
+        data = p.read_bytes()
+        name = path
+    if not data:
+        raise FileError(f"{name}: empty file, nothing to fill")
+    if b"\0" in data:
+        raise FileError(f"{name}: binary file (contains NUL bytes)")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FileError(f"{name}: not UTF-8 text (byte {e.start})") from None
+
+
+def marker_holes(text: str, marker: str, name: str) -> list[Hole]:
+    if not marker:
+        raise UsageError("--marker must not be empty")
+    holes, at = [], text.find(marker)
+    while at >= 0:
+        holes.append(Hole(at, at + len(marker)))
+        at = text.find(marker, at + len(marker))
+    if not holes:
+        raise FileError(f"{name}: no {marker} marker (or pass --lines A:B)")
+    return holes
+
+
+def lines_hole(text: str, spec: str, name: str) -> Hole:
+    """--lines A:B (1-based, inclusive): those whole lines, with their line endings, are regenerated."""
+    try:
+        a, b = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise UsageError(f"--lines must look like A:B (got {spec!r})") from None
+    lines = text.splitlines(keepends=True)
+    if not 1 <= a <= b <= len(lines):
+        raise UsageError(f"--lines {spec}: {name} has {len(lines)} lines")
+    start = sum(len(x) for x in lines[: a - 1])
+    return Hole(start, start + sum(len(x) for x in lines[a - 1 : b]))
+
+
+def line_of(text: str, offset: int) -> int:
+    return text.count("\n", 0, offset) + 1
+
+
+def fill_holes(engine, text: str, holes: list[Hole], *, method: str = "held", held_tokens: int = 8,
+               name: str = "file", marker: str = DEFAULT_MARKER, warn=None, **gen) -> str:
+    """Fill holes in order; returns the new text. `gen`: seed, max_new_tokens, max_denoising_steps."""
+    if method not in METHODS:
+        raise UsageError(f"--method must be one of {', '.join(METHODS)}")
+    tok = engine.tokenizer
+    # Check every hole before generating anything: a later marker inside an earlier hole's held window
+    # would be held as literal text.
+    for k in range(len(holes) - 1):
+        between = text[holes[k].end : holes[k + 1].start]
+        if method == "held" and len(tok.encode(between)) < held_tokens:
+            raise UsageError(f"{name}: the marker on line {line_of(text, holes[k + 1].start)} is inside the held "
+                             f"suffix of the hole before it (keep {held_tokens} tokens between holes)")
+    out, shift = text, 0
+    for k, hole in enumerate(holes):
+        start, end = hole.start + shift, hole.end + shift
+        prefix = out[:start]
+        next_start = holes[k + 1].start + shift if k + 1 < len(holes) else len(out)
+        suffix = out[end:next_start]
+        prefix = fit_prefix(engine, prefix, name, warn, gen.get("max_new_tokens"))
+        if method == "instruct":
+            middle = instruct_fill(engine, prefix, suffix, marker, **gen)
+        else:
+            middle = engine.infill(prefix, suffix, held_tokens=held_tokens if method == "held" else 0, **gen)
+        out = out[:start] + middle + out[end:]
+        shift += len(middle) - (hole.end - hole.start)
+    return out
+
+
+def fit_prefix(engine, prefix: str, name: str, warn, max_new_tokens) -> str:
+    """Keep the end of a prefix too long for the context (the text nearest the hole matters most)."""
+    settings = engine.settings.override(max_new_tokens=max_new_tokens)
+    C = engine.config.canvas_length
+    budget = engine.config.text.max_position_embeddings - settings.canvases_for(C) * C - 1
+    ids = engine.tokenizer.encode(prefix)
+    if len(ids) <= budget:
+        return prefix
+    kept = engine.tokenizer.decode(ids[-budget:])
+    if warn:
+        warn(f"dgemma: {name}: kept the last {budget} of {len(ids)} tokens before the hole (context limit)")
+    return kept
+
+
+def instruct_fill(engine, prefix: str, suffix: str, marker: str, **gen) -> str:
+    prompt = (f"Replace {marker} in this text with the missing part. Answer with the missing part only.\n\n"
+              f"{prefix}{marker}{suffix}")
+    return engine.generate(prompt, **gen).texts[0]
+
+
+def unified_diff(old: str, new: str, name: str) -> str:
+    a, b = (name, name) if os.path.isabs(name) else (f"a/{name}", f"b/{name}")
+    return "".join(difflib.unified_diff(old.splitlines(keepends=True), new.splitlines(keepends=True),
+                                        fromfile=a, tofile=b))
+
+
+def write_atomically(path: Path, data: bytes, mode: int) -> None:
+    """Write to a temporary file beside `path`, then rename over it: readers see the old or the new file."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_in_place(path: Path, old: str, new: str, backup: bool) -> None:
+    mode = path.stat().st_mode & 0o7777
+    if backup:
+        write_atomically(path.with_name(path.name + ".orig"), old.encode("utf-8"), mode)
+    write_atomically(path, new.encode("utf-8"), mode)
