@@ -32,3 +32,30 @@ def test_infill_without_a_suffix_is_plain_generation_of_raw_text():
     out = engine.infill(text, "", seed=0)
     ids = engine.generate([[engine.tokenizer.bos_id] + engine.tokenizer.encode(text)], seed=0).token_ids[0]
     assert out == engine.tokenizer.decode(ids)
+
+
+def test_a_hole_longer_than_a_canvas_continues_over_several_canvases(checkpoints):
+    engine = load(checkpoints["five_to_one"], device="cpu", dtype="float32")
+    C = engine.config.canvas_length
+    kept = []
+    for ev in engine.infill_events("def add(a, b):\n", "\nprint(add(1, 2))\n", seed=3, held_tokens=4,
+                                   max_new_tokens=3 * C, max_denoising_steps=4, eos_token_ids=(1,),
+                                   pad_token_id=-1):  # random weights: no end token, so every canvas is used
+        if isinstance(ev, CanvasDone):
+            kept.append(ev.tokens.shape[1])
+        elif isinstance(ev, Done):
+            middle = ev.token_ids[0]
+    assert kept == [C - 4] * len(kept) and len(kept) >= 2
+    assert len(middle) == sum(kept)
+
+
+def test_a_prefix_longer_than_the_context_keeps_its_end(checkpoints):
+    from dgemma_cli.fim import DEFAULT_MARKER, fill_holes, marker_holes
+
+    engine = load(checkpoints["short_context"], device="cpu", dtype="float32")  # 64 positions
+    text = "word " * 200 + DEFAULT_MARKER + " tail text here and more\n"
+    notes = []
+    out = fill_holes(engine, text, marker_holes(text, DEFAULT_MARKER, "f"), name="f", warn=notes.append,
+                     seed=0, max_new_tokens=16, max_denoising_steps=2)
+    assert len(notes) == 1 and "kept the last" in notes[0]
+    assert out.startswith("word " * 200) and out.endswith(" tail text here and more\n")
