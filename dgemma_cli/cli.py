@@ -145,6 +145,8 @@ def fim(
         raise UsageError("--in-place and --stdout exclude each other")
     if held_tokens < 0:
         raise UsageError("--held-tokens must be >= 0")
+    if method not in F.METHODS:
+        raise UsageError(f"--method must be one of {', '.join(F.METHODS)} (got {method!r})")
     text = F.read_source(file)
     name = "stdin" if file == "-" else file
     holes = [F.lines_hole(text, lines, name)] if lines else F.marker_holes(text, marker, name)
@@ -222,3 +224,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(0)
     except MemoryError:
         _fail("out of memory: try a smaller --max-new-tokens or a quantized model", 1)
+    except Exception as e:  # a bug, not bad input: still one line, with a way to see the traceback
+        if os.environ.get("DGEMMA_DEBUG"):
+            raise
+        _fail(f"internal error: {type(e).__name__}: {e} (set DGEMMA_DEBUG=1 for the traceback)", 1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -73,17 +74,26 @@ def marker_holes(text: str, marker: str, name: str) -> list[Hole]:
     return holes
 
 
+def split_lines(text: str) -> list[str]:
+    """Lines with their endings, split at '\n' only (as editors and `wc -l` count them)."""
+    return [x for x in re.split(r"(?<=\n)", text) if x]
+
+
 def lines_hole(text: str, spec: str, name: str) -> Hole:
-    """--lines A:B (1-based, inclusive): those whole lines, with their line endings, are regenerated."""
+    """--lines A:B (1-based, inclusive): the text of those lines is regenerated; the last one's line ending
+    (\n or \r\n) is kept, so the lines after it stay where they are."""
     try:
         a, b = (int(x) for x in spec.split(":"))
     except ValueError:
         raise UsageError(f"--lines must look like A:B (got {spec!r})") from None
-    lines = text.splitlines(keepends=True)
+    lines = split_lines(text)
     if not 1 <= a <= b <= len(lines):
         raise UsageError(f"--lines {spec}: {name} has {len(lines)} lines")
     start = sum(len(x) for x in lines[: a - 1])
-    return Hole(start, start + sum(len(x) for x in lines[a - 1 : b]))
+    end = start + sum(len(x) for x in lines[a - 1 : b])
+    last = lines[b - 1]
+    ending = len(last) - len(last.rstrip("\r\n")) if last.endswith("\n") else 0
+    return Hole(start, end - ending)
 
 
 def line_of(text: str, offset: int) -> int:
@@ -141,8 +151,10 @@ def instruct_fill(engine, prefix: str, suffix: str, marker: str, **gen) -> str:
 
 def unified_diff(old: str, new: str, name: str) -> str:
     a, b = (name, name) if os.path.isabs(name) else (f"a/{name}", f"b/{name}")
-    return "".join(difflib.unified_diff(old.splitlines(keepends=True), new.splitlines(keepends=True),
-                                        fromfile=a, tofile=b))
+    out = []
+    for line in difflib.unified_diff(split_lines(old), split_lines(new), fromfile=a, tofile=b):
+        out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
+    return "".join(out)
 
 
 def write_atomically(path: Path, data: bytes, mode: int) -> None:
