@@ -76,9 +76,18 @@ def run(
     dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto."),
     view: Optional[str] = typer.Option(None, "--view",
                                        help="live, plain or none. Default: live on a terminal, else none."),
+    each_line: bool = typer.Option(False, "--each-line",
+                                   help="Each input line is its own prompt; answers come in input order."),
+    batch_size: int = typer.Option(8, "--batch-size", help="With --each-line: prompts generated together."),
 ) -> None:
     """Generate one answer. Stdout gets only the answer (or one JSON object with --json)."""
     text = _read_prompt(prompt)
+    if (prompt is None or prompt == "-") and not raw and not each_line:
+        text = text.rstrip("\r\n")  # `echo ... |` adds a newline the user did not mean as part of the prompt
+    if each_line:
+        return _run_each_line(text, model=model, as_json=as_json, batch_size=batch_size, device=device,
+                              dtype=dtype, raw=raw, system=system, seed=seed, max_new_tokens=max_new_tokens,
+                              max_denoising_steps=steps)
     if not text.strip():
         raise UsageError("empty prompt")
     if raw and system:
@@ -102,20 +111,52 @@ def run(
         result = engine.generate(text, on_event=_plain_progress, **kwargs)
     else:
         result = engine.generate(text, **kwargs)
+    _write_answer(result, 0, as_json)
+    sys.stdout.flush()
+
+
+def _write_answer(result, i: int, as_json: bool, prompt: Optional[str] = None) -> None:
     if as_json:
-        obj = {
-            "text": result.texts[0],
-            "thought": result.thoughts[0],
-            "token_ids": result.token_ids[0],
-            "prompt_token_ids": result.prompt_token_ids[0],
-            "canvases": result.steps_per_canvas[0],
-            "tokens_per_forward": result.tokens_per_forward[0],
+        obj = {} if prompt is None else {"prompt": prompt}
+        obj.update({
+            "text": result.texts[i],
+            "thought": result.thoughts[i],
+            "token_ids": result.token_ids[i],
+            "prompt_token_ids": result.prompt_token_ids[i],
+            "canvases": result.steps_per_canvas[i],
+            "tokens_per_forward": result.tokens_per_forward[i],
             "seconds": round(result.seconds, 4),
-        }
+        })
         sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
     else:
-        out = result.texts[0]
+        out = result.texts[i]
         sys.stdout.write(out if out.endswith("\n") else out + "\n")
+
+
+def _run_each_line(text: str, *, model, as_json: bool, batch_size: int, device: str, dtype: str, **gen) -> None:
+    """One answer (or JSON Lines object) per input line, in input order; blank lines give blank answers."""
+    if batch_size < 1:
+        raise UsageError("--batch-size must be at least 1")
+    lines = text.splitlines()
+    if not any(line.strip() for line in lines):
+        raise UsageError("empty input: no non-blank line")
+    from .engine import load  # heavy: torch
+
+    engine = load(_model_dir(model), device=device, dtype=dtype)
+    todo = [i for i, line in enumerate(lines) if line.strip()]
+    answers: dict[int, tuple] = {}
+    for start in range(0, len(todo), batch_size):
+        chunk = todo[start : start + batch_size]
+        result = engine.generate([lines[i] for i in chunk], **gen)
+        for j, i in enumerate(chunk):
+            answers[i] = (result, j)
+    for i, line in enumerate(lines):
+        if i in answers:
+            _write_answer(*answers[i], as_json, prompt=line)
+        elif as_json:
+            sys.stdout.write(json.dumps({"prompt": line, "text": "", "skipped": True}) + "\n")
+        else:
+            sys.stdout.write("\n")
     sys.stdout.flush()
 
 

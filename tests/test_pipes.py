@@ -1,0 +1,52 @@
+"""`dgemma run` in a pipe: only answers on stdout, --each-line batches in input order, JSON Lines."""
+
+import io
+import json
+import sys
+
+import pytest
+
+from dgemma_cli.cli import main
+
+LINES = "upper: hello diffusions\n\nupper: abc def 12 ghijk\nupper: 940 c wzvu 505 h\n"
+EXPECTED = ["HELLO DIFFUSIONS", "", "ABC DEF 12 GHIJK", "940 C WZVU 505 H"]
+
+
+def run(capsys, monkeypatch, stdin, *args):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    try:
+        main(["run", "--model", "demo", "--device", "cpu", "--seed", "0", *args])
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("batch", ["1", "3", "8"])
+def test_each_line_answers_in_input_order(capsys, monkeypatch, batch):
+    code, out, err = run(capsys, monkeypatch, LINES, "--each-line", "--batch-size", batch)
+    assert code == 0, err
+    assert out.split("\n")[:-1] == EXPECTED
+    assert "\x1b" not in out  # no colour codes or progress in a pipe
+
+
+def test_each_line_json_lines(capsys, monkeypatch):
+    code, out, err = run(capsys, monkeypatch, LINES, "--each-line", "--json")
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["text"] for r in rows] == EXPECTED
+    assert [r["prompt"] for r in rows] == LINES.splitlines()
+    assert rows[1] == {"prompt": "", "text": "", "skipped": True}
+    assert all(r["tokens_per_forward"] > 0 for r in rows if not r.get("skipped"))
+
+
+def test_plain_stdin_prompt_prints_only_the_answer(capsys, monkeypatch):
+    code, out, err = run(capsys, monkeypatch, "upper: hello diffusions\n")
+    assert (code, out) == (0, "HELLO DIFFUSIONS\n")
+
+
+@pytest.mark.parametrize("stdin,args", [("\n\n", ["--each-line"]), (LINES, ["--each-line", "--batch-size", "0"])])
+def test_each_line_usage_errors(capsys, monkeypatch, stdin, args):
+    code, out, err = run(capsys, monkeypatch, stdin, *args)
+    assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith("dgemma: error:")
