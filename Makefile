@@ -8,12 +8,14 @@ STAMP  := $(VENV)/.installed
 
 venv: $(STAMP)
 
-# torch is pinned first so pip takes the CPU wheel that lies on this machine's disk
-# instead of resolving a multi-GB CUDA build; everything else comes from pyproject.toml.
+# torch is pinned first so pip takes the CPU wheel that this workplace's pip configuration finds on local disk
+# instead of resolving a multi-GB CUDA build; elsewhere, set TORCH_SPEC (e.g. to a CPU index) or install torch
+# into .venv first. Everything else comes from pyproject.toml.
+TORCH_SPEC ?= torch==2.13.0
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "torch==2.13.0" || $(PY) -m pip install --quiet "torch>=2.4"
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" || $(PY) -m pip install --quiet "torch>=2.4"
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 

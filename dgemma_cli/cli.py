@@ -81,6 +81,10 @@ def run(
     batch_size: int = typer.Option(8, "--batch-size", help="With --each-line: prompts generated together."),
 ) -> None:
     """Generate one answer. Stdout gets only the answer (or one JSON object with --json)."""
+    if raw and system:
+        raise UsageError("--system needs the chat template; it cannot be combined with --raw")
+    if view is not None and view not in ("live", "plain", "none"):
+        raise UsageError(f"--view must be live, plain or none (got {view!r})")
     text = _read_prompt(prompt)
     if (prompt is None or prompt == "-") and not raw and not each_line:
         text = text.rstrip("\r\n")  # `echo ... |` adds a newline the user did not mean as part of the prompt
@@ -90,12 +94,8 @@ def run(
                               max_denoising_steps=steps)
     if not text.strip():
         raise UsageError("empty prompt")
-    if raw and system:
-        raise UsageError("--system needs the chat template; it cannot be combined with --raw")
-    if view is None:
-        view = "live" if sys.stdout.isatty() and not as_json else "none"
-    if view not in ("live", "plain", "none"):
-        raise UsageError(f"--view must be live, plain or none (got {view!r})")
+    if view is None:  # the view draws on stderr and only makes sense when a person watches the answer arrive
+        view = "live" if sys.stdout.isatty() and sys.stderr.isatty() and not as_json else "none"
     from .engine import load  # heavy: torch
 
     engine = load(_model_dir(model), device=device, dtype=dtype)
@@ -105,7 +105,8 @@ def run(
 
         tok = engine.tokenizer
         skip = {i for i in (tok.pad_id, tok.eos_id, tok.end_of_turn_id) if i is not None}
-        with CanvasView(lambda t: tok.decode([t], skip_special_tokens=False), skip_ids=skip) as canvas_view:
+        with CanvasView(lambda t: tok.decode([t], skip_special_tokens=False), skip_ids=skip,
+                        decode=lambda ids: tok.decode(ids, skip_special_tokens=False)) as canvas_view:
             result = engine.generate(text, on_event=canvas_view, **kwargs)
     elif view == "plain":
         result = engine.generate(text, on_event=_plain_progress, **kwargs)
@@ -137,7 +138,10 @@ def _run_each_line(text: str, *, model, as_json: bool, batch_size: int, device: 
     """One answer (or JSON Lines object) per input line, in input order; blank lines give blank answers."""
     if batch_size < 1:
         raise UsageError("--batch-size must be at least 1")
-    lines = text.splitlines()
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()  # the final newline ends the last line; it does not start another
+    lines = [line[:-1] if line.endswith("\r") else line for line in lines]
     if not any(line.strip() for line in lines):
         raise UsageError("empty input: no non-blank line")
     from .engine import load  # heavy: torch

@@ -114,15 +114,17 @@ class Engine:
             raise UsageError(f"prompt has a token id outside the vocabulary of {V}")
         return ids
 
-    def check_context(self, prompt_len: int, settings: GenerationSettings) -> int:
-        """Positions the run needs (prompt + whole canvases); raises if that exceeds the model's context."""
+    def check_context(self, prompt_len: int, settings: GenerationSettings, held: int = 0) -> int:
+        """Raise if prompt + whole canvases exceed the model's context; return the KV cache capacity needed
+        (the last canvas is never encoded: the cache's scratch tail holds it)."""
         C = self.config.canvas_length
-        need = prompt_len + settings.canvases_for(C) * C
+        canvases = settings.canvases_for(C - held)
+        need = prompt_len + canvases * C
         ctx = self.config.text.max_position_embeddings
         if need > ctx:
             raise UsageError(f"prompt is {prompt_len} tokens; with {settings.max_new_tokens} new tokens it needs "
                              f"{need} positions but the model's context is {ctx}")
-        return need
+        return need - C
 
     # ------------------------------------------------------------------ generation
 
@@ -148,8 +150,7 @@ class Engine:
         if seed is not None:
             torch.manual_seed(seed)
         denoiser = ModelDenoiser(self.model, len(ids), capacity)
-        with torch.inference_mode():
-            yield from generate_events(denoiser, batch, settings, valid)
+        yield from _in_inference_mode(generate_events(denoiser, batch, settings, valid))
 
     def infill_events(self, prefix: str, suffix: str, *, held_tokens: int = 8, seed: int | None = None,
                       settings: GenerationSettings | None = None, **overrides) -> Iterator[Event]:
@@ -167,15 +168,14 @@ class Engine:
         settings = (settings or self.settings).override(**overrides)
         if len(held) >= self.config.canvas_length:
             raise UsageError(f"--held-tokens must leave room in a canvas of {self.config.canvas_length}")
-        capacity = self.check_context(len(prefix_ids), settings)
+        capacity = self.check_context(len(prefix_ids), settings, held=len(held))
         dev = self.model.device
         if seed is not None:
             torch.manual_seed(seed)
         denoiser = ModelDenoiser(self.model, 1, capacity)
         batch = torch.tensor([prefix_ids], dtype=torch.long, device=dev)
         held_t = torch.tensor([held], dtype=torch.long, device=dev) if held else None
-        with torch.inference_mode():
-            yield from generate_events(denoiser, batch, settings, None, held=held_t)
+        yield from _in_inference_mode(generate_events(denoiser, batch, settings, None, held=held_t))
 
     def infill(self, prefix: str, suffix: str, **kwargs) -> str:
         """The middle text for a hole between prefix and suffix; kwargs as for `infill_events`."""
@@ -219,6 +219,18 @@ class Engine:
 
 
 DEMO_MODEL = Path(__file__).resolve().parent / "demo_model"
+
+
+def _in_inference_mode(events: Iterator[Event]) -> Iterator[Event]:
+    """Run each step of a generator under inference mode, without leaving the mode on in the caller while the
+    generator is paused (a `with` around `yield from` would)."""
+    while True:
+        with torch.inference_mode():
+            try:
+                event = next(events)
+            except StopIteration:
+                return
+        yield event
 
 
 def resolve_model(model: str | Path) -> Path:

@@ -119,24 +119,30 @@ def fill_holes(engine, text: str, holes: list[Hole], *, method: str = "held", he
         prefix = out[:start]
         next_start = holes[k + 1].start + shift if k + 1 < len(holes) else len(out)
         suffix = out[end:next_start]
-        prefix = fit_prefix(engine, prefix, name, warn, gen.get("max_new_tokens"))
+        held = held_tokens if method == "held" else 0
+        prefix = fit_prefix(engine, prefix, name, warn, gen.get("max_new_tokens"), held)
         if method == "instruct":
             middle = instruct_fill(engine, prefix, suffix, marker, **gen)
         else:
-            middle = engine.infill(prefix, suffix, held_tokens=held_tokens if method == "held" else 0, **gen)
+            middle = engine.infill(prefix, suffix, held_tokens=held, **gen)
         out = out[:start] + middle + out[end:]
         shift += len(middle) - (hole.end - hole.start)
     return out
 
 
-def fit_prefix(engine, prefix: str, name: str, warn, max_new_tokens) -> str:
-    """Keep the end of a prefix too long for the context (the text nearest the hole matters most)."""
+def fit_prefix(engine, prefix: str, name: str, warn, max_new_tokens, held: int = 0) -> str:
+    """Keep the end of a prefix too long for the context (the text nearest the hole matters most).
+
+    The budget leaves room for <bos> and every canvas the hole may take (each yields C - held tokens). The
+    instruct method's instruction and chat template are not counted."""
     settings = engine.settings.override(max_new_tokens=max_new_tokens)
     C = engine.config.canvas_length
-    budget = engine.config.text.max_position_embeddings - settings.canvases_for(C) * C - 1
+    budget = engine.config.text.max_position_embeddings - settings.canvases_for(C - held) * C - 1
     ids = engine.tokenizer.encode(prefix)
     if len(ids) <= budget:
         return prefix
+    if budget < 1:
+        raise UsageError(f"{name}: --max-new-tokens leaves no room for text before the hole in the context")
     kept = engine.tokenizer.decode(ids[-budget:])
     if warn:
         warn(f"dgemma: {name}: kept the last {budget} of {len(ids)} tokens before the hole (context limit)")

@@ -5,8 +5,9 @@
 
 Rules this file keeps: it knows tensors, not tokens or text; every projection is a module called as
 `proj(x)` and the routed experts a module called as `experts(x, top_k_index, top_k_weights)`, so a quantized
-implementation can replace either (the seam for `quant/`). The denoise step reads only fixed-shape tensors
-prepared once per canvas (`DenoiseContext`), so it can later be captured in a CUDA graph.
+implementation can replace either (the seam for `quant/`). The denoise step's inputs are fixed-shape tensors
+prepared once per canvas (`DenoiseContext`), the groundwork for capturing it in a CUDA graph; it still makes small
+host-side tensors (embedding scale) and, without torch's grouped matmul, a host sync per MoE layer.
 Numerics follow the reference implementation op for op (float32 norms, router and logits).
 """
 

@@ -150,7 +150,7 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
             raise ValueError(f"{h} held tokens leave no free position in a canvas of {C}")
         eos = torch.cat([eos, torch.tensor([pad], device=dev)])  # an infill's middle may also end at <pad>
 
-    for ci in range(settings.canvases_for(C)):
+    for ci in range(settings.canvases_for(free)):
         denoiser.encode(chunk, chunk_valid)
         denoiser.start_canvas()
         canvas = torch.randint(0, V, (B, C), device=dev)
@@ -165,7 +165,7 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
         for n in range(N, 0, -1):
             active = ~(done | finished_rows)
             forward_passes += active
-            row_steps += ~done
+            row_steps += ~(done | finished_rows)
             denoiser.denoise(canvas, sc_probs, buf.logits)
             batched_calls += 1
             # Temperature falls linearly from t_max to t_min; computed as a float32 tensor like the reference.
@@ -206,7 +206,8 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
         canvases.append(tokens)
         steps = row_steps.tolist()
         for b in range(B):
-            steps_per_canvas[b].append(int(steps[b]))
+            if steps[b]:  # rows that ended in an earlier canvas took no steps on this one
+                steps_per_canvas[b].append(int(steps[b]))
         yield CanvasDone(ci, tokens, steps, finished_rows.clone())
         if bool(finished_rows.all()):
             break
@@ -220,7 +221,7 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
         ends = set(eos.tolist())
         cut = next((i for i, t in enumerate(row) if t in ends), len(row))
         token_ids.append(row[: min(cut, settings.max_new_tokens)])
-        valid = sum(1 for t in row if t != pad)
+        valid = sum(1 for t in row[: settings.max_new_tokens] if t != pad)  # what the answer keeps
         tpf.append(valid / passes[b] if passes[b] else 0.0)
     yield Done(token_ids, steps_per_canvas, tpf, time.perf_counter() - t0, batched_calls)
 

@@ -29,8 +29,9 @@ class CanvasView:
     """Use as a context manager; call with each event. Row 0 of a batch is shown."""
 
     def __init__(self, piece: Callable[[int], str], console: Console | None = None, max_fps: float = 15.0,
-                 skip_ids: set[int] | None = None):
-        self.piece = piece
+                 skip_ids: set[int] | None = None, decode: Callable[[list[int]], str] | None = None):
+        self.piece = piece  # one token -> text, for the canvas being denoised
+        self.decode = decode or (lambda ids: "".join(piece(t) for t in ids))  # a finished canvas, decoded whole
         self.console = console or Console(stderr=True)
         self.min_interval = 1.0 / max_fps
         self.skip_ids = skip_ids or set()
@@ -54,14 +55,12 @@ class CanvasView:
         return self.piece(token).replace("\n", "⏎")
 
     def render_step(self, ev: Step) -> Text:
-        canvas, argmax = ev.canvas[0].tolist(), ev.argmax[0].tolist()
+        canvas = ev.canvas[0].tolist()
         accepted, entropy = ev.accepted[0].tolist(), ev.entropy[0].tolist()
         body = Text()
-        for pos, (noisy, best, ok, h) in enumerate(zip(canvas, argmax, accepted, entropy)):
-            if ok:
-                body.append(self._token_text(best), style=_confidence_style(h))
-            else:
-                body.append(self._token_text(noisy), style="dim")
+        for token, ok, h in zip(canvas, accepted, entropy):
+            # an accepted position holds the token sampled there; the others hold fresh noise
+            body.append(self._token_text(token), style=_confidence_style(h) if ok else "dim")
         return body
 
     def header(self, ev: Step) -> Text:
@@ -82,7 +81,7 @@ class CanvasView:
         elif isinstance(ev, CanvasDone):
             tokens = [t for t in ev.tokens[0].tolist() if t not in self.skip_ids]
             self.tokens_done += len(tokens)
-            self.finished_text += "".join(self.piece(t) for t in tokens)
+            self.finished_text += self.decode(tokens)
             self.live.update(Text(self.finished_text), refresh=True)
         elif isinstance(ev, Done):
             self.live.update(Text(""), refresh=True)

@@ -57,3 +57,26 @@ def test_run_with_no_model_uses_the_demo(capsys):
     captured = capsys.readouterr()
     assert captured.out == "HELLO DIFFUSIONS\n"
     assert "demo model" in captured.err
+
+
+def test_tokens_per_forward_counts_only_what_the_answer_keeps():
+    from dgemma_cli.engine import load
+
+    engine = load("demo", device="cpu", dtype="float32")
+    r = engine.generate("upper: hello diffusions", seed=0, max_new_tokens=3)
+    assert engine.tokenizer.decode(r.token_ids[0]) == "HEL"
+    assert r.tokens_per_forward[0] == 3 / sum(r.steps_per_canvas[0])
+
+
+def test_events_do_not_leave_inference_mode_on_in_the_caller():
+    import torch
+
+    from dgemma_cli.engine import load
+
+    engine = load("demo", device="cpu", dtype="float32")
+    events = engine.events("upper: hello diffusions", seed=0)
+    next(events)
+    assert not torch.is_inference_mode_enabled()
+    x = torch.ones(2, requires_grad=True)
+    assert (x * 2).requires_grad
+    events.close()

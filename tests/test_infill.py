@@ -20,10 +20,12 @@ def test_held_suffix_tokens_never_change_during_denoising():
             assert float(ev.entropy[0, C - len(held):].abs().sum()) == 0.0
         elif isinstance(ev, CanvasDone):
             assert ev.tokens.shape[1] == C - len(held)  # only the free part is kept
+            last = ev.tokens[0].tolist()
         elif isinstance(ev, Done):
             middle = ev.token_ids[0]
     assert steps >= 1
-    assert 0 not in middle and len(middle) < C - len(held)  # ended at <pad>, before the held suffix
+    assert len(middle) < C - len(held)
+    assert last[len(middle)] == engine.tokenizer.pad_id  # the middle ended at <pad>, before the held suffix
 
 
 def test_infill_without_a_suffix_is_plain_generation_of_raw_text():

@@ -28,6 +28,8 @@ def test_experts_match_a_plain_loop_including_empty_experts(monkeypatch, use_gro
                 gate, up = F.linear(x[t], experts.gate_up_proj[e]).chunk(2)
                 expected[t] += w[t, k] * F.linear(M.gelu_tanh(gate) * up, experts.down_proj[e])
         with torch.no_grad():
+            if use_grouped_mm:  # make sure this case really takes torch's grouped matmul
+                assert M._grouped_mm_fits(x, experts.gate_up_proj)
             got = experts(x, idx, w)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 

@@ -28,7 +28,7 @@ def test_each_line_answers_in_input_order(capsys, monkeypatch, batch):
     code, out, err = run(capsys, monkeypatch, LINES, "--each-line", "--batch-size", batch)
     assert code == 0, err
     assert out.split("\n")[:-1] == EXPECTED
-    assert "\x1b" not in out  # no colour codes or progress in a pipe
+    assert "\x1b" not in out + err  # no colour codes or live view when nobody watches a terminal
 
 
 def test_each_line_json_lines(capsys, monkeypatch):
