@@ -387,10 +387,13 @@ class DiffusionGemma(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def embed_scale(self) -> torch.Tensor:
+        """sqrt(hidden) rounded to the weight dtype, as the reference's scaled embedding holds it."""
         w = self.embed_tokens.weight
-        scale = torch.tensor(self.cfg.text.hidden_size**0.5, dtype=torch.float32).to(w.dtype)
-        return F.embedding(ids, w) * scale.to(w.device)
+        return torch.tensor(self.cfg.text.hidden_size**0.5, dtype=torch.float32).to(w.dtype).to(w.device)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.embed_tokens.weight) * self.embed_scale()
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Final-normed hidden [B, T, H] -> soft-capped float32 logits [B, T, V] (tied embedding).
@@ -515,8 +518,7 @@ class DiffusionGemma(nn.Module):
         if sc_probs is not None:
             w = self.embed_tokens.weight
             probs = sc_probs.view(B, C, -1).to(w.dtype)
-            scale = torch.tensor(self.cfg.text.hidden_size**0.5, dtype=torch.float32).to(w.dtype).to(x.device)
-            soft = torch.matmul(probs, w) * scale.to(x.dtype)
+            soft = torch.matmul(probs, w) * self.embed_scale()
         x = self.self_conditioning(x, soft)
         for i, layer in enumerate(self.layers):
             kind = layer.spec.kind

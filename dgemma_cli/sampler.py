@@ -165,7 +165,7 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
         for n in range(N, 0, -1):
             active = ~(done | finished_rows)
             forward_passes += active
-            row_steps += ~(done | finished_rows)
+            row_steps += active
             denoiser.denoise(canvas, sc_probs, buf.logits)
             batched_calls += 1
             # Temperature falls linearly from t_max to t_min; computed as a float32 tensor like the reference.
@@ -217,8 +217,8 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
     token_ids = []
     tpf = []
     passes = forward_passes.tolist()
+    ends = set(eos.tolist())
     for b, row in enumerate(generated.tolist()):
-        ends = set(eos.tolist())
         cut = next((i for i, t in enumerate(row) if t in ends), len(row))
         token_ids.append(row[: min(cut, settings.max_new_tokens)])
         valid = sum(1 for t in row[: settings.max_new_tokens] if t != pad)  # what the answer keeps

@@ -82,7 +82,7 @@ def read_header(path: Path) -> dict[str, TensorRecord]:
         numel = 1
         for d in shape:
             numel *= d
-        if not 0 <= a <= b or b - a != numel * torch.empty(0, dtype=dtype).element_size():
+        if not 0 <= a <= b or b - a != numel * dtype.itemsize:
             raise ModelError(f"{path}: corrupt safetensors header (tensor {name}: {b - a} bytes for shape "
                              f"{list(shape)})")
         records[name] = TensorRecord(path, base + a, base + b, dtype, shape)
@@ -161,7 +161,7 @@ class MappedFiles:
 
     def tensor(self, rec: TensorRecord) -> torch.Tensor:
         raw = self.bytes_of(rec)
-        itemsize = torch.empty(0, dtype=rec.dtype).element_size()
+        itemsize = rec.dtype.itemsize
         if raw.storage_offset() % itemsize:  # unaligned data: one copy for this tensor only
             raw = raw.clone()
         return raw.view(rec.dtype).view(rec.shape)
@@ -175,7 +175,7 @@ def read_converted(rec: TensorRecord, dtype: torch.dtype, device, chunk_bytes: i
     """
     out = torch.empty(rec.shape, dtype=dtype, device=device)
     flat = out.view(-1)
-    itemsize = torch.empty(0, dtype=rec.dtype).element_size()
+    itemsize = rec.dtype.itemsize
     step = max(itemsize, chunk_bytes // itemsize * itemsize)
     bounce = torch.empty(min(step, rec.end - rec.start), dtype=torch.uint8)
     done = 0

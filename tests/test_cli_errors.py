@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from dgemma_cli.cli import main
+from cli_helpers import run_main
 
 CPU = ["--device", "cpu", "--dtype", "float32"]
 PROMPT = "Why is the sky blue?"
@@ -32,11 +32,7 @@ UP_PROJ = "model.decoder.layers.0.mlp.up_proj.weight"
 def cli(capsys, *args: str) -> tuple[int, str, str]:
     """Run `dgemma ARGS` in-process: (exit code, stdout, stderr)."""
     capsys.readouterr()  # drop anything earlier (e.g. fixture building)
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    code = run_main(args)
     out, err = capsys.readouterr()
     return code, out, err
 

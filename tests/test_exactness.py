@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from cli_helpers import run_main
 from dgemma_cli.engine import load
 from dgemma_cli.weights import load_model
 
@@ -34,15 +35,6 @@ def ref_generate(ref, prompts, seed, **kw):
         cut = next((i for i, t in enumerate(row) if t in eos), len(row))
         rows.append(row[: min(cut, kw.get("max_new_tokens", 256))])
     return rows, out
-
-
-def run_cli(main, args) -> int:
-    """Run the console entry point in-process; returns its exit code."""
-    try:
-        main(args)
-    except SystemExit as e:
-        return e.code or 0
-    return 0
 
 
 def random_prompt(n, vocab, seed):
@@ -125,7 +117,6 @@ def test_adaptive_stopping_matches_reference(checkpoints, reference):
 
 @pytest.mark.parametrize("raw", [True, False])
 def test_cli_run_matches_reference(checkpoints, reference, capsys, raw):
-    from dgemma_cli.cli import main
     from dgemma_cli.tokenizer import Tokenizer
 
     path = checkpoints["five_to_one"]
@@ -139,7 +130,7 @@ def test_cli_run_matches_reference(checkpoints, reference, capsys, raw):
     expected, _ = ref_generate(ref, [ids], 11, max_new_tokens=3 * C, max_denoising_steps=12)
     args = ["run", text, "--model", str(path), "--seed", "11", "--max-new-tokens", str(3 * C),
             "--steps", "12", "--json", "--device", "cpu", "--dtype", "float32"] + (["--raw"] if raw else [])
-    assert run_cli(main, args) == 0
+    assert run_main(args) == 0
     obj = json.loads(capsys.readouterr().out)
     assert obj["prompt_token_ids"] == ids
     assert obj["token_ids"] == expected[0]

@@ -20,6 +20,7 @@ import sys
 import pytest
 
 import dgemma_cli.engine as engine_mod
+from cli_helpers import run_main
 from dgemma_cli.cli import main
 
 DEMO = ["--model", "demo", "--device", "cpu", "--seed", "0"]
@@ -62,11 +63,7 @@ def _cached_demo(demo_engine, monkeypatch):
 def cli(capsysbinary, *args: str) -> tuple[int, bytes, str]:
     """Run `dgemma ARGS` in-process: (exit code, stdout bytes, stderr text)."""
     capsysbinary.readouterr()
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    code = run_main(args)
     out, err = capsysbinary.readouterr()
     return code, out, err.decode("utf-8")
 

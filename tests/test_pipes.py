@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from dgemma_cli.cli import main
+from cli_helpers import run_main
 
 LINES = "upper: hello diffusions\n\nupper: abc def 12 ghijk\nupper: 940 c wzvu 505 h\n"
 EXPECTED = ["HELLO DIFFUSIONS", "", "ABC DEF 12 GHIJK", "940 C WZVU 505 H"]
@@ -14,11 +14,7 @@ EXPECTED = ["HELLO DIFFUSIONS", "", "ABC DEF 12 GHIJK", "940 C WZVU 505 H"]
 
 def run(capsys, monkeypatch, stdin, *args):
     monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
-    try:
-        main(["run", "--model", "demo", "--device", "cpu", "--seed", "0", *args])
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
+    code = run_main(["run", "--model", "demo", "--device", "cpu", "--seed", "0", *args])
     out = capsys.readouterr()
     return code, out.out, out.err
 
