@@ -218,8 +218,7 @@ class Experts(nn.Module):
 
     Token-expert assignments are grouped by expert with one sort, each projection is one grouped matmul, and each
     token's K weighted outputs are summed in float32 in slot order, as the reference's grouped path does (same
-    sums, same bits). A quantized subclass only overrides `weights()` (e.g. to dequantize this layer just
-    before use).
+    sums, same bits). `QuantizedExperts` only overrides `weights()`.
     """
 
     def __init__(self, cfg: TextConfig):
@@ -229,8 +228,8 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
 
-    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [E, 2I, H], down [E, H, I]) in the compute dtype."""
+    def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E, 2I, H], down [E, H, I]) in the compute dtype (the parameters' own)."""
         return self.gate_up_proj, self.down_proj
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -241,13 +240,28 @@ class Experts(nn.Module):
         # so the same permutation is what keeps the bits identical.
         order = torch.sort(flat).indices
         offsets = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0).to(torch.int32)
-        gate_up, down = self.weights()
+        gate_up, down = self.weights(x.dtype)
         gate, up = grouped_linear(x[order // K], gate_up, offsets).chunk(2, dim=-1)  # [N*K, I] each
         ys = grouped_linear(gelu_tanh(gate) * up, down, offsets)  # [N*K, H], grouped by expert
         y = torch.empty_like(ys)
         y[order] = ys  # back to (token, slot) order
         weighted = y * top_k_weights.reshape(-1, 1)  # float32 (router weights are float32)
         return weighted.view(N, K, -1).sum(dim=1).to(x.dtype)
+
+
+class QuantizedExperts(Experts):
+    """Routed experts held packed: `gate_up_proj` and `down_proj` are modules with `dequantize(dtype)` giving
+    [E, 2I, H] and [E, H, I] (e.g. `quant.modules.NVFP4Stack`). This layer's experts are dequantized just before
+    use and dropped after, so only one layer's worth is ever unpacked."""
+
+    def __init__(self, num_experts: int, gate_up_proj: nn.Module, down_proj: nn.Module):
+        nn.Module.__init__(self)
+        self.num_experts = num_experts
+        self.gate_up_proj = gate_up_proj
+        self.down_proj = down_proj
+
+    def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate_up_proj.dequantize(dtype), self.down_proj.dequantize(dtype)
 
 
 class Layer(nn.Module):

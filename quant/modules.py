@@ -1,0 +1,137 @@
+"""Quantized modules: packed weights in memory, a plain PyTorch reference forward that dequantizes just before use.
+
+Buffers carry the names they have in a checkpoint, so a loader maps them one to one:
+- `NVFP4Linear`: weight uint8 [N, K/2], weight_scale float8_e4m3fn [N, K/16], weight_scale_2 float32 [] (ModelOpt).
+- `Int8Linear`: weight int8 [N, K], weight_scale float32 [N] (dgemma's INT8).
+- `NVFP4Stack` / `Int8Stack`: E matrices [E, N, K] stacked (routed experts), same packing per matrix; NVFP4 keeps
+  one global scale per expert per row segment, weight_scale_2 [E, S], so an expert's gate and up halves may carry
+  their own (ModelOpt stores them per projection). `dequantize(dtype)` gives [E, N, K], a few experts at a time so
+  the float32 temporaries stay small.
+The fused kernels (a later step) implement the same functions behind the same modules.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import int8, nvfp4
+
+DEQUANT_CHUNK = 8  # experts dequantized per pass: bounds the float32 temporaries to 8 experts' worth
+
+
+class NVFP4Linear(nn.Module):
+    format = "nvfp4"
+
+    def __init__(self, in_features: int, out_features: int, device=None):
+        super().__init__()
+        if in_features % nvfp4.BLOCK:
+            raise ValueError(f"NVFP4 needs in_features to be a multiple of {nvfp4.BLOCK} (got {in_features})")
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("weight_scale", torch.empty(out_features, in_features // nvfp4.BLOCK,
+                                                         dtype=torch.float8_e4m3fn, device=device))
+        self.register_buffer("weight_scale_2", torch.empty((), dtype=torch.float32, device=device))
+
+    @classmethod
+    def from_weight(cls, q: nvfp4.NVFP4Weight) -> NVFP4Linear:
+        N, K = q.shape
+        m = cls(K, N)
+        m.weight, m.weight_scale, m.weight_scale_2 = q.weight, q.weight_scale, q.weight_scale_2.float().reshape(())
+        return m
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """[N, K] in dtype."""
+        return nvfp4.dequantize_packed(self.weight, self.weight_scale, self.weight_scale_2.expand(self.out_features),
+                                       dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantize(x.dtype))
+
+
+class Int8Linear(nn.Module):
+    format = "int8"
+
+    def __init__(self, in_features: int, out_features: int, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32, device=device))
+
+    @classmethod
+    def from_weight(cls, q: int8.Int8Weight) -> Int8Linear:
+        N, K = q.weight.shape
+        m = cls(K, N)
+        m.weight, m.weight_scale = q.weight, q.weight_scale.float()
+        return m
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return int8.dequantize_packed(self.weight, self.weight_scale, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantize(x.dtype))
+
+
+class NVFP4Stack(nn.Module):
+    """E NVFP4 matrices [N, K]; rows split into `segments` equal parts, each with its own global scale."""
+
+    format = "nvfp4"
+
+    def __init__(self, num: int, out_features: int, in_features: int, segments: int = 1, device=None):
+        super().__init__()
+        if in_features % nvfp4.BLOCK or out_features % segments:
+            raise ValueError(f"NVFP4 stack: bad shape [{num}, {out_features}, {in_features}] / {segments}")
+        self.shape = (num, out_features, in_features)
+        self.segments = segments
+        self.register_buffer("weight", torch.empty(num, out_features, in_features // 2, dtype=torch.uint8,
+                                                   device=device))
+        self.register_buffer("weight_scale", torch.empty(num, out_features, in_features // nvfp4.BLOCK,
+                                                         dtype=torch.float8_e4m3fn, device=device))
+        self.register_buffer("weight_scale_2", torch.empty(num, segments, dtype=torch.float32, device=device))
+
+    def row_scale_2(self, lo: int, hi: int) -> torch.Tensor:
+        """[hi-lo, N] global scale of every row of experts lo..hi."""
+        return self.weight_scale_2[lo:hi].repeat_interleave(self.shape[1] // self.segments, dim=1)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        E, N, K = self.shape
+        out = torch.empty(E, N, K, dtype=dtype, device=self.weight.device)
+        for lo in range(0, E, DEQUANT_CHUNK):
+            hi = min(E, lo + DEQUANT_CHUNK)
+            out[lo:hi] = nvfp4.dequantize_packed(self.weight[lo:hi], self.weight_scale[lo:hi],
+                                                 self.row_scale_2(lo, hi), dtype)
+        return out
+
+
+class Int8Stack(nn.Module):
+    """E INT8 matrices [N, K] with per-row scales [E, N]."""
+
+    format = "int8"
+
+    def __init__(self, num: int, out_features: int, in_features: int, device=None):
+        super().__init__()
+        self.shape = (num, out_features, in_features)
+        self.register_buffer("weight", torch.empty(num, out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("weight_scale", torch.empty(num, out_features, dtype=torch.float32, device=device))
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        E, N, K = self.shape
+        out = torch.empty(E, N, K, dtype=dtype, device=self.weight.device)
+        for lo in range(0, E, DEQUANT_CHUNK):
+            hi = min(E, lo + DEQUANT_CHUNK)
+            out[lo:hi] = int8.dequantize_packed(self.weight[lo:hi], self.weight_scale[lo:hi], dtype)
+        return out
+
+
+LINEAR = {"nvfp4": NVFP4Linear, "int8": Int8Linear}
+
+
+def make_linear(fmt: str, in_features: int, out_features: int, device=None) -> nn.Module:
+    return LINEAR[fmt](in_features, out_features, device=device)
+
+
+def make_stack(fmt: str, num: int, out_features: int, in_features: int, segments: int = 1, device=None) -> nn.Module:
+    if fmt == "nvfp4":
+        return NVFP4Stack(num, out_features, in_features, segments, device=device)
+    return Int8Stack(num, out_features, in_features, device=device)
