@@ -41,8 +41,8 @@ def _root(
         raise typer.Exit(0)
 
 
-MODEL_HELP = ("Model directory (Hugging Face layout), or 'demo' for the bundled demo model. "
-              "Defaults to $DGEMMA_MODEL, then 'demo'.")
+MODEL_HELP = ("A model directory, a store name [OWNER/]NAME[:QUANT] (see `dgemma list`), or 'demo' for the "
+              "bundled demo model. Defaults to $DGEMMA_MODEL, then 'demo'.")
 
 
 def _read_prompt(prompt: Optional[str]) -> str:
@@ -210,6 +210,145 @@ def fim(
     else:
         sys.stdout.write(F.unified_diff(text, new, name))
     sys.stdout.flush()
+
+
+# ----------------------------------------------------------------------------- weights: pull, store, quantize
+
+
+def _note(message: str) -> None:
+    sys.stderr.write(f"dgemma: {message}\n")
+
+
+def _gb(n: int) -> str:
+    """Bytes in decimal units (1 GB = 1e9 bytes)."""
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+@app.command()
+def pull(
+    repo: str = typer.Argument("google/diffusiongemma-26B-A4B-it", help="Hub repository id (OWNER/NAME)."),
+    quant: str = typer.Option("auto", "--quant", help="auto (from free GPU memory), bf16, int8 or nvfp4."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Branch, tag or commit (default: main)."),
+    policy: str = typer.Option("experts", "--policy",
+                               help="What int8/nvfp4 quantize: experts (default) or all (+ attention, dense MLP)."),
+) -> None:
+    """Download a model from the Hub and quantize it into the store. HF_TOKEN, HF_HOME and HF_HUB_OFFLINE apply."""
+    from .errors import Interrupted
+    from .store import pull as do_pull
+
+    try:
+        entry = do_pull(repo, quant, revision, policy, progress=sys.stderr.isatty(), note=_note)
+    except KeyboardInterrupt:
+        raise Interrupted("interrupted; run the same command again to continue (finished files are kept)") from None
+    if entry is not None:
+        _note(f"stored {entry.name} ({_gb(entry.size)}) in {entry.path}")
+        sys.stdout.write(f"{entry.name}\n")
+
+
+@app.command("list")
+def list_models(as_json: bool = typer.Option(False, "--json", help="JSON Lines instead of a table.")) -> None:
+    """The models in the store."""
+    from .store import entries, store_root
+
+    found = entries()
+    if as_json:
+        for e in found:
+            sys.stdout.write(json.dumps({"name": e.name, "format": e.quant, "size": e.size, "path": str(e.path),
+                                         "revision": e.manifest["store"].get("revision")}) + "\n")
+        return
+    if not found:
+        _note(f"the store is empty ({store_root()}); `dgemma pull` fetches a model")
+        return
+    width = max(len(e.name) for e in found)
+    sys.stdout.write(f"{'NAME':<{width}}  {'SIZE':>9}  PATH\n")
+    for e in found:
+        sys.stdout.write(f"{e.name:<{width}}  {_gb(e.size):>9}  {e.path}\n")
+
+
+@app.command()
+def info(
+    model: str = typer.Argument(..., help="A store name, a model directory, or 'demo'."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object."),
+) -> None:
+    """Format, sizes, estimated GPU memory and location of a model."""
+    from .engine import resolve_model
+    from .store import describe
+
+    path = resolve_model(model)
+    if not path.is_dir():
+        from .errors import ModelError
+
+        raise ModelError(f"{path}: no such model directory")
+    d = describe(path)
+    if as_json:
+        sys.stdout.write(json.dumps(d) + "\n")
+        return
+    src = d["source"]
+    fmt = d["format"] + (f" (policy {d['policy']})" if d["policy"] != "none" else f" ({d['dtype_on_disk']} on disk)")
+    rows = [("path", d["path"]), ("format", fmt),
+            ("size on disk", _gb(d["size_on_disk"])), ("weights in memory", _gb(d["weights_in_memory"])),
+            ("GPU memory, 8k context", f"{_gb(d['gpu_memory_estimate_8k'])} (estimate)"),
+            ("shape", f"{d['layers']} layers, {d['experts']} experts, vocabulary {d['vocab']}")]
+    if src:
+        rows.append(("source", f"{src.get('repo')} @ {str(src.get('revision'))[:12]}"))
+    for k, v in rows:
+        sys.stdout.write(f"{k + ':':<24}{v}\n")
+
+
+@app.command()
+def rm(
+    model: str = typer.Argument(..., help="A store name [OWNER/]NAME[:QUANT]."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
+) -> None:
+    """Remove a model from the store (never touches directories outside it)."""
+    from .store import find, remove, store_root
+
+    found = find(model)
+    if not found:
+        raise UsageError(f"{model}: not in the store ({store_root()}); `dgemma list` shows what is there")
+    if len(found) > 1:
+        raise UsageError(f"{model} matches {', '.join(e.name for e in found)}; add :QUANT to choose")
+    entry = found[0]
+    if not yes:
+        if not sys.stdin.isatty():
+            raise UsageError(f"removing {entry.name} needs --yes when stdin is not a terminal")
+        sys.stderr.write(f"remove {entry.name} ({_gb(entry.size)}, {entry.path})? [y/N] ")
+        sys.stderr.flush()
+        if sys.stdin.readline().strip().lower() not in ("y", "yes"):
+            _note("nothing removed")
+            return
+    remove(entry)
+    _note(f"removed {entry.name}")
+
+
+@app.command()
+def quantize(
+    src: str = typer.Argument(..., help="An unquantized checkpoint: a directory or a store name."),
+    quant: str = typer.Option(..., "--quant", help="nvfp4 or int8."),
+    out: str = typer.Option(..., "--out", help="The new directory to write (must not exist)."),
+    policy: str = typer.Option("experts", "--policy", help="experts (default) or all (+ attention, dense MLP)."),
+    scales: str = typer.Option("auto", "--scales", help="auto, absmax or search (block scales chosen by error)."),
+    device: str = typer.Option("auto", "--device", help="Where to compute: cpu, cuda or auto."),
+) -> None:
+    """Quantize a local checkpoint, streaming and resumable: run it again after an interruption to continue."""
+    from pathlib import Path
+
+    from .errors import Interrupted
+
+    if scales not in ("auto", "absmax", "search"):
+        raise UsageError(f"--scales must be auto, absmax or search (got {scales!r})")
+    if device not in ("auto", "cpu", "cuda"):
+        raise UsageError(f"--device must be cpu, cuda or auto (got {device!r})")
+    from .engine import resolve_model
+    from .quantize import quantize_checkpoint
+
+    search = None if scales == "auto" else scales == "search"
+    try:
+        manifest = quantize_checkpoint(resolve_model(src), Path(out), quant, policy, search, device,
+                                       progress=sys.stderr.isatty(), note=_note)
+    except KeyboardInterrupt:
+        raise Interrupted("interrupted; run the same command again to continue where it stopped") from None
+    _note(f"wrote {out} ({quant}, policy {policy}, {_gb(manifest['total_bytes'])})")
 
 
 def _plain_progress(event) -> None:

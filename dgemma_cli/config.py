@@ -233,3 +233,21 @@ class GenerationSettings:
 
     def canvases_for(self, canvas_length: int) -> int:
         return math.ceil(self.max_new_tokens / canvas_length)
+
+
+# The published google/diffusiongemma-26B-A4B-it's shapes (DESIGN.md section 2), for sizes and benchmarks computed
+# or run without the download.
+DIFFUSIONGEMMA_26B_A4B = {
+    "model_type": "diffusion_gemma",
+    "canvas_length": 256,
+    "text_config": {
+        "vocab_size": 262144, "hidden_size": 2816, "intermediate_size": 2112, "moe_intermediate_size": 704,
+        "num_experts": 128, "top_k_experts": 8, "num_hidden_layers": 30, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 256, "num_global_key_value_heads": 2, "global_head_dim": 512,
+        "sliding_window": 1024, "max_position_embeddings": 262144, "final_logit_softcapping": 30.0,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "proportional", "rope_theta": 1000000.0, "partial_rotary_factor": 0.25},
+        },
+    },
+}

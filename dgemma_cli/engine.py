@@ -234,10 +234,12 @@ def _in_inference_mode(events: Iterator[Event]) -> Iterator[Event]:
 
 
 def resolve_model(model: str | Path) -> Path:
-    """'demo' is the bundled demo model; anything else is a local directory."""
-    if str(model) == "demo":
-        return DEMO_MODEL
-    return Path(model).expanduser()
+    """'demo' (the bundled demo model), a directory, or a name in the store (see store.py for the syntax)."""
+    if isinstance(model, Path):
+        return model
+    from .store import resolve
+
+    return resolve(model, DEMO_MODEL)
 
 
 def load(model: str | Path, device: str = "auto", dtype: str = "auto") -> Engine:

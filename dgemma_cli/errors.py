@@ -25,3 +25,9 @@ class ModelError(DgemmaError):
     """A model directory that is missing, not DiffusionGemma, or damaged."""
 
     exit_code = EXIT_RUNTIME
+
+
+class Interrupted(DgemmaError):
+    """Ctrl-C during work that can be resumed: the message says how."""
+
+    exit_code = EXIT_INTERRUPTED

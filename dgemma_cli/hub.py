@@ -42,7 +42,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import tqdm as hf_tqdm
 
 from .errors import DgemmaError
-from .weights import INDEX_FILE, SINGLE_FILE, TEXT_PREFIXES
+from .names import INDEX_FILE, SINGLE_FILE, TEXT_PREFIXES, text_shards
 
 CONFIG_FILE = "config.json"
 SMALL_FILES = (
@@ -135,7 +135,7 @@ def _text_shards(index: Path, repo_id: str) -> list[str]:
     """The shards of an index that hold at least one text-stack tensor, in index order."""
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
-        shards = list(dict.fromkeys(f for n, f in weight_map.items() if n.startswith(TEXT_PREFIXES)))
+        shards = text_shards(weight_map)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise DgemmaError(f"{repo_id}: {INDEX_FILE} is not a valid safetensors index") from None
     if not shards:

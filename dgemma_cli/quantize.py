@@ -18,6 +18,7 @@ No `input_scale` is written: dgemma computes with 16-bit activations and calibra
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -242,18 +243,29 @@ def plan(src: Path, fmt: str, policy: str, search: bool, device) -> tuple[list[S
 
 
 def quantize_checkpoint(src: Path, out: Path, fmt: str, policy: str = "experts", search: bool | None = None,
-                        device: str = "cpu", on_bytes: Callable[[int], None] = lambda n: None,
-                        on_note: Callable[[str], None] = lambda s: None) -> dict:
-    """Quantize `src` into the new directory `out` (resumable; see quant.convert). Returns the manifest."""
+                        device: str = "cpu", store_meta: dict | None = None, progress: bool = False,
+                        note: Callable[[str], None] = lambda s: None) -> dict:
+    """Quantize `src` into the new directory `out` (resumable; see quant.convert). Returns the manifest.
+
+    device: where the quantization arithmetic runs ('auto': CUDA when present); progress: a bar on stderr.
+    """
     out = Path(out)
     if out.exists():
         raise UsageError(f"{out} already exists; remove it or choose another --out")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     search = DEFAULT_SEARCH.get(fmt, False) if search is None else search
     shards, files, job = plan(src, fmt, policy, search, device)
-    try:
-        return write_checkpoint(out, shards, files, job, on_bytes, on_note)
-    except ConvertError as e:
-        raise ModelError(str(e)) from None
+    from tqdm import tqdm
+
+    total = sum(s.nbytes for s in shards)
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"quantizing to {fmt}", disable=not progress,
+              file=sys.stderr, dynamic_ncols=True) as bar:
+        try:
+            return write_checkpoint(out, shards, files, job, bar.update, note,
+                                    manifest_extra={"store": store_meta} if store_meta else None)
+        except ConvertError as e:
+            raise ModelError(str(e)) from None
 
 
 def total_bytes(src: Path, fmt: str, policy: str = "experts") -> int:

@@ -29,12 +29,8 @@ from quant import modules as qmodules
 
 from .config import ModelConfig
 from .errors import ModelError
+from .names import INDEX_FILE, SINGLE_FILE, TEXT_PREFIXES, text_shards
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-
-# Text-stack prefixes in the order they are preferred. The first one that holds the embedding wins.
-TEXT_PREFIXES = ("model.decoder.", "model.encoder.language_model.", "model.language_model.")
 ENCODER_SCALAR = "model.encoder.language_model.layers.{}.layer_scalar"
 
 _DTYPES = {
@@ -109,7 +105,7 @@ def checkpoint_files(directory: Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, ValueError, KeyError):
             raise ModelError(f"{index}: not a valid safetensors index") from None
-        files = sorted({d / f for f in weight_map.values()})
+        files = sorted({d / f for f in text_shards(weight_map)})  # vision-only shards may be absent
         missing = [f for f in files if not f.is_file()]
         if missing:
             raise ModelError(f"{d}: shard {missing[0].name} listed in {INDEX_FILE} is missing")

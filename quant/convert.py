@@ -144,11 +144,12 @@ def _write_shard(shard: Shard, path: Path, on_bytes: Callable[[int], None]) -> t
 
 def write_checkpoint(out: Path, shards: list[Shard], files: dict[str, bytes], job: dict,
                      on_bytes: Callable[[int], None] = lambda n: None,
-                     on_note: Callable[[str], None] = lambda s: None) -> dict:
+                     on_note: Callable[[str], None] = lambda s: None, manifest_extra: dict | None = None) -> dict:
     """Write (or finish writing) a sharded checkpoint at `out`; returns the manifest.
 
     files: small files to write beside the shards (config.json, tokenizer, ...). job: a JSON-able description of
-    what is being made; a partial output from a different job is discarded.
+    what is being made; a partial output from a different job is discarded. manifest_extra: more keys for the
+    manifest (not part of the job: it may differ between runs).
     """
     out = Path(out)
     if out.exists():
@@ -174,6 +175,8 @@ def write_checkpoint(out: Path, shards: list[Shard], files: dict[str, bytes], jo
         del done[name]
     _atomic_json(progress_path, {"job": job, "done": done})
 
+    for name in done:
+        on_bytes(done[name]["size"])  # progress counts what an earlier run wrote
     todo = [s for s in shards if s.filename not in done]
     need = sum(s.nbytes for s in todo) + sum(len(b) for b in files.values())
     free = shutil.disk_usage(work).free
@@ -198,7 +201,8 @@ def write_checkpoint(out: Path, shards: list[Shard], files: dict[str, bytes], jo
         for name, data in files.items():
             (work / name).write_bytes(data)
             entries[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        manifest = {"job": job, "files": entries, "total_bytes": sum(e["size"] for e in entries.values())}
+        manifest = dict(manifest_extra or {}, job=job, files=entries,
+                        total_bytes=sum(e["size"] for e in entries.values()))
         _atomic_json(work / MANIFEST, manifest)
         progress_path.unlink()
     except OSError as e:
@@ -217,6 +221,16 @@ def write_checkpoint(out: Path, shards: list[Shard], files: dict[str, bytes], jo
 def _discard(work: Path, keep: bool = False) -> None:
     if not keep:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def write_manifest(directory: Path, extra: dict) -> dict:
+    """Hash every file of a finished directory into its manifest (for outputs not made by write_checkpoint)."""
+    directory = Path(directory)
+    entries = {f.name: {"size": f.stat().st_size, "sha256": sha256_of(f)}
+               for f in sorted(directory.iterdir()) if f.is_file() and f.name != MANIFEST}
+    manifest = dict(extra, files=entries, total_bytes=sum(e["size"] for e in entries.values()))
+    _atomic_json(directory / MANIFEST, manifest)
+    return manifest
 
 
 def verify(directory: Path) -> dict:

@@ -1,0 +1,89 @@
+"""How many bytes a model takes, per format and policy, computed from its config's shapes (no weights needed).
+
+`weight_bytes`: the tensors dgemma keeps in memory (the text stack; quantized ones packed). `runtime_bytes`: an
+estimate of GPU memory for a run: weights, the KV cache at a context length, the sampler's canvas x vocab buffers,
+and for quantized experts the one layer that the PyTorch path dequantizes at a time. `choose_format` is what
+`--quant auto` uses. Everything here is arithmetic on shapes; figures from it are computed, not measured.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+
+FORMATS = ("bf16", "int8", "nvfp4")
+DENSE = ("self_attn", "mlp")
+RUNTIME_SLACK = 512 << 20  # CUDA context, allocator slack, small activations (a guess, not measured)
+
+
+def packed_bytes(fmt: str, n: int, k: int) -> int:
+    """Bytes of one [N, K] matrix in a format."""
+    if fmt == "nvfp4":
+        return n * k // 2 + n * k // 16 + 4  # codes, e4m3 block scales, global scale
+    if fmt == "int8":
+        return n * k + 4 * n  # codes, float32 row scales
+    return 2 * n * k
+
+
+def weight_bytes(cfg: ModelConfig, fmt: str, policy: str = "experts") -> dict[str, int]:
+    """Bytes by part: experts, dense (attention + dense MLP), embedding, other (router, norms, self-conditioning)."""
+    from .model import DiffusionGemma, Experts
+
+    with torch.device("meta"):
+        model = DiffusionGemma(cfg)
+    parts = {"experts": 0, "dense": 0, "embedding": 0, "other": 0}
+    counted = set()
+    for path, mod in model.named_modules():
+        if isinstance(mod, Experts):
+            E, two_i, H = mod.gate_up_proj.shape
+            parts["experts"] += E * (packed_bytes(fmt, two_i, H) + packed_bytes(fmt, H, two_i // 2))
+            counted.update({f"{path}.gate_up_proj", f"{path}.down_proj"})
+        elif isinstance(mod, torch.nn.Linear) and path.split(".")[-2] in DENSE:
+            q = fmt if policy == "all" else "bf16"
+            parts["dense"] += packed_bytes(q, mod.out_features, mod.in_features)
+            counted.add(f"{path}.weight")
+    for name, p in model.named_parameters():
+        if name in counted:
+            continue
+        parts["embedding" if name.startswith("embed_tokens") else "other"] += 2 * p.numel()
+    return parts
+
+
+def kv_cache_bytes(cfg: ModelConfig, context: int, batch: int = 1) -> int:
+    """bf16 K and V for every layer: sliding layers keep a window, full layers the whole context (+ a canvas)."""
+    t, C = cfg.text, cfg.canvas_length
+    total = 0
+    for spec in t.layers:
+        positions = (min(context, t.sliding_window - 1) if spec.is_sliding else context) + C
+        total += 2 * batch * positions * spec.num_kv_heads * spec.head_dim * 2
+    return total
+
+
+def runtime_bytes(cfg: ModelConfig, fmt: str, policy: str = "experts", context: int = 8192, batch: int = 1) -> int:
+    t, C = cfg.text, cfg.canvas_length
+    weights = sum(weight_bytes(cfg, fmt, policy).values())
+    canvas = 4 * batch * C * t.vocab_size * 4  # three sampler buffers and the logits, float32
+    unpacked = 0 if fmt == "bf16" else 2 * t.num_experts * 3 * t.moe_intermediate_size * t.hidden_size
+    return weights + kv_cache_bytes(cfg, context, batch) + canvas + unpacked + RUNTIME_SLACK
+
+
+def choose_format(cfg: ModelConfig, free: int, context: int = 8192) -> str | None:
+    """The least lossy format whose estimate at `context` fits in `free` bytes, or None when none does."""
+    for fmt in FORMATS:
+        if runtime_bytes(cfg, fmt, context=context) <= free:
+            return fmt
+    return None
+
+
+def free_memory() -> tuple[int, str]:
+    """(bytes, where): free memory of the first CUDA device, else available system memory."""
+    if torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info(0)
+        return free, f"GPU {torch.cuda.get_device_name(0)}"
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024, "system memory (no CUDA GPU found)"
+    except (OSError, KeyError, ValueError):
+        return 0, "unknown memory"

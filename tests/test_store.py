@@ -1,0 +1,290 @@
+"""`dgemma pull / list / info / rm / quantize` through the command line, against a local fake Hub.
+
+The converter's promises are checked here: interrupted and rerun it continues (same bytes as one uninterrupted
+run), a full disk or a bad source leaves nothing half-made, a model already in the store is not pulled again.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from fake_hub import fake_hub, serve_directory  # noqa: F401  (the fixture)
+from safetensors.torch import load_file, save_file
+
+import quant.convert as convert
+from cli_helpers import run_main
+from dgemma_cli import footprint, store
+from dgemma_cli.config import ModelConfig
+from test_quantized import write_modelopt_checkpoint
+
+REPO = "acme/tiny-dgemma"
+
+
+def one_error_line(capsys) -> str:
+    cap = capsys.readouterr()
+    lines = cap.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dgemma: error: "), cap.err
+    assert "Traceback" not in cap.err
+    return lines[0]
+
+
+def sharded_with_vision(src: Path, out: Path) -> Path:
+    """The checkpoint split as the published one is: text shard(s) and a shard holding only the vision tower."""
+    out.mkdir()
+    tensors = load_file(src / "model.safetensors")
+    text = {k: v for k, v in tensors.items() if not k.startswith("model.encoder.vision")}
+    vision = {k: v for k, v in tensors.items() if k.startswith("model.encoder.vision")}
+    assert vision
+    save_file(text, out / "model-00001-of-00002.safetensors")
+    save_file(vision, out / "model-00002-of-00002.safetensors")
+    weight_map = {k: "model-00001-of-00002.safetensors" for k in text}
+    weight_map.update({k: "model-00002-of-00002.safetensors" for k in vision})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+@pytest.fixture
+def served(fake_hub, checkpoints, tmp_path):  # noqa: F811
+    serve_directory(fake_hub, REPO, sharded_with_vision(checkpoints["five_to_one"], tmp_path / "repo"))
+    return fake_hub
+
+
+def test_pull_quantizes_into_the_store_and_the_name_runs(served, capsys):
+    assert run_main(["pull", REPO, "--quant", "int8"]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() == f"{REPO}:int8"
+    assert not served.file_requests("model-00002-of-00002.safetensors")  # the vision shard is never fetched
+    (entry,) = store.entries()
+    assert entry.quant == "int8" and entry.path == store.entry_dir(REPO, "int8")
+    assert convert.verify(entry.path)["store"]["repo"] == REPO
+
+    assert run_main(["list"]) == 0
+    assert f"{REPO}:int8" in capsys.readouterr().out
+    assert run_main(["info", "tiny-dgemma"]) == 0  # a short store name works when one entry matches
+    info = capsys.readouterr().out
+    assert "int8" in info and str(entry.path) in info and "GPU memory" in info
+    for name in (f"{REPO}:int8", "tiny-dgemma:int8", str(entry.path)):
+        assert run_main(["run", "--model", name, "--raw", "--seed", "1", "--max-new-tokens", "4", "--device", "cpu",
+                         "--view", "none", "hi"]) == 0
+
+    # already there: nothing is downloaded, and it says so
+    served.clear()
+    assert run_main(["pull", REPO, "--quant", "int8"]) == 0
+    assert "already in the store" in capsys.readouterr().err
+    assert not [r for r in served.requests if "/resolve/" in r.path]
+
+    assert run_main(["rm", f"{REPO}:int8", "--yes"]) == 0
+    assert store.entries() == [] and not entry.path.exists()
+
+
+def test_pull_bf16_links_the_download_and_loads(served, capsys):
+    assert run_main(["pull", REPO, "--quant", "bf16"]) == 0
+    (entry,) = store.entries()
+    names = {p.name for p in entry.path.iterdir()}
+    assert "model-00001-of-00002.safetensors" in names and "model-00002-of-00002.safetensors" not in names
+    index = json.loads((entry.path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {"model-00001-of-00002.safetensors"}
+    assert run_main(["run", "--model", f"{REPO}:bf16", "--raw", "--seed", "1", "--max-new-tokens", "4",
+                     "--device", "cpu", "--view", "none", "hi"]) == 0
+
+
+def test_pull_auto_picks_by_free_memory(served, monkeypatch, capsys, checkpoints):
+    cfg = ModelConfig.from_dir(checkpoints["five_to_one"])
+    need = {f: footprint.runtime_bytes(cfg, f) for f in footprint.FORMATS}
+    assert need["nvfp4"] < need["int8"] < need["bf16"]
+    assert footprint.choose_format(cfg, need["bf16"]) == "bf16"
+    assert footprint.choose_format(cfg, need["bf16"] - 1) == "int8"
+    assert footprint.choose_format(cfg, need["int8"] - 1) == "nvfp4"
+    assert footprint.choose_format(cfg, need["nvfp4"] - 1) is None
+    monkeypatch.setattr(footprint, "free_memory", lambda: (need["int8"] + 1, "a test GPU"))
+    assert run_main(["pull", REPO]) == 0
+    assert "--quant auto: int8" in capsys.readouterr().err
+    assert [e.quant for e in store.entries()] == ["int8"]
+    assert run_main(["pull", REPO]) == 0  # auto and an entry of this repo present: nothing to do
+    assert "already in the store" in capsys.readouterr().err
+
+
+def test_published_nvfp4_is_stored_as_published(fake_hub, checkpoints, tmp_path, capsys):  # noqa: F811
+    write_modelopt_checkpoint(checkpoints["five_to_one"], tmp_path / "published")
+    serve_directory(fake_hub, "vendor/tiny-NVFP4", tmp_path / "published")
+    assert run_main(["pull", "vendor/tiny-NVFP4", "--quant", "int8"]) == 2
+    assert "published in nvfp4" in one_error_line(capsys)
+    assert run_main(["pull", "vendor/tiny-NVFP4"]) == 0
+    (entry,) = store.entries()
+    assert entry.quant == "nvfp4" and entry.manifest["store"]["published"] is True
+    assert run_main(["run", "--model", "vendor/tiny-NVFP4", "--raw", "--max-new-tokens", "4", "--device", "cpu",
+                     "--view", "none", "hi"]) == 0
+
+
+def test_interrupted_pull_keeps_finished_files(fake_hub, checkpoints, tmp_path, capsys):  # noqa: F811
+    repo = sharded_with_vision(checkpoints["five_to_one"], tmp_path / "repo")
+    serve_directory(fake_hub, REPO, repo)
+    fake_hub.cut_get(REPO, "model-00001-of-00002.safetensors", after=100, times=50)  # the weights never arrive
+    fake_hub.clear()
+    assert run_main(["pull", REPO, "--quant", "bf16"]) == 1
+    assert "cannot reach the Hub" in one_error_line(capsys)
+    assert store.entries() == []
+    first_run = [r for r in fake_hub.requests if r.method == "GET" and "/resolve/" in r.path]
+    assert len(first_run) > 3  # small files, then the shard tried again and again
+    fake_hub.repos[REPO].cuts.clear()  # the connection is back
+    fake_hub.clear()
+    assert run_main(["pull", REPO, "--quant", "bf16"]) == 0
+    fetched = [r.path.rsplit("/", 1)[-1] for r in fake_hub.requests if r.method == "GET" and "/resolve/" in r.path]
+    assert fetched == ["model-00001-of-00002.safetensors"]  # config, tokenizer, index: kept from the first run
+
+
+def test_pull_errors_are_one_line(fake_hub, served, monkeypatch, capsys):  # noqa: F811
+    assert run_main(["pull", "not a repo"]) == 2
+    assert "not a repository id" in one_error_line(capsys)
+    assert run_main(["pull", REPO, "--quant", "fp8"]) == 2
+    one_error_line(capsys)
+    assert run_main(["pull", "acme/missing"]) == 1
+    assert "no such model" in one_error_line(capsys)
+    from fake_hub import set_offline
+
+    set_offline(monkeypatch, True)
+    assert run_main(["pull", REPO, "--quant", "int8"]) == 1
+    assert "offline" in one_error_line(capsys)
+
+
+def test_gated_repo_needs_a_token(fake_hub, checkpoints, tmp_path, monkeypatch, capsys):  # noqa: F811
+    serve_directory(fake_hub, "google/gated-tiny", sharded_with_vision(checkpoints["five_to_one"], tmp_path / "r"),
+                    gated_token="hf_secret")
+    assert run_main(["pull", "google/gated-tiny", "--quant", "int8"]) == 1
+    msg = one_error_line(capsys)
+    assert "gated" in msg and "HF_TOKEN" in msg and "license" in msg
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    assert run_main(["pull", "google/gated-tiny", "--quant", "int8"]) == 0
+
+
+def test_model_names_resolve_or_say_how(checkpoints, capsys):
+    assert run_main(["info", "acme/absent:nvfp4"]) == 1
+    msg = one_error_line(capsys)
+    assert "dgemma pull acme/absent --quant nvfp4" in msg
+    assert run_main(["info", "./no/such/dir"]) == 1
+    assert "no such model directory" in one_error_line(capsys)
+    assert run_main(["info", "demo"]) == 0
+    assert "unquantized (float32 on disk)" in capsys.readouterr().out
+    assert run_main(["rm", str(checkpoints["five_to_one"]), "--yes"]) == 2  # never a directory outside the store
+    assert "not in the store" in one_error_line(capsys)
+    assert Path(checkpoints["five_to_one"], "config.json").is_file()
+
+
+# ----------------------------------------------------------------------------- dgemma quantize
+
+
+def shard_bytes(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.suffix == ".safetensors"}
+
+
+def test_quantize_interrupted_then_rerun_continues_with_the_same_bytes(checkpoints, tmp_path, monkeypatch, capsys):
+    src = checkpoints["five_to_one"]
+    whole = tmp_path / "whole"
+    assert run_main(["quantize", str(src), "--quant", "nvfp4", "--out", str(whole)]) == 0
+    capsys.readouterr()
+
+    real = convert._write_shard
+    calls = []
+    interrupt = [True]
+
+    def flaky(shard, path, on_bytes):
+        calls.append(shard.filename)
+        if len(calls) == 3 and interrupt and interrupt.pop():
+            raise KeyboardInterrupt  # Ctrl-C while the third shard is being written
+        return real(shard, path, on_bytes)
+
+    monkeypatch.setattr(convert, "_write_shard", flaky)
+    out = tmp_path / "q"
+    assert run_main(["quantize", str(src), "--quant", "nvfp4", "--out", str(out)]) == 130
+    assert "run the same command again" in one_error_line(capsys)
+    assert not out.exists()
+    progress = json.loads((tmp_path / "q.partial" / convert.PROGRESS).read_text())
+    assert sorted(progress["done"]) == sorted(calls[:2])
+
+    calls.clear()
+    assert run_main(["quantize", str(src), "--quant", "nvfp4", "--out", str(out)]) == 0
+    assert "resuming: 2 of" in capsys.readouterr().err
+    assert len(calls) == len(shard_bytes(whole)) - 2  # the two finished shards were not written again
+    assert shard_bytes(out) == shard_bytes(whole)
+    assert not (tmp_path / "q.partial").exists()
+    convert.verify(out)
+
+
+def test_quantize_rerun_after_kill_rewrites_the_unfinished_shard(checkpoints, tmp_path, capsys):
+    """What a killed process leaves: finished shards recorded, one .tmp half written, nothing recorded for it."""
+    src, out = checkpoints["five_to_one"], tmp_path / "q"
+    assert run_main(["quantize", str(src), "--quant", "int8", "--out", str(out)]) == 0
+    reference = shard_bytes(out)
+    manifest = json.loads((out / convert.MANIFEST).read_text())
+    # rebuild the partial directory a kill during shard 3 leaves behind
+    partial = tmp_path / "q2.partial"
+    partial.mkdir()
+    names = sorted(reference)
+    done = {n: manifest["files"][n] for n in names[:2]}
+    for n in names[:2]:
+        (partial / n).write_bytes(reference[n])
+    (partial / (names[2] + ".tmp")).write_bytes(reference[names[2]][:100])
+    (partial / convert.PROGRESS).write_text(json.dumps({"job": manifest["job"], "done": done}))
+    out2 = tmp_path / "q2"
+    assert run_main(["quantize", str(src), "--quant", "int8", "--out", str(out2)]) == 0
+    assert shard_bytes(out2) == reference
+    assert not any(p.name.endswith(".tmp") for p in out2.iterdir())
+
+
+def test_quantize_full_disk_leaves_nothing(checkpoints, tmp_path, monkeypatch, capsys):
+    work = tmp_path / "work"
+    work.mkdir()
+    src, out = checkpoints["five_to_one"], work / "q"
+    real = convert._write_shard
+
+    def full(shard, path, on_bytes):
+        if shard.filename.startswith("model-00002"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(shard, path, on_bytes)
+
+    monkeypatch.setattr(convert, "_write_shard", full)
+    assert run_main(["quantize", str(src), "--quant", "int8", "--out", str(out)]) == 1
+    assert "disk full" in one_error_line(capsys)
+    assert list(work.iterdir()) == []
+
+    # not enough space from the start: refused before anything is written
+    monkeypatch.setattr(convert, "_write_shard", real)
+    monkeypatch.setattr(convert.shutil, "disk_usage", lambda p: type("U", (), {"free": 1000})())
+    assert run_main(["quantize", str(src), "--quant", "int8", "--out", str(out)]) == 1
+    assert "not enough disk space" in one_error_line(capsys)
+    assert list(work.iterdir()) == []
+
+
+def test_quantize_bad_sources_are_refused_before_writing(checkpoints, tmp_path, capsys):
+    src = checkpoints["five_to_one"]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in src.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    config = json.loads((bad / "config.json").read_text())
+    config["text_config"]["moe_intermediate_size"] = 48  # the tensors say 32
+    (bad / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    assert run_main(["quantize", str(bad), "--quant", "nvfp4", "--out", str(out)]) == 1
+    assert "has shape" in one_error_line(capsys)
+    assert not out.exists() and not (tmp_path / "out.partial").exists()
+
+    q = tmp_path / "q"
+    assert run_main(["quantize", str(src), "--quant", "int8", "--out", str(q)]) == 0
+    capsys.readouterr()
+    assert run_main(["quantize", str(q), "--quant", "nvfp4", "--out", str(tmp_path / "qq")]) == 2
+    assert "already quantized" in one_error_line(capsys)
+    assert run_main(["quantize", str(src), "--quant", "int8", "--out", str(q)]) == 2
+    assert "already exists" in one_error_line(capsys)
+    assert run_main(["quantize", str(src), "--quant", "int4", "--out", str(tmp_path / "x")]) == 2
+    one_error_line(capsys)
+    assert run_main(["quantize", str(checkpoints["alternating"]), "--quant", "nvfp4", "--out",
+                     str(tmp_path / "y")]) == 2  # moe_intermediate_size 24 does not split into 16-wide blocks
+    assert "multiples of 16" in one_error_line(capsys)
