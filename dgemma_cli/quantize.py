@@ -31,8 +31,8 @@ from . import __version__
 from .config import ModelConfig
 from .errors import ModelError, UsageError
 from .weights import (
-    DGEMMA_INT8_VERSION, TensorRecord, _checked, checkpoint_files, checkpoint_name, expected_tensors, expert_base,
-    index_checkpoint, read_converted, read_quant_format, text_prefix,
+    DGEMMA_INT8_VERSION, TensorRecord, checked_record, checkpoint_files, checkpoint_name, expected_tensors,
+    expert_base, index_checkpoint, read_converted, read_quant_format, text_prefix,
 )
 
 POLICIES = ("experts", "all")
@@ -87,7 +87,8 @@ def linear_group(fmt: str, base: str, rec: TensorRecord, search: bool, device) -
         outputs = _nvfp4_outputs(base, n, k)
         produce = lambda: _nvfp4_pieces(nvfp4.quantize(read_converted(rec, torch.float32, device), search=search))
     else:
-        outputs = [OutTensor(f"{base}.weight", torch.int8, (n, k)), OutTensor(f"{base}.weight_scale", torch.float32, (n,))]
+        outputs = [OutTensor(f"{base}.weight", torch.int8, (n, k)),
+                   OutTensor(f"{base}.weight_scale", torch.float32, (n,))]
 
         def produce():
             q = int8.quantize(read_converted(rec, torch.float32, device), search=search)
@@ -177,7 +178,7 @@ def plan(src: Path, fmt: str, policy: str, search: bool, device) -> tuple[list[S
         if rec is None and name.startswith("encoder_layer_scalar."):
             ck = checkpoint_name("decoder_" + name[len("encoder_"):], prefix)
             rec = records.get(ck)
-        return ck, _checked(records, ck, expected[name], None, rec)
+        return ck, checked_record(records, ck, expected[name], None, rec)
 
     if fmt == "nvfp4":  # every quantized input dimension must split into 16-wide blocks
         t = cfg.text
@@ -210,7 +211,8 @@ def plan(src: Path, fmt: str, policy: str, search: bool, device) -> tuple[list[S
             written.update({f"{path}.gate_up_proj", f"{path}.down_proj"})
         elif path in quantized_linears and getattr(mod, "weight", None) is not None:
             ck, rec = source(f"{path}.weight")
-            by_shard.setdefault(shard_of(path), []).append(linear_group(fmt, ck[: -len(".weight")], rec, search, device))
+            group = linear_group(fmt, ck[: -len(".weight")], rec, search, device)
+            by_shard.setdefault(shard_of(path), []).append(group)
             written.add(f"{path}.weight")
     seen = set()
     for name in expected:

@@ -126,29 +126,27 @@ def describe(path: Path) -> dict:
     """What `dgemma info` prints about a model directory: format, policy, sizes, source."""
     from .config import ModelConfig
     from .footprint import runtime_bytes, weight_bytes
-    from .weights import checkpoint_files, read_quant_format
+    from .weights import checkpoint_files, index_checkpoint, read_quant_format, text_prefix
 
-    raw = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
     cfg = ModelConfig.from_dir(path)
+    raw = json.loads((path / "config.json").read_text())
     quantized = read_quant_format(path, raw)
-    fmt = quantized or "bf16"  # sizes in memory: unquantized weights are held in bf16 on a GPU
     qc = raw.get("quantization_config") or {}
     policy = (qc.get("dgemma") or {}).get("policy") or ("experts" if quantized else "none")
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError):
-        manifest = {}
-    on_disk = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-    weights = sum(f.stat().st_size for f in checkpoint_files(path))
-    est = runtime_bytes(cfg, fmt, policy if policy in ("experts", "all") else "experts")
-    from .weights import index_checkpoint, text_prefix
-
+    fmt = quantized or "bf16"  # sizes in memory: unquantized weights are held in bf16 on a GPU
+    sized_as = policy if policy == "all" else "experts"
     records = index_checkpoint(path)
     stored = str(records[text_prefix(records) + "embed_tokens.weight"].dtype).replace("torch.", "")
-    return {"path": str(path), "format": quantized or "unquantized", "dtype_on_disk": stored, "policy": policy, "size_on_disk": on_disk, "weights_on_disk": weights,
-            "weights_in_memory": sum(weight_bytes(cfg, fmt, policy if policy == "all" else "experts").values()),
-            "gpu_memory_estimate_8k": est, "source": manifest.get("store", {}), "layers": cfg.text.num_hidden_layers,
-            "experts": cfg.text.num_experts, "vocab": cfg.text.vocab_size}
+    try:
+        source = json.loads((path / MANIFEST).read_text()).get("store", {})
+    except (OSError, ValueError):
+        source = {}
+    return {"path": str(path), "format": quantized or "unquantized", "dtype_on_disk": stored, "policy": policy,
+            "size_on_disk": sum(f.stat().st_size for f in path.iterdir() if f.is_file()),
+            "weights_on_disk": sum(f.stat().st_size for f in checkpoint_files(path)),
+            "weights_in_memory": sum(weight_bytes(cfg, fmt, sized_as).values()),
+            "gpu_memory_estimate_8k": runtime_bytes(cfg, fmt, sized_as), "source": source,
+            "layers": cfg.text.num_hidden_layers, "experts": cfg.text.num_experts, "vocab": cfg.text.vocab_size}
 
 
 def remove(entry: Entry) -> None:

@@ -358,13 +358,13 @@ def load_model(directory: Path, device: str | torch.device = "cpu", dtype: torch
     for name, meta in expected.items():
         if name.rsplit(".", 2)[0] in per_expert:  # ModelOpt: one tensor per expert and projection, stacked here
             parts = per_expert_parts(name, meta, expert_base(int(name.split(".")[1]), prefix))
-            plan[name] = [(_checked(records, ck, meta, idx), idx) for ck, idx in parts]
+            plan[name] = [(checked_record(records, ck, meta, idx), idx) for ck, idx in parts]
             continue
         ck = checkpoint_name(name, prefix)
         rec = records.get(ck)
         if rec is None and name.startswith("encoder_layer_scalar."):  # some exports store one set of scalars
             rec = records.get(checkpoint_name("decoder_" + name[len("encoder_"):], prefix))
-        plan[name] = [(_checked(records, ck, meta, None, rec), None)]
+        plan[name] = [(checked_record(records, ck, meta, None, rec), None)]
 
     files = MappedFiles()
     state = {}
@@ -396,7 +396,7 @@ def load_model(directory: Path, device: str | torch.device = "cpu", dtype: torch
     return model, cfg
 
 
-def _checked(records: dict[str, TensorRecord], ck: str, meta: torch.Tensor, idx: tuple | None,
+def checked_record(records: dict[str, TensorRecord], ck: str, meta: torch.Tensor, idx: tuple | None,
              rec: TensorRecord | None = None) -> TensorRecord:
     """The record for `ck`, checked against what the model expects there (a whole tensor, or meta[idx])."""
     rec = rec if rec is not None else records.get(ck)

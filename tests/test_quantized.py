@@ -108,7 +108,8 @@ def test_converter_output_is_complete_and_verified(quantized, checkpoints, fmt, 
                 assert tensors[f"{base}.{e}.{proj}.weight_scale"].dtype == torch.float8_e4m3fn
                 assert tensors[f"{base}.{e}.{proj}.weight_scale_2"].shape == ()
             # gate and up share their global scale
-            assert torch.equal(tensors[f"{base}.{e}.gate_proj.weight_scale_2"], tensors[f"{base}.{e}.up_proj.weight_scale_2"])
+            assert torch.equal(tensors[f"{base}.{e}.gate_proj.weight_scale_2"],
+                               tensors[f"{base}.{e}.up_proj.weight_scale_2"])
     else:
         assert tensors[f"{base}.gate_up_proj.weight"].dtype == torch.int8
         assert tensors[f"{base}.gate_up_proj.weight_scale"].shape == (8, 64)
