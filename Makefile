@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test bench demo venv clean
+.PHONY: test bench bench-gpu demo venv clean
 
 venv: $(STAMP)
 
@@ -24,6 +24,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) scripts/bench_cpu.py
+
+# The prepared GPU check, for a machine with CUDA: the kernel tests compiled for the GPU, then the benchmark table on
+# the real 26B-A4B shapes. It runs under that machine's own python3 (torch, triton, transformers), installing nothing.
+bench-gpu:
+	PYTHONPATH=. PYTHONUNBUFFERED=1 python3 scripts/bench_gpu.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -351,6 +351,27 @@ def quantize(
     _note(f"wrote {out} ({quant}, policy {policy}, {_gb(manifest['total_bytes'])})")
 
 
+@app.command()
+def bench(
+    config: str = typer.Option("mid", "--config", help="real (26B-A4B shapes), mid, tiny, or a model directory."),
+    fmt: str = typer.Option("nvfp4", "--format", help="bf16, int8 or nvfp4 (random weights in that format)."),
+    policy: str = typer.Option("experts", "--policy", help="What int8/nvfp4 cover: experts or all."),
+    batch: int = typer.Option(1, "--batch", help="Rows generated together."),
+    prompt: int = typer.Option(512, "--prompt", help="Prompt tokens per row."),
+    steps: int = typer.Option(16, "--steps", help="Denoising steps per canvas (fixed)."),
+    canvases: int = typer.Option(1, "--canvases", help="Canvases per row."),
+    device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
+    dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto."),
+    compare: Optional[str] = typer.Option(None, "--compare", help="'transformers': also time the reference."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object."),
+) -> None:
+    """Time the denoise step on random weights (no download) against the weight-read floor."""
+    from .bench import as_dict, run_bench
+
+    result = run_bench(config, fmt, policy, batch, prompt, steps, canvases, device, dtype, compare)
+    sys.stdout.write((json.dumps(as_dict(result)) if as_json else result.table()) + "\n")
+
+
 def _plain_progress(event) -> None:
     """--view plain: one line per finished canvas on stderr."""
     from .sampler import CanvasDone

@@ -10,6 +10,7 @@ The engine joins the pieces (weights, network, tokenizer, sampler) and owns noth
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -45,6 +46,16 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def check_kernels(device: torch.device) -> None:
+    """DGEMMA_KERNELS must name an implementation that can run on `device` (one line if not)."""
+    from quant.kernels import use_triton
+
+    try:
+        use_triton(device)
+    except (ValueError, RuntimeError) as e:
+        raise UsageError(str(e)) from None
+
+
 class ModelDenoiser:
     """The sampler's view of the network: one batch, one static KV cache."""
 
@@ -64,6 +75,47 @@ class ModelDenoiser:
 
     def denoise(self, canvas: torch.Tensor, sc_probs: torch.Tensor | None, out: torch.Tensor) -> None:
         self.model.denoise(canvas, self.cache, self.ctx, sc_probs=sc_probs, out=out)
+
+
+class GraphedDenoiser(ModelDenoiser):
+    """CUDA: each canvas's denoise forward is captured as a CUDA graph on its first use and replayed after.
+
+    Within a canvas every input has a fixed shape and address: the canvas ids are copied into a static tensor, the
+    self-conditioning probabilities and the logits live in the sampler's buffers, the cache's scratch slots and the
+    `DenoiseContext` do not move. Two graphs per canvas: the first step (no self-conditioning) and the rest. The
+    context changes when a canvas is appended, so graphs are made per canvas (a capture costs about one step).
+    The sampler's epilogue and acceptance run outside the graph. DGEMMA_EAGER=1 keeps the plain path.
+    """
+
+    def start_canvas(self) -> None:
+        super().start_canvas()
+        self.graphs: dict[bool, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def denoise(self, canvas: torch.Tensor, sc_probs: torch.Tensor | None, out: torch.Tensor) -> None:
+        key = sc_probs is not None
+        if key in self.graphs:
+            graph, static = self.graphs[key]
+            static.copy_(canvas)
+            graph.replay()
+            return
+        static = canvas.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up run (also this step's result), off the capture
+            super().denoise(static, sc_probs, out)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            super().denoise(static, sc_probs, out)
+        self.graphs[key] = (graph, static)
+        # the capture recorded work without running it; `out` still holds the warm-up's logits
+
+
+def make_denoiser(model: DiffusionGemma, batch: int, capacity: int) -> ModelDenoiser:
+    """The graphed denoiser on CUDA (unless DGEMMA_EAGER=1), the plain one elsewhere."""
+    if model.device.type == "cuda" and os.environ.get("DGEMMA_EAGER", "") != "1":
+        return GraphedDenoiser(model, batch, capacity)
+    return ModelDenoiser(model, batch, capacity)
 
 
 @dataclass
@@ -149,7 +201,7 @@ class Engine:
             valid = torch.tensor([[False] * (T - len(x)) + [True] * len(x) for x in ids], device=dev)
         if seed is not None:
             torch.manual_seed(seed)
-        denoiser = ModelDenoiser(self.model, len(ids), capacity)
+        denoiser = make_denoiser(self.model, len(ids), capacity)
         yield from _in_inference_mode(generate_events(denoiser, batch, settings, valid))
 
     def infill_events(self, prefix: str, suffix: str, *, held_tokens: int = 8, seed: int | None = None,
@@ -172,7 +224,7 @@ class Engine:
         dev = self.model.device
         if seed is not None:
             torch.manual_seed(seed)
-        denoiser = ModelDenoiser(self.model, 1, capacity)
+        denoiser = make_denoiser(self.model, 1, capacity)
         batch = torch.tensor([prefix_ids], dtype=torch.long, device=dev)
         held_t = torch.tensor([held], dtype=torch.long, device=dev) if held else None
         yield from _in_inference_mode(generate_events(denoiser, batch, settings, None, held=held_t))
@@ -251,6 +303,7 @@ def load(model: str | Path, device: str = "auto", dtype: str = "auto") -> Engine
         raise ModelError(f"{path}: not a directory")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    check_kernels(dev)
     net, cfg = load_model(path, device=dev, dtype=dt)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
     settings = GenerationSettings.from_checkpoint(path, cfg.text)

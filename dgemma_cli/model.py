@@ -6,8 +6,9 @@
 Rules this file keeps: it knows tensors, not tokens or text; every projection is a module called as
 `proj(x)` and the routed experts a module called as `experts(x, top_k_index, top_k_weights)`, so a quantized
 implementation can replace either (the seam for `quant/`). The denoise step's inputs are fixed-shape tensors
-prepared once per canvas (`DenoiseContext`), the groundwork for capturing it in a CUDA graph; it still makes small
-host-side tensors (embedding scale) and, without torch's grouped matmul, a host sync per MoE layer.
+prepared once per canvas (`DenoiseContext`) and it makes no host round trip (expert counts by scatter-add, the
+embedding scale made once), so engine.py can capture it in a CUDA graph; only the fallback without torch's grouped
+matmul (CPU float16, old GPUs) syncs once per MoE layer.
 Numerics follow the reference implementation op for op (float32 norms, router and logits).
 """
 
@@ -196,6 +197,12 @@ def _grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
             and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
 
 
+def expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert [E] (int64). A scatter-add, not torch.bincount: on CUDA bincount reads its input's
+    maximum back to the host, which a CUDA graph cannot capture."""
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Rows of x [S, K] grouped by expert (group e ends at offsets[e]) times each group's w[e] [N, K]^T -> [S, N].
 
@@ -239,7 +246,7 @@ class Experts(nn.Module):
         # Group by expert with the reference's own sort call: BLAS results depend on where a row sits in its block,
         # so the same permutation is what keeps the bits identical.
         order = torch.sort(flat).indices
-        offsets = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0).to(torch.int32)
+        offsets = torch.cumsum(expert_counts(flat, self.num_experts), 0).to(torch.int32)
         gate_up, down = self.weights(x.dtype)
         gate, up = grouped_linear(x[order // K], gate_up, offsets).chunk(2, dim=-1)  # [N*K, I] each
         ys = grouped_linear(gelu_tanh(gate) * up, down, offsets)  # [N*K, H], grouped by expert
@@ -251,8 +258,9 @@ class Experts(nn.Module):
 
 class QuantizedExperts(Experts):
     """Routed experts held packed: `gate_up_proj` and `down_proj` are modules with `dequantize(dtype)` giving
-    [E, 2I, H] and [E, H, I] (e.g. `quant.modules.NVFP4Stack`). This layer's experts are dequantized just before
-    use and dropped after, so only one layer's worth is ever unpacked."""
+    [E, 2I, H] and [E, H, I] (e.g. `quant.modules.NVFP4Stack`), and optionally `fused_experts(down, x, index,
+    weights)` (a fused kernel; None when it does not apply). Otherwise this layer's experts are dequantized just
+    before use and dropped after, so only one layer's worth is ever unpacked."""
 
     def __init__(self, num_experts: int, gate_up_proj: nn.Module, down_proj: nn.Module):
         nn.Module.__init__(self)
@@ -262,6 +270,12 @@ class QuantizedExperts(Experts):
 
     def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gate_up_proj.dequantize(dtype), self.down_proj.dequantize(dtype)
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The fused kernels when the packed modules provide them for x's device, else the reference path."""
+        fused = getattr(self.gate_up_proj, "fused_experts", None)
+        y = fused(self.down_proj, x, top_k_index, top_k_weights) if fused is not None else None
+        return super().forward(x, top_k_index, top_k_weights) if y is None else y
 
 
 class Layer(nn.Module):
@@ -402,9 +416,15 @@ class DiffusionGemma(nn.Module):
         return self.embed_tokens.weight.device
 
     def embed_scale(self) -> torch.Tensor:
-        """sqrt(hidden) rounded to the weight dtype, as the reference's scaled embedding holds it."""
+        """sqrt(hidden) rounded to the weight dtype, as the reference's scaled embedding holds it. Made once per
+        device and dtype (a host-to-device copy cannot happen inside a captured CUDA graph)."""
         w = self.embed_tokens.weight
-        return torch.tensor(self.cfg.text.hidden_size**0.5, dtype=torch.float32).to(w.dtype).to(w.device)
+        key = (w.device, w.dtype)
+        cached = self.__dict__.get("_embed_scale")
+        if cached is None or cached[0] != key:
+            value = torch.tensor(self.cfg.text.hidden_size**0.5, dtype=torch.float32).to(w.dtype).to(w.device)
+            self.__dict__["_embed_scale"] = cached = (key, value)
+        return cached[1]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.embed_tokens.weight) * self.embed_scale()
@@ -514,6 +534,20 @@ class DiffusionGemma(nn.Module):
         return DenoiseContext(cos={k: c for k, (c, _) in rope.items()}, sin={k: s for k, (_, s) in rope.items()},
                               mask=mask, keys=keys)
 
+    def soft_embedding(self, probs: torch.Tensor, rows_at_once: int = 64) -> torch.Tensor:
+        """Self-conditioning input: probs [R, V] (float32) @ embedding [V, H] * sqrt(H) -> [R, H].
+
+        When the weights are in another dtype the probabilities are converted `rows_at_once` rows at a time, so no
+        second canvas x vocab tensor is made (the sampler may hold only one: the buffer `probs` lives in).
+        """
+        w = self.embed_tokens.weight
+        if probs.dtype == w.dtype:
+            return torch.matmul(probs, w) * self.embed_scale()
+        out = torch.empty(probs.shape[0], w.shape[1], dtype=w.dtype, device=w.device)
+        for lo in range(0, probs.shape[0], rows_at_once):
+            torch.matmul(probs[lo : lo + rows_at_once].to(w.dtype), w, out=out[lo : lo + rows_at_once])
+        return out * self.embed_scale()
+
     def denoise(self, canvas: torch.Tensor, cache: KVCache, ctx: DenoiseContext,
                 sc_logits: torch.Tensor | None = None, sc_probs: torch.Tensor | None = None,
                 out: torch.Tensor | None = None, return_hidden: bool = False) -> torch.Tensor:
@@ -530,9 +564,7 @@ class DiffusionGemma(nn.Module):
         if sc_logits is not None:
             sc_probs = sc_logits.softmax(dim=-1, dtype=torch.float32)
         if sc_probs is not None:
-            w = self.embed_tokens.weight
-            probs = sc_probs.view(B, C, -1).to(w.dtype)
-            soft = torch.matmul(probs, w) * self.embed_scale()
+            soft = self.soft_embedding(sc_probs.view(B * C, -1)).view(B, C, -1)
         x = self.self_conditioning(x, soft)
         for i, layer in enumerate(self.layers):
             kind = layer.spec.kind

@@ -71,17 +71,21 @@ Event = Step | CanvasDone | Done
 
 
 class SamplerBuffers:
-    """The three canvas x vocab float32 buffers a step needs, allocated once per generation.
+    """The canvas x vocab float32 buffers a step needs, allocated once per generation.
 
+    The reference path (three buffers, the reference's random draws):
     logits: the model's output, then the processed (temperature-scaled) logits, then scratch for the entropy.
     probs:  softmax of the processed logits: the sampling distribution, and the next step's self-conditioning.
     noise:  the exponential race that draws the sample, then scratch.
+    The fused path (`fused`, Triton on CUDA): one buffer; the epilogue kernel turns the logits into probabilities
+    in place, and the next step's forward reads them (self-conditioning) before it writes its logits there.
     """
 
-    def __init__(self, rows: int, vocab: int, device):
+    def __init__(self, rows: int, vocab: int, device, fused: bool = False):
+        self.fused = fused
         self.logits = torch.empty(rows, vocab, dtype=torch.float32, device=device)
-        self.probs = torch.empty_like(self.logits)
-        self.noise = torch.empty_like(self.logits)
+        self.probs = self.logits if fused else torch.empty_like(self.logits)
+        self.noise = None if fused else torch.empty_like(self.logits)
 
 
 def sample_step(buf: SamplerBuffers, temperature: torch.Tensor):
@@ -91,6 +95,11 @@ def sample_step(buf: SamplerBuffers, temperature: torch.Tensor):
     `torch.multinomial(probs, 1)` is `argmax(probs / q)` with q ~ Exp(1) drawn over the whole [N, V] (spelled
     out here to reuse a buffer), and the entropy is computed as a Categorical distribution computes it.
     """
+    if buf.fused:  # one kernel, one buffer; its own random stream (same distribution, other draws)
+        from quant.kernels.sampler_epilogue import sampler_epilogue
+
+        seed = torch.randint(0, 2**62, (1,), device=buf.logits.device)  # from torch's generator: seeds repeat runs
+        return sampler_epilogue(buf.logits, temperature, seed)
     logits, probs, scratch = buf.logits, buf.probs, buf.noise
     logits.div_(temperature)  # processed logits
     torch.ops.aten._softmax.out(logits, -1, False, out=probs)  # = torch.softmax(logits, -1)
@@ -107,6 +116,14 @@ def sample_step(buf: SamplerBuffers, temperature: torch.Tensor):
     torch.ops.aten._softmax.out(logits, -1, False, out=scratch)
     entropy = -logits.clamp_(min=torch.finfo(logits.dtype).min).mul_(scratch).sum(dim=-1)
     return sample, argmax, entropy
+
+
+def fused_sampler(device: torch.device) -> bool:
+    """The fused epilogue runs where DGEMMA_KERNELS selects Triton on a CUDA device. Not on the CPU, even under
+    the interpreter: there the torch path keeps the reference's random draws, so tokens stay comparable."""
+    from quant.kernels import use_triton
+
+    return device.type == "cuda" and use_triton(device)
 
 
 def entropy_bound_accept(entropy: torch.Tensor, bound: float) -> torch.Tensor:
@@ -142,7 +159,7 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
     steps_per_canvas: list[list[int]] = [[] for _ in range(B)]
     batched_calls = 0
     chunk, chunk_valid = prompt, prompt_valid
-    buf = SamplerBuffers(B * C, V, dev)
+    buf = SamplerBuffers(B * C, V, dev, fused=fused_sampler(dev))
     h = 0 if held is None else held.shape[1]
     free = C - h
     if h:

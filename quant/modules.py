@@ -7,7 +7,8 @@ Buffers carry the names they have in a checkpoint, so a loader maps them one to 
   one global scale per expert per row segment, weight_scale_2 [E, S], so an expert's gate and up halves may carry
   their own (ModelOpt stores them per projection). `dequantize(dtype)` gives [E, N, K], a few experts at a time so
   the float32 temporaries stay small.
-The fused kernels (a later step) implement the same functions behind the same modules.
+The Triton kernels (quant/kernels/) implement the same functions behind the same modules: `forward` and
+`fused_experts` call them when `DGEMMA_KERNELS` selects Triton for the input's device, and the reference otherwise.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import int8, nvfp4
+from .kernels import use_triton
 
 DEQUANT_CHUNK = 8  # experts dequantized per pass: bounds the float32 temporaries to 8 experts' worth
 
@@ -47,6 +49,10 @@ class NVFP4Linear(nn.Module):
                                        dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x.device):
+            from .kernels.nvfp4_linear import nvfp4_linear
+
+            return nvfp4_linear(x, self.weight, self.weight_scale, self.weight_scale_2.expand(self.out_features))
         return F.linear(x, self.dequantize(x.dtype))
 
 
@@ -70,7 +76,35 @@ class Int8Linear(nn.Module):
         return int8.dequantize_packed(self.weight, self.weight_scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x.device):
+            from .kernels.int8_linear import int8_linear
+
+            return int8_linear(x, self.weight, self.weight_scale)
         return F.linear(x, self.dequantize(x.dtype))
+
+
+MOE_BLOCK_M = 16  # rows of one expert per block of the fused MoE kernels
+
+
+def fused_experts(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor) -> torch.Tensor | None:
+    """The routed experts through the fused Triton kernels (x [T, H] -> [T, H]), or None when DGEMMA_KERNELS selects
+    the reference for x's device (the caller then dequantizes and runs its grouped matmuls)."""
+    if not use_triton(x.device):
+        return None
+    from .kernels.moe_down import moe_down
+    from .kernels.moe_gate_up import moe_gate_up
+    from .kernels.routing import moe_blocks
+
+    T, K = top_k_index.shape
+    ids, block_expert = moe_blocks(top_k_index, gate_up.shape[0], MOE_BLOCK_M)
+    s2_gu = getattr(gate_up, "weight_scale_2", None)
+    s2_dn = getattr(down, "weight_scale_2", None)
+    h = moe_gate_up(x, ids, block_expert, gate_up.format, gate_up.weight, gate_up.weight_scale, s2_gu, K,
+                    MOE_BLOCK_M)
+    y = moe_down(h, ids, block_expert, down.format, down.weight, down.weight_scale, s2_dn,
+                 top_k_weights.reshape(-1), T, K, MOE_BLOCK_M)
+    return y.to(x.dtype)
 
 
 class NVFP4Stack(nn.Module):
@@ -94,6 +128,9 @@ class NVFP4Stack(nn.Module):
         """[hi-lo, N] global scale of every row of experts lo..hi."""
         return self.weight_scale_2[lo:hi].repeat_interleave(self.shape[1] // self.segments, dim=1)
 
+    def fused_experts(self, down: nn.Module, x, top_k_index, top_k_weights):
+        return fused_experts(self, down, x, top_k_index, top_k_weights)
+
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         E, N, K = self.shape
         out = torch.empty(E, N, K, dtype=dtype, device=self.weight.device)
@@ -114,6 +151,9 @@ class Int8Stack(nn.Module):
         self.shape = (num, out_features, in_features)
         self.register_buffer("weight", torch.empty(num, out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("weight_scale", torch.empty(num, out_features, dtype=torch.float32, device=device))
+
+    def fused_experts(self, down: nn.Module, x, top_k_index, top_k_weights):
+        return fused_experts(self, down, x, top_k_index, top_k_weights)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         E, N, K = self.shape

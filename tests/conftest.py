@@ -1,6 +1,12 @@
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton reads this once, at import: without a CUDA device its kernels run in the interpreter (tests/test_kernels.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from checkpoints import SPECS, build_checkpoint, make_confident
 

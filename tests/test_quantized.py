@@ -242,3 +242,34 @@ def test_unsupported_quantization_is_refused_by_name(checkpoints, tmp_path, caps
     assert run_main(["run", "--model", str(out), "--device", "cpu", "--view", "none", "hi"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'gptq'" in err[0]
+
+
+def first_step_log_probs(engine, prompts):
+    """log softmax of the decoder's first step on a fixed random canvas [B, C, V] (float32)."""
+    m = engine.model
+    C = m.cfg.canvas_length
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            cache = m.new_cache(1, len(ids) + C)
+            m.encode(torch.tensor([ids]), cache)
+            canvas = torch.randint(0, m.cfg.text.vocab_size, (1, C), generator=torch.Generator().manual_seed(1))
+            out.append(torch.log_softmax(m.denoise(canvas, cache, m.denoise_context(cache, 1)), -1))
+    return torch.cat(out)
+
+
+def test_kl_and_agreement_against_the_unquantized_model(checkpoints, quantized):
+    """The measured cost of each format: KL(ref || quant) of the first-step distribution and argmax agreement.
+    INT8 must sit well below NVFP4, and quantizing more (policy all) must cost more."""
+    src = checkpoints["five_to_one"]
+    g = torch.Generator().manual_seed(9)
+    prompts = [[2] + torch.randint(107, 512, (12,), generator=g).tolist() for _ in range(6)]
+    ref = first_step_log_probs(load(src, device="cpu", dtype="float32"), prompts)
+    kl, agree = {}, {}
+    for case in CASES:
+        lp = first_step_log_probs(load(quantized[case], device="cpu", dtype="float32"), prompts)
+        kl[case] = (ref.exp() * (ref - lp)).sum(-1).mean().item()
+        agree[case] = (ref.argmax(-1) == lp.argmax(-1)).float().mean().item()
+    assert 0 < kl[("int8", "experts")] < kl[("nvfp4", "experts")] < 0.05
+    assert kl[("int8", "experts")] < kl[("int8", "all")] and kl[("nvfp4", "experts")] < kl[("nvfp4", "all")]
+    assert agree[("int8", "experts")] > agree[("nvfp4", "all")] and agree[("int8", "experts")] > 0.5

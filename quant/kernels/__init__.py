@@ -1,0 +1,50 @@
+"""Triton kernels for dgemma's quantized formats and sampler, one kernel per file.
+
+Which implementation runs is one explicit switch, `DGEMMA_KERNELS`:
+- `torch`: the plain PyTorch reference everywhere (dequantize, matmul; the sampler in torch);
+- `triton`: the Triton kernels (on the CPU they run in Triton's interpreter, which needs TRITON_INTERPRET=1 set
+  before triton is imported: slow, for tests at small sizes);
+- `auto` (default): Triton on CUDA when it is installed, torch elsewhere.
+Every kernel is tested against the reference on the dequantized weights (tests/test_kernels.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+CHOICES = ("torch", "triton", "auto")
+
+
+def requested() -> str:
+    value = os.environ.get("DGEMMA_KERNELS", "auto").strip().lower() or "auto"
+    if value not in CHOICES:
+        raise ValueError(f"DGEMMA_KERNELS must be one of {', '.join(CHOICES)} (got {value!r})")
+    return value
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_triton(device: torch.device) -> bool:
+    """Whether the Triton kernels run for tensors on `device` under the current DGEMMA_KERNELS."""
+    choice = requested()
+    if choice == "torch":
+        return False
+    if choice == "auto":
+        return device.type == "cuda" and triton_available()
+    if not triton_available():
+        raise RuntimeError("DGEMMA_KERNELS=triton but triton is not installed")
+    if device.type != "cuda" and not interpreting():
+        raise RuntimeError("DGEMMA_KERNELS=triton on the CPU needs TRITON_INTERPRET=1 (Triton's interpreter)")
+    return True
