@@ -397,7 +397,12 @@ class DiffusionGemma(nn.Module):
         if t.sliding_window < 2:
             raise ModelError("config.json: sliding_window must be at least 2")
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(t.vocab_size, t.hidden_size)
+        # On the meta device (loading), `_weight` skips nn.Embedding's random init: there it runs through torch's
+        # reference ops, which import the compiler stack (and Triton, where installed): seconds and ~100 MB for
+        # nothing. Elsewhere (training) the usual init runs, so seeded runs draw the same numbers as before.
+        on_meta = torch.empty(0).device.type == "meta"
+        self.embed_tokens = nn.Embedding(t.vocab_size, t.hidden_size,
+                                         _weight=torch.empty(t.vocab_size, t.hidden_size) if on_meta else None)
         self.layers = nn.ModuleList(Layer(t, spec) for spec in t.layers)
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
         self.self_conditioning = SelfConditioning(t)
