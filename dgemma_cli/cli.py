@@ -100,20 +100,36 @@ def run(
 
     engine = load(_model_dir(model), device=device, dtype=dtype)
     kwargs = dict(raw=raw, system=system, seed=seed, max_new_tokens=max_new_tokens, max_denoising_steps=steps)
-    if view == "live" and engine.tokenizer is not None:
-        from .view import CanvasView
+    finished: list[int] = []  # tokens of finished canvases: what Ctrl-C keeps
 
-        tok = engine.tokenizer
-        skip = {i for i in (tok.pad_id, tok.eos_id, tok.end_of_turn_id) if i is not None}
-        with CanvasView(lambda t: tok.decode([t], skip_special_tokens=False), skip_ids=skip,
-                        decode=lambda ids: tok.decode(ids, skip_special_tokens=False)) as canvas_view:
-            result = engine.generate(text, on_event=canvas_view, **kwargs)
-    elif view == "plain":
-        result = engine.generate(text, on_event=_plain_progress, **kwargs)
-    else:
-        result = engine.generate(text, **kwargs)
+    def keep(event) -> None:
+        from .sampler import CanvasDone
+
+        if isinstance(event, CanvasDone):
+            finished.extend(event.tokens[0].tolist())
+
+    try:
+        if view == "live" and engine.tokenizer is not None:
+            from .view import view_for
+
+            canvas_view = view_for(engine.tokenizer)
+            with canvas_view:
+                result = engine.generate(text, on_event=lambda e: (keep(e), canvas_view(e)), **kwargs)
+        elif view == "plain":
+            result = engine.generate(text, on_event=lambda e: (keep(e), _plain_progress(e)), **kwargs)
+        else:
+            result = engine.generate(text, on_event=keep, **kwargs)
+    except KeyboardInterrupt:
+        if finished and engine.tokenizer is not None and not as_json:  # keep what was finished, then exit 130
+            eot = engine.tokenizer.end_of_turn_id
+            ids = finished[: finished.index(eot)] if eot in finished else finished
+            answer = engine.tokenizer.decode(ids) if raw else engine.tokenizer.decode_answer(ids)[1]
+            sys.stdout.write(answer + "\n")
+            sys.stdout.flush()
+        raise
     _write_answer(result, 0, as_json)
     sys.stdout.flush()
+
 
 
 def _write_answer(result, i: int, as_json: bool, prompt: Optional[str] = None) -> None:
@@ -162,6 +178,33 @@ def _run_each_line(text: str, *, model, as_json: bool, batch_size: int, device: 
         else:
             sys.stdout.write("\n")
     sys.stdout.flush()
+
+
+@app.command()
+def chat(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Most denoising steps per canvas."),
+    think: bool = typer.Option(False, "--think", help="Let the model think before answering."),
+    view: str = typer.Option("live", "--view", help="live, plain or none."),
+    context: int = typer.Option(8192, "--context", help="Tokens of conversation kept (oldest turns drop)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed each turn's generation."),
+    device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
+    dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto."),
+) -> None:
+    """Chat in the terminal; the KV cache carries over between turns. /help lists the commands."""
+    if view not in ("live", "plain", "none"):
+        raise UsageError(f"--view must be live, plain or none (got {view!r})")
+    if context < 64:
+        raise UsageError("--context must be at least 64")
+    if not sys.stdin.isatty():
+        raise UsageError("dgemma chat needs a terminal; for pipes use `dgemma run` (--each-line for many prompts)")
+    from .chat import run_chat
+    from .engine import load
+
+    engine = load(_model_dir(model), device=device, dtype=dtype)
+    raise typer.Exit(run_chat(engine, system=system, steps=steps, think=think, view=view, context=context,
+                              seed=seed))
 
 
 @app.command()

@@ -1,8 +1,17 @@
 """The live canvas view: renders sampler events, nothing else.
 
-It knows the event types and a function that turns one token id into text; it never reaches into the sampler
-or the model. Accepted positions show the model's token in normal text, coloured by confidence (entropy);
-positions still being denoised show their current noise token, dim. Redraws are throttled.
+It knows the event types and two functions from token ids to text; it never reaches into the sampler or the model.
+
+Layout (redrawn in place on a terminal, gone when generation ends):
+- the answer so far: finished canvases, decoded whole (so characters split across canvases come out right); a
+  thought channel (`<|channel>thought ... <channel|>`) shows dimmed and apart, under a "thinking" label; only the
+  last lines that fit the terminal are kept, so the view never scrolls;
+- a header: canvas number, step n of N, tokens accepted this step, tokens per forward pass, tokens per second;
+- the canvas being denoised, every position in order: the positions accepted this step show their token,
+  coloured by confidence (entropy: green sure, yellow, red unsure); the others are still noise and show as one dim
+  scrambled glyph each, a different one every step.
+Redraws are throttled (`max_fps`); between redraws an event costs a counter increment and touches no tensor, so
+a GPU is never synchronised for the view. The width follows the terminal at every redraw (resizing works).
 """
 
 from __future__ import annotations
@@ -15,11 +24,14 @@ from rich.live import Live
 from rich.text import Text
 
 from .sampler import CanvasDone, Done, Step
+from .tokenizer import split_thought
+
+NOISE_GLYPHS = "░▒▓▖▗▘▝▚▞■□▪▫◇◆◊"
 
 
-def _confidence_style(entropy: float) -> str:
+def confidence_style(entropy: float) -> str:
     if entropy < 0.05:
-        return "bold green"
+        return "green"
     if entropy < 0.5:
         return "yellow"
     return "red"
@@ -28,19 +40,23 @@ def _confidence_style(entropy: float) -> str:
 class CanvasView:
     """Use as a context manager; call with each event. Row 0 of a batch is shown."""
 
-    def __init__(self, piece: Callable[[int], str], console: Console | None = None, max_fps: float = 15.0,
-                 skip_ids: set[int] | None = None, decode: Callable[[list[int]], str] | None = None):
+    def __init__(self, piece: Callable[[int], str], console: Console | None = None, max_fps: float = 12.0,
+                 skip_ids: set[int] | None = None, decode: Callable[[list[int]], str] | None = None,
+                 strip: Callable[[str], str] | None = None):
         self.piece = piece  # one token -> text, for the canvas being denoised
-        self.decode = decode or (lambda ids: "".join(piece(t) for t in ids))  # a finished canvas, decoded whole
+        self.decode = decode or (lambda ids: "".join(piece(t) for t in ids))  # finished canvases, decoded whole
+        self.strip = strip or (lambda s: s)  # removes special-token strings from finished text
         self.console = console or Console(stderr=True)
         self.min_interval = 1.0 / max_fps
         self.skip_ids = skip_ids or set()
-        self.finished_text = ""
+        self.finished_ids: list[int] = []
         self.last_draw = 0.0
         self.started = time.perf_counter()
-        self.tokens_done = 0
         self.forwards = 0
-        self.live = Live(console=self.console, auto_refresh=False, transient=True)
+        self.draws = 0
+        self.draw_seconds = 0.0  # time spent rendering, for the overhead measurement
+        self.live = Live(console=self.console, auto_refresh=False, transient=True, redirect_stdout=False,
+                         redirect_stderr=False, vertical_overflow="crop")
 
     def __enter__(self) -> CanvasView:
         self.live.__enter__()
@@ -49,39 +65,75 @@ class CanvasView:
     def __exit__(self, *exc) -> None:
         self.live.__exit__(*exc)
 
-    def _token_text(self, token: int) -> str:
-        if token in self.skip_ids:
-            return "·"
-        return self.piece(token).replace("\n", "⏎")
+    # -- pieces ------------------------------------------------------------------------------------------
 
-    def render_step(self, ev: Step) -> Text:
+    def answer_so_far(self) -> Text:
+        """Finished canvases: the thought dimmed under a label, then the answer; the last lines that fit."""
+        text = self.decode(self.finished_ids)
+        thought, answer = split_thought(text)
+        out = Text()
+        thought = self.strip(thought).strip()
+        if thought or "<|channel>" in text and "<channel|>" not in text:
+            out.append("thinking ▸ ", style="dim italic")
+            out.append(thought + "\n", style="dim italic")
+        out.append(self.strip(answer).lstrip("\n"))
+        room = max(1, self.console.size.height - 8)
+        lines = out.wrap(self.console, self.console.size.width)
+        if len(lines) > room:
+            lines = lines[-room:]
+        return Text("\n").join(lines)
+
+    def header(self, ev: Step, accepted_now: int) -> Text:
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        done = len(self.finished_ids)
+        per_forward = (done + accepted_now) / self.forwards if self.forwards else 0.0
+        return Text(f"canvas {ev.canvas_index + 1} · step {ev.step}/{ev.max_steps} · +{accepted_now} accepted · "
+                    f"{per_forward:.1f} tok/forward · {(done + accepted_now) / elapsed:,.0f} tok/s", style="bold")
+
+    def canvas_text(self, ev: Step) -> tuple[Text, int]:
+        """(the canvas as text, positions accepted this step)."""
         canvas = ev.canvas[0].tolist()
         accepted, entropy = ev.accepted[0].tolist(), ev.entropy[0].tolist()
         body = Text()
-        for token, ok, h in zip(canvas, accepted, entropy):
-            # an accepted position holds the token sampled there; the others hold fresh noise
-            body.append(self._token_text(token), style=_confidence_style(h) if ok else "dim")
-        return body
+        n = 0
+        for i, (token, ok, h) in enumerate(zip(canvas, accepted, entropy)):
+            if ok:
+                n += 1
+                text = "·" if token in self.skip_ids else self.piece(token).replace("\n", "⏎")
+                body.append(text, style=confidence_style(h))
+            else:  # still noise: one scrambled glyph
+                body.append(NOISE_GLYPHS[(i * 7 + ev.step * 13) % len(NOISE_GLYPHS)], style="dim")
+        return body, n
 
-    def header(self, ev: Step) -> Text:
-        elapsed = max(time.perf_counter() - self.started, 1e-9)
-        per_forward = self.tokens_done / self.forwards if self.forwards else 0.0
-        return Text(f"canvas {ev.canvas_index + 1} · step {ev.step}/{ev.max_steps} · "
-                    f"accepted {int(ev.accepted[0].sum())} · {per_forward:.1f} tok/forward · "
-                    f"{self.tokens_done / elapsed:.0f} tok/s", style="bold")
+    def render(self, ev: Step) -> Group:
+        body, n = self.canvas_text(ev)
+        return Group(self.answer_so_far(), self.header(ev, n), body)
+
+    # -- events ------------------------------------------------------------------------------------------
 
     def __call__(self, ev) -> None:
         if isinstance(ev, Step):
             self.forwards += 1
             now = time.perf_counter()
-            if now - self.last_draw < self.min_interval and not bool(ev.finished[0]):
+            if now - self.last_draw < self.min_interval:
                 return
-            self.last_draw = now
-            self.live.update(Group(Text(self.finished_text), self.header(ev), self.render_step(ev)), refresh=True)
+            self.live.update(self.render(ev), refresh=True)
+            self.last_draw = time.perf_counter()
+            self.draws += 1
+            self.draw_seconds += self.last_draw - now
         elif isinstance(ev, CanvasDone):
-            tokens = [t for t in ev.tokens[0].tolist() if t not in self.skip_ids]
-            self.tokens_done += len(tokens)
-            self.finished_text += self.decode(tokens)
-            self.live.update(Text(self.finished_text), refresh=True)
+            t = time.perf_counter()
+            self.finished_ids += [int(x) for x in ev.tokens[0].tolist() if int(x) not in self.skip_ids]
+            self.live.update(self.answer_so_far(), refresh=True)
+            self.draw_seconds += time.perf_counter() - t
         elif isinstance(ev, Done):
             self.live.update(Text(""), refresh=True)
+
+
+def view_for(tok, console: Console | None = None, max_fps: float = 12.0) -> CanvasView:
+    """The view for a tokenizer (dgemma_cli.tokenizer.Tokenizer): pad, end-of-sequence and end-of-turn tokens are
+    not shown, special-token strings are stripped from finished text."""
+    skip = {i for i in (tok.pad_id, tok.eos_id, tok.end_of_turn_id) if i is not None}
+    return CanvasView(lambda t: tok.decode([t], skip_special_tokens=False), console=console, max_fps=max_fps,
+                      skip_ids=skip, decode=lambda ids: tok.decode(ids, skip_special_tokens=False),
+                      strip=tok.strip_special)

@@ -1,0 +1,354 @@
+"""`dgemma chat`: a multi-turn conversation that keeps the encoder's KV cache between turns.
+
+`Conversation` is the engine side: the conversation is one growing token stream, encoded once. A turn encodes only
+what is new since the last one: the end of the previous answer (its last canvas is never encoded during
+generation, and its pad tokens are dropped), then the user's turn rendered by the chat template, then the model's
+generation prompt. When the stream would outgrow the context, the oldest turns are dropped and the rest is encoded
+again (said in a notice). Cancelling a turn, /retry, /system and /think rebuild the cache from the kept turns on
+the next turn (the sliding layers' windows cannot be rolled back).
+
+`run_chat` is the terminal: a prompt_toolkit session (history file, multi-line input: Enter sends, Alt-Enter or
+Ctrl-J adds a line), slash commands, the live canvas view. Ctrl-C cancels the answer in progress and keeps the
+session; Ctrl-D (or /exit) leaves with status 0.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from .errors import UsageError
+from .sampler import CanvasDone, Done, Event, Step
+
+HELP = """\
+/help              this list
+/reset             start a new conversation (keeps the system prompt and settings)
+/system TEXT       set the system prompt (and start a new conversation); /system alone clears it
+/steps N           most denoising steps per canvas
+/think on|off      let the model think first (its thoughts show dimmed, apart from the answer)
+/retry             answer the last message again
+/save FILE         write the conversation as Markdown
+/view live|plain|none   how generation is shown
+/exit              leave (Ctrl-D also); Ctrl-C cancels an answer in progress
+Enter sends; Alt-Enter or Ctrl-J starts a new line."""
+
+
+@dataclass
+class Turn:
+    user: str
+    user_ids: list[int]  # the user turn as encoded: template text after the previous answer
+    answer: str = ""
+    thought: str = ""
+    answer_ids: list[int] = field(default_factory=list)  # generated, through the end-of-turn token, no pads
+
+
+@dataclass
+class TurnStats:
+    encoded: int  # tokens encoded for this turn (new ones only, or everything after a rebuild)
+    rebuilt: bool
+    seconds_to_first_step: float
+    dropped_turns: int = 0
+
+
+class Conversation:
+    """One conversation's token stream in one KV cache (batch 1)."""
+
+    def __init__(self, engine, context: int, system: str | None = None, enable_thinking: bool = False):
+        if engine.tokenizer is None:
+            raise UsageError(f"{engine.path}: no tokenizer.json, so there is nothing to chat with")
+        self.engine = engine
+        self.tok = engine.tokenizer
+        self.context = min(context, engine.config.text.max_position_embeddings)
+        self.system = system
+        self.enable_thinking = enable_thinking
+        self.turns: list[Turn] = []
+        self.denoiser = None
+        self.cached: list[int] = []  # ids in the cache, in order
+        self.pending: list[int] = []  # generated ids of the last answer not yet in the cache
+        self.stale = True  # the cache must be rebuilt from the turns before the next one
+        self.notices: list[str] = []
+
+    # -- token stream -----------------------------------------------------------------------------------
+
+    def head_ids(self) -> list[int]:
+        """<bos>, the system turn (and the thinking switch), as the template renders an empty conversation."""
+        messages = [{"role": "system", "content": self.system}] if self.system else []
+        return self.tok.encode_chat(messages, add_generation_prompt=False, enable_thinking=self.enable_thinking)
+
+    def user_turn_ids(self, text: str, first: bool) -> list[int]:
+        """The template's rendering of one user turn and the generation prompt, without <bos> (the stream has
+        it); after an answer, the newline the template puts after every turn comes first."""
+        ids = self.tok.encode_chat([{"role": "user", "content": text}], add_generation_prompt=True)
+        if ids and ids[0] == self.tok.bos_id:
+            ids = ids[1:]
+        return ids if first else self.tok.encode("\n") + ids
+
+    def full_ids(self, turns: list[Turn]) -> list[int]:
+        out = self.head_ids()
+        for t in turns:
+            out += t.user_ids + t.answer_ids
+        return out
+
+    # -- turns --------------------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        self.turns.clear()
+        self.stale = True
+
+    def _reserve(self, settings) -> int:
+        C = self.engine.config.canvas_length
+        return settings.canvases_for(C) * C
+
+    def _rebuild(self, text: str, settings) -> tuple[list[int], list[int], int]:
+        """(ids to encode from an empty cache, the new user turn's ids, turns dropped): the oldest turns go while
+        the stream and a full answer do not fit the context."""
+        dropped = 0
+        while True:
+            user_ids = self.user_turn_ids(text, first=not self.turns)
+            ids = self.full_ids(self.turns) + user_ids
+            if len(ids) + self._reserve(settings) <= self.context or not self.turns:
+                break
+            self.turns.pop(0)
+            dropped += 1
+            if self.turns:  # the first kept turn now follows the head directly
+                self.turns[0].user_ids = self.user_turn_ids(self.turns[0].user, first=True)
+        if len(ids) + self._reserve(settings) > self.context:
+            raise UsageError(f"this message needs {len(ids) + self._reserve(settings)} positions with a full answer; "
+                             f"the chat context is {self.context} (--context)")
+        return ids, user_ids, dropped
+
+    def turn_events(self, text: str, settings, seed: int | None = None) -> tuple[Iterator[Event], TurnStats]:
+        """Start a turn: returns its events (consume them all, or call `cancel`) and the encoding stats."""
+        from .engine import _in_inference_mode, make_denoiser
+        from .sampler import generate_events
+
+        t0 = time.perf_counter()
+        reuse = not self.stale and self.denoiser is not None and self.turns
+        if reuse:
+            user_ids = self.user_turn_ids(text, first=False)
+            new = self.pending + user_ids
+            reuse = len(self.cached) + len(new) + self._reserve(settings) <= self.context
+        dropped = 0
+        if not reuse:
+            new, user_ids, dropped = self._rebuild(text, settings)
+            if dropped:
+                self.notices.append(f"the conversation outgrew the {self.context}-token context: dropped the "
+                                    f"oldest {dropped} turn{'s' if dropped > 1 else ''}")
+            self.denoiser = make_denoiser(self.engine.model, 1, self.context)
+            self.cached = []
+        self.pending = []
+        self.stale = True  # until the answer is complete
+        self.turns.append(Turn(text, user_ids))
+        if seed is not None:
+            torch.manual_seed(seed)
+        prompt = torch.tensor([new], dtype=torch.long, device=self.engine.model.device)
+        stats = TurnStats(len(new), not reuse, 0.0, dropped)
+        events = _in_inference_mode(generate_events(self.denoiser, prompt, settings))
+        return self._track(events, new, stats, t0), stats
+
+    def _track(self, events: Iterator[Event], new: list[int], stats: TurnStats, t0: float) -> Iterator[Event]:
+        """Pass events through; keep the cached stream in step with what the sampler encodes."""
+        eot = self.tok.end_of_turn_id
+        pad = self.engine.settings.pad_token_id
+        self.cached += new
+        canvases: list[list[int]] = []
+        for ev in events:
+            if isinstance(ev, Step) and stats.seconds_to_first_step == 0.0:
+                stats.seconds_to_first_step = time.perf_counter() - t0
+            if isinstance(ev, CanvasDone):
+                canvases.append(ev.tokens[0].tolist())
+            if isinstance(ev, Done):
+                for c in canvases[:-1]:  # every canvas but the last was encoded as the next one started
+                    self.cached += c
+                answer = ev.token_ids[0]
+                last = canvases[-1] if canvases else []
+                # the last canvas's kept part (pads after the end of turn dropped), ending with the end of turn
+                keep = [t for t in last if t != pad]
+                if eot in keep:
+                    keep = keep[: keep.index(eot) + 1]
+                else:
+                    keep = keep + [eot]
+                self.pending = keep
+                turn = self.turns[-1]
+                turn.answer_ids = [t for c in canvases[:-1] for t in c] + keep
+                turn.thought, turn.answer = self.tok.decode_answer(answer)
+                self.stale = False
+            yield ev
+
+    def cancel(self) -> None:
+        """Forget the turn in progress (its tokens may be half in the cache: rebuild next time)."""
+        if self.turns and self.stale:
+            self.turns.pop()
+        self.pending = []
+        self.stale = True
+
+    def retry(self) -> str | None:
+        """Drop the last turn and return its message, to be sent again."""
+        if not self.turns:
+            return None
+        last = self.turns.pop()
+        self.pending = []
+        self.stale = True
+        return last.user
+
+    def markdown(self) -> str:
+        lines = ["# dgemma chat", ""]
+        if self.system:
+            lines += [f"**System:** {self.system}", ""]
+        for t in self.turns:
+            lines += ["## User", "", t.user, "", "## Model", ""]
+            if t.thought:
+                lines += ["> " + line for line in t.thought.splitlines()] + [""]
+            lines += [t.answer, ""]
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the terminal
+
+
+def history_file() -> Path:
+    base = os.environ.get("DGEMMA_HOME") or os.path.join(os.environ.get("XDG_STATE_HOME") or
+                                                         os.path.join(Path.home(), ".local", "state"), "dgemma")
+    path = Path(base) / "chat_history"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def save_markdown(path: Path, text: str) -> None:
+    from .fim import write_atomically
+
+    write_atomically(path, text.encode("utf-8"))
+
+
+def run_chat(engine, *, system: str | None, steps: int | None, think: bool, view: str, context: int,
+             seed: int | None, out=None, err=None) -> int:
+    """The interactive loop; returns the exit status."""
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.history import FileHistory
+    from prompt_toolkit.key_binding import KeyBindings
+
+    out, err = out or sys.stdout, err or sys.stderr
+    conv = Conversation(engine, context, system, think)
+    settings = engine.settings.override(max_denoising_steps=steps)
+    bindings = KeyBindings()
+
+    @bindings.add("enter")
+    def _(event):
+        event.current_buffer.validate_and_handle()
+
+    @bindings.add("escape", "enter")
+    @bindings.add("c-j")
+    def _(event):
+        event.current_buffer.insert_text("\n")
+
+    session = PromptSession(history=FileHistory(str(history_file())), multiline=True, key_bindings=bindings,
+                            prompt_continuation=lambda width, line, wrap: "." * (width - 1) + " ")
+    err.write("dgemma chat: /help for commands, Ctrl-D to leave\n")
+    err.flush()
+    resend: str | None = None
+    while True:
+        if resend is None:
+            try:
+                text = session.prompt("› ")
+            except KeyboardInterrupt:
+                continue  # Ctrl-C at the prompt clears the line
+            except EOFError:
+                return 0
+        else:
+            text, resend = resend, None
+        if not text.strip():
+            continue
+        if text.startswith("/"):
+            cmd, _, arg = text.strip().partition(" ")
+            arg = arg.strip()
+            if cmd in ("/exit", "/quit"):
+                return 0
+            if cmd == "/help":
+                out.write(HELP + "\n")
+            elif cmd == "/reset":
+                conv.reset()
+                err.write("(new conversation)\n")
+            elif cmd == "/system":
+                conv.system = arg or None
+                conv.reset()
+                err.write(f"(system prompt {'set' if arg else 'cleared'}; new conversation)\n")
+            elif cmd == "/steps":
+                try:
+                    settings = settings.override(max_denoising_steps=int(arg))
+                    err.write(f"(at most {settings.max_denoising_steps} steps per canvas)\n")
+                except (ValueError, UsageError):
+                    err.write("usage: /steps N (N >= 1)\n")
+            elif cmd == "/think":
+                if arg not in ("on", "off"):
+                    err.write("usage: /think on|off\n")
+                else:
+                    conv.enable_thinking = arg == "on"
+                    conv.stale = True
+                    err.write(f"(thinking {arg})\n")
+            elif cmd == "/retry":
+                resend = conv.retry()
+                if resend is None:
+                    err.write("(nothing to retry)\n")
+            elif cmd == "/save":
+                if not arg:
+                    err.write("usage: /save FILE\n")
+                else:
+                    try:
+                        save_markdown(Path(arg).expanduser(), conv.markdown())
+                        err.write(f"(saved {arg})\n")
+                    except (OSError, UsageError) as e:
+                        err.write(f"(cannot save {arg}: {e})\n")
+            elif cmd == "/view":
+                if arg not in ("live", "plain", "none"):
+                    err.write("usage: /view live|plain|none\n")
+                else:
+                    view = arg
+                    err.write(f"(view {arg})\n")
+            else:
+                err.write(f"unknown command {cmd}; /help lists them\n")
+            err.flush()
+            out.flush()
+            continue
+        answer_turn(conv, text, settings, view, seed, out, err)
+
+
+def answer_turn(conv: Conversation, text: str, settings, view: str, seed: int | None, out, err) -> None:
+    """Generate one answer with the chosen view; Ctrl-C cancels it and keeps the session."""
+    try:
+        events, stats = conv.turn_events(text, settings, seed)
+    except UsageError as e:
+        err.write(f"dgemma: {e}\n")
+        return
+    for note in conv.notices:
+        err.write(f"({note})\n")
+    conv.notices.clear()
+    canvas_view = None
+    if view == "live":
+        from .view import view_for
+
+        canvas_view = view_for(conv.tok)
+    try:
+        if canvas_view is not None:
+            with canvas_view:
+                for ev in events:
+                    canvas_view(ev)
+        else:
+            for ev in events:
+                if view == "plain" and isinstance(ev, CanvasDone):
+                    err.write(f"(canvas {ev.canvas_index + 1}: {ev.steps[0]} steps)\n")
+    except KeyboardInterrupt:
+        conv.cancel()
+        err.write("(cancelled)\n")
+        err.flush()
+        return
+    turn = conv.turns[-1]
+    if turn.thought:
+        err.write("\x1b[2m" + turn.thought + "\x1b[0m\n" if err.isatty() else turn.thought + "\n")
+    out.write(turn.answer + "\n")
+    out.flush()
