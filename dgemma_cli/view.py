@@ -27,6 +27,7 @@ from .sampler import CanvasDone, Done, Step
 from .tokenizer import split_thought
 
 NOISE_GLYPHS = "░▒▓▖▗▘▝▚▞■□▪▫◇◆◊"
+DEFAULT_FPS = 8.0  # redraws per second at most: a full 256-token frame costs a few ms (BENCHMARKS.md)
 
 
 def confidence_style(entropy: float) -> str:
@@ -40,7 +41,7 @@ def confidence_style(entropy: float) -> str:
 class CanvasView:
     """Use as a context manager; call with each event. Row 0 of a batch is shown."""
 
-    def __init__(self, piece: Callable[[int], str], console: Console | None = None, max_fps: float = 12.0,
+    def __init__(self, piece: Callable[[int], str], console: Console | None = None, max_fps: float = DEFAULT_FPS,
                  skip_ids: set[int] | None = None, decode: Callable[[list[int]], str] | None = None,
                  strip: Callable[[str], str] | None = None):
         self.piece = piece  # one token -> text, for the canvas being denoised
@@ -50,6 +51,8 @@ class CanvasView:
         self.min_interval = 1.0 / max_fps
         self.skip_ids = skip_ids or set()
         self.finished_ids: list[int] = []
+        self._answer = None  # (key, the answer so far as laid out)
+        self._pieces: dict[int, str] = {}
         self.last_draw = 0.0
         self.started = time.perf_counter()
         self.forwards = 0
@@ -68,7 +71,11 @@ class CanvasView:
     # -- pieces ------------------------------------------------------------------------------------------
 
     def answer_so_far(self) -> Text:
-        """Finished canvases: the thought dimmed under a label, then the answer; the last lines that fit."""
+        """Finished canvases: the thought dimmed under a label, then the answer; the last lines that fit. Made
+        again only when a canvas finishes or the terminal changes size."""
+        key = (len(self.finished_ids), self.console.size)
+        if self._answer is not None and self._answer[0] == key:
+            return self._answer[1]
         text = self.decode(self.finished_ids)
         thought, answer = split_thought(text)
         out = Text()
@@ -81,7 +88,9 @@ class CanvasView:
         lines = out.wrap(self.console, self.console.size.width)
         if len(lines) > room:
             lines = lines[-room:]
-        return Text("\n").join(lines)
+        answer = Text("\n").join(lines)
+        self._answer = (key, answer)
+        return answer
 
     def header(self, ev: Step, accepted_now: int) -> Text:
         elapsed = max(time.perf_counter() - self.started, 1e-9)
@@ -94,16 +103,27 @@ class CanvasView:
         """(the canvas as text, positions accepted this step)."""
         canvas = ev.canvas[0].tolist()
         accepted, entropy = ev.accepted[0].tolist(), ev.entropy[0].tolist()
-        body = Text()
+        runs: list[tuple[str, str]] = []  # (text, style), neighbours of one style merged: fewer spans to lay out
         n = 0
         for i, (token, ok, h) in enumerate(zip(canvas, accepted, entropy)):
             if ok:
                 n += 1
-                text = "·" if token in self.skip_ids else self.piece(token).replace("\n", "⏎")
-                body.append(text, style=confidence_style(h))
+                text, style = self.token_text(token), confidence_style(h)
             else:  # still noise: one scrambled glyph
-                body.append(NOISE_GLYPHS[(i * 7 + ev.step * 13) % len(NOISE_GLYPHS)], style="dim")
-        return body, n
+                text, style = NOISE_GLYPHS[(i * 7 + ev.step * 13) % len(NOISE_GLYPHS)], "dim"
+            if runs and runs[-1][1] == style:
+                runs[-1] = (runs[-1][0] + text, style)
+            else:
+                runs.append((text, style))
+        return Text.assemble(*runs), n
+
+    def token_text(self, token: int) -> str:
+        """How one accepted token shows (cached: the same ids come back every step)."""
+        text = self._pieces.get(token)
+        if text is None:
+            text = "·" if token in self.skip_ids else self.piece(token).replace("\n", "⏎")
+            self._pieces[token] = text
+        return text
 
     def render(self, ev: Step) -> Group:
         body, n = self.canvas_text(ev)
@@ -130,7 +150,7 @@ class CanvasView:
             self.live.update(Text(""), refresh=True)
 
 
-def view_for(tok, console: Console | None = None, max_fps: float = 12.0) -> CanvasView:
+def view_for(tok, console: Console | None = None, max_fps: float = DEFAULT_FPS) -> CanvasView:
     """The view for a tokenizer (dgemma_cli.tokenizer.Tokenizer): pad, end-of-sequence and end-of-turn tokens are
     not shown, special-token strings are stripped from finished text."""
     skip = {i for i in (tok.pad_id, tok.eos_id, tok.end_of_turn_id) if i is not None}

@@ -46,3 +46,23 @@ def test_plain_stdin_prompt_prints_only_the_answer(capsys, monkeypatch):
 def test_each_line_usage_errors(capsys, monkeypatch, stdin, args):
     code, out, err = run(capsys, monkeypatch, stdin, *args)
     assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith("dgemma: error:")
+
+
+def test_ctrl_c_keeps_the_finished_canvases_and_exits_130(capsys, monkeypatch):
+    """Ctrl-C while a second canvas is being denoised: the first canvas's text is printed, then exit 130."""
+    import dgemma_cli.engine as engine_mod
+    from dgemma_cli.sampler import CanvasDone
+
+    real = engine_mod.generate_events
+
+    def interrupted(*args, **kwargs):
+        for ev in real(*args, **kwargs):
+            yield ev
+            if isinstance(ev, CanvasDone):
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine_mod, "generate_events", interrupted)
+    code, out, err = run(capsys, monkeypatch, "upper: hello diffusions\n", "--view", "none")
+    assert code == 130
+    assert out == "HELLO DIFFUSIONS\n"
+    assert err.strip().splitlines()[-1] == "dgemma: error: interrupted"
