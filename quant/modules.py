@@ -107,7 +107,28 @@ def fused_experts(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, top_k_in
     return y.to(x.dtype)
 
 
-class NVFP4Stack(nn.Module):
+class _Stack(nn.Module):
+    """E packed matrices [N, K] (routed experts): dequantized a few experts at a time, or used by the fused kernels.
+    Subclasses say how experts lo..hi dequantize."""
+
+    shape: tuple[int, int, int]
+
+    def fused_experts(self, down: nn.Module, x, top_k_index, top_k_weights):
+        return fused_experts(self, down, x, top_k_index, top_k_weights)
+
+    def dequantize_experts(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        E, N, K = self.shape
+        out = torch.empty(E, N, K, dtype=dtype, device=self.weight.device)
+        for lo in range(0, E, DEQUANT_CHUNK):
+            hi = min(E, lo + DEQUANT_CHUNK)
+            out[lo:hi] = self.dequantize_experts(lo, hi, dtype)
+        return out
+
+
+class NVFP4Stack(_Stack):
     """E NVFP4 matrices [N, K]; rows split into `segments` equal parts, each with its own global scale."""
 
     format = "nvfp4"
@@ -128,20 +149,11 @@ class NVFP4Stack(nn.Module):
         """[hi-lo, N] global scale of every row of experts lo..hi."""
         return self.weight_scale_2[lo:hi].repeat_interleave(self.shape[1] // self.segments, dim=1)
 
-    def fused_experts(self, down: nn.Module, x, top_k_index, top_k_weights):
-        return fused_experts(self, down, x, top_k_index, top_k_weights)
-
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        E, N, K = self.shape
-        out = torch.empty(E, N, K, dtype=dtype, device=self.weight.device)
-        for lo in range(0, E, DEQUANT_CHUNK):
-            hi = min(E, lo + DEQUANT_CHUNK)
-            out[lo:hi] = nvfp4.dequantize_packed(self.weight[lo:hi], self.weight_scale[lo:hi],
-                                                 self.row_scale_2(lo, hi), dtype)
-        return out
+    def dequantize_experts(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        return nvfp4.dequantize_packed(self.weight[lo:hi], self.weight_scale[lo:hi], self.row_scale_2(lo, hi), dtype)
 
 
-class Int8Stack(nn.Module):
+class Int8Stack(_Stack):
     """E INT8 matrices [N, K] with per-row scales [E, N]."""
 
     format = "int8"
@@ -152,16 +164,8 @@ class Int8Stack(nn.Module):
         self.register_buffer("weight", torch.empty(num, out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("weight_scale", torch.empty(num, out_features, dtype=torch.float32, device=device))
 
-    def fused_experts(self, down: nn.Module, x, top_k_index, top_k_weights):
-        return fused_experts(self, down, x, top_k_index, top_k_weights)
-
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        E, N, K = self.shape
-        out = torch.empty(E, N, K, dtype=dtype, device=self.weight.device)
-        for lo in range(0, E, DEQUANT_CHUNK):
-            hi = min(E, lo + DEQUANT_CHUNK)
-            out[lo:hi] = int8.dequantize_packed(self.weight[lo:hi], self.weight_scale[lo:hi], dtype)
-        return out
+    def dequantize_experts(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        return int8.dequantize_packed(self.weight[lo:hi], self.weight_scale[lo:hi], dtype)
 
 
 LINEAR = {"nvfp4": NVFP4Linear, "int8": Int8Linear}
