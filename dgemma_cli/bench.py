@@ -82,7 +82,11 @@ def config_for(name: str) -> tuple[str, dict]:
     path = path / "config.json" if path.is_dir() else path
     if not path.is_file():
         raise UsageError(f"--config must be one of {', '.join(CONFIGS)} or a model directory (got {name!r})")
-    return str(path.parent), json.loads(path.read_text())
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{path}: cannot read JSON ({e})") from None
+    return str(path.parent), raw
 
 
 def random_model(cfg: ModelConfig, fmt: str, policy: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
@@ -248,6 +252,14 @@ def run_bench(config: str = "mid", fmt: str = "nvfp4", policy: str = "experts", 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     check_kernels(dev)
+    from .footprint import system_free, weight_bytes
+
+    if dev.type == "cpu":  # random weights are made in place: refuse what cannot fit instead of swapping to death
+        need = sum(weight_bytes(cfg, fmt, policy).values()) * (dt.itemsize / 2)
+        free = system_free()
+        if free and need > 0.8 * free:
+            raise UsageError(f"--config {name} needs about {need / 1e9:.0f} GB for its weights on the CPU; "
+                             f"{free / 1e9:.0f} GB are free (use a GPU, or --config mid)")
     torch.manual_seed(0)
     model = random_model(cfg, fmt, policy, dev, dt)
     engine = Engine(model, None, GenerationSettings(eos_token_ids=(1,)))

@@ -73,6 +73,7 @@ class Conversation:
         self.pending: list[int] = []  # generated ids of the last answer not yet in the cache
         self.stale = True  # the cache must be rebuilt from the turns before the next one
         self.notices: list[str] = []
+        self.cancelled: str | None = None  # the message of a cancelled turn, for /retry
 
     # -- token stream -----------------------------------------------------------------------------------
 
@@ -108,19 +109,27 @@ class Conversation:
     def _rebuild(self, text: str, settings) -> tuple[list[int], list[int], int]:
         """(ids to encode from an empty cache, the new user turn's ids, turns dropped): the oldest turns go while
         the stream and a full answer do not fit the context."""
-        dropped = 0
+        kept = list(self.turns)  # worked out on a copy: a message that cannot fit leaves the conversation alone
+        first_ids = None
         while True:
-            user_ids = self.user_turn_ids(text, first=not self.turns)
-            ids = self.full_ids(self.turns) + user_ids
-            if len(ids) + self._reserve(settings) <= self.context or not self.turns:
+            user_ids = self.user_turn_ids(text, first=not kept)
+            stream = self.head_ids()
+            for i, t in enumerate(kept):
+                stream += (first_ids if i == 0 and first_ids is not None else t.user_ids) + t.answer_ids
+            ids = stream + user_ids
+            if len(ids) + self._reserve(settings) <= self.context or not kept:
                 break
-            self.turns.pop(0)
-            dropped += 1
-            if self.turns:  # the first kept turn now follows the head directly
-                self.turns[0].user_ids = self.user_turn_ids(self.turns[0].user, first=True)
+            kept.pop(0)
+            if kept:  # the first kept turn now follows the head directly
+                first_ids = self.user_turn_ids(kept[0].user, first=True)
         if len(ids) + self._reserve(settings) > self.context:
             raise UsageError(f"this message needs {len(ids) + self._reserve(settings)} positions with a full answer; "
                              f"the chat context is {self.context} (--context)")
+        dropped = len(self.turns) - len(kept)
+        if dropped:
+            if first_ids is not None:
+                kept[0].user_ids = first_ids
+            self.turns[:] = kept
         return ids, user_ids, dropped
 
     def turn_events(self, text: str, settings, seed: int | None = None) -> tuple[Iterator[Event], TurnStats]:
@@ -144,6 +153,7 @@ class Conversation:
             self.cached = []
         self.pending = []
         self.stale = True  # until the answer is complete
+        self.cancelled = None
         self.turns.append(Turn(text, user_ids))
         if seed is not None:
             torch.manual_seed(seed)
@@ -184,12 +194,15 @@ class Conversation:
     def cancel(self) -> None:
         """Forget the turn in progress (its tokens may be half in the cache: rebuild next time)."""
         if self.turns and self.stale:
-            self.turns.pop()
+            self.cancelled = self.turns.pop().user
         self.pending = []
         self.stale = True
 
     def retry(self) -> str | None:
-        """Drop the last turn and return its message, to be sent again."""
+        """The message to send again: a cancelled one, else the last turn's (that turn is dropped)."""
+        if self.cancelled is not None:
+            text, self.cancelled = self.cancelled, None
+            return text
         if not self.turns:
             return None
         last = self.turns.pop()

@@ -78,42 +78,55 @@ class ModelDenoiser:
 
 
 class GraphedDenoiser(ModelDenoiser):
-    """CUDA: each canvas's denoise forward is captured as a CUDA graph on its first use and replayed after.
+    """CUDA: the steps of a canvas after the first are captured as one CUDA graph and replayed.
 
     Within a canvas every input has a fixed shape and address: the canvas ids are copied into a static tensor, the
     self-conditioning probabilities and the logits live in the sampler's buffers, the cache's scratch slots and the
-    `DenoiseContext` do not move. Two graphs per canvas: the first step (no self-conditioning) and the rest. The
-    context changes when a canvas is appended, so graphs are made per canvas (a capture costs about one step).
-    The sampler's epilogue and acceptance run outside the graph. DGEMMA_EAGER=1 keeps the plain path.
+    `DenoiseContext` do not move. The first step (no self-conditioning) runs eagerly; the second runs eagerly too
+    (its result is the step's) and is captured right after; later steps replay. The context changes when a canvas
+    is appended, so a canvas gets its own graph, in one memory pool shared by all of them. If a capture fails (a
+    path with a host round trip), this denoiser stays eager. The sampler's epilogue runs outside the graph.
     """
+
+    def __init__(self, model: DiffusionGemma, batch: int, capacity: int):
+        super().__init__(model, batch, capacity)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.eager = False
 
     def start_canvas(self) -> None:
         super().start_canvas()
-        self.graphs: dict[bool, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None
 
     def denoise(self, canvas: torch.Tensor, sc_probs: torch.Tensor | None, out: torch.Tensor) -> None:
-        key = sc_probs is not None
-        if key in self.graphs:
-            graph, static = self.graphs[key]
+        if sc_probs is None or self.eager:
+            return super().denoise(canvas, sc_probs, out)
+        if self.graph is not None:
+            graph, static = self.graph
             static.copy_(canvas)
             graph.replay()
             return
         static = canvas.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up run (also this step's result), off the capture
-            super().denoise(static, sc_probs, out)
-        torch.cuda.current_stream().wait_stream(side)
+        super().denoise(static, sc_probs, out)  # this step's result, and the warm-up for the capture
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            super().denoise(static, sc_probs, out)
-        self.graphs[key] = (graph, static)
-        # the capture recorded work without running it; `out` still holds the warm-up's logits
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                super().denoise(static, sc_probs, out)
+        except RuntimeError:  # something on this path talks to the host: no graph for this model
+            self.eager = True
+            torch.cuda.synchronize()
+            return
+        self.graph = (graph, static)  # the capture recorded work without running it: `out` holds this step
+
+
+def graph_safe(model: DiffusionGemma) -> bool:
+    """Whether the forward can be captured: bfloat16 weights with torch's grouped matmul (its fallback syncs)."""
+    return (model.dtype == torch.bfloat16 and hasattr(torch.nn.functional, "grouped_mm")
+            and torch.cuda.get_device_capability(model.device) >= (8, 0))
 
 
 def make_denoiser(model: DiffusionGemma, batch: int, capacity: int) -> ModelDenoiser:
-    """The graphed denoiser on CUDA (unless DGEMMA_EAGER=1), the plain one elsewhere."""
-    if model.device.type == "cuda" and os.environ.get("DGEMMA_EAGER", "") != "1":
+    """The graphed denoiser on CUDA where the forward can be captured (unless DGEMMA_EAGER=1), else the plain one."""
+    if model.device.type == "cuda" and os.environ.get("DGEMMA_EAGER", "") != "1" and graph_safe(model):
         return GraphedDenoiser(model, batch, capacity)
     return ModelDenoiser(model, batch, capacity)
 

@@ -76,14 +76,19 @@ def choose_format(cfg: ModelConfig, free: int, context: int = 8192) -> str | Non
     return None
 
 
+def system_free() -> int:
+    """Available system memory in bytes (0 when unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 0
+
+
 def free_memory() -> tuple[int, str]:
     """(bytes, where): free memory of the first CUDA device, else available system memory."""
     if torch.cuda.is_available():
         free, _ = torch.cuda.mem_get_info(0)
         return free, f"GPU {torch.cuda.get_device_name(0)}"
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        return int(info["MemAvailable"].split()[0]) * 1024, "system memory (no CUDA GPU found)"
-    except (OSError, KeyError, ValueError):
-        return 0, "unknown memory"
+    return system_free(), "system memory (no CUDA GPU found)"

@@ -240,7 +240,7 @@ def plan(src: Path, fmt: str, policy: str, search: bool, device) -> tuple[list[S
             files[name] = (src / name).read_bytes()
     fingerprint = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in checkpoint_files(src)]
     job = {"source": str(src.resolve()), "source_files": fingerprint, "format": fmt, "policy": policy,
-           "search": search, "writer": __version__}
+           "search": search, "writer": __version__, "device": str(torch.device(device).type)}
     return shards, files, job
 
 
@@ -254,8 +254,9 @@ def quantize_checkpoint(src: Path, out: Path, fmt: str, policy: str = "experts",
     out = Path(out)
     if out.exists():
         raise UsageError(f"{out} already exists; remove it or choose another --out")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    from .engine import resolve_device
+
+    device = str(resolve_device(device))
     search = DEFAULT_SEARCH.get(fmt, False) if search is None else search
     shards, files, job = plan(src, fmt, policy, search, device)
     from tqdm import tqdm

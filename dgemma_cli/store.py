@@ -203,10 +203,14 @@ def pull(repo: str, quant: str = "auto", revision: str | None = None, policy: st
     from .quantize import quantize_checkpoint
     from .weights import read_quant_format
 
+    from .quantize import POLICIES
+
     if not REPO_ID.match(repo):
         raise UsageError(f"{repo!r} is not a repository id (OWNER/NAME, e.g. {DEFAULT_REPO})")
     if quant not in QUANTS + ("auto",):
         raise UsageError(f"--quant must be auto, {', '.join(QUANTS)} (got {quant!r})")
+    if policy not in POLICIES:
+        raise UsageError(f"--policy must be one of {', '.join(POLICIES)} (got {policy!r})")
     present = [e for e in entries() if e.repo.lower() == repo.lower() and quant in ("auto", e.quant)]
     if present:
         e = present[0]
@@ -230,9 +234,9 @@ def pull(repo: str, quant: str = "auto", revision: str | None = None, policy: st
         note(f"--quant auto: {quant} ({need / 1e9:.1f} GB estimated at an 8k context {fits} the "
              f"{free / 1e9:.1f} GB free in {where})")
     out = entry_dir(repo, quant)
-    if out.is_dir():
-        note(f"{repo}:{quant} is already in the store ({out}); nothing to do")
-        return None
+    if out.exists():  # entries() found no manifest there, so it is not a complete entry of ours
+        raise ModelError(f"{out} exists but is not a complete store entry (no readable manifest); remove it and "
+                         "pull again")
     commit = snapshot.name
     meta = {"repo": repo, "quant": quant, "revision": commit, "policy": policy if quant in ("int8", "nvfp4") else None,
             "published": published is not None, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

@@ -157,7 +157,10 @@ def write_checkpoint(out: Path, shards: list[Shard], files: dict[str, bytes], jo
     work = partial_dir(out)
     progress_path = work / PROGRESS
     done: dict[str, dict] = {}
-    if work.is_dir():
+    if work.exists():
+        if not progress_path.is_file():  # not ours: never delete what this writer did not make
+            raise ConvertError(f"{work} exists and is not an unfinished conversion; move it away or choose another "
+                               "output")
         try:
             state = json.loads(progress_path.read_text())
             if state.get("job") == job:
@@ -165,10 +168,13 @@ def write_checkpoint(out: Path, shards: list[Shard], files: dict[str, bytes], jo
         except (OSError, ValueError):
             pass
         if not done:
-            shutil.rmtree(work)
+            shutil.rmtree(work)  # an unfinished conversion of something else: start over
         else:
             on_note(f"resuming: {len(done)} of {len(shards)} shards already written")
-    work.mkdir(parents=True, exist_ok=True)
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConvertError(f"cannot create {work}: {e.strerror}") from None
     for name in list(done):  # a recorded shard must still be there, whole
         if (work / name).is_file() and (work / name).stat().st_size == done[name]["size"]:
             continue
@@ -206,11 +212,11 @@ def write_checkpoint(out: Path, shards: list[Shard], files: dict[str, bytes], jo
         _atomic_json(work / MANIFEST, manifest)
         progress_path.unlink()
     except OSError as e:
-        if e.errno == errno.ENOSPC:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
             _discard(work)
             raise ConvertError(f"disk full while writing {work}; removed the partial output "
                                f"({need / 1e9:.2f} GB needed)") from None
-        raise
+        raise ConvertError(f"cannot write {work}: {e.strerror or e}; run the command again to continue") from None
     except ConvertError:
         _discard(work)
         raise

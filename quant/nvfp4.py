@@ -68,6 +68,15 @@ def _byte_table() -> torch.Tensor:
 
 
 BYTE_TABLE = _byte_table()
+_BYTE_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def byte_table(device: torch.device) -> torch.Tensor:
+    """BYTE_TABLE on `device`, copied there once (a copy per call would be a host transfer inside a CUDA graph)."""
+    table = _BYTE_TABLES.get(device)
+    if table is None:
+        table = _BYTE_TABLES[device] = BYTE_TABLE.to(device)
+    return table
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -142,7 +151,7 @@ def dequantize_packed(weight: torch.Tensor, weight_scale: torch.Tensor, row_scal
     """weight uint8 [..., N, K/2], weight_scale e4m3 [..., N, K/16], row_scale_2 float32 [..., N] (each row's
     global scale) -> [..., N, K] in `dtype`, computed in float32 in the format's order, then cast."""
     *lead, N, half = weight.shape
-    values = BYTE_TABLE.to(weight.device)[weight.long()].reshape(*lead, N, 2 * half // BLOCK, BLOCK)
+    values = byte_table(weight.device)[weight.long()].reshape(*lead, N, 2 * half // BLOCK, BLOCK)
     out = values * weight_scale.float()[..., None]  # exact: 3 significant bits times 4
     out = out * row_scale_2.float()[..., None, None]
     return out.reshape(*lead, N, 2 * half).to(dtype)

@@ -74,6 +74,13 @@ def test_outgrowing_the_context_drops_the_oldest_turns(demo):
     assert conv.turns[0].user != "upper: hello diffusions"
     assert len(conv.cached) + len(conv.pending) + demo.config.canvas_length <= 150
     assert conv.cached + conv.pending == conv.full_ids(conv.turns)
+    # a message that cannot fit even alone is refused and the conversation is left as it was
+    before = [t.user for t in conv.turns]
+    from dgemma_cli.errors import UsageError
+
+    with pytest.raises(UsageError):
+        conv.turn_events("upper: " + "x" * 400, demo.settings)
+    assert [t.user for t in conv.turns] == before
 
 
 def test_cancel_retry_and_transcript(demo, tmp_path):
@@ -86,6 +93,11 @@ def test_cancel_retry_and_transcript(demo, tmp_path):
     _, stats = run_turn(conv, "upper: abc def 12 ghijk")
     assert stats.rebuilt and len(conv.turns) == 2  # the cache was rebuilt from the kept turn
     assert conv.retry() == "upper: abc def 12 ghijk" and len(conv.turns) == 1
+    # /retry after a cancel sends the cancelled message again and keeps the answered turns
+    events, _ = conv.turn_events("upper: 940 c wzvu 505 h", demo.settings, seed=0)
+    next(events)
+    conv.cancel()
+    assert conv.retry() == "upper: 940 c wzvu 505 h" and len(conv.turns) == 1
     md = conv.markdown()
     assert "## User\n\nupper: hello diffusions" in md and "HELLO DIFFUSIONS" in md
 

@@ -116,6 +116,20 @@ def test_fused_moe_matches_reference(fmt, tokens, load):
         assert rel(got, ref) <= TOL[dtype], (dtype, rel(got, ref))
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "int8"])
+def test_fused_moe_masked_tiles(fmt):
+    """Hidden 48 and width 80: partial K tiles in both kernels (32-deep tiles, 16 left over)."""
+    g = torch.Generator().manual_seed(5)
+    E, H, I, K = 5, 48, 80, 3
+    gu, dn = build_stacks(fmt, E, H, I, g)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(17, H, generator=g).to(dtype).to(DEVICE)
+        index = LOADS["uniform"](17, E, K, g).to(DEVICE)
+        weights = torch.rand(17, K, generator=g).to(DEVICE)
+        got = fused_experts(gu, dn, x, index, weights)
+        assert rel(got, reference_experts(gu, dn, x, index, weights)) <= TOL[dtype]
+
+
 def test_block_plan_covers_every_assignment_once():
     from quant.kernels.routing import moe_blocks
 

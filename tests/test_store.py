@@ -288,3 +288,18 @@ def test_quantize_bad_sources_are_refused_before_writing(checkpoints, tmp_path, 
     assert run_main(["quantize", str(checkpoints["alternating"]), "--quant", "nvfp4", "--out",
                      str(tmp_path / "y")]) == 2  # moe_intermediate_size 24 does not split into 16-wide blocks
     assert "multiples of 16" in one_error_line(capsys)
+
+
+def test_quantize_never_deletes_a_partial_directory_it_did_not_make(checkpoints, tmp_path, capsys):
+    foreign = tmp_path / "ckpt.partial"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    assert run_main(["quantize", str(checkpoints["five_to_one"]), "--quant", "int8", "--out",
+                     str(tmp_path / "ckpt")]) == 1
+    assert "not an unfinished conversion" in one_error_line(capsys)
+    assert (foreign / "notes.txt").read_text() == "mine"
+    if not torch.cuda.is_available():
+        assert run_main(["quantize", str(checkpoints["five_to_one"]), "--quant", "int8", "--out",
+                         str(tmp_path / "x"), "--device", "cuda"]) == 2
+        assert "no CUDA device" in one_error_line(capsys)
+        assert not (tmp_path / "x.partial").exists()

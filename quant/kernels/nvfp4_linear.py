@@ -28,7 +28,7 @@ def nvfp4_linear_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, M, N, K,
                         EMULATE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # 64-bit: M x K passes 2^31 on long prompts
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     half = tl.arange(0, BLOCK_K // 2)
     row_s2 = tl.load(s2_ptr + rn, mask=rn < N, other=0.0)
