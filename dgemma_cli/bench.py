@@ -5,7 +5,8 @@ network is built on the meta device and its tensors are made directly on the tar
 (packed random codes and scales for NVFP4 and INT8). A run: one random prompt of `prompt` tokens per row, encoded
 once, then `canvases` canvases of exactly `steps` steps (adaptive stopping off, end tokens ignored).
 
-Reported: ms per denoise step (forward + sampler, synchronised at every step), tokens per second inside the canvas
+Reported: ms per denoise step (forward + sampler, synchronised at every step; the median step, so the one that
+captures a canvas's CUDA graph does not count), tokens per second inside the canvas
 (batch x canvas tokens per `steps` steps), peak device memory, and the step's floor: the bytes one step must move
 (weights of every expert the canvas can hit, the embedding twice: LM head and self-conditioning, the KV cache, the
 canvas x vocab float32 traffic of logits and sampler) divided by the device's measured copy bandwidth. With
@@ -15,6 +16,7 @@ random init), timed the same way: steps are timed by the difference between a 4-
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import asdict, dataclass
 
@@ -197,12 +199,12 @@ def time_dgemma(engine, prompts, steps: int, canvases: int, device) -> float:
         if isinstance(ev, Step):
             sync(device)
             stamps.append((ev.canvas_index, time.perf_counter()))
-    per_step = []
+    intervals = []  # step to step, within a canvas
     for c in range(canvases):
         ts = [t for ci, t in stamps if ci == c]
-        if len(ts) > 1:
-            per_step.append((ts[-1] - ts[0]) / (len(ts) - 1))
-    return 1000 * sum(per_step) / len(per_step)
+        intervals += [b - a for a, b in zip(ts, ts[1:])]
+    # the median: the steady step; the step that captures the canvas's CUDA graph is an outlier
+    return 1000 * statistics.median(intervals)
 
 
 def time_reference(config: dict, prompts: torch.Tensor, steps: int, device, dtype) -> float:
