@@ -234,9 +234,18 @@ def history_file() -> Path:
 
 
 def save_markdown(path: Path, text: str) -> None:
+    """Write the transcript atomically; an existing file keeps its permissions, a new one gets the umask's."""
     from .fim import write_atomically
 
-    write_atomically(path, text.encode("utf-8"))
+    if path.is_dir():
+        raise OSError(21, "is a directory", str(path))
+    if path.exists():
+        mode = path.stat().st_mode & 0o7777
+    else:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    write_atomically(path, text.encode("utf-8"), mode)
 
 
 def run_chat(engine, *, system: str | None, steps: int | None, think: bool, view: str, context: int,
@@ -315,8 +324,8 @@ def run_chat(engine, *, system: str | None, steps: int | None, think: bool, view
                     try:
                         save_markdown(Path(arg).expanduser(), conv.markdown())
                         err.write(f"(saved {arg})\n")
-                    except (OSError, UsageError) as e:
-                        err.write(f"(cannot save {arg}: {e})\n")
+                    except OSError as e:
+                        err.write(f"(cannot save {arg}: {e.strerror or e})\n")
             elif cmd == "/view":
                 if arg not in ("live", "plain", "none"):
                     err.write("usage: /view live|plain|none\n")

@@ -100,6 +100,17 @@ def test_cancel_retry_and_transcript(demo, tmp_path):
     assert conv.retry() == "upper: 940 c wzvu 505 h" and len(conv.turns) == 1
     md = conv.markdown()
     assert "## User\n\nupper: hello diffusions" in md and "HELLO DIFFUSIONS" in md
+    from dgemma_cli.chat import save_markdown
+
+    target = tmp_path / "chat.md"
+    save_markdown(target, md)
+    assert target.read_text() == md
+    target.chmod(0o600)
+    save_markdown(target, md + "more\n")  # an existing file is replaced whole and keeps its mode
+    assert target.read_text().endswith("more\n") and (target.stat().st_mode & 0o777) == 0o600
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".chat.md")] == []
+    with pytest.raises(OSError):
+        save_markdown(tmp_path / "no" / "such" / "dir.md", md)
 
 
 # ----------------------------------------------------------------------------- the real command in a terminal
@@ -174,6 +185,8 @@ def test_chat_in_a_pseudo_terminal(tmp_path):
             if term.text().count("›") >= 3:
                 break
         assert term.text().count("›") >= 3, term.text()
+        term.type(f"/save {tmp_path / 'talk.md'}\r")
+        term.wait_for("(saved")
         term.type("/reset\r")
         term.wait_for("(new conversation)")
         term.type("/bogus\r")
@@ -187,6 +200,8 @@ def test_chat_in_a_pseudo_terminal(tmp_path):
         screen = term.text()
         assert "Traceback" not in term.log.decode(errors="replace")
         assert "HELLO DIFFUSIONS" in screen or b"HELLO DIFFUSIONS" in term.log
+        transcript = (tmp_path / "talk.md").read_text()
+        assert "upper: hello diffusions" in transcript and "HELLO DIFFUSIONS" in transcript
         history = (tmp_path / "dgemma" / "chat_history").read_text()
         assert "upper: hello diffusions" in history  # prompts persist across sessions
     finally:
