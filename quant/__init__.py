@@ -1,9 +1,11 @@
 """Quantized weight formats for dgemma (NVFP4, INT8).
 
 This package is independent of `dgemma_cli` and never imports it. The engine's seam for it is
-`dgemma_cli.model`: every projection is a module with `forward(x)` and the routed experts are a module
-with `forward(x, top_k_index, top_k_weights)`, so a quantized module can replace either one.
-Here now: `nvfp4` (NVIDIA ModelOpt's layout: pack/unpack, reference quantize/dequantize) and `int8` (dgemma's
-per-output-channel symmetric format), tested against hand-computed values. Still to come with the quantization
-issues: the quantized modules, checkpoint reading/writing, the converter, better-than-absmax scales, and kernels.
+`dgemma_cli.model`: every projection is a module with `forward(x)` and the routed experts a module whose packed
+weights `dequantize(dtype)` (or run through a fused kernel), so a quantized module can replace either one.
+
+- `nvfp4`, `int8`: the formats (pack and unpack, quantize with absmax or searched scales, dequantize);
+- `modules`: quantized linear layers and expert stacks, with a plain PyTorch reference forward;
+- `convert`: the streaming, resumable, verified checkpoint writer the converter uses;
+- `kernels`: Triton kernels for the same functions, chosen by DGEMMA_KERNELS.
 """
