@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import json
 from pathlib import Path, PurePosixPath
+from typing import Callable
 
 import httpx2
 from huggingface_hub import HfApi, constants, hf_hub_download, is_offline_mode
@@ -64,17 +65,22 @@ class _NoBars(hf_tqdm):
         super().__init__(*args, **kwargs)
 
 
-def download(repo_id: str, revision: str | None = None, *, progress: bool = True) -> Path:
-    """Fetch what the text model needs from the Hub into huggingface_hub's own cache; return the snapshot dir."""
+def download(repo_id: str, revision: str | None = None, *, progress: bool = True,
+             on_config: Callable[[Path], None] | None = None) -> Path:
+    """Fetch what the text model needs from the Hub into huggingface_hub's own cache; return the snapshot dir.
+
+    on_config(snapshot dir) runs once the small files (config.json first) are there and before any weights are
+    fetched: a caller can refuse the model there without downloading gigabytes.
+    """
     try:
-        return _download(repo_id, revision, None if progress else _NoBars)
+        return _download(repo_id, revision, None if progress else _NoBars, on_config)
     except DgemmaError:
         raise
     except Exception as e:  # KeyboardInterrupt is not an Exception: it propagates unchanged
         raise DgemmaError(_one_line(_explain(e, repo_id, revision))) from e
 
 
-def _download(repo_id: str, revision: str | None, bars) -> Path:
+def _download(repo_id: str, revision: str | None, bars, on_config=None) -> Path:
     api = HfApi()
     offline = is_offline_mode()
     # One commit for every file; falls back to the cached ref when the Hub cannot be reached.
@@ -115,6 +121,8 @@ def _download(repo_id: str, revision: str | None, bars) -> Path:
     for name in SMALL_FILES:
         if has(name):
             fetch(name, required=name == CONFIG_FILE)
+    if on_config is not None:
+        on_config(snapshot)
     index = fetch(INDEX_FILE, required=False) if has(INDEX_FILE) else None
     if index is not None:
         shards = _text_shards(index, repo_id)

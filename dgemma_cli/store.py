@@ -217,26 +217,34 @@ def pull(repo: str, quant: str = "auto", revision: str | None = None, policy: st
         note(f"{e.name} is already in the store ({e.path}); nothing to do")
         return None
 
-    snapshot = hub.download(repo, revision, progress=progress)
-    raw = json.loads((snapshot / "config.json").read_text())
-    cfg = ModelConfig.from_dir(snapshot)
-    published = read_quant_format(snapshot, raw)
-    if published is not None:
-        if quant not in ("auto", published):
-            raise UsageError(f"{repo} is published in {published}; it cannot be converted to {quant} "
-                             f"(pull the unquantized checkpoint for that)")
-        quant = published
-    elif quant == "auto":
-        free, where = free_memory()
-        quant = choose_format(cfg, free) or "nvfp4"
-        need = runtime_bytes(cfg, quant)
-        fits = "fits" if need <= free else "may not fit"
-        note(f"--quant auto: {quant} ({need / 1e9:.1f} GB estimated at an 8k context {fits} the "
-             f"{free / 1e9:.1f} GB free in {where})")
-    out = entry_dir(repo, quant)
-    if out.exists():  # entries() found no manifest there, so it is not a complete entry of ours
-        raise ModelError(f"{out} exists but is not a complete store entry (no readable manifest); remove it and "
-                         "pull again")
+    decided: dict = {}
+
+    def decide(snapshot: Path) -> None:
+        """From the config alone, before any weights are fetched: the format, and whether it can be made."""
+        raw = json.loads((snapshot / "config.json").read_text())
+        cfg = ModelConfig.from_dir(snapshot)
+        published = read_quant_format(snapshot, raw)
+        fmt = quant
+        if published is not None:
+            if quant not in ("auto", published):
+                raise UsageError(f"{repo} is published in {published}; it cannot be converted to {quant} "
+                                 f"(pull the unquantized checkpoint for that)")
+            fmt = published
+        elif quant == "auto":
+            free, where = free_memory()
+            fmt = choose_format(cfg, free) or "nvfp4"
+            need = runtime_bytes(cfg, fmt)
+            fits = "fits" if need <= free else "may not fit"
+            note(f"--quant auto: {fmt} ({need / 1e9:.1f} GB estimated at an 8k context {fits} the "
+                 f"{free / 1e9:.1f} GB free in {where})")
+        out = entry_dir(repo, fmt)
+        if out.exists():  # entries() found no manifest there, so it is not a complete entry of ours
+            raise ModelError(f"{out} exists but is not a complete store entry (no readable manifest); remove it "
+                             "and pull again")
+        decided.update(quant=fmt, published=published, out=out)
+
+    snapshot = hub.download(repo, revision, progress=progress, on_config=decide)
+    quant, published, out = decided["quant"], decided["published"], decided["out"]
     commit = snapshot.name
     meta = {"repo": repo, "quant": quant, "revision": commit, "policy": policy if quant in ("int8", "nvfp4") else None,
             "published": published is not None, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

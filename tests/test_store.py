@@ -116,6 +116,7 @@ def test_published_nvfp4_is_stored_as_published(fake_hub, checkpoints, tmp_path,
     serve_directory(fake_hub, "vendor/tiny-NVFP4", tmp_path / "published")
     assert run_main(["pull", "vendor/tiny-NVFP4", "--quant", "int8"]) == 2
     assert "published in nvfp4" in one_error_line(capsys)
+    assert not fake_hub.file_requests("model.safetensors")  # refused from the config, before any weights
     assert run_main(["pull", "vendor/tiny-NVFP4"]) == 0
     (entry,) = store.entries()
     assert entry.quant == "nvfp4" and entry.manifest["store"]["published"] is True
