@@ -75,8 +75,10 @@ class BenchResult:
 
 def config_for(name: str) -> tuple[str, dict]:
     """A named config (real, mid, tiny) or a model directory's config.json."""
-    import json
     from pathlib import Path
+
+    from .config import read_json_object
+    from .errors import ModelError
 
     if name in CONFIGS:
         return name, CONFIGS[name]
@@ -85,10 +87,9 @@ def config_for(name: str) -> tuple[str, dict]:
     if not path.is_file():
         raise UsageError(f"--config must be one of {', '.join(CONFIGS)} or a model directory (got {name!r})")
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise UsageError(f"{path}: cannot read JSON ({e})") from None
-    return str(path.parent), raw
+        return str(path.parent), read_json_object(path)
+    except ModelError as e:  # a bad --config value is a usage error here
+        raise UsageError(str(e)) from None
 
 
 def random_model(cfg: ModelConfig, fmt: str, policy: str, device: torch.device, dtype: torch.dtype, seed: int = 0):

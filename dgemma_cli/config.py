@@ -143,6 +143,7 @@ class ModelConfig:
     text: TextConfig
     canvas_length: int = 256
     source: str = ""
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)  # config.json as read (quantization_config, ...)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -159,20 +160,25 @@ class ModelConfig:
             raise ModelError(f"{source}: text_config is missing {', '.join(missing)}")
         known = {f.name for f in fields(TextConfig)} - {"layers"}
         text = TextConfig(**{k: v for k, v in text_raw.items() if k in known})
-        return cls(text=text, canvas_length=int(raw.get("canvas_length") or 256), source=source)
+        return cls(text=text, canvas_length=int(raw.get("canvas_length") or 256), source=source, raw=raw)
 
     @classmethod
     def from_dir(cls, path: Path) -> ModelConfig:
         cfg_path = Path(path) / "config.json"
         if not cfg_path.is_file():
             raise ModelError(f"{path}: no config.json (is this a model directory?)")
-        try:
-            raw = json.loads(cfg_path.read_text())
-        except (OSError, ValueError) as e:
-            raise ModelError(f"{cfg_path}: cannot read JSON ({e})") from None
-        if not isinstance(raw, dict):
-            raise ModelError(f"{cfg_path}: not a JSON object")
-        return cls.from_dict(raw, source=str(cfg_path))
+        return cls.from_dict(read_json_object(cfg_path), source=str(cfg_path))
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file that must hold an object; anything else is one ModelError line."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{path}: cannot read JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ModelError(f"{path}: not a JSON object")
+    return raw
 
 
 @dataclass

@@ -163,7 +163,7 @@ def plan(src: Path, fmt: str, policy: str, search: bool, device) -> tuple[list[S
     if not src.is_dir():
         raise ModelError(f"{src}: no such model directory")
     cfg = ModelConfig.from_dir(src)
-    raw_config = json.loads((src / "config.json").read_text())
+    raw_config = cfg.raw
     if read_quant_format(src, raw_config) is not None:
         raise UsageError(f"{src}: already quantized; quantize from the unquantized (bf16) checkpoint")
     records = index_checkpoint(src)
@@ -270,8 +270,3 @@ def quantize_checkpoint(src: Path, out: Path, fmt: str, policy: str = "experts",
         except ConvertError as e:
             raise ModelError(str(e)) from None
 
-
-def total_bytes(src: Path, fmt: str, policy: str = "experts") -> int:
-    """Bytes the output's shards will take (exact: computed from the plan's headers and shapes)."""
-    shards, files, _ = plan(src, fmt, policy, DEFAULT_SEARCH.get(fmt, False), "cpu")
-    return sum(s.nbytes for s in shards) + sum(len(b) for b in files.values())

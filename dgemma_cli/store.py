@@ -129,9 +129,8 @@ def describe(path: Path) -> dict:
     from .weights import checkpoint_files, index_checkpoint, read_quant_format, text_prefix
 
     cfg = ModelConfig.from_dir(path)
-    raw = json.loads((path / "config.json").read_text())
-    quantized = read_quant_format(path, raw)
-    qc = raw.get("quantization_config") or {}
+    quantized = read_quant_format(path, cfg.raw)
+    qc = cfg.raw.get("quantization_config") or {}
     policy = (qc.get("dgemma") or {}).get("policy") or ("experts" if quantized else "none")
     fmt = quantized or "bf16"  # sizes in memory: unquantized weights are held in bf16 on a GPU
     sized_as = policy if policy == "all" else "experts"
@@ -221,9 +220,8 @@ def pull(repo: str, quant: str = "auto", revision: str | None = None, policy: st
 
     def decide(snapshot: Path) -> None:
         """From the config alone, before any weights are fetched: the format, and whether it can be made."""
-        raw = json.loads((snapshot / "config.json").read_text())
         cfg = ModelConfig.from_dir(snapshot)
-        published = read_quant_format(snapshot, raw)
+        published = read_quant_format(snapshot, cfg.raw)
         fmt = quant
         if published is not None:
             if quant not in ("auto", published):

@@ -340,7 +340,7 @@ def load_model(directory: Path, device: str | torch.device = "cpu", dtype: torch
     if not directory.is_dir():
         raise ModelError(f"{directory}: no such model directory")
     cfg = ModelConfig.from_dir(directory)
-    fmt = read_quant_format(directory, json.loads((directory / "config.json").read_text()))
+    fmt = read_quant_format(directory, cfg.raw)
     records = index_checkpoint(directory)
     prefix = text_prefix(records)
     if dtype is None:
