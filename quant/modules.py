@@ -8,7 +8,8 @@ Buffers carry the names they have in a checkpoint, so a loader maps them one to 
   their own (ModelOpt stores them per projection). `dequantize(dtype)` gives [E, N, K], a few experts at a time so
   the float32 temporaries stay small.
 The Triton kernels (quant/kernels/) implement the same functions behind the same modules: `forward` and
-`fused_experts` call them when `DGEMMA_KERNELS` selects Triton for the input's device, and the reference otherwise.
+`fused_experts` call them when `DGEMMA_KERNELS` selects Triton for the input's device and the kernel passed its
+first-use check on that GPU (kernels/probe.py), and the reference otherwise.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 
 from . import int8, nvfp4
 from .kernels import use_triton
+from .kernels.probe import family_ok
 
 DEQUANT_CHUNK = 8  # experts dequantized per pass: bounds the float32 temporaries to 8 experts' worth
 
@@ -49,7 +51,7 @@ class NVFP4Linear(nn.Module):
                                        dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_triton(x.device):
+        if use_triton(x.device) and family_ok("nvfp4_linear", x.device, x.dtype):
             from .kernels.nvfp4_linear import nvfp4_linear
 
             return nvfp4_linear(x, self.weight, self.weight_scale, self.weight_scale_2.expand(self.out_features))
@@ -76,35 +78,39 @@ class Int8Linear(nn.Module):
         return int8.dequantize_packed(self.weight, self.weight_scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_triton(x.device):
+        if use_triton(x.device) and family_ok("int8_linear", x.device, x.dtype):
             from .kernels.int8_linear import int8_linear
 
             return int8_linear(x, self.weight, self.weight_scale)
         return F.linear(x, self.dequantize(x.dtype))
 
 
-MOE_BLOCK_M = 16  # rows of one expert per block of the fused MoE kernels
-
-
 def fused_experts(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor) -> torch.Tensor | None:
     """The routed experts through the fused Triton kernels (x [T, H] -> [T, H]), or None when DGEMMA_KERNELS selects
-    the reference for x's device (the caller then dequantizes and runs its grouped matmuls)."""
-    if not use_triton(x.device):
+    the reference for x's device (the caller then dequantizes and runs its grouped matmuls). The launch settings,
+    rows per block among them, come from the kernels' candidates, tuned on first use per GPU (kernels/tuning.py)."""
+    if not (use_triton(x.device) and family_ok("moe_" + gate_up.format, x.device, x.dtype)):
         return None
+    from .kernels import m_bucket, tuning
     from .kernels.moe_down import moe_down
-    from .kernels.moe_gate_up import moe_gate_up
+    from .kernels.moe_gate_up import candidates, moe_gate_up
     from .kernels.routing import moe_blocks
 
     T, K = top_k_index.shape
-    ids, block_expert = moe_blocks(top_k_index, gate_up.shape[0], MOE_BLOCK_M)
+    E, two_i, H = gate_up.shape
     s2_gu = getattr(gate_up, "weight_scale_2", None)
     s2_dn = getattr(down, "weight_scale_2", None)
-    h = moe_gate_up(x, ids, block_expert, gate_up.format, gate_up.weight, gate_up.weight_scale, s2_gu, K,
-                    MOE_BLOCK_M)
-    y = moe_down(h, ids, block_expert, down.format, down.weight, down.weight_scale, s2_dn,
-                 top_k_weights.reshape(-1), T, K, MOE_BLOCK_M)
-    return y.to(x.dtype)
+    weights = top_k_weights.reshape(-1)
+
+    def launch(cfg: dict) -> torch.Tensor:
+        ids, block_expert = moe_blocks(top_k_index, E, cfg["BLOCK_M"])
+        h = moe_gate_up(x, ids, block_expert, gate_up.format, gate_up.weight, gate_up.weight_scale, s2_gu, K, cfg)
+        return moe_down(h, ids, block_expert, down.format, down.weight, down.weight_scale, s2_dn, weights, T, K, cfg)
+
+    cfg = tuning.choose("moe_" + gate_up.format, (m_bucket(T * K), E, H, two_i // 2, str(x.dtype)),
+                        candidates(T * K / E, H, two_i // 2, x.device), launch, x.device)
+    return launch(cfg)
 
 
 class _Stack(nn.Module):

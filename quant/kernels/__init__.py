@@ -5,7 +5,10 @@ Which implementation runs is one explicit switch, `DGEMMA_KERNELS`:
 - `triton`: the Triton kernels (on the CPU they run in Triton's interpreter, which needs TRITON_INTERPRET=1 set
   before triton is imported: slow, for tests at small sizes);
 - `auto` (default): Triton on CUDA when it is installed, torch elsewhere.
-Every kernel is tested against the reference on the dequantized weights (tests/test_kernels.py).
+Every kernel is tested against the reference on the dequantized weights (tests/test_kernels.py). On a GPU each
+kernel family is also checked against the torch path at its first use in a process (probe.py: one that fails to
+compile or disagrees falls back to torch with one line on stderr), and launch settings are timed on first use and
+cached per GPU model (tuning.py).
 """
 
 from __future__ import annotations
@@ -48,3 +51,17 @@ def use_triton(device: torch.device) -> bool:
     if device.type != "cuda" and not interpreting():
         raise RuntimeError("DGEMMA_KERNELS=triton on the CPU needs TRITON_INTERPRET=1 (Triton's interpreter)")
     return True
+
+
+def arch(device: torch.device) -> int:
+    """Compute capability as one number (90 for sm_90) of a CUDA device; 0 elsewhere (the interpreter), where the
+    launch tables take their portable rows."""
+    if device.type != "cuda" or interpreting():
+        return 0
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+def m_bucket(rows: int) -> int:
+    """Rows rounded up to a power of two (at least 16): launch settings are tuned and cached per bucket."""
+    return max(16, 1 << max(0, rows - 1).bit_length())

@@ -1,33 +1,104 @@
-"""Triton helpers shared by the kernels (device functions, not kernels): number decoding and the activation.
+"""Triton helpers shared by the kernels (device functions, not kernels): weight decoding and the activation.
 
-Scales and codes are decoded with integer arithmetic rather than float8 casts, so the same code runs compiled and
-in Triton's interpreter (whose float8 support differs), and every decoded value is exact in float32.
+NVFP4 decoding, bit-parallel. A 32-bit word holds 8 E2M1 codes of one row, nibble i = element k0 + i (ModelOpt
+packs element 2j in the low nibble of byte j, so a little-endian word is exactly this). Codes i and i + 4 sit 16 bits
+apart, so one shift and two masks turn them into a bfloat16 pair: magnitude bits (e1 e0 m) go to bits 6..8 of each
+half (the low exponent bits and the top mantissa bit), the sign to bit 15. Read as bfloat16 that is a * 2^-126 for
+every code, zero and the subnormal 0.5 included (exponent field e, bias 127, against E2M1's bias 1). Multiplying by
+the block scale s * 2^64 (decoded from its e4m3 bits, once per 16 elements) gives a * s * 2^-62: a normal bfloat16
+holding a * s exactly (at most 5 significant bits, 2^-72 <= |a s 2^-62| <= 2^-50.6), so the tensor cores see exact
+products, and the kernel's epilogue multiplies the float32 accumulator by 2^62 * scale_2 (per output row). This is
+the order production NVFP4 kernels use (the global scale in the epilogue); it differs from the reference's
+round((a * s) * scale_2) per weight only by rounding, and is the more exact of the two.
+
+Under Triton's interpreter bfloat16 arithmetic is not IEEE (products come out wrong, subnormals flush), so EMULATE
+does the one bfloat16 multiply in float32, where the same exact product results.
 """
 
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def e2m1_value(code):
-    """4-bit E2M1 codes (int32, 0..15; bit 3 the sign) -> float32: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and negatives."""
-    idx = code & 7
-    e = idx >> 1
-    m = (idx & 1).to(tl.float32)
-    pow2 = (1 << tl.maximum(e - 1, 0)).to(tl.float32)
-    mag = tl.where(e == 0, m * 0.5, (1.0 + 0.5 * m) * pow2)
-    return tl.where((code & 8) != 0, -mag, mag)
+# a * s * 2^-62 in the tensor cores -> a * s: the epilogue multiplies by this (exactly, a power of two)
+UNSHIFT = tl.constexpr(4.611686018427388e18)  # 2^62
 
 
 @triton.jit
-def e4m3_value(bits):
-    """float8_e4m3fn bit patterns (int32, 0..255) -> float32 (scales are positive; sign kept anyway)."""
-    exp = (bits >> 3) & 15
-    man = (bits & 7).to(tl.float32)
-    # 2^(exp - 7) built from its float32 bit pattern; exp 0 is subnormal: man / 8 * 2^-6
-    pow2 = ((tl.maximum(exp, 1) + 120) << 23).to(tl.float32, bitcast=True)
-    mag = tl.where(exp == 0, man * 0.001953125, (1.0 + man * 0.125) * pow2)
-    return tl.where((bits & 128) != 0, -mag, mag)
+def e4m3_shifted(bits):
+    """e4m3 scale bits (int32, 0..127: scales are positive) -> float32 s * 2^64, exact for normal and subnormal s.
+    Placed at bits 20.. of a float32, the e4m3 exponent and mantissa read as s * 2^-120 (subnormals included)."""
+    f = ((bits & 0x7F) << 20).to(tl.float32, bitcast=True)
+    return f * 4.951760157141521e27 * 4.951760157141521e27  # * 2^92 * 2^92
+
+
+@triton.jit
+def e2m1_pair(w, q: tl.constexpr):
+    """int32 words of 8 codes -> int32 bit patterns of bfloat16 pairs (element q low half, element q + 4 high half),
+    each a * 2^-126."""
+    if q == 0:
+        r = ((w << 6) & 0x01C001C0) | ((w << 12) & -2147450880)  # -2147450880 = 0x80008000
+    elif q == 1:
+        r = ((w << 2) & 0x01C001C0) | ((w << 8) & -2147450880)
+    elif q == 2:
+        r = ((w >> 2) & 0x01C001C0) | ((w << 4) & -2147450880)
+    else:
+        r = ((w >> 6) & 0x01C001C0) | (w & -2147450880)
+    return r
+
+
+@triton.jit
+def scaled_pair(r, scale, EMULATE: tl.constexpr):
+    """A decoded pair (bfloat16 a * 2^-126 in each half of r) times the bfloat16 scale s * 2^64 -> (low, high)
+    bfloat16 a * s * 2^-62, exact. The code for 0.5 is a bfloat16 subnormal here (2^-127), which the GPU's bfloat16
+    multiply takes as it is; the interpreter flushes bfloat16 subnormals, so EMULATE reads each half as a float32
+    (2^-127 is exact there too) and multiplies in float32."""
+    if EMULATE:
+        sf = scale.to(tl.float32)
+        lo = (r << 16).to(tl.float32, bitcast=True) * sf
+        hi = (r & -65536).to(tl.float32, bitcast=True) * sf
+        return lo.to(tl.bfloat16), hi.to(tl.bfloat16)
+    lo = r.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    hi = (r >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return lo * scale, hi * scale
+
+
+@triton.jit
+def nvfp4_tile(w, sbits, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
+    """Packed words [BLOCK_N, BLOCK_K/8] int32 and their scale bits [BLOCK_N, BLOCK_K/16] int32 -> the tile
+    [BLOCK_N, BLOCK_K] bfloat16 of a * s * 2^-62, in K order."""
+    s = e4m3_shifted(sbits).to(tl.bfloat16)
+    s = tl.join(s, s).reshape(BLOCK_N, BLOCK_K // 8)  # one scale per word (16 elements = 2 words)
+    l0, h0 = scaled_pair(e2m1_pair(w, 0), s, EMULATE)
+    l1, h1 = scaled_pair(e2m1_pair(w, 1), s, EMULATE)
+    l2, h2 = scaled_pair(e2m1_pair(w, 2), s, EMULATE)
+    l3, h3 = scaled_pair(e2m1_pair(w, 3), s, EMULATE)
+    v = tl.join(tl.join(tl.join(l0, h0), tl.join(l1, h1)), tl.join(tl.join(l2, h2), tl.join(l3, h3)))
+    # v [BN, BK/8, 2 (half: +0 / +4), 2 (q bit 0), 2 (q bit 1)]: element 4*half + 2*q1 + q0
+    return tl.permute(v, (0, 1, 2, 4, 3)).reshape(BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def load_nvfp4_tile(w_ptr, s_ptr, rows, k0, K, NROWS, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    EMULATE: tl.constexpr):
+    """Rows `rows` (int64 [BLOCK_N], absolute row numbers of an int32 word array [*, K/8] and its scale bytes
+    [*, K/16]) at inputs k0..k0 + BLOCK_K -> [BLOCK_N, BLOCK_K] bfloat16 a * s * 2^-62. Rows >= NROWS and inputs
+    past K read as zero."""
+    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    live = rows[:, None] < NROWS
+    w = tl.load(w_ptr + rows[:, None] * (K // 8) + kw[None, :], mask=live & (kw[None, :] < K // 8), other=0)
+    sb = tl.load(s_ptr + rows[:, None] * (K // 16) + ks[None, :], mask=live & (ks[None, :] < K // 16),
+                 other=0).to(tl.int32)
+    return nvfp4_tile(w, sb, BLOCK_N, BLOCK_K, EMULATE)
+
+
+@triton.jit
+def nvfp4_operand(tile, dtype: tl.constexpr):
+    """The decoded tile as the dot's operand in the compute dtype, and the factor the accumulator then needs (before
+    scale_2). bfloat16 / float32 take a * s * 2^-62 as it is; float16 cannot hold it (its range ends at 2^-24), so
+    there it becomes a * s (exact: 2^-10 <= |a s| <= 2688) at the cost of two more instructions per element."""
+    if dtype == tl.float16:
+        return (tile.to(tl.float32) * UNSHIFT).to(tl.float16), 1.0
+    return tile, UNSHIFT
 
 
 @triton.jit
@@ -60,12 +131,12 @@ def to_compute(w, dtype: tl.constexpr, EMULATE: tl.constexpr):
 
 @triton.jit
 def dot_acc(acc, x, w_t, IEEE: tl.constexpr, EMULATE: tl.constexpr):
-    """acc + x @ w_t with float32 accumulation (w_t already [K, N] in the compute dtype, or float32 if EMULATE)."""
+    """acc + x @ w_t with float32 accumulation (w_t [K, N]; float32 operands under EMULATE or IEEE)."""
     if EMULATE:
-        return acc + tl.dot(x.to(tl.float32), w_t, input_precision="ieee")
+        return acc + tl.dot(x.to(tl.float32), w_t.to(tl.float32), input_precision="ieee")
     if IEEE:
-        return acc + tl.dot(x, w_t, input_precision="ieee")
-    return acc + tl.dot(x, w_t)
+        return acc + tl.dot(x, w_t.to(tl.float32), input_precision="ieee")
+    return tl.dot(x, w_t.to(x.dtype), acc)
 
 
 @triton.jit

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
+from . import arch, interpreting, m_bucket, tuning
 from .common import dot_acc, store_rounded, to_compute
 
 
@@ -34,14 +34,32 @@ def int8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K,
     store_rounded(y_ptr + rm[:, None] * N + rn[None, :], acc, (rm[:, None] < M) & (rn[None, :] < N), EMULATE)
 
 
+def candidates(M: int, K: int, device: torch.device) -> list[dict]:
+    """Launch settings to try, best first by the static report (make kernel-report); see nvfp4_linear.candidates."""
+    block_k = 64 if K % 64 == 0 else 32
+    if M <= 16:
+        return [dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, num_warps=4)]
+    if arch(device) >= 90:
+        return [dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=block_k, num_warps=8),
+                dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, num_warps=4)]
+    return [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, num_warps=4),
+            dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4)]
+
+
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     N, K = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K).contiguous()
     M = x2.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    BLOCK_M = 16 if M <= 16 else 64
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, 64))
-    int8_linear_kernel[grid](x2, weight, weight_scale.float().contiguous(), y, M, N, K, BLOCK_M, 64, 32,
-                             x.dtype == torch.float32, interpreting())
+    scale = weight_scale.float().contiguous()
+
+    def launch(cfg: dict) -> None:
+        grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]))
+        int8_linear_kernel[grid](x2, weight, scale, y, M, N, K, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"],
+                                 x.dtype == torch.float32, interpreting(), num_warps=cfg["num_warps"])
+
+    cfg = tuning.choose("int8_linear", (m_bucket(M), N, K, str(x.dtype)), candidates(M, K, x.device), launch,
+                        x.device)
+    launch(cfg)
     return y.reshape(*lead, N)

@@ -1,14 +1,17 @@
-"""Routed experts, second half: out[t*K + k] = w[t, k] * (h W_down[e]^T) for every assignment, in place.
+"""Routed experts, second half: y[t] = sum_k w[t, k] * (h[t*K + k] W_down[e]^T), in two kernels.
 
 Operands: h [P, I] compute dtype in the block plan's padded row order (moe_gate_up.py); sorted_ids, block_expert
-(routing.py); down weights [E, H, I] in one format (FORMAT: 0 NVFP4 packed [E, H, I/2] with e4m3 scales
-[E, H, I/16] and global scales [E, S]; 1 INT8 [E, H, I] with row scales [E, H]); top_k_weights float32 [T*K]
-(the router's weights, by assignment); out float32 [T*K, H]. A program takes one block and BLOCK_N columns of H,
-computes the block's rows times the expert's dequantized tile (float32 accumulation, output rounded to the
-compute dtype as the reference's matmul is), scales each row by its routing weight in float32, and stores it at
-its assignment's row: the scatter back to token order is fused into the store. The caller sums each token's K
-rows in slot order, as the reference does, so the result does not depend on which block ran first (no atomics:
-the same input gives the same bits on every run).
+(routing.py); down weights [E, H, I] in one format (FORMAT: 0 NVFP4 packed [E, H, I/2] read as int32 words, e4m3
+scales [E, H, I/16], global scales [E, S]; 1 INT8 [E, H, I] with row scales [E, H]); top_k_weights float32 [T*K]
+(the router's weights, by assignment).
+1. `moe_down_kernel`: a program takes one block and BLOCK_N columns of H, multiplies the block's rows by the
+   expert's decoded tile (float32 accumulation; NVFP4's global scale in the epilogue), rounds to the compute dtype
+   as the reference's matmul output is, and stores each row at its assignment's row of ys [T*K, H] (compute dtype):
+   the scatter back to token order is fused into the store.
+2. `moe_sum_kernel`: out[t] = sum over k = 0..K-1, in slot order, of w[t, k] * ys[t*K + k] in float32, as the
+   reference sums, rounded once to the compute dtype.
+No atomics: the same input gives the same bits on every run. The buffer between the two is in the compute dtype
+(half the bytes of a float32 one), and it holds exactly the values the reference rounds there.
 """
 
 import torch
@@ -16,16 +19,16 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .common import dot_acc, round_bf16, to_compute
-from .moe_gate_up import weight_tile
+from .common import dot_acc, store_rounded, to_compute
+from .moe_gate_up import row_factor, weight_tile
 
 
 @triton.jit
-def moe_down_kernel(h_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, tw_ptr, y_ptr, H, I, E, TOPK, SEG,
+def moe_down_kernel(h_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, ys_ptr, H, I, E, SEG,
                     FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    IEEE: tl.constexpr, EMULATE: tl.constexpr, BF16: tl.constexpr):
-    pid_b = tl.program_id(0)
-    pid_n = tl.program_id(1)
+                    IEEE: tl.constexpr, EMULATE: tl.constexpr):
+    pid_n = tl.program_id(0)  # fastest: the programs of one block share its h rows (L2)
+    pid_b = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_b)
     if e >= E:
         return
@@ -33,40 +36,51 @@ def moe_down_kernel(h_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, tw_p
     ids = tl.load(ids_ptr + slots)
     live = ids >= 0
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of H
+    dtype = ys_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         h = tl.load(h_ptr + slots[:, None].to(tl.int64) * I + rk[None, :], mask=live[:, None] & (rk[None, :] < I),
                     other=0.0)
-        w = weight_tile(w_ptr, s_ptr, s2_ptr, e, cols, k0, I, H, SEG, FORMAT, BLOCK_K, BLOCK_N)
-        acc = dot_acc(acc, h, tl.trans(to_compute(w, h.dtype, EMULATE)), IEEE, EMULATE)
-    if BF16:  # the reference's matmul output is in the compute dtype
-        if EMULATE:
-            acc = round_bf16(acc)
-        else:
-            acc = acc.to(tl.bfloat16).to(tl.float32)
+        w = weight_tile(w_ptr, s_ptr, e, cols, k0, I, H, FORMAT, BLOCK_K, BLOCK_N, dtype, EMULATE)
+        acc = dot_acc(acc, h, tl.trans(w), IEEE, EMULATE)
+    acc = acc * row_factor(s2_ptr, e, cols, H, SEG, FORMAT, dtype)[None, :]
     row = tl.where(live, ids, 0)
-    weight = tl.load(tw_ptr + row, mask=live, other=0.0)
-    tl.store(y_ptr + row[:, None].to(tl.int64) * H + cols[None, :], acc * weight[:, None],
-             mask=live[:, None] & (cols[None, :] < H))
+    store_rounded(ys_ptr + row[:, None].to(tl.int64) * H + cols[None, :], acc,
+                  live[:, None] & (cols[None, :] < H), EMULATE)
+
+
+@triton.jit
+def moe_sum_kernel(ys_ptr, tw_ptr, y_ptr, H, TOPK: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in tl.static_range(TOPK):  # slot order, as the reference sums
+        w = tl.load(tw_ptr + t * TOPK + k)
+        acc += tl.load(ys_ptr + (t * TOPK + k) * H + cols, mask=m, other=0.0).to(tl.float32) * w
+    store_rounded(y_ptr + t * H + cols, acc, m, EMULATE)
 
 
 def moe_down(h: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor, fmt: str, weight: torch.Tensor,
              scale: torch.Tensor, scale_2: torch.Tensor | None, top_k_weights: torch.Tensor, tokens: int,
-             topk: int, block_m: int) -> torch.Tensor:
-    """-> float32 [tokens, H]: each token's K weighted expert outputs summed in slot order."""
+             topk: int, cfg: dict) -> torch.Tensor:
+    """-> [tokens, H] in h's dtype: each token's K weighted expert outputs summed in slot order (float32)."""
     E, H = weight.shape[0], weight.shape[1]
     I = h.shape[1]
-    y = torch.empty(tokens * topk, H, dtype=torch.float32, device=h.device)  # every row is written: one per assignment
+    ys = torch.empty(tokens * topk, H, dtype=h.dtype, device=h.device)  # every row is written: one per assignment
     nvfp4 = fmt == "nvfp4"
     if nvfp4:
-        scale, s2, seg_rows = scale.view(torch.uint8), scale_2.float().contiguous(), H // scale_2.shape[1]
+        weight, scale = weight.contiguous().view(torch.int32), scale.view(torch.uint8)
+        s2, seg_rows = scale_2.float().contiguous(), H // scale_2.shape[1]
     else:
         s2, seg_rows = scale, 1
-    BLOCK_N = 64 if H % 64 == 0 else 32
-    BLOCK_K = 64 if I % 64 == 0 else 32
-    grid = (block_expert.numel(), triton.cdiv(H, BLOCK_N))
-    moe_down_kernel[grid](h, sorted_ids, block_expert, weight, scale, s2, top_k_weights.float().contiguous(), y, H, I,
-                          E, topk, seg_rows, 0 if nvfp4 else 1, block_m, BLOCK_N, BLOCK_K, h.dtype == torch.float32,
-                          interpreting(), h.dtype == torch.bfloat16)
-    return y.view(tokens, topk, H).sum(dim=1)
+    grid = (triton.cdiv(H, cfg["DN_N"]), block_expert.numel())
+    moe_down_kernel[grid](h, sorted_ids, block_expert, weight, scale, s2, ys, H, I, E, seg_rows,
+                          0 if nvfp4 else 1, cfg["BLOCK_M"], cfg["DN_N"], cfg["DN_K"], h.dtype == torch.float32,
+                          interpreting(), num_warps=cfg["num_warps"])
+    y = torch.empty(tokens, H, dtype=h.dtype, device=h.device)
+    block = min(1024, triton.next_power_of_2(H))
+    moe_sum_kernel[(tokens, triton.cdiv(H, block))](ys, top_k_weights.float().contiguous(), y, H, topk, block,
+                                                    interpreting())
+    return y

@@ -19,42 +19,48 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
-from .common import dot_acc, e2m1_value, e4m3_value, gelu_tanh, store_rounded, to_compute
+from . import arch, interpreting
+from .common import dot_acc, gelu_tanh, load_nvfp4_tile, nvfp4_operand, store_rounded, to_compute
 from .routing import moe_blocks  # noqa: F401  (re-exported for callers)
 
 
 @triton.jit
-def weight_tile(w_ptr, s_ptr, s2_ptr, e, rows, k0, H, NROWS, SEG, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
-                BLOCK_N: tl.constexpr):
-    """Dequantized float32 tile [BLOCK_N, BLOCK_K] of expert e's rows `rows` at inputs k0..k0+BLOCK_K (rows of an
-    [E, NROWS, H] stack; SEG rows share one global scale)."""
-    rmask = rows[:, None] < NROWS
+def weight_tile(w_ptr, s_ptr, e, rows, k0, H, NROWS, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK_N: tl.constexpr, dtype: tl.constexpr, EMULATE: tl.constexpr):
+    """Expert e's rows `rows` at inputs k0..k0+BLOCK_K as the dot's operand [BLOCK_N, BLOCK_K] (rows of an
+    [E, NROWS, H] stack). NVFP4: a * s * 2^-62 (bfloat16 / float32) or a * s (float16), common.nvfp4_operand; the
+    global scale is left to the epilogue (row_factor). INT8: q * row scale rounded to the compute dtype, as the
+    reference dequantizes."""
+    base = e.to(tl.int64) * NROWS + rows
     if FORMAT == 0:
-        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        m = rmask & (kb[None, :] < H // 2)
-        base = e.to(tl.int64) * NROWS + rows[:, None]
-        packed = tl.load(w_ptr + base * (H // 2) + kb[None, :], mask=m, other=0).to(tl.int32)
-        scale = e4m3_value(tl.load(s_ptr + base * (H // 16) + kb[None, :] // 8, mask=m, other=0).to(tl.int32))
-        s2 = tl.load(s2_ptr + e * (NROWS // SEG) + rows // SEG, mask=rows < NROWS, other=0.0)
-        lo = (e2m1_value(packed & 15) * scale) * s2[:, None]
-        hi = (e2m1_value(packed >> 4) * scale) * s2[:, None]
-        return tl.join(lo, hi).reshape(BLOCK_N, BLOCK_K)
+        w, _ = nvfp4_operand(load_nvfp4_tile(w_ptr, s_ptr, base, k0, H, (e.to(tl.int64) + 1) * NROWS, BLOCK_N,
+                                             BLOCK_K, EMULATE), dtype)
+        return w
     else:
         rk = k0 + tl.arange(0, BLOCK_K)
-        m = rmask & (rk[None, :] < H)
-        base = e.to(tl.int64) * NROWS + rows[:, None]
-        q = tl.load(w_ptr + base * H + rk[None, :], mask=m, other=0).to(tl.float32)
-        scale = tl.load(s_ptr + e.to(tl.int64) * NROWS + rows, mask=rows < NROWS, other=0.0)
-        return q * scale[:, None]
+        m = (rows[:, None] < NROWS) & (rk[None, :] < H)
+        q = tl.load(w_ptr + base[:, None] * H + rk[None, :], mask=m, other=0).to(tl.float32)
+        scale = tl.load(s_ptr + base, mask=rows < NROWS, other=0.0)
+        return to_compute(q * scale[:, None], dtype, EMULATE)
+
+
+@triton.jit
+def row_factor(s2_ptr, e, rows, NROWS, SEG, FORMAT: tl.constexpr, dtype: tl.constexpr):
+    """[BLOCK_N] float32 factor the accumulator of rows `rows` needs: NVFP4 2^62 (or 1) * the row's global scale
+    (SEG rows share one: gate and up keep their own); INT8 1 (its scale is in the operand)."""
+    if FORMAT == 0:
+        _, unshift = nvfp4_operand(tl.zeros((1, 1), dtype=tl.bfloat16), dtype)
+        return tl.load(s2_ptr + e * (NROWS // SEG) + rows // SEG, mask=rows < NROWS, other=0.0) * unshift
+    else:
+        return tl.full(rows.shape, 1.0, tl.float32)
 
 
 @triton.jit
 def moe_gate_up_kernel(x_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, h_ptr, H, I, E, TOPK, SEG,
                        FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        IEEE: tl.constexpr, EMULATE: tl.constexpr):
-    pid_b = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_n = tl.program_id(0)  # fastest: the programs of one block share its gathered x rows (L2)
+    pid_b = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_b)
     if e >= E:
         return
@@ -63,28 +69,50 @@ def moe_gate_up_kernel(x_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, h
     live = ids >= 0
     tok = tl.where(live, ids // TOPK, 0)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of I
+    dtype = h_ptr.dtype.element_ty
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + tok[:, None].to(tl.int64) * H + rk[None, :], mask=live[:, None] & (rk[None, :] < H),
                     other=0.0)
-        g = weight_tile(w_ptr, s_ptr, s2_ptr, e, cols, k0, H, 2 * I, SEG, FORMAT, BLOCK_K, BLOCK_N)
-        u = weight_tile(w_ptr, s_ptr, s2_ptr, e, cols + I, k0, H, 2 * I, SEG, FORMAT, BLOCK_K, BLOCK_N)
-        acc_g = dot_acc(acc_g, x, tl.trans(to_compute(g, x.dtype, EMULATE)), IEEE, EMULATE)
-        acc_u = dot_acc(acc_u, x, tl.trans(to_compute(u, x.dtype, EMULATE)), IEEE, EMULATE)
+        g = weight_tile(w_ptr, s_ptr, e, cols, k0, H, 2 * I, FORMAT, BLOCK_K, BLOCK_N, dtype, EMULATE)
+        u = weight_tile(w_ptr, s_ptr, e, cols + I, k0, H, 2 * I, FORMAT, BLOCK_K, BLOCK_N, dtype, EMULATE)
+        acc_g = dot_acc(acc_g, x, tl.trans(g), IEEE, EMULATE)
+        acc_u = dot_acc(acc_u, x, tl.trans(u), IEEE, EMULATE)
+    acc_g = acc_g * row_factor(s2_ptr, e, cols, 2 * I, SEG, FORMAT, dtype)[None, :]
+    acc_u = acc_u * row_factor(s2_ptr, e, cols + I, 2 * I, SEG, FORMAT, dtype)[None, :]
     # the reference rounds both matmul outputs and the activation to the compute dtype
-    gate = to_compute(acc_g, h_ptr.dtype.element_ty, EMULATE).to(tl.float32)
-    up = to_compute(acc_u, h_ptr.dtype.element_ty, EMULATE).to(tl.float32)
-    act = to_compute(gelu_tanh(gate), h_ptr.dtype.element_ty, EMULATE).to(tl.float32)
+    gate = to_compute(acc_g, dtype, EMULATE).to(tl.float32)
+    up = to_compute(acc_u, dtype, EMULATE).to(tl.float32)
+    act = to_compute(gelu_tanh(gate), dtype, EMULATE).to(tl.float32)
     store_rounded(h_ptr + slots[:, None].to(tl.int64) * I + cols[None, :], act * up,
                   live[:, None] & (cols[None, :] < I), EMULATE)
 
 
+def candidates(rows_per_expert: float, H: int, I: int, device: torch.device) -> list[dict]:
+    """Launch settings for both MoE kernels, best first by the static report (make kernel-report). BLOCK_M is chosen
+    from the rows routed to an expert (T * K / E on average) so that one block covers an expert and its weights are
+    decoded once per step: on Hopper and newer 64 or 128 (wgmma), elsewhere 16 or 32 (mma.sync, where more rows per
+    program cost register moves, not decode). Keys: BLOCK_M, then gate-up (GU_*) and down (DN_*) tiles."""
+    gu_k = 128 if H % 128 == 0 else 64 if H % 64 == 0 else 32
+    dn_k = 64 if I % 64 == 0 else 32
+    gu_n = 64 if I % 64 == 0 else 32
+
+    def cfg(block_m: int, warps: int, gu_block_k: int = gu_k) -> dict:
+        return dict(BLOCK_M=block_m, GU_N=gu_n, GU_K=gu_block_k, DN_N=64, DN_K=dn_k, num_warps=warps)
+
+    if arch(device) >= 90:
+        first = cfg(64, 4) if rows_per_expert <= 48 else cfg(128, 8, 64)
+        return [first, cfg(64, 4), cfg(128, 8, 64), cfg(32, 4, 64)]
+    first = cfg(16, 4, 64) if rows_per_expert <= 10 else cfg(32, 4, 64)
+    return [first, cfg(16, 4, 64), cfg(32, 4, 64), cfg(64, 4, 64)]
+
+
 def moe_gate_up(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor, fmt: str,
                 weight: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor | None, topk: int,
-                block_m: int) -> torch.Tensor:
-    """-> h [len(sorted_ids), I] (see the module docstring)."""
+                cfg: dict) -> torch.Tensor:
+    """-> h [len(sorted_ids), I] (see the module docstring); cfg from `candidates`."""
     T, H = x.shape
     E, two_i = weight.shape[0], weight.shape[1]
     I = two_i // 2
@@ -92,14 +120,12 @@ def moe_gate_up(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.T
     nvfp4 = fmt == "nvfp4"
     if nvfp4:
         segments = scale_2.shape[1]
-        scale, s2 = scale.view(torch.uint8), scale_2.float().contiguous()
+        weight, scale, s2 = weight.contiguous().view(torch.int32), scale.view(torch.uint8), scale_2.float().contiguous()
         seg_rows = two_i // segments
     else:
         s2, seg_rows = scale, 1  # unused
-    BLOCK_N = 32 if I % 64 else 64
-    BLOCK_K = 64 if H % 64 == 0 else 32
-    grid = (block_expert.numel(), triton.cdiv(I, BLOCK_N))
+    grid = (triton.cdiv(I, cfg["GU_N"]), block_expert.numel())
     moe_gate_up_kernel[grid](x.contiguous(), sorted_ids, block_expert, weight, scale, s2, h, H, I, E, topk,
-                             seg_rows, 0 if nvfp4 else 1, block_m, BLOCK_N, BLOCK_K, x.dtype == torch.float32,
-                             interpreting())
+                             seg_rows, 0 if nvfp4 else 1, cfg["BLOCK_M"], cfg["GU_N"], cfg["GU_K"],
+                             x.dtype == torch.float32, interpreting(), num_warps=cfg["num_warps"])
     return h

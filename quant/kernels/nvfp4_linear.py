@@ -1,51 +1,64 @@
-"""y = x @ W^T with W in NVFP4, dequantized in registers (never materialised in memory).
+"""y = x @ W^T with W in NVFP4, decoded in registers (never materialised in memory).
 
 Shapes and packing (ModelOpt's layout, see quant/nvfp4.py):
 - x            [M, K] float32 / bfloat16 / float16, rows contiguous;
-- weight       uint8 [N, K/2]: element 2i of a row in the low nibble of byte i, 2i+1 in the high nibble;
-- weight_scale uint8 view of float8_e4m3fn [N, K/16]: one scale per 16 inputs;
+- weight       uint8 [N, K/2] (element 2i of a row in the low nibble of byte i), read as int32 words [N, K/8];
+- weight_scale float8_e4m3fn [N, K/16], read as its bits;
 - row_scale_2  float32 [N]: each row's global scale (weight_scale_2 expanded);
 - y            [M, N] in x's dtype.
-Each weight is dequantized exactly as the reference does it, (e2m1 * scale) * scale_2 in float32, rounded to x's
-dtype, then multiplied on the tensor cores with float32 accumulation (IEEE float32 for float32 inputs). K must be a
-multiple of 16; M and N are arbitrary (masked). A program computes a BLOCK_M x BLOCK_N tile and walks K in
-BLOCK_K steps: packed bytes [BLOCK_N, BLOCK_K/2] are split into low and high nibbles and interleaved back into K
-order with tl.join. On Blackwell a native FP4 path (tl.dot_scaled) would skip the dequantization; it is not used
-here (the interpreter decodes its e4m3 scales as e8m0, so it could not be tested on the CPU).
+K must be a multiple of 16; M and N are arbitrary (masked). A program computes a BLOCK_M x BLOCK_N tile and walks K
+in BLOCK_K steps; each step decodes its [BLOCK_N, BLOCK_K] weight tile bit-parallel (common.nvfp4_tile: a few
+integer operations and one bfloat16 multiply per pair of weights) into exact a * scale products and multiplies on
+the tensor cores with float32 accumulation; the epilogue applies 2^62 * scale_2 per output column and rounds once.
+A weight tile is decoded once per BLOCK_M rows, so BLOCK_M covers as many rows as the registers allow (the launch
+table below), and the grid is ordered so programs sharing a weight tile run together (the second read hits L2).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
-from .common import dot_acc, e2m1_value, e4m3_value, store_rounded, to_compute
+from . import arch, interpreting, m_bucket, tuning
+from .common import dot_acc, load_nvfp4_tile, nvfp4_operand, store_rounded
 
 
 @triton.jit
 def nvfp4_linear_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, M, N, K,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
                         EMULATE: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_n = tl.program_id(0)  # fastest: consecutive programs share the x rows... and M blocks of one N tile follow
+    pid_m = tl.program_id(1)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # 64-bit: M x K passes 2^31 on long prompts
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    half = tl.arange(0, BLOCK_K // 2)
-    row_s2 = tl.load(s2_ptr + rn, mask=rn < N, other=0.0)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-        kb = k0 // 2 + half  # byte index within the row
-        wmask = (rn[:, None] < N) & (kb[None, :] < K // 2)
-        packed = tl.load(w_ptr + rn[:, None] * (K // 2) + kb[None, :], mask=wmask, other=0).to(tl.int32)
-        scale_bits = tl.load(s_ptr + rn[:, None] * (K // 16) + kb[None, :] // 8, mask=wmask, other=0).to(tl.int32)
-        scale = e4m3_value(scale_bits)
-        lo = (e2m1_value(packed & 15) * scale) * row_s2[:, None]
-        hi = (e2m1_value(packed >> 4) * scale) * row_s2[:, None]
-        w = to_compute(tl.join(lo, hi).reshape(BLOCK_N, BLOCK_K), x.dtype, EMULATE)  # 2i: low nibble
+        w, _ = nvfp4_operand(load_nvfp4_tile(w_ptr, s_ptr, rn, k0, K, N, BLOCK_N, BLOCK_K, EMULATE), x.dtype)
         acc = dot_acc(acc, x, tl.trans(w), IEEE, EMULATE)
-    store_rounded(y_ptr + rm[:, None] * N + rn[None, :], acc, (rm[:, None] < M) & (rn[None, :] < N), EMULATE)
+    _, unshift = nvfp4_operand(tl.zeros((1, 1), dtype=tl.bfloat16), y_ptr.dtype.element_ty)
+    s2 = tl.load(s2_ptr + rn, mask=rn < N, other=0.0) * unshift
+    store_rounded(y_ptr + rm[:, None] * N + rn[None, :], acc * s2[None, :], (rm[:, None] < M) & (rn[None, :] < N),
+                  EMULATE)
+
+
+def candidates(M: int, K: int, device: torch.device) -> list[dict]:
+    """Launch settings to try for an [M, K] input, best first by the static report (make kernel-report).
+
+    Hopper and newer (wgmma: the decoded tile goes to shared memory once, so the issue cost per weight hardly grows
+    with BLOCK_M): as many rows per program as fit, so each weight is decoded once or twice per step. Ampere and Ada
+    (mma.sync: each warp takes its slice of the decoded tile in registers): 64 rows, 4 warps (more rows only add
+    register moves and spills). A handful of rows (decode of the prompt's last tokens): 16."""
+    block_k = 128 if K % 128 == 0 else 64 if K % 64 == 0 else 32 if K % 32 == 0 else 16
+    if M <= 16:
+        return [dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, num_warps=4)]
+    if arch(device) >= 90:
+        return [dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=block_k, num_warps=8),
+                dict(BLOCK_M=256, BLOCK_N=64, BLOCK_K=block_k, num_warps=8),
+                dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, num_warps=4)]
+    return [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, num_warps=4),
+            dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=min(block_k, 64), num_warps=4),
+            dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=block_k, num_warps=4)]
 
 
 def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -57,9 +70,16 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     x2 = x.reshape(-1, K).contiguous()
     M = x2.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    BLOCK_M = 16 if M <= 16 else 64
-    BLOCK_N, BLOCK_K = 64, 64 if K % 64 == 0 else 32
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
-    nvfp4_linear_kernel[grid](x2, weight, weight_scale.view(torch.uint8), row_scale_2.float().contiguous(), y,
-                              M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, x.dtype == torch.float32, interpreting())
+    words, scale_bits, s2 = weight.contiguous().view(torch.int32), weight_scale.view(torch.uint8), \
+        row_scale_2.float().contiguous()
+
+    def launch(cfg: dict) -> None:
+        grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]))
+        nvfp4_linear_kernel[grid](x2, words, scale_bits, s2, y, M, N, K, cfg["BLOCK_M"], cfg["BLOCK_N"],
+                                  cfg["BLOCK_K"], x.dtype == torch.float32, interpreting(),
+                                  num_warps=cfg["num_warps"])
+
+    cfg = tuning.choose("nvfp4_linear", (m_bucket(M), N, K, str(x.dtype)), candidates(M, K, x.device), launch,
+                        x.device)
+    launch(cfg)
     return y.reshape(*lead, N)

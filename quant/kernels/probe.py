@@ -1,0 +1,202 @@
+"""First use of a Triton kernel family on a GPU: run it once on a small problem and compare with the torch path.
+
+The modules ask `family_ok(family, device, dtype)` where DGEMMA_KERNELS selects Triton. The first time in a process
+that a family is asked about on a CUDA device (per device and compute dtype) its kernel runs on a small fixed
+problem (seeded, a few dozen rows, sizes that leave partial tiles) next to the torch path. If it raises (a compile
+error included) or disagrees beyond the kernel tests' tolerances (tests/test_kernels.py), one line goes to stderr,
+
+    dgemma: the Triton <family> kernel <failed to compile|failed to run|disagrees with the torch path> on this GPU
+    (<short reason>); using the torch path
+
+and the family answers False for the rest of the process: its modules take the torch path, nothing crashes.
+On the CPU nothing is probed (the interpreter runs the kernels only in tests, which check them); `check` runs a
+probe directly on any device.
+
+Not during a CUDA-graph capture: a probe synchronizes with the host, which a capture forbids. A family not yet
+probed when a capture asks gets the torch path inside that capture, and nothing is recorded, so it is probed at its
+next eager use. The engine never hits this: its first denoise step of every canvas, and the step before a capture,
+run eagerly (dgemma_cli/engine.py, GraphedDenoiser), and the sampler's epilogue runs outside the graph.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+FAMILIES = ("nvfp4_linear", "int8_linear", "moe_nvfp4", "moe_int8", "sampler_epilogue")
+TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 2e-3}  # max |kernel - ref| / max |ref|
+
+_ok: dict[tuple[str, int, torch.dtype], bool] = {}  # (family, device index, dtype) -> verdict, this process
+
+
+def needs_probe(device: torch.device) -> bool:
+    """Whether kernels on `device` are probed before use: CUDA only (tests replace this to probe on the CPU)."""
+    return device.type == "cuda"
+
+
+def family_ok(family: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether `family`'s Triton kernel may run on `device` for inputs of `dtype` (see the module docstring)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown kernel family {family!r}")
+    if not needs_probe(device):
+        return True
+    if family == "sampler_epilogue":
+        dtype = torch.float32  # the epilogue reads float32 logits whatever the model's dtype
+    index = device.index
+    if index is None:
+        index = torch.cuda.current_device() if device.type == "cuda" else 0
+    key = (family, index, dtype)
+    if key in _ok:
+        return _ok[key]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False  # not probed yet: the torch path for this capture, the probe at the next eager use
+    _ok[key] = True  # while the probe runs the family's own entry point (fused_experts asks again) runs the kernel
+    try:
+        reason = check(family, device, dtype)
+    except BaseException:  # interrupted: no verdict
+        del _ok[key]
+        raise
+    if reason is not None:
+        _ok[key] = False
+        print(f"dgemma: the Triton {family} kernel {reason}; using the torch path", file=sys.stderr)
+    return _ok[key]
+
+
+def check(family: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Run `family`'s probe on `device` now: None when the kernel agrees with the torch path, else what went wrong
+    ("failed to compile (...)", "failed to run (...)", "disagrees with the torch path (...) on this GPU")."""
+    try:
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                err = PROBES[family](device, dtype)
+        else:
+            err = PROBES[family](device, dtype)
+    except Exception as e:
+        what = "failed to compile" if type(e).__module__.startswith("triton") else "failed to run"
+        first = (str(e).strip().splitlines() or [""])[0][:120]  # compile errors span many lines
+        return f"{what} on this GPU ({type(e).__name__}{': ' + first if first else ''})"
+    return None if err is None else f"disagrees with the torch path on this GPU ({err})"
+
+
+def reset() -> None:
+    """Forget every verdict (a fresh process, for tests)."""
+    _ok.clear()
+
+
+# ----------------------------------------------------------------------------- the probes
+# Each builds its problem on the CPU from its own seeded generator (torch's global generator is left alone: it
+# drives the sampler's reproducible draws), moves it to the device, and returns None or a short mismatch reason.
+
+
+def _rel_error(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> str | None:
+    if got.shape != ref.shape or not torch.isfinite(got).all():
+        return f"shape {tuple(got.shape)} or non-finite values"
+    err = ((got.double() - ref.double()).abs().max() / ref.double().abs().max().clamp(min=1e-30)).item()
+    return None if err <= TOL[dtype] else f"relative error {err:.1e} > {TOL[dtype]:.0e} in {str(dtype)[6:]}"
+
+
+def weight_dtype(fmt: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the reference's dequantized weights: NVFP4 kernels multiply exact a * scale products and apply
+    the global scale to the float32 sum (kernels/common.py), so their reference is the float32 weight; INT8 kernels
+    round each weight to the compute dtype, as the torch path does."""
+    return torch.float32 if fmt == "nvfp4" else dtype
+
+
+def _linear(fmt: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """33 rows x K 96 -> N 80: partial tiles in M, N and K. The reference is x @ dequantized W (float64 products,
+    so a TF32 setting of torch's own matmul cannot shift it)."""
+    from .. import int8, nvfp4
+    from ..modules import Int8Linear, NVFP4Linear
+
+    g = torch.Generator().manual_seed(0)
+    M, N, K = 33, 80, 96
+    w = torch.randn(N, K, generator=g)
+    x = torch.randn(M, K, generator=g).to(dtype).to(device)
+    if fmt == "nvfp4":
+        from .nvfp4_linear import nvfp4_linear
+
+        m = NVFP4Linear.from_weight(nvfp4.quantize(w)).to(device)
+        got = nvfp4_linear(x, m.weight, m.weight_scale, m.weight_scale_2.expand(N))
+    else:
+        from .int8_linear import int8_linear
+
+        m = Int8Linear.from_weight(int8.quantize(w)).to(device)
+        got = int8_linear(x, m.weight, m.weight_scale)
+    return _rel_error(got, x.double() @ m.dequantize(weight_dtype(fmt, dtype)).double().T, dtype)
+
+
+def _moe(fmt: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """33 tokens, 6 experts (one never routed to), top-2, hidden 64, width 48 (a partial tile) through
+    `fused_experts`, against the reference expert math on the dequantized stacks: gate/up product rounded to the
+    compute dtype, gelu_tanh(gate) * up, down product rounded, float32 weighted sum over the slots."""
+    from .. import int8, nvfp4
+    from ..modules import Int8Stack, NVFP4Stack, fused_experts
+
+    g = torch.Generator().manual_seed(0)
+    T, E, H, I, top = 33, 6, 64, 48, 2
+    gu_w, dn_w = torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1
+    if fmt == "nvfp4":
+        gu, dn = NVFP4Stack(E, 2 * I, H, segments=2), NVFP4Stack(E, H, I)  # gate and up with their own scales
+        for e in range(E):
+            for j, rows in enumerate((slice(0, I), slice(I, 2 * I))):
+                q = nvfp4.quantize(gu_w[e, rows])
+                gu.weight[e, rows], gu.weight_scale[e, rows], gu.weight_scale_2[e, j] = (
+                    q.weight, q.weight_scale, q.weight_scale_2)
+            q = nvfp4.quantize(dn_w[e])
+            dn.weight[e], dn.weight_scale[e], dn.weight_scale_2[e, 0] = q.weight, q.weight_scale, q.weight_scale_2
+    else:
+        gu, dn = Int8Stack(E, 2 * I, H), Int8Stack(E, H, I)
+        for e in range(E):
+            q = int8.quantize(gu_w[e])
+            gu.weight[e], gu.weight_scale[e] = q.weight, q.weight_scale
+            q = int8.quantize(dn_w[e])
+            dn.weight[e], dn.weight_scale[e] = q.weight, q.weight_scale
+    gu, dn = gu.to(device), dn.to(device)
+    x = torch.randn(T, H, generator=g).to(dtype).to(device)
+    index = torch.stack([torch.randperm(E - 1, generator=g)[:top] for _ in range(T)]).to(device)  # [T, top]
+    weights = torch.rand(T, top, generator=g).to(device)  # float32, as the router's
+    got = fused_experts(gu, dn, x, index, weights)
+    if got is None:
+        return "the fused path was not selected"
+    w_gu = gu.dequantize(weight_dtype(fmt, dtype)).double()[index]  # [T, top, 2I, H]
+    w_dn = dn.dequantize(weight_dtype(fmt, dtype)).double()[index]  # [T, top, H, I]
+    h = torch.einsum("th,tkoh->tko", x.double(), w_gu).to(dtype)  # [T, top, 2I]
+    gate, up = h.chunk(2, dim=-1)
+    a = F.gelu(gate, approximate="tanh") * up  # [T, top, I] in the compute dtype
+    y = torch.einsum("tki,tkhi->tkh", a.double(), w_dn).to(dtype)  # [T, top, H]
+    ref = (y.float() * weights[..., None]).sum(dim=1).to(dtype)
+    return _rel_error(got, ref, dtype)
+
+
+def _sampler(device: torch.device, dtype: torch.dtype) -> str | None:
+    """33 rows x 5000 logits (two chunks of 4096, the second partial): probabilities left in place of the logits,
+    argmax and entropy as the torch epilogue computes them, and every sample in range."""
+    from .sampler_epilogue import sampler_epilogue
+
+    g = torch.Generator().manual_seed(0)
+    R, V = 33, 5000
+    logits = (torch.randn(R, V, generator=g) * 3).to(device)
+    t = torch.tensor(0.7, device=device)
+    buf = logits.clone()
+    sample, argmax, entropy = sampler_epilogue(buf, t, torch.tensor([5], device=device))
+    z = logits / t
+    probs = torch.softmax(z, -1)
+    if not ((sample >= 0) & (sample < V)).all():
+        return "a sample out of range"
+    if not torch.equal(argmax, z.argmax(-1)):
+        return "argmax differs"
+    if (buf - probs).abs().max() > 1e-6:
+        return f"probabilities differ by {(buf - probs).abs().max().item():.1e}"
+    err = (entropy - (-(probs * torch.log_softmax(z, -1)).sum(-1))).abs().max().item()
+    return None if err < 1e-4 else f"entropy differs by {err:.1e}"
+
+
+PROBES = {
+    "nvfp4_linear": lambda device, dtype: _linear("nvfp4", device, dtype),
+    "int8_linear": lambda device, dtype: _linear("int8", device, dtype),
+    "moe_nvfp4": lambda device, dtype: _moe("nvfp4", device, dtype),
+    "moe_int8": lambda device, dtype: _moe("int8", device, dtype),
+    "sampler_epilogue": _sampler,
+}
