@@ -94,7 +94,7 @@ def fused_experts(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, top_k_in
         return None
     from .kernels import m_bucket, tuning
     from .kernels.moe_down import moe_down
-    from .kernels.moe_gate_up import candidates, moe_gate_up
+    from .kernels.moe_gate_up import candidates, moe_gate_up, pair_ordered
     from .kernels.routing import moe_blocks
 
     T, K = top_k_index.shape
@@ -102,10 +102,11 @@ def fused_experts(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, top_k_in
     s2_gu = getattr(gate_up, "weight_scale_2", None)
     s2_dn = getattr(down, "weight_scale_2", None)
     weights = top_k_weights.reshape(-1)
+    x_in = pair_ordered(x) if gate_up.format == "nvfp4" else x
 
     def launch(cfg: dict) -> torch.Tensor:
         ids, block_expert = moe_blocks(top_k_index, E, cfg["BLOCK_M"])
-        h = moe_gate_up(x, ids, block_expert, gate_up.format, gate_up.weight, gate_up.weight_scale, s2_gu, K, cfg)
+        h = moe_gate_up(x_in, ids, block_expert, gate_up.format, gate_up.weight, gate_up.weight_scale, s2_gu, K, cfg)
         return moe_down(h, ids, block_expert, down.format, down.weight, down.weight_scale, s2_dn, weights, T, K, cfg)
 
     cfg = tuning.choose("moe_" + gate_up.format, (m_bucket(T * K), E, H, two_i // 2, str(x.dtype)),

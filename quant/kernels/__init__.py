@@ -55,7 +55,7 @@ def use_triton(device: torch.device) -> bool:
 
 def arch(device: torch.device) -> int:
     """Compute capability as one number (90 for sm_90) of a CUDA device; 0 elsewhere (the interpreter), where the
-    launch tables take their portable rows."""
+    launch tables take their portable rows (the static report, quant/kernels/aot.py, stands in its own answer)."""
     if device.type != "cuda" or interpreting():
         return 0
     major, minor = torch.cuda.get_device_capability(device)
@@ -65,3 +65,4 @@ def arch(device: torch.device) -> int:
 def m_bucket(rows: int) -> int:
     """Rows rounded up to a power of two (at least 16): launch settings are tuned and cached per bucket."""
     return max(16, 1 << max(0, rows - 1).bit_length())
+

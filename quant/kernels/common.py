@@ -47,48 +47,67 @@ def e2m1_pair(w, q: tl.constexpr):
 
 @triton.jit
 def scaled_pair(r, scale, EMULATE: tl.constexpr):
-    """A decoded pair (bfloat16 a * 2^-126 in each half of r) times the bfloat16 scale s * 2^64 -> (low, high)
-    bfloat16 a * s * 2^-62, exact. The code for 0.5 is a bfloat16 subnormal here (2^-127), which the GPU's bfloat16
-    multiply takes as it is; the interpreter flushes bfloat16 subnormals, so EMULATE reads each half as a float32
-    (2^-127 is exact there too) and multiplies in float32."""
+    """A decoded pair (bfloat16 a * 2^-126 in each half of r [BN, W]) times the bfloat16 scale s * 2^64 [BN, W] ->
+    [BN, W, 2] bfloat16 a * s * 2^-62 (low half, high half), exact. The halves are joined before the multiply, high
+    first and flipped after: built that way the compiler keeps r as the one register it is and multiplies both
+    halves with one instruction (joined low first, it swaps the halves before and after the multiply: two byte
+    permutes per pair). The code for 0.5 is a bfloat16 subnormal here (2^-127), which the GPU's bfloat16 multiply
+    takes as it is; the interpreter flushes bfloat16 subnormals and its bfloat16 products are wrong, so EMULATE
+    reads each half as a float32 (2^-127 is exact there too) and multiplies in float32."""
+    bits = tl.join((r >> 16).to(tl.int16), r.to(tl.int16))  # [BN, W, 2]: (high half, low half)
     if EMULATE:
-        sf = scale.to(tl.float32)
-        lo = (r << 16).to(tl.float32, bitcast=True) * sf
-        hi = (r & -65536).to(tl.float32, bitcast=True) * sf
-        return lo.to(tl.bfloat16), hi.to(tl.bfloat16)
-    lo = r.to(tl.int16).to(tl.bfloat16, bitcast=True)
-    hi = (r >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return lo * scale, hi * scale
+        f = ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+        v = (f * scale.to(tl.float32)[:, :, None]).to(tl.bfloat16)
+    else:
+        v = bits.to(tl.bfloat16, bitcast=True) * scale[:, :, None]
+    return tl.flip(v, 2)
 
 
 @triton.jit
-def nvfp4_tile(w, sbits, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
+def nvfp4_tile(w, sbits, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ORDER: tl.constexpr,
+               EMULATE: tl.constexpr):
     """Packed words [BLOCK_N, BLOCK_K/8] int32 and their scale bits [BLOCK_N, BLOCK_K/16] int32 -> the tile
-    [BLOCK_N, BLOCK_K] bfloat16 of a * s * 2^-62, in K order."""
+    [BLOCK_N, BLOCK_K] bfloat16 of a * s * 2^-62. K_ORDER: columns in K order (a byte permute per pair, so the
+    pairs a word yields become K-adjacent); otherwise in the decode's own order, each group of 8 inputs as
+    k0 k4 k1 k5 k2 k6 k3 k7 (`pair_order`), for a caller whose other operand is laid out the same way."""
     s = e4m3_shifted(sbits).to(tl.bfloat16)
     s = tl.join(s, s).reshape(BLOCK_N, BLOCK_K // 8)  # one scale per word (16 elements = 2 words)
-    l0, h0 = scaled_pair(e2m1_pair(w, 0), s, EMULATE)
-    l1, h1 = scaled_pair(e2m1_pair(w, 1), s, EMULATE)
-    l2, h2 = scaled_pair(e2m1_pair(w, 2), s, EMULATE)
-    l3, h3 = scaled_pair(e2m1_pair(w, 3), s, EMULATE)
-    v = tl.join(tl.join(tl.join(l0, h0), tl.join(l1, h1)), tl.join(tl.join(l2, h2), tl.join(l3, h3)))
-    # v [BN, BK/8, 2 (half: +0 / +4), 2 (q bit 0), 2 (q bit 1)]: element 4*half + 2*q1 + q0
-    return tl.permute(v, (0, 1, 2, 4, 3)).reshape(BLOCK_N, BLOCK_K)
+    p0 = scaled_pair(e2m1_pair(w, 0), s, EMULATE)  # [BN, BK/8, 2 (half)]: elements (q, q + 4) of each word
+    p1 = scaled_pair(e2m1_pair(w, 1), s, EMULATE)
+    p2 = scaled_pair(e2m1_pair(w, 2), s, EMULATE)
+    p3 = scaled_pair(e2m1_pair(w, 3), s, EMULATE)
+    v = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # [BN, BK/8, 2 (half), 2 (q bit 1), 2 (q bit 0)]
+    if K_ORDER:  # element 4*half + 2*q1 + q0
+        return tl.permute(v, (0, 1, 2, 3, 4)).reshape(BLOCK_N, BLOCK_K)
+    else:  # position 2q + half = 4*q1 + 2*q0 + half
+        return tl.permute(v, (0, 1, 3, 4, 2)).reshape(BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def pair_order(cols):
+    """Where K-ordered column c sits in the decode's own order (nvfp4_tile without K_ORDER): within each group of
+    8, c = 4 * half + q goes to 2 * q + half."""
+    return (cols & -8) | ((cols & 3) << 1) | ((cols >> 2) & 1)
 
 
 @triton.jit
 def load_nvfp4_tile(w_ptr, s_ptr, rows, k0, K, NROWS, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    EMULATE: tl.constexpr):
+                    K_ORDER: tl.constexpr, MASKED: tl.constexpr, EMULATE: tl.constexpr):
     """Rows `rows` (int64 [BLOCK_N], absolute row numbers of an int32 word array [*, K/8] and its scale bytes
-    [*, K/16]) at inputs k0..k0 + BLOCK_K -> [BLOCK_N, BLOCK_K] bfloat16 a * s * 2^-62. Rows >= NROWS and inputs
-    past K read as zero."""
+    [*, K/16]) at inputs k0..k0 + BLOCK_K -> [BLOCK_N, BLOCK_K] bfloat16 a * s * 2^-62 (nvfp4_tile). MASKED: rows
+    >= NROWS and inputs past K read as zero; without it the caller guarantees a whole tile (no compare per load)."""
     kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-    live = rows[:, None] < NROWS
-    w = tl.load(w_ptr + rows[:, None] * (K // 8) + kw[None, :], mask=live & (kw[None, :] < K // 8), other=0)
-    sb = tl.load(s_ptr + rows[:, None] * (K // 16) + ks[None, :], mask=live & (ks[None, :] < K // 16),
-                 other=0).to(tl.int32)
-    return nvfp4_tile(w, sb, BLOCK_N, BLOCK_K, EMULATE)
+    w_at = w_ptr + rows[:, None] * (K // 8) + kw[None, :]
+    s_at = s_ptr + rows[:, None] * (K // 16) + ks[None, :]
+    if MASKED:
+        live = rows[:, None] < NROWS
+        w = tl.load(w_at, mask=live & (kw[None, :] < K // 8), other=0)
+        sb = tl.load(s_at, mask=live & (ks[None, :] < K // 16), other=0).to(tl.int32)
+    else:
+        w = tl.load(w_at)
+        sb = tl.load(s_at).to(tl.int32)
+    return nvfp4_tile(w, sb, BLOCK_N, BLOCK_K, K_ORDER, EMULATE)
 
 
 @triton.jit
@@ -98,7 +117,8 @@ def nvfp4_operand(tile, dtype: tl.constexpr):
     there it becomes a * s (exact: 2^-10 <= |a s| <= 2688) at the cost of two more instructions per element."""
     if dtype == tl.float16:
         return (tile.to(tl.float32) * UNSHIFT).to(tl.float16), 1.0
-    return tile, UNSHIFT
+    else:  # (an else, so the compiler never sees both returns)
+        return tile, UNSHIFT
 
 
 @triton.jit

@@ -1,6 +1,7 @@
 """Routed experts, second half: y[t] = sum_k w[t, k] * (h[t*K + k] W_down[e]^T), in two kernels.
 
-Operands: h [P, I] compute dtype in the block plan's padded row order (moe_gate_up.py); sorted_ids, block_expert
+Operands: h [P, I] compute dtype in the block plan's padded row order (moe_gate_up.py; NVFP4: each group of 8
+columns in the decode's pair order, as its weights decode); sorted_ids, block_expert
 (routing.py); down weights [E, H, I] in one format (FORMAT: 0 NVFP4 packed [E, H, I/2] read as int32 words, e4m3
 scales [E, H, I/16], global scales [E, S]; 1 INT8 [E, H, I] with row scales [E, H]); top_k_weights float32 [T*K]
 (the router's weights, by assignment).
@@ -26,7 +27,7 @@ from .moe_gate_up import row_factor, weight_tile
 @triton.jit
 def moe_down_kernel(h_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, ys_ptr, H, I, E, SEG,
                     FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    IEEE: tl.constexpr, EMULATE: tl.constexpr):
+                    EVEN: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr):
     pid_n = tl.program_id(0)  # fastest: the programs of one block share its h rows (L2)
     pid_b = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_b)
@@ -40,9 +41,12 @@ def moe_down_kernel(h_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, ys_p
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        h = tl.load(h_ptr + slots[:, None].to(tl.int64) * I + rk[None, :], mask=live[:, None] & (rk[None, :] < I),
-                    other=0.0)
-        w = weight_tile(w_ptr, s_ptr, e, cols, k0, I, H, FORMAT, BLOCK_K, BLOCK_N, dtype, EMULATE)
+        if EVEN:
+            h = tl.load(h_ptr + slots[:, None].to(tl.int64) * I + rk[None, :], mask=live[:, None], other=0.0)
+        else:
+            h = tl.load(h_ptr + slots[:, None].to(tl.int64) * I + rk[None, :],
+                        mask=live[:, None] & (rk[None, :] < I), other=0.0)
+        w = weight_tile(w_ptr, s_ptr, e, cols, k0, I, H, FORMAT, BLOCK_K, BLOCK_N, dtype, EVEN, EMULATE)
         acc = dot_acc(acc, h, tl.trans(w), IEEE, EMULATE)
     acc = acc * row_factor(s2_ptr, e, cols, H, SEG, FORMAT, dtype)[None, :]
     row = tl.where(live, ids, 0)
@@ -77,8 +81,9 @@ def moe_down(h: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tens
         s2, seg_rows = scale, 1
     grid = (triton.cdiv(H, cfg["DN_N"]), block_expert.numel())
     moe_down_kernel[grid](h, sorted_ids, block_expert, weight, scale, s2, ys, H, I, E, seg_rows,
-                          0 if nvfp4 else 1, cfg["BLOCK_M"], cfg["DN_N"], cfg["DN_K"], h.dtype == torch.float32,
-                          interpreting(), num_warps=cfg["num_warps"])
+                          0 if nvfp4 else 1, cfg["BLOCK_M"], cfg["DN_N"], cfg["DN_K"],
+                          H % cfg["DN_N"] == 0 and I % cfg["DN_K"] == 0, h.dtype == torch.float32,
+                          interpreting(), num_warps=cfg["DN_W"])
     y = torch.empty(tokens, H, dtype=h.dtype, device=h.device)
     block = min(1024, triton.next_power_of_2(H))
     moe_sum_kernel[(tokens, triton.cdiv(H, block))](ys, top_k_weights.float().contiguous(), y, H, topk, block,

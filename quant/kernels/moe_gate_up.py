@@ -20,21 +20,22 @@ import triton
 import triton.language as tl
 
 from . import arch, interpreting
-from .common import dot_acc, gelu_tanh, load_nvfp4_tile, nvfp4_operand, store_rounded, to_compute
+from .common import dot_acc, gelu_tanh, load_nvfp4_tile, nvfp4_operand, pair_order, store_rounded, to_compute
 from .routing import moe_blocks  # noqa: F401  (re-exported for callers)
 
 
 @triton.jit
 def weight_tile(w_ptr, s_ptr, e, rows, k0, H, NROWS, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
-                BLOCK_N: tl.constexpr, dtype: tl.constexpr, EMULATE: tl.constexpr):
+                BLOCK_N: tl.constexpr, dtype: tl.constexpr, EVEN: tl.constexpr, EMULATE: tl.constexpr):
     """Expert e's rows `rows` at inputs k0..k0+BLOCK_K as the dot's operand [BLOCK_N, BLOCK_K] (rows of an
-    [E, NROWS, H] stack). NVFP4: a * s * 2^-62 (bfloat16 / float32) or a * s (float16), common.nvfp4_operand; the
-    global scale is left to the epilogue (row_factor). INT8: q * row scale rounded to the compute dtype, as the
-    reference dequantizes."""
+    [E, NROWS, H] stack). NVFP4: a * s * 2^-62 (bfloat16 / float32) or a * s (float16), common.nvfp4_operand, with
+    the inputs of each group of 8 in the decode's own order (common.pair_order: the other operand comes in that
+    order too); the global scale is left to the epilogue (row_factor). INT8: q * row scale rounded to the compute
+    dtype, as the reference dequantizes, in K order. EVEN: whole tiles (rows < NROWS, inputs < H): no masks."""
     base = e.to(tl.int64) * NROWS + rows
     if FORMAT == 0:
         w, _ = nvfp4_operand(load_nvfp4_tile(w_ptr, s_ptr, base, k0, H, (e.to(tl.int64) + 1) * NROWS, BLOCK_N,
-                                             BLOCK_K, EMULATE), dtype)
+                                             BLOCK_K, False, not EVEN, EMULATE), dtype)
         return w
     else:
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -58,7 +59,7 @@ def row_factor(s2_ptr, e, rows, NROWS, SEG, FORMAT: tl.constexpr, dtype: tl.cons
 @triton.jit
 def moe_gate_up_kernel(x_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, h_ptr, H, I, E, TOPK, SEG,
                        FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       IEEE: tl.constexpr, EMULATE: tl.constexpr):
+                       EVEN: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr):
     pid_n = tl.program_id(0)  # fastest: the programs of one block share its gathered x rows (L2)
     pid_b = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_b)
@@ -74,10 +75,13 @@ def moe_gate_up_kernel(x_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, h
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + tok[:, None].to(tl.int64) * H + rk[None, :], mask=live[:, None] & (rk[None, :] < H),
-                    other=0.0)
-        g = weight_tile(w_ptr, s_ptr, e, cols, k0, H, 2 * I, FORMAT, BLOCK_K, BLOCK_N, dtype, EMULATE)
-        u = weight_tile(w_ptr, s_ptr, e, cols + I, k0, H, 2 * I, FORMAT, BLOCK_K, BLOCK_N, dtype, EMULATE)
+        if EVEN:
+            x = tl.load(x_ptr + tok[:, None].to(tl.int64) * H + rk[None, :], mask=live[:, None], other=0.0)
+        else:
+            x = tl.load(x_ptr + tok[:, None].to(tl.int64) * H + rk[None, :],
+                        mask=live[:, None] & (rk[None, :] < H), other=0.0)
+        g = weight_tile(w_ptr, s_ptr, e, cols, k0, H, 2 * I, FORMAT, BLOCK_K, BLOCK_N, dtype, EVEN, EMULATE)
+        u = weight_tile(w_ptr, s_ptr, e, cols + I, k0, H, 2 * I, FORMAT, BLOCK_K, BLOCK_N, dtype, EVEN, EMULATE)
         acc_g = dot_acc(acc_g, x, tl.trans(g), IEEE, EMULATE)
         acc_u = dot_acc(acc_u, x, tl.trans(u), IEEE, EMULATE)
     acc_g = acc_g * row_factor(s2_ptr, e, cols, 2 * I, SEG, FORMAT, dtype)[None, :]
@@ -86,7 +90,8 @@ def moe_gate_up_kernel(x_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, h
     gate = to_compute(acc_g, dtype, EMULATE).to(tl.float32)
     up = to_compute(acc_u, dtype, EMULATE).to(tl.float32)
     act = to_compute(gelu_tanh(gate), dtype, EMULATE).to(tl.float32)
-    store_rounded(h_ptr + slots[:, None].to(tl.int64) * I + cols[None, :], act * up,
+    at = pair_order(cols) if FORMAT == 0 else cols  # h is the down kernel's input: in its weights' order
+    store_rounded(h_ptr + slots[:, None].to(tl.int64) * I + at[None, :], act * up,
                   live[:, None] & (cols[None, :] < I), EMULATE)
 
 
@@ -94,25 +99,33 @@ def candidates(rows_per_expert: float, H: int, I: int, device: torch.device) -> 
     """Launch settings for both MoE kernels, best first by the static report (make kernel-report). BLOCK_M is chosen
     from the rows routed to an expert (T * K / E on average) so that one block covers an expert and its weights are
     decoded once per step: on Hopper and newer 64 or 128 (wgmma), elsewhere 16 or 32 (mma.sync, where more rows per
-    program cost register moves, not decode). Keys: BLOCK_M, then gate-up (GU_*) and down (DN_*) tiles."""
-    gu_k = 128 if H % 128 == 0 else 64 if H % 64 == 0 else 32
-    dn_k = 64 if I % 64 == 0 else 32
-    gu_n = 64 if I % 64 == 0 else 32
-
-    def cfg(block_m: int, warps: int, gu_block_k: int = gu_k) -> dict:
-        return dict(BLOCK_M=block_m, GU_N=gu_n, GU_K=gu_block_k, DN_N=64, DN_K=dn_k, num_warps=warps)
+    program cost register moves, not decode). Keys: BLOCK_M, then each kernel's tile and warps (GU_* gate-up,
+    DN_* down)."""
+    def cfg(block_m: int, gu: tuple[int, int, int], dn: tuple[int, int, int]) -> dict:
+        gu_n, gu_k, gu_w = gu
+        dn_n, dn_k, dn_w = dn
+        while I % gu_n and gu_n > 16:  # whole tiles where the shapes allow (the kernels mask the rest)
+            gu_n //= 2
+        while H % gu_k and gu_k > 16:
+            gu_k //= 2
+        while I % dn_k and dn_k > 16:
+            dn_k //= 2
+        return dict(BLOCK_M=block_m, GU_N=gu_n, GU_K=gu_k, GU_W=gu_w, DN_N=dn_n, DN_K=dn_k, DN_W=dn_w)
 
     if arch(device) >= 90:
-        first = cfg(64, 4) if rows_per_expert <= 48 else cfg(128, 8, 64)
-        return [first, cfg(64, 4), cfg(128, 8, 64), cfg(32, 4, 64)]
-    first = cfg(16, 4, 64) if rows_per_expert <= 10 else cfg(32, 4, 64)
-    return [first, cfg(16, 4, 64), cfg(32, 4, 64), cfg(64, 4, 64)]
+        small = cfg(64, (64, 128, 4), (128, 64, 4))
+        large = cfg(128, (64, 128, 8), (128, 64, 4))
+        return [small, large] if rows_per_expert <= 48 else [large, small]
+    small = cfg(16, (64, 128, 4), (128, 64, 4))
+    large = cfg(32, (64, 128, 4), (128, 64, 4))
+    return [small, large] if rows_per_expert <= 10 else [large, small]
 
 
 def moe_gate_up(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor, fmt: str,
                 weight: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor | None, topk: int,
                 cfg: dict) -> torch.Tensor:
-    """-> h [len(sorted_ids), I] (see the module docstring); cfg from `candidates`."""
+    """-> h [len(sorted_ids), I] (see the module docstring); cfg from `candidates`. NVFP4: x's inputs and h's
+    columns are in the decode's pair order (common.pair_order; `pair_ordered` gives x that order)."""
     T, H = x.shape
     E, two_i = weight.shape[0], weight.shape[1]
     I = two_i // 2
@@ -127,5 +140,13 @@ def moe_gate_up(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.T
     grid = (triton.cdiv(I, cfg["GU_N"]), block_expert.numel())
     moe_gate_up_kernel[grid](x.contiguous(), sorted_ids, block_expert, weight, scale, s2, h, H, I, E, topk,
                              seg_rows, 0 if nvfp4 else 1, cfg["BLOCK_M"], cfg["GU_N"], cfg["GU_K"],
-                             x.dtype == torch.float32, interpreting(), num_warps=cfg["num_warps"])
+                             I % cfg["GU_N"] == 0 and H % cfg["GU_K"] == 0, x.dtype == torch.float32, interpreting(), num_warps=cfg["GU_W"])
     return h
+
+
+def pair_ordered(x: torch.Tensor) -> torch.Tensor:
+    """[T, H] -> the same rows with each group of 8 columns in the NVFP4 decode's order k0 k4 k1 k5 k2 k6 k3 k7
+    (common.pair_order), so the gate-up kernel's x tiles line up with its decoded weights without a permute per
+    weight. One small pass over the activations, against a read of every expert's weights."""
+    T, H = x.shape
+    return x.reshape(T, H // 8, 2, 4).transpose(-1, -2).reshape(T, H)

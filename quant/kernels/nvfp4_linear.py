@@ -24,8 +24,8 @@ from .common import dot_acc, load_nvfp4_tile, nvfp4_operand, store_rounded
 
 @triton.jit
 def nvfp4_linear_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, M, N, K,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                        EMULATE: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+                        IEEE: tl.constexpr, EMULATE: tl.constexpr):
     pid_n = tl.program_id(0)  # fastest: consecutive programs share the x rows... and M blocks of one N tile follow
     pid_m = tl.program_id(1)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # 64-bit: M x K passes 2^31 on long prompts
@@ -33,8 +33,13 @@ def nvfp4_linear_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, M, N, K,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-        w, _ = nvfp4_operand(load_nvfp4_tile(w_ptr, s_ptr, rn, k0, K, N, BLOCK_N, BLOCK_K, EMULATE), x.dtype)
+        if EVEN:  # whole tiles in N and K: only the rows are masked
+            x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=rm[:, None] < M, other=0.0)
+        else:
+            x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
+                        other=0.0)
+        w, _ = nvfp4_operand(load_nvfp4_tile(w_ptr, s_ptr, rn, k0, K, N, BLOCK_N, BLOCK_K, True, not EVEN,
+                                             EMULATE), x.dtype)
         acc = dot_acc(acc, x, tl.trans(w), IEEE, EMULATE)
     _, unshift = nvfp4_operand(tl.zeros((1, 1), dtype=tl.bfloat16), y_ptr.dtype.element_ty)
     s2 = tl.load(s2_ptr + rn, mask=rn < N, other=0.0) * unshift
@@ -76,7 +81,8 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     def launch(cfg: dict) -> None:
         grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]))
         nvfp4_linear_kernel[grid](x2, words, scale_bits, s2, y, M, N, K, cfg["BLOCK_M"], cfg["BLOCK_N"],
-                                  cfg["BLOCK_K"], x.dtype == torch.float32, interpreting(),
+                                  cfg["BLOCK_K"], N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0,
+                                  x.dtype == torch.float32, interpreting(),
                                   num_warps=cfg["num_warps"])
 
     cfg = tuning.choose("nvfp4_linear", (m_bucket(M), N, K, str(x.dtype)), candidates(M, K, x.device), launch,
