@@ -5,19 +5,28 @@ network is built on the meta device and its tensors are made directly on the tar
 (packed random codes and scales for NVFP4 and INT8). A run: one random prompt of `prompt` tokens per row, encoded
 once, then `canvases` canvases of exactly `steps` steps (adaptive stopping off, end tokens ignored).
 
-Reported: ms per denoise step (forward + sampler, synchronised at every step; the median step, so the one that
-captures a canvas's CUDA graph does not count), tokens per second inside the canvas
-(batch x canvas tokens per `steps` steps), peak device memory, and the step's floor: the bytes one step must move
-(weights of every expert the canvas can hit, the embedding twice: LM head and self-conditioning, the KV cache, the
-canvas x vocab float32 traffic of logits and sampler) divided by the device's measured copy bandwidth. With
-`compare="transformers"` the reference implementation runs the same shapes in the same process (bf16, eager,
-random init), timed the same way: steps are timed by the difference between a 4-step and a `steps`-step canvas.
+Reported: ms per denoise step (forward + sampler; the statistic, for dgemma and the reference alike: the median of
+the step-to-step intervals within each canvas, steps 2..`steps`, the device synchronised at every step, so the step
+that captures a canvas's CUDA graph does not count), tokens per second inside the canvas (batch x canvas tokens
+per `steps` steps of that median), peak device memory, how many timed steps replayed a CUDA graph, and the floor:
+the bytes of the weights one step must read (every tensor the decoder step touches, in the format it is held in,
+read once; of the routed experts those the canvas can reach, which at a 256-token canvas is all of them) over the
+device's peak bandwidth (the fastest of several large device-to-device copies). Beside the floor, not in it, the
+traffic a step moves besides the weights: the self-conditioning soft embedding reading the embedding a second
+time, the canvas x vocab float32 passes (the LM head writes the logits, the sampler reads them and writes the
+probabilities, the next step's soft embedding reads them), and the KV cache read. The ratio is step / floor.
+With `compare="transformers"` the reference implementation runs the same shapes in the same process (bf16, random
+init) through its compiled static-cache path (`cache_implementation="static"`: torch.compile of its decoder and
+sampler) when the installed transformers has one, else eagerly (said in `reference_mode`); "transformers-eager"
+asks for the eager path. `compare_kernel_paths` is the check that the Triton path gives the torch path's tokens.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
@@ -36,6 +45,7 @@ TINY = {"model_type": "diffusion_gemma", "canvas_length": 32, "text_config": dic
     num_experts=8, top_k_experts=2, moe_intermediate_size=32)}
 CONFIGS = {"real": DIFFUSIONGEMMA_26B_A4B, "mid": MID, "tiny": TINY}
 FORMATS = ("bf16", "int8", "nvfp4")
+COMPARE = ("transformers", "transformers-eager")
 
 
 @dataclass
@@ -51,26 +61,42 @@ class BenchResult:
     peak_memory_gb: float | None
     floor_ms: float
     floor_ratio: float
-    step_bytes: int
-    bandwidth_gbs: float
+    floor_bytes: int  # weights one step reads, each once (the floor's numerator)
+    bandwidth_gbs: float  # the device's peak: the fastest large device-to-device copy
+    soft_embedding_bytes: int  # beside the floor: the embedding read a second time (self-conditioning)
+    canvas_vocab_bytes: int  # beside the floor: canvas x vocab float32 passes
+    kv_cache_bytes: int  # beside the floor: the KV cache read
     prefill_ms: float
+    statistic: str
+    graph_replays: int  # timed steps served by replaying a CUDA graph
     reference_ms_per_step: float | None = None
+    reference_mode: str | None = None
     speedup_vs_reference: float | None = None
+
+    def ms_at_peak(self, nbytes: int) -> float:
+        return 1000 * nbytes / (self.bandwidth_gbs * 1e9)
 
     def table(self) -> str:
         rows = [("config / format", f"{self.config} / {self.format}, batch {self.batch}, prompt {self.prompt}, "
                                     f"{self.steps} steps, {self.device}"),
                 ("ms per denoise step", f"{self.ms_per_step:.2f}"),
+                ("statistic", self.statistic),
                 ("tokens/s in the canvas", f"{self.tokens_per_s:,.0f}"),
                 ("prefill (ms)", f"{self.prefill_ms:.1f}"),
                 ("peak memory", "n/a (CPU)" if self.peak_memory_gb is None else f"{self.peak_memory_gb:.2f} GB"),
-                ("weight-read floor", f"{self.floor_ms:.2f} ms ({self.step_bytes / 1e9:.2f} GB at "
-                                      f"{self.bandwidth_gbs:.0f} GB/s copy bandwidth)"),
+                ("CUDA graph", f"replayed for {self.graph_replays} of the timed steps"),
+                ("weight-read floor", f"{self.floor_ms:.3f} ms ({self.floor_bytes / 1e9:.3f} GB of weights at "
+                                      f"{self.bandwidth_gbs:.0f} GB/s peak copy bandwidth)"),
                 ("step / floor", f"{self.floor_ratio:.2f}x")]
+        rows += [(f"  + {what}", f"{self.ms_at_peak(n):.3f} ms ({n / 1e9:.3f} GB), not in the floor")
+                 for what, n in (("2nd embedding read", self.soft_embedding_bytes),
+                                 ("canvas x vocab fp32", self.canvas_vocab_bytes),
+                                 ("KV cache read", self.kv_cache_bytes))]
         if self.reference_ms_per_step is not None:
-            rows += [("reference ms per step", f"{self.reference_ms_per_step:.2f}"),
+            rows += [("reference ms per step", f"{self.reference_ms_per_step:.2f} (the same statistic)"),
+                     ("reference path", self.reference_mode),
                      ("speed-up vs reference", f"{self.speedup_vs_reference:.2f}x")]
-        return "\n".join(f"{k + ':':<26}{v}" for k, v in rows)
+        return "\n".join(f"{k + ':':<28}{v}" for k, v in rows)
 
 
 def config_for(name: str) -> tuple[str, dict]:
@@ -143,31 +169,58 @@ def random_model(cfg: ModelConfig, fmt: str, policy: str, device: torch.device, 
 
 
 def copy_bandwidth(device: torch.device) -> float:
-    """Bytes per second of a large device-to-device copy (read + write counted)."""
+    """The device's peak bandwidth in bytes per second: the fastest of several large device-to-device copies
+    (read + write counted)."""
     n = (1 << 30) if device.type == "cuda" else (256 << 20)
     a = torch.empty(n, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     b.copy_(a)
     sync(device)
-    reps = 10 if device.type == "cuda" else 3
-    t0 = time.perf_counter()
-    for _ in range(reps):
+    best = float("inf")
+    for _ in range(10 if device.type == "cuda" else 3):
+        t0 = time.perf_counter()
         b.copy_(a)
-    sync(device)
-    return 2 * n * reps / (time.perf_counter() - t0)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n / best
 
 
-def step_bytes(cfg: ModelConfig, fmt: str, policy: str, batch: int, context: int) -> int:
-    """Bytes one denoise step must read or write at least (see the module docstring)."""
-    from .footprint import kv_cache_bytes, weight_bytes
+def experts_hit(cfg: ModelConfig, batch: int) -> float:
+    """Expected fraction of the experts that a step's batch x canvas tokens route to (top-k of E each)."""
+    t = cfg.text
+    return 1 - (1 - t.top_k_experts / t.num_experts) ** (batch * cfg.canvas_length)
 
-    t, C = cfg.text, cfg.canvas_length
-    w = weight_bytes(cfg, fmt, policy)
-    hit = t.num_experts * (1 - (1 - t.top_k_experts / t.num_experts) ** (batch * C))  # expected experts hit
-    experts = w["experts"] * hit / t.num_experts
-    canvas_vocab = 4 * batch * C * t.vocab_size * 4  # logits written, read and rewritten by the sampler, read back
-    return int(experts + w["dense"] + w["other"] + 2 * w["embedding"] + kv_cache_bytes(cfg, context, batch)
-               + canvas_vocab)
+
+def floor_bytes(model, batch: int) -> int:
+    """Bytes of the weights one denoise step reads: every tensor the decoder step touches, in the format it is held
+    in (packed codes and scales for quantized ones), read once; the routed experts times the fraction the canvas
+    reaches. Not counted: the encoder's layer scalars (the encoder does not run in a step)."""
+    from .model import Experts
+
+    experts, rest = 0, 0
+    in_experts = set()
+    for path, mod in model.named_modules():
+        if isinstance(mod, Experts):
+            for name, t in [*mod.named_parameters(), *mod.named_buffers()]:
+                experts += t.numel() * t.element_size()
+                in_experts.add(f"{path}.{name}")
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if name not in in_experts and name != "encoder_layer_scalar":
+            rest += t.numel() * t.element_size()
+    return int(rest + experts * experts_hit(model.cfg, batch))
+
+
+def beside_floor_bytes(model, batch: int, context: int) -> dict[str, int]:
+    """What a step moves besides the weights read once (reported beside the floor, not in it); `context`: the
+    tokens in the cache before the canvas."""
+    from .footprint import kv_cache_bytes
+
+    cfg, w = model.cfg, model.embed_tokens.weight
+    rows = batch * cfg.canvas_length
+    return {"soft_embedding_bytes": w.numel() * w.element_size(),  # the soft embedding reads the embedding again
+            # logits written by the LM head, read by the sampler, probabilities written, read by the next step
+            "canvas_vocab_bytes": 4 * rows * cfg.text.vocab_size * 4,
+            "kv_cache_bytes": kv_cache_bytes(cfg, context, batch) * model.dtype.itemsize // 2}
 
 
 def sync(device: torch.device) -> None:
@@ -188,28 +241,68 @@ def time_prefill(model, prompts: torch.Tensor) -> float:
     return 1000 * (time.perf_counter() - t0)
 
 
-def time_dgemma(engine, prompts, steps: int, canvases: int, device) -> float:
-    """ms per step from timestamps taken after a device sync at every step."""
-    from .sampler import Step
+def statistic(steps: int, canvases: int) -> str:
+    """The timing statistic both sides report."""
+    return (f"median of {(steps - 1) * canvases} step-to-step intervals (steps 2-{steps} of {canvases} canvas"
+            f"{'es' if canvases > 1 else ''}), synchronised every step")
+
+
+def median_step_ms(stamps: list[float], steps: int) -> float:
+    """ms of the median step-to-step interval within each canvas; `stamps` holds one time per step, canvas after
+    canvas, `steps` per canvas."""
+    intervals = []
+    for lo in range(0, len(stamps), steps):
+        ts = stamps[lo : lo + steps]
+        intervals += [b - a for a, b in zip(ts, ts[1:])]
+    return 1000 * statistics.median(intervals)
+
+
+def time_dgemma(engine, prompts, steps: int, canvases: int, device) -> tuple[float, int]:
+    """(ms per step by `statistic`, steps that replayed a CUDA graph)."""
+    from .sampler import Done, Step
 
     settings = engine.settings.override(max_new_tokens=canvases * engine.config.canvas_length,
                                         max_denoising_steps=steps, confidence_threshold=1e-12,
                                         eos_token_ids=(-1,))
-    stamps = []
+    stamps, replays = [], 0
     for ev in engine.events(prompts, seed=0, settings=settings):
         if isinstance(ev, Step):
             sync(device)
-            stamps.append((ev.canvas_index, time.perf_counter()))
-    intervals = []  # step to step, within a canvas
-    for c in range(canvases):
-        ts = [t for ci, t in stamps if ci == c]
-        intervals += [b - a for a, b in zip(ts, ts[1:])]
-    # the median: the steady step; the step that captures the canvas's CUDA graph is an outlier
-    return 1000 * statistics.median(intervals)
+            stamps.append(time.perf_counter())
+        elif isinstance(ev, Done):
+            replays = ev.stats.get("graph_replays", 0)
+    assert len(stamps) == steps * canvases, "every canvas runs exactly `steps` steps"
+    return median_step_ms(stamps, steps), replays
 
 
-def time_reference(config: dict, prompts: torch.Tensor, steps: int, device, dtype) -> float:
-    """The reference's ms per step: (time of a `steps`-step canvas - time of a 4-step one) / (steps - 4)."""
+class _StepClock:
+    """A streamer for the reference's generate: a timestamp after every denoising step (`put_draft`)."""
+
+    def __init__(self, device):
+        self.device, self.stamps = device, []
+
+    def put(self, value) -> None:
+        pass
+
+    def put_draft(self, value=None, logits=None) -> None:
+        sync(self.device)
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def reference_has_compiled_path() -> bool:
+    """Whether the installed transformers' DiffusionGemma generate has its compiled static-cache path."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    return hasattr(DiffusionGemmaForBlockDiffusion, "_compile_functions")
+
+
+def time_reference(config: dict, prompts: torch.Tensor, steps: int, canvases: int, device, dtype,
+                   compiled: bool = True) -> tuple[float, str]:
+    """The reference's ms per step by `statistic` (the same as dgemma's), and the path it ran: its compiled
+    static-cache path when `compiled` and the installed transformers has one (eager if that fails, with the reason)."""
     try:
         from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
         from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
@@ -221,22 +314,36 @@ def time_reference(config: dict, prompts: torch.Tensor, steps: int, device, dtyp
                                canvas_length=config.get("canvas_length", 256))
     with torch.device(device):  # built in `dtype` directly: a float32 build of the 26B would need 100 GB first
         ref = DiffusionGemmaForBlockDiffusion._from_config(cfg, dtype=dtype).eval()
-    C = cfg.canvas_length
 
-    def run(n: int) -> float:
-        sync(device)
-        t0 = time.perf_counter()
+    def run(**kw) -> list[float]:
+        clock = _StepClock(device)
         with torch.no_grad():
-            ref.generate(prompts, max_new_tokens=C, max_denoising_steps=n, confidence_threshold=1e-12,
-                         sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1), t_min=0.4, t_max=0.8,
-                         stability_threshold=1, eos_token_id=[-1], pad_token_id=0)
-        sync(device)
-        return time.perf_counter() - t0
+            ref.generate(prompts, max_new_tokens=canvases * cfg.canvas_length, max_denoising_steps=steps,
+                         confidence_threshold=1e-12, sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1),
+                         t_min=0.4, t_max=0.8, stability_threshold=1, eos_token_id=[-1], pad_token_id=0,
+                         streamer=clock, **kw)
+        if len(clock.stamps) != steps * canvases:
+            raise RuntimeError(f"the reference ran {len(clock.stamps)} steps, not {steps * canvases}")
+        return clock.stamps
 
-    run(4)  # warm-up
-    short, long = run(4), run(steps)
+    mode, kw = "eager (dynamic cache)", {}
+    if not compiled:
+        mode += ", as asked"
+    elif not reference_has_compiled_path():
+        mode += ": this transformers has no compiled static-cache path"
+    else:
+        try:
+            for _ in range(2):  # compile, then let its CUDA graphs record
+                run(cache_implementation="static")
+            mode, kw = "compiled (static cache, torch.compile)", dict(cache_implementation="static")
+        except Exception as e:  # noqa: BLE001 - any failure of the compiled path: time the eager one, say why
+            first = (str(e).strip().splitlines() or [""])[0][:160]
+            mode += f": the compiled static-cache path failed ({type(e).__name__}: {first})"
+    if not kw:
+        run()  # warm-up
+    ms = median_step_ms(run(**kw), steps)
     del ref
-    return 1000 * (long - short) / (steps - 4)
+    return ms, mode
 
 
 def run_bench(config: str = "mid", fmt: str = "nvfp4", policy: str = "experts", batch: int = 1, prompt: int = 512,
@@ -248,8 +355,8 @@ def run_bench(config: str = "mid", fmt: str = "nvfp4", policy: str = "experts", 
         raise UsageError(f"--format must be one of {', '.join(FORMATS)} (got {fmt!r})")
     if batch < 1 or prompt < 1 or steps < 5 or canvases < 1:
         raise UsageError("--batch, --prompt and --canvases must be >= 1 and --steps >= 5")
-    if compare not in (None, "transformers"):
-        raise UsageError(f"--compare takes 'transformers' (got {compare!r})")
+    if compare not in (None, *COMPARE):
+        raise UsageError(f"--compare takes {' or '.join(repr(c) for c in COMPARE)} (got {compare!r})")
     name, raw = config_for(config)
     cfg = ModelConfig.from_dict(raw)
     dev = resolve_device(device)
@@ -272,23 +379,162 @@ def run_bench(config: str = "mid", fmt: str = "nvfp4", policy: str = "experts", 
     time_dgemma(engine, ids, 5, 1, dev)  # warm-up: kernels compiled, graphs captured, allocator settled
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    ms = time_dgemma(engine, ids, steps, canvases, dev)
+    ms, replays = time_dgemma(engine, ids, steps, canvases, dev)
     prefill = time_prefill(model, prompts)
     peak = torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None
     bw = copy_bandwidth(dev)
-    nbytes = step_bytes(cfg, fmt, policy, batch, prompt + canvases * cfg.canvas_length)
+    nbytes = floor_bytes(model, batch)
+    beside = beside_floor_bytes(model, batch, prompt + (canvases - 1) * cfg.canvas_length)  # the last canvas's
     floor = 1000 * nbytes / bw
     result = BenchResult(name, fmt if fmt == "bf16" or policy == "experts" else f"{fmt} ({policy})", str(dev), batch,
                          prompt, steps, ms, batch * cfg.canvas_length * 1000 / (ms * steps), peak, floor, ms / floor,
-                         nbytes, bw / 1e9, prefill)
+                         nbytes, bw / 1e9, **beside, prefill_ms=prefill, statistic=statistic(steps, canvases),
+                         graph_replays=replays)
     if compare:
         del engine, model  # the reference gets the device to itself
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-        ref_ms = time_reference(raw, prompts.to(dev), steps, dev, torch.bfloat16 if dev.type == "cuda" else dt)
-        result.reference_ms_per_step, result.speedup_vs_reference = ref_ms, ref_ms / ms
+        ref_ms, mode = time_reference(raw, prompts.to(dev), steps, canvases, dev,
+                                      torch.bfloat16 if dev.type == "cuda" else dt, compiled=compare == "transformers")
+        result.reference_ms_per_step, result.reference_mode = ref_ms, mode
+        result.speedup_vs_reference = ref_ms / ms
     return result
 
 
 def as_dict(r: BenchResult) -> dict:
     return asdict(r)
+
+
+# ----------------------------------------------------------------------------- Triton path against torch path
+
+# Both sides draw the same random numbers (same seed, DGEMMA_SAMPLER=torch: the fused epilogue would draw its own);
+# the Triton side runs as the engine does by default (CUDA graphs where they apply), the torch side eagerly.
+KERNEL_PATHS = {"triton": {"DGEMMA_KERNELS": "triton", "DGEMMA_SAMPLER": "torch", "DGEMMA_EAGER": None},
+                "torch": {"DGEMMA_KERNELS": "torch", "DGEMMA_SAMPLER": "torch", "DGEMMA_EAGER": "1"}}
+PEAKED_NORM = 16.0  # the compared model's final-norm weight: peaked distributions, as a trained model's are
+# Limits. The first step's logits: per canvas position max |triton - torch| / max |torch| over the vocabulary; the
+# median position is held to LOGIT_TOL (by format and policy), the worst is reported. Then the share of generated
+# tokens that agree. bf16 runs the same matmuls on both sides (Triton only replaces quantized matmuls and the fused
+# sampler, which is off here), so it must agree exactly, everywhere: what it checks is the CUDA-graph path against
+# the eager one. Quantized formats differ by accumulation order and where bfloat16 rounding happens (the NVFP4
+# kernels apply the global scale after the product, the torch path rounds it into the weights), each kernel within
+# about one bfloat16 step of the torch path (tests/test_kernels.py). Measured at the tiny config in Triton's
+# interpreter on the CPU, the median position: INT8 0 to 1e-3, NVFP4 experts 7e-3, NVFP4 every projection 2e-2 to
+# 2.4e-2; an MoE kernel returning zeros gives 0.21 (an error of pure scale hardly shows: a norm follows the MoE).
+# A router near-tie (random weights route almost uniformly) sends a token to another expert on one side, so a few
+# positions differ far more on two correct paths: hence the median. Tokens are a weak check, a floor: one flipped
+# sample changes every later step's input, so two correct paths drift apart (76% to 100% agree at 3 steps), and a
+# random model's argmax leans on its input tokens (the MoE returning zeros still agrees on 64%).
+LOGIT_TOL = {("bf16", "experts"): 0.0, ("bf16", "all"): 0.0, ("int8", "experts"): 1e-2, ("int8", "all"): 1e-2,
+             ("nvfp4", "experts"): 2e-2, ("nvfp4", "all"): 5e-2}
+AGREEMENT_MIN = {"bf16": 1.0, "int8": 0.5, "nvfp4": 0.5}
+
+
+@contextmanager
+def environment(values: dict[str, str | None]):
+    """Set (None: unset) environment variables for the block, then restore them."""
+    old = {k: os.environ.get(k) for k in values}
+    try:
+        _set_environment(values)
+        yield
+    finally:
+        _set_environment(old)
+
+
+def _set_environment(values: dict[str, str | None]) -> None:
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def first_step_logits(model, prompts: torch.Tensor, canvas: torch.Tensor) -> torch.Tensor:
+    """The first denoise step's float32 logits [B*C, V] for `canvas` after encoding `prompts` (eager)."""
+    from .engine import ModelDenoiser
+
+    B, T = prompts.shape
+    d = ModelDenoiser(model, B, T + canvas.shape[1])
+    out = torch.empty(canvas.numel(), model.cfg.text.vocab_size, device=model.device)
+    with torch.inference_mode():
+        d.encode(prompts, None)
+        d.start_canvas()
+        d.denoise(canvas, None, out)
+    return out
+
+
+def triton_families(fmt: str, policy: str) -> tuple[str, ...]:
+    """The Triton kernel families a format's forward uses (none for bf16)."""
+    if fmt == "bf16":
+        return ()
+    return (f"moe_{fmt}",) + ((f"{fmt}_linear",) if policy == "all" else ())
+
+
+def compare_kernel_paths(fmt: str = "bf16", policy: str = "all", config: str = "tiny", device: str = "auto",
+                         dtype: str = "bfloat16", batch: int = 2, prompt: int = 40, canvases: int = 2,
+                         steps: int = 3, seed: int = 0) -> dict:
+    """Generate with one random model through DGEMMA_KERNELS=triton and =torch, the same draws on both sides
+    (KERNEL_PATHS), and compare: the first step's logits on one random canvas, and the tokens of `canvases`
+    canvases of exactly `steps` steps (3: the first step eager, the second captured, the third replayed; more steps
+    only let the two sides drift further apart). `passed` holds when they agree within LOGIT_TOL / AGREEMENT_MIN, the Triton
+    kernels the format uses ran (none fell back to torch after its first-use check), and on CUDA the Triton side
+    replayed CUDA graphs (bfloat16) while the torch side ran eagerly; `failures` says what did not hold."""
+    from .engine import Engine, check_kernels, resolve_device, resolve_dtype
+    from .sampler import Done
+
+    name, raw = config_for(config)
+    cfg = ModelConfig.from_dict(raw)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    C, V = cfg.canvas_length, cfg.text.vocab_size
+    model = random_model(cfg, fmt, policy, dev, dt, seed)
+    with torch.no_grad():
+        model.norm.weight.fill_(PEAKED_NORM)
+    engine = Engine(model, None, GenerationSettings(eos_token_ids=(1,)))
+    settings = engine.settings.override(max_new_tokens=canvases * C, max_denoising_steps=steps,
+                                        confidence_threshold=1e-12, eos_token_ids=(-1,))
+    g = torch.Generator().manual_seed(seed + 1)
+    prompts = torch.randint(107, V, (batch, prompt), generator=g)
+    canvas = torch.randint(0, V, (batch, C), generator=g).to(dev)
+    logits, tokens, stats, kernels = {}, {}, {}, {}
+    for side, env in KERNEL_PATHS.items():
+        with environment(env):
+            check_kernels(dev)
+            logits[side] = first_step_logits(model, prompts.to(dev), canvas)
+            for ev in engine.events(prompts.tolist(), seed=seed, settings=settings):
+                if isinstance(ev, Done):
+                    tokens[side], stats[side] = ev.token_ids, ev.stats
+            if side == "triton":
+                kernels = kernels_in_use(triton_families(fmt, policy), dev, dt)
+    a, b = logits["triton"], logits["torch"]
+    per_position = (a - b).abs().amax(-1) / b.abs().amax(-1).clamp(min=1e-30)
+    rel = per_position.median().item() if fmt != "bf16" else per_position.max().item()
+    pairs = [(x, y) for ra, rb in zip(tokens["triton"], tokens["torch"]) for x, y in zip(ra, rb)]
+    agreement = sum(x == y for x, y in pairs) / max(1, len(pairs))
+    failures = []
+    tol = LOGIT_TOL[fmt, policy]
+    if not rel <= tol:
+        failures.append(f"first-step logits differ by {rel:.2e} at the {'median' if fmt != 'bf16' else 'worst'} "
+                        f"position (limit {tol:.0e})")
+    if not agreement >= AGREEMENT_MIN[fmt]:
+        failures.append(f"{agreement:.1%} of the tokens agree (at least {AGREEMENT_MIN[fmt]:.0%} needed)")
+    failures += [f"the Triton {f} kernel did not run (fell back to torch)" for f, ok in kernels.items() if not ok]
+    if dev.type == "cuda" and dt == torch.bfloat16:
+        t = stats["triton"]
+        if not (t.get("graph_captures", 0) >= 1 and t.get("graph_replays", 0) >= 1):
+            failures.append(f"the Triton side replayed no CUDA graph ({t})")
+        if stats["torch"].get("graph_replays", 0):
+            failures.append("the torch side (DGEMMA_EAGER=1) replayed a CUDA graph")
+    return {"format": fmt if fmt == "bf16" else f"{fmt} ({policy})", "config": name, "device": str(dev),
+            "dtype": str(dt).removeprefix("torch."), "tokens_compared": len(pairs),
+            "tokens_equal": tokens["triton"] == tokens["torch"], "token_agreement": agreement,
+            "first_step_logit_rel_diff": rel, "first_step_logit_rel_diff_worst": per_position.max().item(),
+            "logit_tol": tol, "agreement_min": AGREEMENT_MIN[fmt], "triton_kernels": kernels,
+            "graph": {side: stats[side] for side in stats}, "passed": not failures, "failures": failures}
+
+
+def kernels_in_use(families: tuple[str, ...], device: torch.device, dtype: torch.dtype) -> dict[str, bool]:
+    """Per family: whether its Triton kernel runs (on a GPU it may have fallen back to torch at its first use)."""
+    from quant.kernels.probe import family_ok
+
+    return {f: family_ok(f, device, dtype) for f in families}

@@ -405,7 +405,8 @@ def bench(
     canvases: int = typer.Option(1, "--canvases", help="Canvases per row."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
     dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto."),
-    compare: Optional[str] = typer.Option(None, "--compare", help="'transformers': also time the reference."),
+    compare: Optional[str] = typer.Option(None, "--compare", help="'transformers': also time the reference (its "
+                                          "compiled static-cache path where it has one); 'transformers-eager'."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object."),
 ) -> None:
     """Time the denoise step on random weights (no download) against the weight-read floor."""

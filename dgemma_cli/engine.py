@@ -47,17 +47,30 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def check_kernels(device: torch.device) -> None:
-    """DGEMMA_KERNELS must name an implementation that can run on `device` (one line if not)."""
+    """DGEMMA_KERNELS (and DGEMMA_SAMPLER) must name an implementation that can run on `device` (one line if not)."""
     from quant.kernels import use_triton
+
+    from .sampler import fused_sampler
 
     try:
         use_triton(device)
+        fused_sampler(torch.device("cpu"))  # validates DGEMMA_SAMPLER without probing a kernel
     except (ValueError, RuntimeError) as e:
         raise UsageError(str(e)) from None
 
 
 class ModelDenoiser:
-    """The sampler's view of the network: one batch, one static KV cache."""
+    """The sampler's view of the network: one batch, one static KV cache.
+
+    `captures` / `replays` count CUDA graphs captured and denoise steps served by replaying one (always 0 here; the
+    graphed denoiser counts them), and `fallback` says why a graphed denoiser went eager (None when it did not):
+    `stats()` hands them to the Done event (`Done.stats`), so a test or `dgemma bench` can tell a replayed step from a
+    silent eager one.
+    """
+
+    captures = 0
+    replays = 0
+    fallback: str | None = None
 
     def __init__(self, model: DiffusionGemma, batch: int, capacity: int):
         self.model = model
@@ -76,6 +89,9 @@ class ModelDenoiser:
     def denoise(self, canvas: torch.Tensor, sc_probs: torch.Tensor | None, out: torch.Tensor) -> None:
         self.model.denoise(canvas, self.cache, self.ctx, sc_probs=sc_probs, out=out)
 
+    def stats(self) -> dict:
+        return {"graph_captures": self.captures, "graph_replays": self.replays, "graph_fallback": self.fallback}
+
 
 class GraphedDenoiser(ModelDenoiser):
     """CUDA: the steps of a canvas after the first are captured as one CUDA graph and replayed.
@@ -92,6 +108,7 @@ class GraphedDenoiser(ModelDenoiser):
         super().__init__(model, batch, capacity)
         self.pool = torch.cuda.graph_pool_handle()
         self.eager = False
+        self.captures = self.replays = 0
 
     def start_canvas(self) -> None:
         super().start_canvas()
@@ -104,6 +121,7 @@ class GraphedDenoiser(ModelDenoiser):
             graph, static = self.graph
             static.copy_(canvas)
             graph.replay()
+            self.replays += 1
             return
         static = canvas.clone()
         super().denoise(static, sc_probs, out)  # this step's result, and the warm-up for the capture
@@ -111,11 +129,13 @@ class GraphedDenoiser(ModelDenoiser):
         try:
             with torch.cuda.graph(graph, pool=self.pool):
                 super().denoise(static, sc_probs, out)
-        except RuntimeError:  # something on this path talks to the host: no graph for this model
+        except RuntimeError as e:  # something on this path talks to the host: no graph for this model
             self.eager = True
+            self.fallback = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             torch.cuda.synchronize()
             return
         self.graph = (graph, static)  # the capture recorded work without running it: `out` holds this step
+        self.captures += 1
 
 
 def graph_safe(model: DiffusionGemma) -> bool:
@@ -215,7 +235,7 @@ class Engine:
         if seed is not None:
             torch.manual_seed(seed)
         denoiser = make_denoiser(self.model, len(ids), capacity)
-        yield from _in_inference_mode(generate_events(denoiser, batch, settings, valid))
+        yield from _in_inference_mode(generate_events(denoiser, batch, settings, valid), denoiser)
 
     def infill_events(self, prefix: str, suffix: str, *, held_tokens: int = 8, seed: int | None = None,
                       settings: GenerationSettings | None = None, **overrides) -> Iterator[Event]:
@@ -240,7 +260,7 @@ class Engine:
         denoiser = make_denoiser(self.model, 1, capacity)
         batch = torch.tensor([prefix_ids], dtype=torch.long, device=dev)
         held_t = torch.tensor([held], dtype=torch.long, device=dev) if held else None
-        yield from _in_inference_mode(generate_events(denoiser, batch, settings, None, held=held_t))
+        yield from _in_inference_mode(generate_events(denoiser, batch, settings, None, held=held_t), denoiser)
 
     def infill(self, prefix: str, suffix: str, **kwargs) -> str:
         """The middle text for a hole between prefix and suffix; kwargs as for `infill_events`."""
@@ -286,15 +306,18 @@ class Engine:
 DEMO_MODEL = Path(__file__).resolve().parent / "demo_model"
 
 
-def _in_inference_mode(events: Iterator[Event]) -> Iterator[Event]:
+def _in_inference_mode(events: Iterator[Event], denoiser: ModelDenoiser | None = None) -> Iterator[Event]:
     """Run each step of a generator under inference mode, without leaving the mode on in the caller while the
-    generator is paused (a `with` around `yield from` would)."""
+    generator is paused (a `with` around `yield from` would). With `denoiser`, its CUDA-graph counts go into the
+    Done event's `stats`."""
     while True:
         with torch.inference_mode():
             try:
                 event = next(events)
             except StopIteration:
                 return
+        if denoiser is not None and isinstance(event, Done):
+            event.stats.update(denoiser.stats())
         yield event
 
 

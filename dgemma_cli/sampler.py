@@ -120,10 +120,20 @@ def sample_step(buf: SamplerBuffers, temperature: torch.Tensor):
 
 def fused_sampler(device: torch.device) -> bool:
     """The fused epilogue runs where DGEMMA_KERNELS selects Triton on a CUDA device. Not on the CPU, even under
-    the interpreter: there the torch path keeps the reference's random draws, so tokens stay comparable."""
-    from quant.kernels import use_triton
+    the interpreter: there the torch path keeps the reference's random draws, so tokens stay comparable.
+    DGEMMA_SAMPLER=torch keeps the torch path on CUDA too (the reference's draws: runs then compare token for token);
+    auto (the default) decides as above."""
+    import os
 
-    return device.type == "cuda" and use_triton(device)
+    choice = os.environ.get("DGEMMA_SAMPLER", "auto").strip().lower() or "auto"
+    if choice not in ("auto", "torch"):
+        raise ValueError(f"DGEMMA_SAMPLER must be auto or torch (got {choice!r})")
+    if choice == "torch":
+        return False
+    from quant.kernels import use_triton
+    from quant.kernels.probe import family_ok
+
+    return device.type == "cuda" and use_triton(device) and family_ok("sampler_epilogue", device)
 
 
 def entropy_bound_accept(entropy: torch.Tensor, bound: float) -> torch.Tensor:

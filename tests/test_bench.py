@@ -1,4 +1,5 @@
-"""`dgemma bench` on the CPU at a tiny config, and (on CUDA only) the graphed denoise step against the eager one."""
+"""`dgemma bench` on the CPU at a tiny config; on CUDA only: the graphed denoise step against the eager one, and the
+Triton path's tokens against the torch path's."""
 
 import json
 
@@ -6,9 +7,28 @@ import pytest
 import torch
 
 from cli_helpers import run_main
-from dgemma_cli.bench import TINY, random_model, step_bytes
-from dgemma_cli.config import ModelConfig
-from dgemma_cli.footprint import weight_bytes
+from dgemma_cli import bench
+from dgemma_cli import engine as engine_mod
+from dgemma_cli.bench import (TINY, compare_kernel_paths, experts_hit, floor_bytes, median_step_ms, random_model,
+                              statistic)
+from dgemma_cli.config import DIFFUSIONGEMMA_26B_A4B, GenerationSettings, ModelConfig
+from dgemma_cli.sampler import Done
+
+CPU = torch.device("cpu")
+
+
+def tiny_elements() -> tuple[int, int]:
+    """The TINY config's decoder-step weights counted by hand, in elements: (routed experts, everything else).
+    Layer 0 is sliding (4 heads x 16, 2 kv heads), layer 1 full (4 heads x 32, 1 kv head of 32, no v_proj)."""
+    sliding_attn = 64 * 64 + 32 * 64 + 32 * 64 + 64 * 64 + 16 + 16  # q, k, v, o, q_norm, k_norm
+    full_attn = 128 * 64 + 32 * 64 + 64 * 128 + 32 + 32  # q, k, o, q_norm, k_norm
+    per_layer = 3 * 96 * 64 + (64 + 8 + 8 * 64) + 7 * 64  # dense MLP, router (scale, expert scales, proj), norms
+    top = 512 * 64 + 64 + (64 + 3 * 96 * 64) + 2  # embedding, final norm, self-conditioning, decoder layer scalars
+    experts = 2 * (8 * 64 * 64 + 8 * 64 * 32)  # per layer gate_up [8, 64, 64] and down [8, 64, 32]
+    return experts, sliding_attn + full_attn + 2 * per_layer + top
+
+
+HIT = 1 - (1 - 2 / 8) ** 32  # expected share of TINY's 8 experts (top-2) that 32 canvas tokens reach
 
 
 @pytest.mark.parametrize("fmt,policy", [("bf16", "experts"), ("int8", "experts"), ("nvfp4", "all")])
@@ -20,22 +40,70 @@ def test_bench_reports_consistent_figures(capsys, fmt, policy):
     assert r["ms_per_step"] > 0 and r["prefill_ms"] >= 0
     C = TINY["canvas_length"]
     assert r["tokens_per_s"] == pytest.approx(r["batch"] * C * 1000 / (r["ms_per_step"] * r["steps"]))
-    assert r["floor_ms"] == pytest.approx(1000 * r["step_bytes"] / (r["bandwidth_gbs"] * 1e9))
+    assert r["floor_ms"] == pytest.approx(1000 * r["floor_bytes"] / (r["bandwidth_gbs"] * 1e9))
     assert r["floor_ratio"] == pytest.approx(r["ms_per_step"] / r["floor_ms"])
     assert r["peak_memory_gb"] is None  # CPU
+    assert r["graph_replays"] == 0  # no CUDA graph on the CPU
+    assert r["statistic"] == statistic(5, 1)
+    assert r["canvas_vocab_bytes"] == 4 * C * 512 * 4
+    assert r["reference_ms_per_step"] is None and r["reference_mode"] is None
 
 
-def test_step_bytes_counts_weights_embedding_twice_and_canvas_traffic():
+def test_floor_is_the_weights_one_step_reads_over_the_peak_bandwidth(monkeypatch):
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda device: 2e9)
+    r = bench.run_bench("tiny", "bf16", batch=1, prompt=20, steps=5, device="cpu", dtype="bfloat16")
+    experts, rest = tiny_elements()
+    assert r.floor_bytes == int(2 * rest + 2 * experts * HIT)  # bf16: 2 bytes an element, each tensor read once
+    assert r.bandwidth_gbs == 2.0
+    assert r.floor_ms == pytest.approx(1000 * r.floor_bytes / 2e9)
+    assert r.floor_ratio == pytest.approx(r.ms_per_step / r.floor_ms)
+    # beside the floor, not in it: the embedding read again, 4 canvas x vocab float32 passes, the KV cache read
+    assert r.soft_embedding_bytes == 2 * 512 * 64
+    assert r.canvas_vocab_bytes == 4 * 32 * 512 * 4
+    # K and V, bf16: the sliding layer sees window - 1 = 15 cached positions + the canvas, the full one 20 + 32
+    assert r.kv_cache_bytes == 2 * 2 * ((15 + 32) * 2 * 16 + (20 + 32) * 1 * 32)
+    table = r.table()
+    assert "median of 4 step-to-step intervals" in table and "not in the floor" in table
+
+
+def test_floor_counts_each_tensor_in_the_format_it_is_held_in():
     cfg = ModelConfig.from_dict(TINY)
-    w = weight_bytes(cfg, "nvfp4", "experts")
-    b1 = step_bytes(cfg, "nvfp4", "experts", batch=1, context=64)
-    assert b1 > sum(w.values()) + w["embedding"]  # the embedding is read twice (LM head, self-conditioning)
-    assert step_bytes(cfg, "nvfp4", "experts", batch=4, context=64) > b1
+    experts, rest = tiny_elements()
+    assert floor_bytes(random_model(cfg, "bf16", "experts", CPU, torch.float32), 1) == int(4 * rest + 4 * experts * HIT)
+    # NVFP4 experts: codes (half a byte), one e4m3 scale per 16 inputs, float32 global scales [E, segments]
+    packed = 2 * (8 * 64 * (32 + 4) + 8 * 2 * 4 + 8 * 64 * (16 + 2) + 8 * 1 * 4)
+    m = random_model(cfg, "nvfp4", "experts", CPU, torch.bfloat16)
+    assert floor_bytes(m, 1) == int(2 * rest + packed * HIT)
+    assert experts_hit(ModelConfig.from_dict(DIFFUSIONGEMMA_26B_A4B), 1) > 0.9999  # 256 tokens x top-8 of 128: all
+
+
+def test_median_step_ms_takes_intervals_within_each_canvas():
+    stamps = [0.0, 1.0, 3.0, 6.0, 100.0, 102.0, 103.0, 107.0]  # two canvases of 4 steps, seconds
+    assert median_step_ms(stamps, 4) == pytest.approx(2000.0)  # median of 1 2 3 | 2 1 4; the gap between canvases
+    assert statistic(16, 2).startswith("median of 30 step-to-step intervals")
+
+
+def test_reference_reports_the_same_statistic(capsys):
+    args = ["bench", "--config", "tiny", "--format", "bf16", "--prompt", "20", "--steps", "5", "--device", "cpu",
+            "--compare", "transformers-eager"]
+    assert run_main([*args, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["reference_ms_per_step"] > 0 and r["reference_mode"] == "eager (dynamic cache), as asked"
+    assert r["speedup_vs_reference"] == pytest.approx(r["reference_ms_per_step"] / r["ms_per_step"])
+    assert run_main(args) == 0
+    assert "(the same statistic)" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_reference_runs_its_compiled_static_cache_path():
+    assert bench.reference_has_compiled_path()  # the installed transformers has it
+    r = bench.run_bench("tiny", "bf16", prompt=20, steps=5, device="cpu", compare="transformers")
+    assert r.reference_mode == "compiled (static cache, torch.compile)" and r.reference_ms_per_step > 0
 
 
 def test_random_model_keeps_packed_dtypes():
     cfg = ModelConfig.from_dict(TINY)
-    m = random_model(cfg, "nvfp4", "all", torch.device("cpu"), torch.bfloat16)
+    m = random_model(cfg, "nvfp4", "all", CPU, torch.bfloat16)
     stack = m.layers[0].experts.gate_up_proj
     assert stack.weight.dtype == torch.uint8 and stack.weight_scale.dtype == torch.float8_e4m3fn
     assert stack.weight_scale_2.dtype == torch.float32
@@ -43,11 +111,73 @@ def test_random_model_keeps_packed_dtypes():
     assert torch.isfinite(m.layers[0].experts.weights(torch.float32)[0]).all()
 
 
-def test_bench_usage_errors(capsys):
+def test_bench_usage_errors(capsys, monkeypatch):
     for args in (["--format", "fp8"], ["--steps", "2"], ["--config", "nowhere"], ["--compare", "something-else"]):
         assert run_main(["bench", "--device", "cpu", *args]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("dgemma: error:")
+    monkeypatch.setenv("DGEMMA_SAMPLER", "bogus")
+    assert run_main(["bench", "--device", "cpu", "--config", "tiny"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "DGEMMA_SAMPLER" in err[0]
+
+
+# ----------------------------------------------------------------------------- CUDA-graph bookkeeping
+
+
+class FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on the CPU: a replay computes nothing (only the counts matter here)."""
+
+    def replay(self):
+        pass
+
+
+def fake_cuda_graphs(monkeypatch, fail: bool):
+    from contextlib import contextmanager
+
+    @contextmanager
+    def graph(g, pool=None):
+        if fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        yield
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(engine_mod, "make_denoiser", engine_mod.GraphedDenoiser)
+
+
+def tiny_stats(**overrides) -> Done:
+    cfg = ModelConfig.from_dict(TINY)
+    engine = engine_mod.Engine(random_model(cfg, "bf16", "experts", CPU, torch.float32), None,
+                               GenerationSettings(eos_token_ids=(-1,), confidence_threshold=1e-12))
+    done = [ev for ev in engine.events([[5, 6, 7]], seed=0, max_new_tokens=64, max_denoising_steps=4, **overrides)
+            if isinstance(ev, Done)]
+    return done[0]
+
+
+def test_done_event_counts_graph_captures_and_replays(monkeypatch):
+    assert tiny_stats().stats == {"graph_captures": 0, "graph_replays": 0, "graph_fallback": None}  # CPU: eager
+    fake_cuda_graphs(monkeypatch, fail=False)
+    # per canvas: step 1 eager (no self-conditioning), step 2 eager then captured, steps 3 and 4 replayed
+    assert tiny_stats().stats == {"graph_captures": 2, "graph_replays": 4, "graph_fallback": None}
+
+
+def test_failed_capture_is_recorded_not_silent(monkeypatch):
+    fake_cuda_graphs(monkeypatch, fail=True)
+    stats = tiny_stats().stats
+    assert stats["graph_captures"] == 0 and stats["graph_replays"] == 0
+    assert stats["graph_fallback"] == "operation not permitted when stream is capturing"
+
+
+def test_kernel_path_comparison_on_the_cpu():
+    r = compare_kernel_paths("bf16", device="cpu", dtype="float32", steps=4)
+    assert r["passed"] and r["tokens_equal"] and r["first_step_logit_rel_diff"] == 0
+    assert r["tokens_compared"] == 2 * 2 * TINY["canvas_length"] and r["triton_kernels"] == {}
+
+
+# ----------------------------------------------------------------------------- on CUDA
 
 
 @pytest.mark.gpu
@@ -58,7 +188,7 @@ def test_graphed_denoise_step_equals_eager():
     model = random_model(cfg, "nvfp4", "experts", torch.device("cuda"), torch.bfloat16)
     V, C = cfg.text.vocab_size, cfg.canvas_length
     prompt = torch.randint(0, V, (2, 40), device="cuda")
-    outs = []
+    outs, denoisers = [], []
     for cls in (ModelDenoiser, GraphedDenoiser):
         d = cls(model, 2, 40 + C)
         d.encode(prompt, None)
@@ -71,5 +201,24 @@ def test_graphed_denoise_step_equals_eager():
             d.denoise(canvas, None if step == 0 else probs, out)
             logits.append(out.clone())
         outs.append(logits)
+        denoisers.append(d)
+    # step 1 eager, step 2 eager then captured, step 3 replayed: a silent eager fallback fails here
+    assert denoisers[1].stats() == {"graph_captures": 1, "graph_replays": 1, "graph_fallback": None}
+    assert denoisers[0].stats()["graph_replays"] == 0
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,policy", [("bf16", "experts"), ("nvfp4", "all"), ("int8", "all"), ("nvfp4", "experts")])
+def test_triton_path_gives_the_torch_paths_tokens(fmt, policy):
+    """bf16 weights on CUDA: the engine's default path (Triton switch, CUDA graphs) against DGEMMA_KERNELS=torch
+    run eagerly, with the same random draws (the torch sampler on both sides): identical tokens and logits. The
+    quantized formats: first-step logits within LOGIT_TOL and most tokens equal (bench.py says why)."""
+    r = compare_kernel_paths(fmt, policy, device="cuda", dtype="bfloat16")
+    assert r["passed"], r["failures"]
+    assert r["graph"]["triton"]["graph_replays"] >= 1 and r["graph"]["torch"]["graph_replays"] == 0
+    if fmt == "bf16":
+        assert r["tokens_equal"] and r["first_step_logit_rel_diff"] == 0
+    else:
+        assert all(r["triton_kernels"].values()) and r["triton_kernels"]
