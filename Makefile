@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test bench bench-gpu demo venv clean
+.PHONY: test bench bench-gpu kernel-report demo venv clean
 
 venv: $(STAMP)
 
@@ -25,10 +25,17 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) scripts/bench_cpu.py
 
-# The prepared GPU check, for a machine with CUDA: the kernel tests compiled for the GPU, then the benchmark table on
-# the real 26B-A4B shapes. It runs under that machine's own python3 (torch, triton, transformers), installing nothing.
+# The prepared GPU check, for a machine with CUDA: the kernel tests compiled for the GPU, every gpu-marked test, the
+# Triton path's tokens against the torch path's, then the benchmark table on the real 26B-A4B shapes. It runs under
+# that machine's own python3 (torch, triton, transformers), installing nothing.
 bench-gpu:
 	PYTHONPATH=. PYTHONUNBUFFERED=1 python3 scripts/bench_gpu.py
+
+# The kernels compiled ahead of time for sm_80, 86, 89, 90, 100 and 120 with Triton's bundled ptxas, no GPU needed:
+# registers, spills, shared memory, SASS, and per denoise step the DRAM / tensor / issue floors on six GPUs
+# (kernel-report/report.md; add ARGS=--update-benchmarks to rewrite BENCHMARKS.md's section).
+kernel-report: $(STAMP)
+	$(PY) scripts/kernel_report.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -22,6 +22,17 @@ from . import int8, nvfp4
 from .kernels import use_triton
 from .kernels.probe import family_ok
 
+def w4a4(device: torch.device) -> bool:
+    """NVFP4 linears multiply FP4 activations (W4A4, quantized per token on the fly) where the GPU has FP4 tensor
+    cores, sm_100 and sm_120, unless DGEMMA_W4A4=0; elsewhere (and on the CPU) 16-bit activations. W4A4 trades
+    accuracy for math throughput: see README, Quantized formats."""
+    import os
+
+    from .kernels.nvfp4_w4a4 import supported
+
+    return os.environ.get("DGEMMA_W4A4", "1").strip() not in ("0", "off", "false", "no") and supported(device)
+
+
 DEQUANT_CHUNK = 8  # experts dequantized per pass: bounds the float32 temporaries to 8 experts' worth
 
 
@@ -51,6 +62,11 @@ class NVFP4Linear(nn.Module):
                                        dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (use_triton(x.device) and self.in_features % 32 == 0 and w4a4(x.device)
+                and family_ok("nvfp4_w4a4", x.device, x.dtype)):
+            from .kernels.nvfp4_w4a4 import nvfp4_w4a4
+
+            return nvfp4_w4a4(x, self.weight, self.weight_scale, self.weight_scale_2.expand(self.out_features))
         if use_triton(x.device) and family_ok("nvfp4_linear", x.device, x.dtype):
             from .kernels.nvfp4_linear import nvfp4_linear
 

@@ -54,6 +54,55 @@ def test_linear_kernels_match_reference(rows, dtype):
     assert rel(got, ref) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_quantization_matches_emulation(dtype):
+    """The on-the-fly NVFP4 quantization of activations (W4A4) gives the same codes, e4m3 scale bits and per-token
+    global scales as quant/nvfp4.quantize row by row: over twelve decades (subnormal e4m3 scales included), an
+    all-zero block, and a row length that leaves a partial 256-wide chunk."""
+    from quant.kernels.nvfp4_act import quantize_act, quantize_act_reference
+
+    g = torch.Generator().manual_seed(1)
+    for M, K in ((3, 48), (5, 272)):
+        x = (torch.randn(M, K, generator=g) * torch.logspace(-9, 3, K)).to(dtype)
+        x[0, :16] = 0
+        x[1, 5] = -x[1].abs().max() * 2  # a negative maximum
+        got = quantize_act(x.to(DEVICE))
+        ref = quantize_act_reference(x)
+        for a, b in zip(got, ref):
+            assert torch.equal(a.cpu(), b)
+        assert (ref[1] < 8).any()  # a subnormal e4m3 scale was exercised
+
+
+@pytest.mark.parametrize("rows", [1, 17, 130])
+def test_w4a4_matches_emulation(rows):
+    """FP4 x FP4 (W4A4) against the PyTorch emulation of the same quantization: float32 to summation order,
+    bfloat16 to one rounding of the output; N not a multiple of the 128-wide tile."""
+    from quant.kernels.nvfp4_w4a4 import nvfp4_w4a4, reference
+
+    g = torch.Generator().manual_seed(rows)
+    N, K = 80, 96
+    q = nvfp4.quantize(torch.randn(N, K, generator=g), search=True)
+    args = (q.weight, q.weight_scale, q.weight_scale_2.expand(N))
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(rows, K, generator=g).to(dtype)
+        got = nvfp4_w4a4(x.to(DEVICE), *(a.to(DEVICE) for a in args))
+        assert got.dtype == dtype and got.shape == (rows, N)
+        assert rel(got.cpu(), reference(x, *args)) <= TOL[dtype]
+
+
+def test_w4a4_is_chosen_on_fp4_gpus_only(monkeypatch):
+    """NVFP4 linears take W4A4 on sm_100 and sm_120, 16-bit activations elsewhere, and DGEMMA_W4A4=0 turns it off."""
+    import quant.kernels as kernels
+    from quant.modules import w4a4
+
+    cpu = torch.device("cpu")
+    for cc, expected in ((80, False), (89, False), (90, False), (100, True), (120, True)):
+        monkeypatch.setattr(kernels, "arch", lambda device, cc=cc: cc)
+        assert w4a4(cpu) is expected
+    monkeypatch.setenv("DGEMMA_W4A4", "0")
+    assert not w4a4(cpu)
+
+
 def build_stacks(fmt: str, E: int, H: int, I: int, g: torch.Generator):
     """Quantized expert stacks and their dequantized float32 weights (gate/up with separate global scales)."""
     gu_w, dn_w = torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1

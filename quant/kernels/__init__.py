@@ -62,6 +62,13 @@ def arch(device: torch.device) -> int:
     return 10 * major + minor
 
 
+def shared_b_operand(cc: int) -> bool:
+    """Whether the tensor cores read the weight operand from shared memory (wgmma on sm_90, tcgen05 on sm_100 and
+    its kin): a decoded tile is then stored once and read by every warp, so a tile can cover many rows. sm_120
+    (consumer Blackwell, RTX 50) has neither and runs mma.sync like Ampere and Ada, with their launch settings."""
+    return 90 <= cc < 120
+
+
 def m_bucket(rows: int) -> int:
     """Rows rounded up to a power of two (at least 16): launch settings are tuned and cached per bucket."""
     return max(16, 1 << max(0, rows - 1).bit_length())

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import arch, interpreting, m_bucket, tuning
+from . import arch, interpreting, m_bucket, shared_b_operand, tuning
 from .common import dot_acc, store_rounded, to_compute
 
 
@@ -39,7 +39,7 @@ def candidates(M: int, K: int, device: torch.device) -> list[dict]:
     block_k = 64 if K % 64 == 0 else 32
     if M <= 16:
         return [dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, num_warps=4)]
-    if arch(device) >= 90:
+    if shared_b_operand(arch(device)):
         return [dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=block_k, num_warps=8),
                 dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, num_warps=4)]
     return [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, num_warps=4),

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import arch, interpreting
+from . import arch, interpreting, shared_b_operand
 from .common import dot_acc, gelu_tanh, load_nvfp4_tile, nvfp4_operand, pair_order, store_rounded, to_compute
 from .routing import moe_blocks  # noqa: F401  (re-exported for callers)
 
@@ -98,8 +98,9 @@ def moe_gate_up_kernel(x_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, h
 def candidates(rows_per_expert: float, H: int, I: int, device: torch.device) -> list[dict]:
     """Launch settings for both MoE kernels, best first by the static report (make kernel-report). BLOCK_M is chosen
     from the rows routed to an expert (T * K / E on average) so that one block covers an expert and its weights are
-    decoded once per step: on Hopper and newer 64 or 128 (wgmma), elsewhere 16 or 32 (mma.sync, where more rows per
-    program cost register moves, not decode). Keys: BLOCK_M, then each kernel's tile and warps (GU_* gate-up,
+    decoded once per step: 64 or 128 where the tensor cores read the weights from shared memory (sm_90, sm_100:
+    `shared_b_operand`), elsewhere (mma.sync: Ampere, Ada, RTX 50) 16 or 32, where more rows per program cost
+    register moves and spills, not decode. Keys: BLOCK_M, then each kernel's tile and warps (GU_* gate-up,
     DN_* down)."""
     def cfg(block_m: int, gu: tuple[int, int, int], dn: tuple[int, int, int]) -> dict:
         gu_n, gu_k, gu_w = gu
@@ -112,9 +113,10 @@ def candidates(rows_per_expert: float, H: int, I: int, device: torch.device) -> 
             dn_k //= 2
         return dict(BLOCK_M=block_m, GU_N=gu_n, GU_K=gu_k, GU_W=gu_w, DN_N=dn_n, DN_K=dn_k, DN_W=dn_w)
 
-    if arch(device) >= 90:
+    cc = arch(device)
+    if shared_b_operand(cc):
         small = cfg(64, (64, 128, 4), (128, 64, 4))
-        large = cfg(128, (64, 128, 8), (128, 64, 4))
+        large = cfg(128, (64, 128, 8), (128 if cc < 100 else 64, 64, 4))  # 128 x 128 spills on sm_100
         return [small, large] if rows_per_expert <= 48 else [large, small]
     small = cfg(16, (64, 128, 4), (128, 64, 4))
     large = cfg(32, (64, 128, 4), (128, 64, 4))

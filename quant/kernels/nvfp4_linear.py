@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import arch, interpreting, m_bucket, tuning
+from . import arch, interpreting, m_bucket, shared_b_operand, tuning
 from .common import dot_acc, load_nvfp4_tile, nvfp4_operand, store_rounded
 
 
@@ -50,14 +50,14 @@ def nvfp4_linear_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, M, N, K,
 def candidates(M: int, K: int, device: torch.device) -> list[dict]:
     """Launch settings to try for an [M, K] input, best first by the static report (make kernel-report).
 
-    Hopper and newer (wgmma: the decoded tile goes to shared memory once, so the issue cost per weight hardly grows
-    with BLOCK_M): as many rows per program as fit, so each weight is decoded once or twice per step. Ampere and Ada
-    (mma.sync: each warp takes its slice of the decoded tile in registers): 64 rows, 4 warps (more rows only add
-    register moves and spills). A handful of rows (decode of the prompt's last tokens): 16."""
+    Hopper and datacenter Blackwell (wgmma / tcgen05, `shared_b_operand`: the decoded tile goes to shared memory
+    once, so the issue cost per weight hardly grows with BLOCK_M): as many rows per program as fit, so each weight is
+    decoded once or twice per step. Ampere, Ada and RTX 50 (mma.sync: each warp takes its slice of the decoded tile
+    in registers): 64 rows, 4 warps (more rows only add register moves and spills). A handful of rows: 16."""
     block_k = 128 if K % 128 == 0 else 64 if K % 64 == 0 else 32 if K % 32 == 0 else 16
     if M <= 16:
         return [dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, num_warps=4)]
-    if arch(device) >= 90:
+    if shared_b_operand(arch(device)):
         return [dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=block_k, num_warps=8),
                 dict(BLOCK_M=256, BLOCK_N=64, BLOCK_K=block_k, num_warps=8),
                 dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, num_warps=4)]

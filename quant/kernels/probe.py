@@ -25,7 +25,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-FAMILIES = ("nvfp4_linear", "int8_linear", "moe_nvfp4", "moe_int8", "sampler_epilogue")
+FAMILIES = ("nvfp4_linear", "nvfp4_w4a4", "int8_linear", "moe_nvfp4", "moe_int8", "sampler_epilogue")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 2e-3}  # max |kernel - ref| / max |ref|
 
 _ok: dict[tuple[str, int, torch.dtype], bool] = {}  # (family, device index, dtype) -> verdict, this process
@@ -193,8 +193,30 @@ def _sampler(device: torch.device, dtype: torch.dtype) -> str | None:
     return None if err < 1e-4 else f"entropy differs by {err:.1e}"
 
 
+def _w4a4(device: torch.device, dtype: torch.dtype) -> str | None:
+    """33 rows x K 256 -> N 130 (partial tiles in M and N), x quantized per token on the GPU and multiplied in FP4,
+    against the PyTorch emulation of the same quantization (nvfp4_w4a4.reference): the activation codes and scales
+    equal, the product within the kernel tests' tolerance."""
+    from .. import nvfp4
+    from .nvfp4_act import quantize_act, quantize_act_reference
+    from .nvfp4_w4a4 import nvfp4_w4a4, reference
+
+    g = torch.Generator().manual_seed(0)
+    M, N, K = 33, 130, 256
+    q = nvfp4.quantize(torch.randn(N, K, generator=g))
+    x = torch.randn(M, K, generator=g).to(dtype)
+    codes, scales, _ = quantize_act(x.to(device))
+    ref_codes, ref_scales, _ = quantize_act_reference(x)
+    if not (torch.equal(codes.cpu(), ref_codes) and torch.equal(scales.cpu(), ref_scales)):
+        return "activation codes or scales differ"
+    args = (q.weight, q.weight_scale, q.weight_scale_2.expand(N))
+    got = nvfp4_w4a4(x.to(device), *(a.to(device) for a in args))
+    return _rel_error(got.cpu(), reference(x, *args), dtype)
+
+
 PROBES = {
     "nvfp4_linear": lambda device, dtype: _linear("nvfp4", device, dtype),
+    "nvfp4_w4a4": _w4a4,
     "int8_linear": lambda device, dtype: _linear("int8", device, dtype),
     "moe_nvfp4": lambda device, dtype: _moe("nvfp4", device, dtype),
     "moe_int8": lambda device, dtype: _moe("int8", device, dtype),

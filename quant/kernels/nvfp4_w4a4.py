@@ -1,0 +1,100 @@
+"""y = x @ W^T with both operands in NVFP4 (W4A4): FP4 x FP4 on the block-scaled tensor cores of sm_100 and sm_120.
+
+Operands: the activation as nvfp4_act.quantize_act leaves it (codes uint8 [M, K/2], e4m3 scale bits [M, K/16], a
+float32 global scale per row [M]); the weight in ModelOpt's layout (uint8 [N, K/2], e4m3 scale bits [N, K/16], row
+global scales float32 [N]); y [M, N] in the compute dtype. A program computes BLOCK_M x BLOCK_N and walks K in
+BLOCK_K steps with `tl.dot_scaled` (e2m1 x e2m1, one e4m3 scale per 16 inputs on each side): products of exact
+a_x s_x and a_w s_w, float32 accumulation; the epilogue multiplies by g_x[row] * g_w[col] and rounds once. So the
+reference is plain float arithmetic on the two dequantized operands without their global scales (the emulation in
+`reference`), up to the order of the float32 sum.
+
+EMULATE (Triton's interpreter): `dot_scaled` there reads e4m3 scales as e8m0, so both tiles are decoded to float32
+a * s (common.nvfp4_tile, exact) and multiplied with an IEEE float32 dot: the same products, the same sum order
+as the emulation's float32 matmul up to blocking.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreting
+from .common import UNSHIFT, load_nvfp4_tile
+
+
+@triton.jit
+def nvfp4_w4a4_kernel(xq_ptr, xs_ptr, xg_ptr, w_ptr, ws_ptr, wg_ptr, y_ptr, M, N, K,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EMULATE:
+            # a * s * 2^-62 exactly in bfloat16, times 2^62 exactly in float32: a * s
+            xt = load_nvfp4_tile(xq_ptr.to(tl.pointer_type(tl.int32)), xs_ptr, rm, k0, K, M, BLOCK_M, BLOCK_K,
+                                 True, True, True).to(tl.float32) * UNSHIFT
+            wt = load_nvfp4_tile(w_ptr.to(tl.pointer_type(tl.int32)), ws_ptr, rn, k0, K, N, BLOCK_N, BLOCK_K,
+                                 True, True, True).to(tl.float32) * UNSHIFT
+            acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
+        else:
+            kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+            xq = tl.load(xq_ptr + rm[:, None] * (K // 2) + kb[None, :], mask=rm[:, None] < M, other=0)
+            xs = tl.load(xs_ptr + rm[:, None] * (K // 16) + ks[None, :], mask=rm[:, None] < M, other=0)
+            wq = tl.load(w_ptr + rn[None, :] * (K // 2) + kb[:, None], mask=rn[None, :] < N, other=0)  # [BK/2, BN]
+            ws = tl.load(ws_ptr + rn[:, None] * (K // 16) + ks[None, :], mask=rn[:, None] < N, other=0)
+            acc = tl.dot_scaled(xq, xs.to(tl.float8e4nv, bitcast=True), "e2m1",
+                                wq, ws.to(tl.float8e4nv, bitcast=True), "e2m1", acc)
+    xg = tl.load(xg_ptr + rm, mask=rm < M, other=0.0)
+    wg = tl.load(wg_ptr + rn, mask=rn < N, other=0.0)
+    out = acc * xg[:, None] * wg[None, :]
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], out.to(y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def supported(device: torch.device) -> bool:
+    """Where W4A4 runs: the FP4 tensor cores of sm_100 (B200) and sm_120 (RTX 50). Elsewhere, and under the
+    interpreter (whose tests call nvfp4_w4a4 directly), NVFP4 weights meet 16-bit activations (nvfp4_linear)."""
+    from . import arch
+
+    return arch(device) in (100, 103, 120, 121)
+
+
+def nvfp4_w4a4(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               row_scale_2: torch.Tensor) -> torch.Tensor:
+    """x [..., K] -> [..., N]: x quantized to NVFP4 per token (nvfp4_act), then the FP4 x FP4 product."""
+    from .nvfp4_act import quantize_act
+
+    N, half = weight.shape
+    K = 2 * half
+    if K % 32:
+        raise ValueError(f"W4A4 needs the input dim to be a multiple of 32 (got {K})")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    xq, xs, xg = quantize_act(x2)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    # 128 x 128 tiles, 8 warps: the block-scaled FP4 MMA on both targets without spills (make kernel-report); 64
+    # rows would fall back to 16-bit MMAs on sm_100
+    block_k = 128 if K % 128 == 0 else 64 if K % 64 == 0 else 32
+    grid = (triton.cdiv(N, 128), triton.cdiv(M, 128))
+    nvfp4_w4a4_kernel[grid](xq, xs, xg, weight.contiguous(), weight_scale.view(torch.uint8), row_scale_2.float()
+                            .contiguous(), y, M, N, K, 128, 128, block_k, interpreting(), num_warps=8)
+    return y.reshape(*lead, N)
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+              row_scale_2: torch.Tensor) -> torch.Tensor:
+    """The PyTorch emulation: x quantized per token as nvfp4_act's reference does, both operands dequantized without
+    their global scales (a * s, exact in float32), a float32 matmul, then g_x[row] * g_w[col], rounded once."""
+    from .. import nvfp4
+    from .nvfp4_act import quantize_act_reference
+
+    N, half = weight.shape
+    x2 = x.reshape(-1, 2 * half)
+    xq, xs, xg = quantize_act_reference(x2)
+    xa = nvfp4.dequantize_packed(xq, xs.view(torch.float8_e4m3fn), torch.ones(x2.shape[0]), torch.float32)
+    wa = nvfp4.dequantize_packed(weight, weight_scale, torch.ones(N), torch.float32)
+    y = (xa @ wa.T) * xg[:, None] * row_scale_2.float()[None, :]
+    return y.to(x.dtype).reshape(*x.shape[:-1], N)

@@ -1,0 +1,184 @@
+"""Floors for dgemma's kernels on six NVIDIA GPUs, from compiled code: what a call cannot beat, three ways.
+
+- DRAM-bound: the call's minimal bytes (each weight and scale byte once, activations read once, outputs written
+  once) at the GPU's peak bandwidth. The kernels' own extra traffic (a float32 intermediate, a padded buffer, a
+  second sweep) is not in it: it is estimated apart (`traffic`) and shown next to it.
+- tensor-bound: the useful FLOPs (2 x rows x N x K over the real, routed rows, not padded ones) at the GPU's dense
+  bf16/fp16 peak with float32 accumulation (its FP4 peak for a kernel that multiplies FP4 x FP4).
+- issue-bound: the instructions the SASS loops issue, warp-instructions per iteration x iterations x warps x CTAs,
+  over every SM issuing 4 warp-instructions per clock at the boost clock. It leaves out the code around the loops,
+  stalls and tails, so it too is a floor.
+A kernel is at its floor by construction when issue <= max(DRAM, tensor): its instruction stream keeps up with the
+memory or the tensor cores. `issue / max(DRAM, tensor)` above 1 says the kernel is bound by its own instructions.
+
+The issue-bound needs the loops' trip counts: `KERNELS` declares them per kernel, read from a launch's arguments
+by parameter name. The SASS must show exactly the declared top-level loops (spin-waits aside) with no loop nested
+in them, or `LoopMismatch` is raised: a changed kernel is never silently mis-estimated; update its entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    sms: int
+    clock_ghz: float  # boost clock
+    dram_tbs: float  # peak DRAM bandwidth, TB/s
+    tensor_tflops: float  # dense bf16/fp16 tensor-core peak with float32 accumulation
+    smem_per_block: int  # bytes: the most shared memory one block may opt into
+    fp4_tflops: float | None = None  # dense block-scaled FP4 peak, where the tensor cores have it
+
+
+# Target (compute capability) -> the GPU it is reported for. SMs, clocks, bandwidth and tensor peaks are NVIDIA's
+# published figures (dense, without sparsity); the per-block shared memory is the CUDA C++ Programming Guide's
+# "maximum amount of shared memory per thread block" for the compute capability.
+GPUS = {
+    # A100 SXM4 80 GB: NVIDIA A100 datasheet (2,039 GB/s, 312 TFLOPS bf16) and A100 architecture whitepaper
+    # (108 SMs, 1,410 MHz boost); cc 8.0: 163 KB per block.
+    80: GPU("A100", 108, 1.41, 2.039, 312, 163 * 1024),
+    # GeForce RTX 3090: GA102 whitepaper appendix (82 SMs, 1,695 MHz boost, 936 GB/s, 71 TFLOPS fp16/bf16 tensor
+    # with fp32 accumulate); cc 8.6: 99 KB per block.
+    86: GPU("RTX 3090", 82, 1.695, 0.936, 71, 99 * 1024),
+    # GeForce RTX 4090: Ada Lovelace (AD102) whitepaper appendix (128 SMs, 2,520 MHz boost, 1,008 GB/s,
+    # 165.2 TFLOPS fp16/bf16 tensor with fp32 accumulate); cc 8.9: 99 KB per block.
+    89: GPU("RTX 4090", 128, 2.52, 1.008, 165.2, 99 * 1024),
+    # H200 SXM: H200 datasheet (4.8 TB/s, 1,979 TFLOPS bf16 with sparsity, so 989 dense); 132 SMs and 1,980 MHz
+    # boost as the H100 SXM (Hopper architecture whitepaper); cc 9.0: 227 KB per block.
+    90: GPU("H200", 132, 1.98, 4.8, 989, 227 * 1024),
+    # B200: HGX B200 datasheet (8 TB/s; per GPU with sparsity 4.5 PFLOPS bf16 and 18 PFLOPS FP4, so 2,250 and
+    # 9,000 dense); 148 SMs and about 1,965 MHz boost from public spec listings (not in the datasheet); cc 10.0:
+    # 227 KB per block.
+    100: GPU("B200", 148, 1.965, 8.0, 2250, 227 * 1024, fp4_tflops=9000),
+    # GeForce RTX 5090: Blackwell RTX (GB202) whitepaper appendix (170 SMs, 2,407 MHz boost, 1,792 GB/s,
+    # 209.5 TFLOPS fp16/bf16 tensor with fp32 accumulate, 3,352 FP4 AI TOPS with sparsity, so 1,676 dense);
+    # cc 12.0: 99 KB per block.
+    120: GPU("RTX 5090", 170, 2.407, 1.792, 209.5, 99 * 1024, fp4_tflops=1676),
+}
+FP4_OPS = {"OMMA", "UTCOMMA"}  # block-scaled FP4 tensor-core instructions (sm_120, sm_100)
+ISSUE_PER_CLOCK = 4  # warp-instructions per SM per clock: four schedulers, one each
+OVER = 1.25  # issue / max(DRAM, tensor) above this is marked
+
+
+class LoopMismatch(RuntimeError):
+    """The compiled kernel's loops are not the ones its KERNELS entry declares."""
+
+
+def _all_ctas(args: dict, grid: tuple) -> int:
+    n = 1
+    for g in grid:
+        n *= g
+    return n
+
+
+def _live_blocks(args: dict, grid: tuple) -> int:
+    """MoE kernels: one CTA per (block of the plan, column tile), whatever the grid's axis order; blocks whose
+    expert id is E exit at once, the others run the loop."""
+    block_expert = args["block_expert_ptr"]
+    tiles, rest = divmod(_all_ctas(args, grid), block_expert.numel())
+    if rest:
+        raise LoopMismatch(f"grid {grid} is not a whole number of CTAs per block of the plan")
+    return int((block_expert < args["E"]).sum()) * tiles
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Loops:
+    """How a kernel's loops run, from a launch's arguments (by parameter name, constexprs included)."""
+
+    trips: Callable[[dict], list[int]]  # iterations of each top-level loop, in address order ([]: loop-free)
+    elems: Callable[[dict], int]  # weight (or logit, or summed) elements one CTA consumes
+    ctas: Callable[[dict, tuple], int] = _all_ctas  # CTAs that run the loops
+    passes: dict[str, int] = field(default_factory=dict)  # tensors streamed more than once: reads + writes
+
+
+# Keyed by kernel function name. Update an entry with its kernel: the report fails when they disagree.
+KERNELS = {
+    # for k0 in range(0, K, BLOCK_K): one CTA per BLOCK_M x BLOCK_N tile of y
+    "nvfp4_linear_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])],
+                                 elems=lambda a: a["BLOCK_N"] * a["K"]),
+    "int8_linear_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])],
+                                elems=lambda a: a["BLOCK_N"] * a["K"]),
+    # for k0 in range(0, H, BLOCK_K), gate and up tiles each iteration; only blocks of a real expert run it
+    "moe_gate_up_kernel": Loops(trips=lambda a: [_cdiv(a["H"], a["BLOCK_K"])],
+                                elems=lambda a: 2 * a["BLOCK_N"] * a["H"], ctas=_live_blocks),
+    # for k0 in range(0, I, BLOCK_K)
+    "moe_down_kernel": Loops(trips=lambda a: [_cdiv(a["I"], a["BLOCK_K"])],
+                             elems=lambda a: a["BLOCK_N"] * a["I"], ctas=_live_blocks),
+    # W4A4: for k0 in range(0, K, BLOCK_K), FP4 x FP4 dot_scaled; one CTA per BLOCK_M x BLOCK_N tile of y
+    "nvfp4_w4a4_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])], elems=lambda a: a["BLOCK_N"] * a["K"]),
+    # activations to NVFP4, one row per CTA: a sweep for the row's amax, a second quantizing (x read twice)
+    "quantize_act_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])] * 2, elems=lambda a: a["K"],
+                                 passes={"x_ptr": 2}),
+    # no loop (the top-k rows unrolled): one CTA sums BLOCK columns of one token's TOPK rows
+    "moe_sum_kernel": Loops(trips=lambda a: [], elems=lambda a: a["TOPK"] * a["BLOCK"]),
+    # one row per CTA: a sweep over the whole BLOCK_V chunks for the max and sum, a second one writing the
+    # probabilities (the partial chunk, if any, is handled outside the loops); logits read twice, written once
+    "sampler_epilogue_kernel": Loops(trips=lambda a: [a["V"] // a["BLOCK_V"]] * 2, elems=lambda a: a["V"],
+                                     passes={"logits_ptr": 3}),
+}
+
+
+def declaration(kernel: str) -> Loops:
+    if kernel not in KERNELS:
+        raise LoopMismatch(f"{kernel}: no loop declaration; add one to quant/kernels/roofline.py KERNELS")
+    return KERNELS[kernel]
+
+
+def _call(kernel: str, what: str, f: Callable, *args):
+    try:
+        return f(*args)
+    except KeyError as e:
+        raise LoopMismatch(f"{kernel}: its {what} declaration reads argument {e}, which the launch does not "
+                           f"have; update KERNELS") from None
+
+
+def warp_instructions(kernel: str, decl: Loops, args: dict, grid: tuple, num_warps: int, loops: list[dict],
+                      straight: int = 0) -> tuple[int, float]:
+    """(warp-instructions the launch's loops issue, thread-instructions per weight element) for SASS top-level
+    `loops` (aot.find_loops) checked against the declaration. A kernel declared without loops counts its
+    `straight`-line instructions (aot.straight_line) once per warp instead."""
+    trips = _call(kernel, "trips", decl.trips, args)
+    if len(loops) != len(trips):
+        raise LoopMismatch(f"{kernel}: the SASS has {len(loops)} top-level loop(s), KERNELS declares {len(trips)}")
+    nested = [lp for lp in loops if lp["inner"]]
+    if nested:
+        raise LoopMismatch(f"{kernel}: the loop at 0x{nested[0]['start']:x} holds {nested[0]['inner']} nested "
+                           f"loop(s), which KERNELS cannot count")
+    per_cta = (sum(lp["instrs"] * t for lp, t in zip(loops, trips)) if trips else straight) * num_warps
+    per_elem = per_cta * 32 / _call(kernel, "elems", decl.elems, args)
+    return per_cta * _call(kernel, "ctas", decl.ctas, args, grid), per_elem
+
+
+def traffic(decl: Loops, args: dict) -> int:
+    """A launch's estimated DRAM bytes: every tensor argument once (a re-read tile is an L2 hit), times its
+    declared passes."""
+    return sum(min(v.numel() * v.element_size(), v.untyped_storage().nbytes()) * decl.passes.get(k, 1)
+               for k, v in args.items() if isinstance(v, torch.Tensor))
+
+
+def dram_us(gpu: GPU, nbytes: float) -> float:
+    return nbytes / (gpu.dram_tbs * 1e6)
+
+
+def tensor_us(gpu: GPU, flops: float, fp4: bool = False) -> float:
+    """At the bf16 peak, or the FP4 one for a kernel that multiplies on the FP4 tensor cores."""
+    return flops / ((gpu.fp4_tflops if fp4 else gpu.tensor_tflops) * 1e6)
+
+
+def issue_us(gpu: GPU, warp_instr: float) -> float:
+    return warp_instr / (gpu.sms * ISSUE_PER_CLOCK * gpu.clock_ghz * 1e3)
+
+
+def ratio(issue: float, dram: float, tensor: float) -> float:
+    """issue / max(DRAM, tensor): above 1 the kernel's instructions, not memory or math, set its floor."""
+    bound = max(dram, tensor)
+    return issue / bound if bound else float("inf")

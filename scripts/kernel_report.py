@@ -1,0 +1,312 @@
+"""Static report on dgemma's Triton kernels for six NVIDIA targets, on a machine without a GPU.
+
+    make kernel-report [ARGS=--update-benchmarks]
+    python scripts/kernel_report.py [--out kernel-report] [-j N] [--targets 80,86,89,90,100,120]
+                                    [--update-benchmarks]
+
+For each target, every launch the kernel entry points make at the real 26B-A4B shapes (batch 1 and 4, bf16 and
+fp16), with the launch settings the wrappers choose for that GPU, is compiled ahead of time with Triton's bundled
+ptxas (quant/kernels/aot.py), and each kernel family's cost per denoise step is bounded three ways on the GPU
+(quant/kernels/roofline.py): DRAM-bound, tensor-bound, issue-bound. Writes OUT/report.md, OUT/results.json and
+OUT/kernels/<kernel>__<config>__sm<cc>/ (ttgir, ptx, cubin, sass, ptxas.log); --update-benchmarks also rewrites
+BENCHMARKS.md between its kernel-report markers. Exits 1 if a kernel fails to compile or its loops no longer match
+its declaration in roofline.KERNELS.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.pop("TRITON_INTERPRET", None)  # the compiled kernels, not the interpreter: before triton is imported
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # what a launch compiles with today (Triton 3.9 warns)
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from quant.kernels import aot, roofline  # noqa: E402
+from quant.kernels.roofline import GPUS  # noqa: E402
+
+BEGIN, END = "<!-- kernel-report:begin -->", "<!-- kernel-report:end -->"
+MB, GFLOP = 1e6, 1e9
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ analysis
+
+
+def compile_work(work: dict[int, list[aot.Work]], workers: int, root: Path):
+    """-> jobs {key: Job}, results {key: result}, job_of {id(launch): key}."""
+    jobs, job_of = {}, {}
+    for cc, items in work.items():
+        for launch in (launch for w in items for launch in w.launches):
+            job = aot.specialise(launch, cc)
+            if job.key not in jobs:
+                tags = {j.tag for j in jobs.values()}
+                job.tag = next(t for t in (job.tag, *(f"{job.tag}-{i}" for i in range(2, 99))) if t not in tags)
+                jobs[job.key] = job
+            job_of[id(launch)] = job.key
+    log(f"{len(job_of)} launches -> {len(jobs)} compilations, {workers} workers")
+    return jobs, aot.compile_all(jobs, workers, root, progress=log), job_of
+
+
+def launch_rows(work: dict[int, list[aot.Work]], jobs, results, job_of, errors: list[str]) -> list[dict]:
+    """One row per launch and target: its estimated traffic and the warp-instructions its loops issue."""
+    rows = []
+    for cc, items in work.items():
+        for call, w in enumerate(items):
+            for launch in w.launches:
+                job = jobs[job_of[id(launch)]]
+                res = results[job.key]
+                fp4 = res["ok"] and any(op.split(".")[0] in roofline.FP4_OPS for op in res["tc_ops"])
+                row = dict(cc=cc, call=call, family=w.family, label=w.label, batch=w.batch, dtype=w.dtype,
+                           count=w.count, kernel=launch.kernel, config=job.config, tag=job.tag,
+                           grid=list(launch.grid), fp4=fp4, torch_bytes=launch.torch_bytes, traffic=None,
+                           warp_instr=None, per_elem=None)
+                rows.append(row)
+                try:
+                    decl = roofline.declaration(launch.kernel)
+                    args = launch.named()
+                    row["traffic"] = roofline.traffic(decl, args) + launch.torch_bytes
+                    if res["ok"]:
+                        row["warp_instr"], row["per_elem"] = roofline.warp_instructions(
+                            launch.kernel, decl, args, launch.grid, res["num_warps"], res["loops"], res["straight"])
+                except roofline.LoopMismatch as e:
+                    if f"{e} (sm_{cc})" not in errors:
+                        errors.append(f"{e} (sm_{cc})")
+    return rows
+
+
+def step_rows(work: dict[int, list[aot.Work]], launches: list[dict]) -> list[dict]:
+    """Per target, batch, family and dtype: floor bytes, FLOPs and estimated traffic per denoise step, and the
+    three bounds in ms. A launch without an estimate makes its family's sums unknown (None), never low."""
+    steps: dict[tuple, dict] = {}
+    fp4_calls = {(r["cc"], r["call"]) for r in launches if r["fp4"]}  # calls multiplying on the FP4 tensor cores
+    for cc, items in work.items():
+        for call, w in enumerate(items):
+            s = steps.setdefault((cc, w.batch, w.family, w.dtype), dict(
+                gpu=GPUS[cc].name, cc=cc, batch=w.batch, family=w.family, dtype=w.dtype, floor_bytes=0, flops=0,
+                fp4_flops=0, traffic=0, warp_instr=0))
+            s["floor_bytes"] += w.floor_bytes * w.count
+            s["fp4_flops" if (cc, call) in fp4_calls else "flops"] += w.flops * w.count
+    for r in launches:
+        s = steps[r["cc"], r["batch"], r["family"], r["dtype"]]
+        for key in ("traffic", "warp_instr"):
+            s[key] = None if r[key] is None or s[key] is None else s[key] + r[key] * r["count"]
+    for s in steps.values():
+        gpu = GPUS[s["cc"]]
+        s["dram_ms"] = roofline.dram_us(gpu, s["floor_bytes"]) / 1e3
+        fp4 = roofline.tensor_us(gpu, s["fp4_flops"], fp4=True) if s["fp4_flops"] else 0.0
+        s["tensor_ms"] = (roofline.tensor_us(gpu, s["flops"]) + fp4) / 1e3
+        s["issue_ms"] = None if s["warp_instr"] is None else roofline.issue_us(gpu, s["warp_instr"]) / 1e3
+        s["ratio"] = None if s["issue_ms"] is None else roofline.ratio(s["issue_ms"], s["dram_ms"], s["tensor_ms"])
+    return sorted(steps.values(), key=lambda s: (s["dtype"] == "float16", s["cc"], s["batch"], s["family"]))
+
+
+def compiled_rows(jobs, results, launches) -> list[dict]:
+    """One row per compilation (by kernel, target, config): the compile result and the thread-instructions per
+    weight element of the first launch that compiled to it."""
+    per_elem = {}
+    for r in launches:
+        per_elem.setdefault(r["tag"], r["per_elem"])
+    return [dict(tag=j.tag, kernel=j.kernel, config=j.config, cc=j.cc, smem_limit=GPUS[j.cc].smem_per_block,
+                 per_elem=per_elem.get(j.tag), **results[key])
+            for key, j in sorted(jobs.items(), key=lambda kv: (kv[1].kernel, kv[1].cc, kv[1].config))]
+
+
+# ------------------------------------------------------------------------------------------------ markdown
+
+
+def _f(x, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def _ratio(r) -> str:
+    return "-" if r is None else f"**{r:.1f}** !" if r > roofline.OVER else f"{r:.2f}"
+
+
+def summary_markdown(steps, targets, dtypes=("bfloat16", "float32")) -> list[str]:
+    """issue / max(DRAM, tensor) per family (rows) and GPU (columns)."""
+    names = [GPUS[cc].name for cc in targets]
+    cells: dict[tuple, dict] = {}
+    for s in steps:
+        if s["dtype"] in dtypes:
+            cells.setdefault((s["batch"], s["family"]), {})[s["gpu"]] = s["ratio"]
+    out = ["| B | family | " + " | ".join(names) + " |", "|---|---|" + "---:|" * len(names)]
+    for (batch, family), row in sorted(cells.items()):
+        out.append(f"| {batch} | {family} | " + " | ".join(_ratio(row.get(n)) for n in names) + " |")
+    return out
+
+
+def gpu_markdown(steps, cc, dtypes=("bfloat16", "float32")) -> list[str]:
+    out = ["| B | family | floor MB | est. traffic MB | GFLOP | DRAM ms | tensor ms | issue ms | issue / max |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in steps:
+        if s["cc"] == cc and s["dtype"] in dtypes:
+            traffic = "-" if s["traffic"] is None else f"{s['traffic'] / MB:,.0f}"
+            flops = f"{(s['flops'] + s['fp4_flops']) / GFLOP:,.0f}" + (" (FP4)" if s["fp4_flops"] else "")
+            out.append(f"| {s['batch']} | {s['family']} | {s['floor_bytes'] / MB:,.0f} | {traffic} | {flops} | "
+                       f"{_f(s['dram_ms'])} | {_f(s['tensor_ms'])} | "
+                       f"{_f(s['issue_ms'])} | {_ratio(s['ratio'])} |")
+    return out
+
+
+def compiled_markdown(rows, dtypes=None) -> list[str]:
+    out = ["| kernel | sm | config | regs | spill st/ld B | smem KB / limit | tensor-core ops | loop instr/iter "
+           "(warp) | thread-instr per element | loop mix tc/gmem/smem/sfu/conv/other/fp/int |",
+           "|---|---|---|---:|---|---|---|---|---:|---|"]
+    for r in rows:
+        if dtypes and not any(f" {d} " in f" {r['config']} " for d in dtypes):
+            continue
+        head = f"| {r['kernel']} | {r['cc']} | {r['config']} |"
+        if not r["ok"]:
+            out.append(f"{head} **compile failed**: {r['error'][:160].replace('|', '/')} | | | | | | |")
+            continue
+        spill = f"{r['spill_stores']}/{r['spill_loads']}"
+        spill = f"**{spill}**" if r["spill_stores"] or r["spill_loads"] else spill
+        smem = f"{r['smem'] / 1024:.1f} / {r['smem_limit'] // 1024}"
+        smem += " **over**" if r["smem"] > r["smem_limit"] else ""
+        loops = " + ".join(str(lp["instrs"]) for lp in r["loops"]) or f"{r['straight']}, no loop"
+        mixes = ", ".join("/".join(str(v) for v in lp["mix"].values()) for lp in r["loops"]) or "-"
+        out.append(f"{head} {r['regs']} | {spill} | {smem} | {', '.join(r['tc_ops']) or 'none'} | {loops} | "
+                   f"{_f(r['per_elem'], 1)} | {mixes} |")
+    return out
+
+
+LEGEND = ("Per denoise step (30 layers; every linear a quantized checkpoint may hold), with the launch settings the "
+          "wrappers choose on each GPU. DRAM-bound: the minimal bytes (floor MB: weights and scales once, "
+          "activations read once, outputs written once) at peak bandwidth; tensor-bound: the useful FLOPs over the "
+          "real routed rows at the dense bf16 peak (the FP4 peak for FP4 x FP4 kernels); issue-bound: the SASS "
+          "loops' warp-instructions x trips x warps x CTAs (a loop-free kernel: its straight-line code once) at 4 "
+          f"per clock per SM. issue / max(DRAM, tensor) above {roofline.OVER} is bold and marked !: the kernel's own "
+          "instructions, not memory or math, set its floor. Est. traffic: what the kernels and the torch ops between "
+          "them move (every tensor argument once, the sampler's logits three times, W4A4 activations twice). Compiled "
+          "kernels: thread-instructions per element are the loops' per weight element (GEMMs), per logit (sampler) "
+          "or per activation element (quantizer).")
+
+
+def provenance(argv: list[str]) -> dict:
+    import torch
+    import triton
+
+    def git(*a):
+        return subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    if git("status", "--porcelain", "--untracked-files=all", "--", "quant"):
+        commit += " + uncommitted changes in quant/"
+    return dict(date=datetime.date.today().isoformat(), triton=triton.__version__, torch=torch.__version__,
+                commit=commit, command=" ".join(["python scripts/kernel_report.py", *argv]))
+
+
+def step_tables(steps, targets) -> list[str]:
+    out = [LEGEND, "", "issue / max(DRAM, tensor), bf16 compute:", "", *summary_markdown(steps, targets), ""]
+    for cc in targets:
+        out += [f"{GPUS[cc].name} (sm_{cc}):", "", *gpu_markdown(steps, cc), ""]
+    return out
+
+
+def resource_warnings(compiled: list[dict]) -> list[str]:
+    """Compiled kernels that spill registers or ask for more shared memory than a block of their target may have
+    (facts about the kernels, not failures of the report)."""
+    out = [f"{r['tag']}: {r['spill_stores']} B spill stores, {r['spill_loads']} B spill loads" for r in compiled
+           if r["ok"] and (r["spill_stores"] or r["spill_loads"])]
+    return out + [f"{r['tag']}: {r['smem']} B shared memory, over the {r['smem_limit']} B a block may have"
+                  for r in compiled if r["ok"] and r["smem"] > r["smem_limit"]]
+
+
+def report_markdown(head, timing, errors, warnings, steps, compiled, targets) -> list[str]:
+    out = ["# dgemma's Triton kernels compiled without a GPU", "", head, "", timing, ""]
+    if errors or warnings:
+        out += ["## Errors (compile failures, loop declarations) and warnings (spills, shared memory)", "",
+                *[f"- error: {e}" for e in errors], *[f"- warning: {w}" for w in warnings], ""]
+    return out + ["## Per denoise step", "", *step_tables(steps, targets),
+                  "float16 compute, issue / max(DRAM, tensor):", "",
+                  *summary_markdown(steps, targets, dtypes=("float16",)), "",
+                  "## Compiled kernels", "", *compiled_markdown(compiled), ""]
+
+
+def update_benchmarks(path: Path, section: list[str]) -> None:
+    text = path.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{path} has no {BEGIN} ... {END} markers")
+    head, rest = text.split(BEGIN, 1)
+    path.write_text(head + BEGIN + "\n" + "\n".join(section) + "\n" + END + rest.split(END, 1)[1])
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "kernel-report")
+    ap.add_argument("-j", type=int, default=min(8, len(os.sched_getaffinity(0))), help="compiler processes")
+    ap.add_argument("--targets", default=",".join(map(str, GPUS)), help="compute capabilities")
+    ap.add_argument("--update-benchmarks", action="store_true", help="rewrite BENCHMARKS.md's kernel-report section")
+    args = ap.parse_args(argv)
+    targets = [int(t) for t in args.targets.split(",")]
+    unknown = [t for t in targets if t not in GPUS]
+    if unknown:
+        ap.error(f"no GPU figures for sm_{unknown[0]} (known: {', '.join(map(str, GPUS))})")
+    if reason := aot.missing_tools():
+        log(f"kernel report: {reason}")
+        return 2
+    t0 = time.perf_counter()
+    cache = tempfile.mkdtemp(prefix="triton-cache-")  # a fresh cache: every kernel really compiles, ptxas logs
+    os.environ["TRITON_CACHE_DIR"] = cache
+    try:
+        shutil.rmtree(args.out, ignore_errors=True)
+        (args.out / "kernels").mkdir(parents=True)
+        work = {cc: aot.real_shape_work(cc) for cc in targets}
+        t_capture = time.perf_counter() - t0
+        jobs, results, job_of = compile_work(work, args.j, args.out / "kernels")
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    t_compile = time.perf_counter() - t0 - t_capture
+
+    compile_errors = [f"{j.tag}: {results[k]['error']}" for k, j in jobs.items() if not results[k]["ok"]]
+    loop_errors: list[str] = []
+    launches = launch_rows(work, jobs, results, job_of, loop_errors)
+    steps = step_rows(work, launches)
+    compiled = compiled_rows(jobs, results, launches)
+    errors, warnings = compile_errors + loop_errors, resource_warnings(compiled)
+    prov = provenance(argv)
+    wall = time.perf_counter() - t0
+    problems = ", ".join(f"**{n} {what}**" for n, what in ((len(errors), "errors"), (len(warnings), "warnings")) if n)
+    head = (f"{prov['date']} · triton {prov['triton']} · torch {prov['torch']} · commit {prov['commit']} · "
+            f"`{prov['command']}` · no GPU: compiled for sm_{', sm_'.join(map(str, targets))} with Triton's bundled "
+            f"ptxas" + (f"; {problems} (listed in kernel-report/report.md)" if problems else ""))
+
+    timing = (f"{len(job_of)} launches -> {len(jobs)} compilations; capture {t_capture:.0f} s, compile "
+              f"{t_compile:.0f} s, total {wall:.0f} s.")
+    (args.out / "report.md").write_text("\n".join(report_markdown(head, timing, errors, warnings, steps, compiled,
+                                                                   targets)))
+    (args.out / "results.json").write_text(json.dumps(dict(
+        **prov, targets=targets, gpus={cc: vars(GPUS[cc]) for cc in targets}, compile_errors=compile_errors,
+        loop_errors=loop_errors, warnings=warnings, steps=steps, compiled=compiled, launches=launches), indent=1))
+    if args.update_benchmarks:
+        update_benchmarks(ROOT / "BENCHMARKS.md", [
+            head + ".", "", *step_tables(steps, targets),
+            "Compiled kernels (the bf16 and float32 builds; the fp16 ones are in kernel-report/report.md):", "",
+            *compiled_markdown(compiled, ("bf16", "fp32"))])
+    print("\n".join(summary_markdown(steps, targets)))
+    log(f"wrote {args.out}/report.md and results.json ({wall:.0f} s)")
+    for e in errors + warnings:
+        log(f"kernel report: {e}")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

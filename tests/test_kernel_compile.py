@@ -1,0 +1,142 @@
+"""The Triton kernels compile for every reported target on this machine, without a GPU, and the kernel report's
+arithmetic is right on a hand-made example.
+
+The compile checks read one run of scripts/kernel_report.py (quant/kernels/aot.py): it must start in a fresh
+process, since the tests import triton with TRITON_INTERPRET=1, which turns every kernel into an interpreted one.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from quant.kernels import aot, roofline
+
+ROOT = Path(__file__).resolve().parent.parent
+FAMILIES = {"NVFP4 linear", "INT8 linear", "MoE gate-up (NVFP4)", "MoE down (NVFP4)", "MoE gate-up (INT8)",
+            "MoE down (INT8)", "sampler epilogue"}
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    reason = aot.missing_tools()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path_factory.mktemp("kernel-report")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(HOME=str(out), TMPDIR=str(out))  # the report's fresh Triton cache is made under TMPDIR
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_report.py"), "--out", str(out / "report")],
+                          env=env, capture_output=True, text=True, timeout=900)
+    results = out / "report" / "results.json"
+    if not results.exists():
+        pytest.fail(f"the kernel report stopped (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(results.read_text())
+
+
+@pytest.mark.slow
+def test_every_kernel_compiles_for_every_target(report):
+    """Each target compiles every launch its wrappers make there (settings, and paths such as W4A4, differ)."""
+    targets = set(roofline.GPUS)
+    assert {(s["cc"], s["family"]) for s in report["steps"]} >= {(cc, f) for cc in targets for f in FAMILIES}
+    assert {r["cc"] for r in report["launches"]} == targets
+    assert {r["tag"] for r in report["launches"]} == {r["tag"] for r in report["compiled"]}
+    assert not report["compile_errors"], "\n".join(report["compile_errors"])
+
+
+@pytest.mark.slow
+def test_shared_memory_within_each_targets_block_limit(report):
+    over = [f"{r['tag']}: {r['smem']} > {r['smem_limit']}" for r in report["compiled"]
+            if r["ok"] and r["smem"] > r["smem_limit"]]
+    assert not over, "\n".join(over)
+
+
+@pytest.mark.slow
+def test_no_register_spills(report):
+    spilled = [f"{r['tag']}: {r['spill_stores']} B stored, {r['spill_loads']} B loaded" for r in report["compiled"]
+               if r["ok"] and (r["spill_stores"], r["spill_loads"]) != (0, 0)]  # None: ptxas said nothing
+    assert not spilled, "\n".join(spilled)
+
+
+@pytest.mark.slow
+def test_loop_declarations_match_the_compiled_kernels(report):
+    assert not report["loop_errors"], "\n".join(report["loop_errors"])
+    compiled = {r["tag"] for r in report["compiled"] if r["ok"]}
+    missing = [f"{r['tag']} ({r['family']}, B={r['batch']})" for r in report["launches"]
+               if r["tag"] in compiled and r["warp_instr"] is None]
+    assert not missing  # every compiled launch has its issue-bound
+
+
+# ------------------------------------------------------------------------------------- the arithmetic, by hand
+
+# A prologue spin-wait (NANOSLEEP), one main loop 0x40..0x90 of 6 instructions, EXIT, then a cold try-wait spin and
+# a branch back into the loop from after the EXIT: neither of the last two is a loop.
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   NANOSLEEP 0x64 ;
+        /*0020*/              @!P0 BRA 0x10 ;
+        /*0030*/                   S2R R0, SR_CTAID.X ;
+        /*0040*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0050*/                   LOP3.LUT R8, R4, 0xf, RZ, 0xc0, !PT ;
+        /*0060*/                   I2F.F16 R9, R8 ;
+        /*0070*/                   HMMA.16816.F32.BF16 R12, R4, R8, R12 ;
+        /*0080*/                   ISETP.GE.AND P0, PT, R3, UR6, PT ;
+        /*0090*/              @!P0 BRA 0x40 ;
+        /*00a0*/                   STG.E desc[UR4][R2.64], R12 ;
+        /*00b0*/                   EXIT ;
+        /*00c0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR8], R5 ;
+        /*00d0*/              @!P1 BRA 0xc0 ;
+        /*00e0*/                   BRA 0x50 ;
+        /*00f0*/                   BRA 0xf0;
+"""
+DECL = roofline.Loops(trips=lambda a: [a["K"] // a["BLOCK_K"]], elems=lambda a: a["BLOCK_N"] * a["K"])
+ARGS = dict(K=4096, BLOCK_K=64, BLOCK_N=64)
+GPU = roofline.GPU("test", sms=12, clock_ghz=2.0, dram_tbs=0.5, tensor_tflops=100, smem_per_block=100 * 1024)
+
+
+def test_sass_loops():
+    loops = aot.find_loops(aot.parse_sass(SASS))
+    assert [(lp["start"], lp["end"], lp["instrs"], lp["inner"]) for lp in loops] == [(0x40, 0x90, 6, 0)]
+    assert loops[0]["mix"] == dict(tc=1, gmem=1, smem=0, sfu=0, conv=1, other=1, fp=0, int=2)
+
+
+def test_estimate_by_hand():
+    loops = aot.find_loops(aot.parse_sass(SASS))
+    warp_instr, per_elem = roofline.warp_instructions("k", DECL, ARGS, (8, 16), 4, loops)
+    assert warp_instr == 6 * 64 * 4 * 128  # instructions x trips x warps x CTAs = 196,608
+    assert per_elem == pytest.approx(6 * 64 * 4 * 32 / (64 * 4096))  # 0.1875 thread-instructions per weight
+    issue = roofline.issue_us(GPU, warp_instr)
+    assert issue == pytest.approx(2.048)  # 196,608 / (12 SMs x 4 per clock x 2.0 GHz) = 2.048 us
+    dram = roofline.dram_us(GPU, 1_000_000)
+    assert dram == pytest.approx(2.0)  # 1 MB at 0.5 TB/s
+    tensor = roofline.tensor_us(GPU, 2 * 16 * 1024 * 4096)
+    assert tensor == pytest.approx(1.34217728)  # 134,217,728 FLOP at 100 TFLOP/s
+    assert roofline.ratio(issue, dram, tensor) == pytest.approx(1.024)
+
+
+def test_loop_mismatch_is_loud():
+    loops = aot.find_loops(aot.parse_sass(SASS))
+    two = roofline.Loops(trips=lambda a: [1, 1], elems=lambda a: 1)
+    with pytest.raises(roofline.LoopMismatch, match="1 top-level loop"):
+        roofline.warp_instructions("k", two, ARGS, (1,), 4, loops)
+    renamed = roofline.Loops(trips=lambda a: [a["K"] // a["BLOCK_Q"]], elems=lambda a: 1)
+    with pytest.raises(roofline.LoopMismatch, match="BLOCK_Q"):
+        roofline.warp_instructions("k", renamed, ARGS, (1,), 4, loops)
+    nested = SASS.replace("I2F.F16 R9, R8 ;", "BRA 0x50 ;")  # an inner loop 0x50..0x60
+    with pytest.raises(roofline.LoopMismatch, match="nested"):
+        roofline.warp_instructions("k", DECL, ARGS, (1,), 4, aot.find_loops(aot.parse_sass(nested)))
+    with pytest.raises(roofline.LoopMismatch, match="no loop declaration"):
+        roofline.declaration("a_kernel_nobody_declared")
+
+
+def test_moe_ctas_and_traffic():
+    decl = roofline.KERNELS["moe_down_kernel"]
+    args = dict(block_expert_ptr=torch.tensor([0, 0, 3, 8, 8], dtype=torch.int32), E=8,
+                w_ptr=torch.empty(10, dtype=torch.int16), I=704, BLOCK_K=64)
+    assert decl.ctas(args, (5, 44)) == decl.ctas(args, (44, 5)) == 3 * 44  # 3 live blocks x 44 column tiles
+    assert roofline.traffic(decl, args) == 5 * 4 + 10 * 2
+    sampler = roofline.KERNELS["sampler_epilogue_kernel"]
+    assert roofline.traffic(sampler, dict(logits_ptr=torch.empty(2, 8), V=8)) == 3 * 2 * 8 * 4
