@@ -4,7 +4,8 @@
 
 Max relative error max|kernel - reference| / max|reference| over the awkward row counts 1, 17, 33, 255, 256, for the
 NVFP4 and INT8 linear kernels ([80, 96] weights) and the fused MoE (6 experts, hidden 64, expert width 48, top-2,
-one expert never routed to), in float32 and bfloat16.
+one expert never routed to), in float32 and bfloat16; W4A4 (NVFP4 activations x NVFP4 weights) against its PyTorch
+emulation, and what W4A4 costs: the emulation against the same weights with 16-bit activations.
 """
 
 import os
@@ -23,6 +24,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from quant import int8, nvfp4  # noqa: E402
 from quant.kernels.int8_linear import int8_linear  # noqa: E402
 from quant.kernels.nvfp4_linear import nvfp4_linear  # noqa: E402
+from quant.kernels.nvfp4_w4a4 import nvfp4_w4a4, reference as w4a4_reference  # noqa: E402
 from quant.modules import fused_experts  # noqa: E402
 from test_kernels import DEVICE, build_stacks, reference_experts, rel  # noqa: E402
 
@@ -44,6 +46,13 @@ def main() -> int:
             errors.setdefault(("nvfp4", "linear", dtype), []).append(rel(got, x @ nvfp4.dequantize(qn, dtype).to(DEVICE).T))
             got = int8_linear(x, qi.weight.to(DEVICE), qi.weight_scale.to(DEVICE))
             errors.setdefault(("int8", "linear", dtype), []).append(rel(got, x @ int8.dequantize(qi, dtype).to(DEVICE).T))
+            args = (qn.weight, qn.weight_scale, qn.weight_scale_2.expand(N))
+            emulated = w4a4_reference(x.cpu(), *args)
+            got = nvfp4_w4a4(x, *(a.to(DEVICE) for a in args))
+            errors.setdefault(("nvfp4 W4A4", "linear", dtype), []).append(rel(got.cpu(), emulated))
+            sixteen = (x.cpu().double() @ nvfp4.dequantize(qn).double().T)
+            errors.setdefault(("W4A4 emulation vs 16-bit activations", "linear", dtype), []).append(
+                rel(emulated, sixteen))
             xe = torch.randn(rows, H, generator=g).to(dtype).to(DEVICE)
             index = torch.stack([torch.randperm(E - 1, generator=g)[:TOPK] for _ in range(rows)]).to(DEVICE)
             weights = torch.rand(rows, TOPK, generator=g).to(DEVICE)
@@ -53,8 +62,9 @@ def main() -> int:
     print(f"device: {DEVICE}{' (Triton interpreter)' if DEVICE == 'cpu' else ''}\n")
     print("| format | kernel | " + " | ".join(f"{r} rows, fp32" for r in ROWS) + " | max, bf16 |")
     print("|---|---|" + "---|" * (len(ROWS) + 1))
-    for fmt in ("nvfp4", "int8"):
-        for kernel in ("linear", "fused MoE"):
+    for fmt, kernel in (("nvfp4", "linear"), ("nvfp4", "fused MoE"), ("int8", "linear"), ("int8", "fused MoE"),
+                        ("nvfp4 W4A4", "linear"), ("W4A4 emulation vs 16-bit activations", "linear")):
+        if True:
             f32 = errors[(fmt, kernel, torch.float32)]
             b16 = errors[(fmt, kernel, torch.bfloat16)]
             print(f"| {fmt} | {kernel} | " + " | ".join(f"{e:.1e}" for e in f32) + f" | {max(b16):.1e} |")
