@@ -106,7 +106,12 @@ def fused_experts(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, top_k_in
     """The routed experts through the fused Triton kernels (x [T, H] -> [T, H]), or None when DGEMMA_KERNELS selects
     the reference for x's device (the caller then dequantizes and runs its grouped matmuls). The launch settings,
     rows per block among them, come from the kernels' candidates, tuned on first use per GPU (kernels/tuning.py)."""
-    if not (use_triton(x.device) and family_ok("moe_" + gate_up.format, x.device, x.dtype)):
+    if not use_triton(x.device):
+        return None
+    if (gate_up.format == "nvfp4" and gate_up.shape[2] % 64 == 0 and down.shape[2] % 64 == 0 and w4a4(x.device)
+            and family_ok("moe_nvfp4_w4a4", x.device, x.dtype)):
+        return fused_experts_w4a4(gate_up, down, x, top_k_index, top_k_weights)
+    if not family_ok("moe_" + gate_up.format, x.device, x.dtype):
         return None
     from .kernels import m_bucket, tuning
     from .kernels.moe_down import moe_down
@@ -128,6 +133,19 @@ def fused_experts(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, top_k_in
     cfg = tuning.choose("moe_" + gate_up.format, (m_bucket(T * K), E, H, two_i // 2, str(x.dtype)),
                         candidates(T * K / E, H, two_i // 2, x.device), launch, x.device)
     return launch(cfg)
+
+
+def fused_experts_w4a4(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor) -> torch.Tensor:
+    """NVFP4 experts with NVFP4 activations (W4A4, kernels/moe_w4a4.py): where `w4a4` says so."""
+    from .kernels.moe_w4a4 import block_w4a4, moe_w4a4
+    from .kernels.routing import moe_blocks
+
+    T, K = top_k_index.shape
+    E, two_i, H = gate_up.shape
+    block_m, warps = block_w4a4(T * K / E, H, two_i // 2, x.device)
+    ids, block_expert = moe_blocks(top_k_index, E, block_m)
+    return moe_w4a4(x, ids, block_expert, gate_up, down, top_k_weights.reshape(-1), T, K, block_m, warps)
 
 
 class _Stack(nn.Module):

@@ -103,6 +103,27 @@ def test_w4a4_is_chosen_on_fp4_gpus_only(monkeypatch):
     assert not w4a4(cpu)
 
 
+@pytest.mark.parametrize("tokens,load", [(1, "uniform"), (17, "uniform"), (33, "one_hot_expert"),
+                                         (33, "empty_experts")])
+def test_w4a4_experts_match_emulation(tokens, load, monkeypatch):
+    """The routed experts in W4A4 (as fused_experts runs them on an RTX 50: arch 120) against their PyTorch
+    emulation (moe_w4a4.reference): float32 to summation order, bfloat16 to a rounding or two of the outputs."""
+    import quant.kernels as kernels
+    from quant.kernels.moe_w4a4 import reference
+
+    monkeypatch.setattr(kernels, "arch", lambda device: 120)
+    g = torch.Generator().manual_seed(tokens)
+    E, H, I, K = 6, 64, 64, 2  # W4A4 takes widths that are multiples of 64
+    gu, dn = build_stacks("nvfp4", E, H, I, g)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(tokens, H, generator=g).to(dtype)
+        index = LOADS[load](tokens, E, K, g)
+        weights = torch.rand(tokens, K, generator=g)
+        got = fused_experts(gu, dn, x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE))
+        assert got is not None and got.dtype == dtype and got.shape == (tokens, H)
+        assert rel(got.cpu(), reference(x, gu.cpu(), dn.cpu(), index, weights)) <= moe_tolerance("nvfp4", dtype)
+
+
 def build_stacks(fmt: str, E: int, H: int, I: int, g: torch.Generator):
     """Quantized expert stacks and their dequantized float32 weights (gate/up with separate global scales)."""
     gu_w, dn_w = torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1

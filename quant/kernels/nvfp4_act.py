@@ -48,8 +48,11 @@ def e2m1_code(v):
 
 
 @triton.jit
-def quantize_act_kernel(x_ptr, q_ptr, s_ptr, g_ptr, K, BLOCK_K: tl.constexpr):
+def quantize_act_kernel(x_ptr, q_ptr, s_ptr, g_ptr, ids_ptr, K, BLOCK_K: tl.constexpr, SKIP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    if SKIP:  # rows whose id is negative (the MoE block plan's padding) are left unwritten: no one reads them
+        if tl.load(ids_ptr + row) < 0:
+            return
     base = x_ptr + row * K
     amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -71,14 +74,15 @@ def quantize_act_kernel(x_ptr, q_ptr, s_ptr, g_ptr, K, BLOCK_K: tl.constexpr):
         tl.store(s_ptr + row * (K // 16) + blk, e4m3_bits(scale).to(tl.uint8), mask=blk < K // 16)
 
 
-def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] (K a multiple of 16) -> (codes uint8 [M, K/2], scale bits uint8 [M, K/16], global float32 [M])."""
+def quantize_act(x: torch.Tensor, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of 16) -> (codes uint8 [M, K/2], scale bits uint8 [M, K/16], global float32 [M]).
+    With `ids` [M] int32, rows whose id is negative are skipped (their outputs left uninitialised)."""
     M, K = x.shape
     q = torch.empty(M, K // 2, dtype=torch.uint8, device=x.device)
     s = torch.empty(M, K // 16, dtype=torch.uint8, device=x.device)
     g = torch.empty(M, dtype=torch.float32, device=x.device)
     block = 256 if K >= 256 else triton.next_power_of_2(max(16, K))
-    quantize_act_kernel[(M,)](x.contiguous(), q, s, g, K, block)
+    quantize_act_kernel[(M,)](x.contiguous(), q, s, g, ids if ids is not None else g, K, block, ids is not None)
     return q, s, g
 
 

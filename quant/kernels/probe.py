@@ -25,7 +25,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-FAMILIES = ("nvfp4_linear", "nvfp4_w4a4", "int8_linear", "moe_nvfp4", "moe_int8", "sampler_epilogue")
+FAMILIES = ("nvfp4_linear", "nvfp4_w4a4", "int8_linear", "moe_nvfp4", "moe_nvfp4_w4a4", "moe_int8",
+            "sampler_epilogue")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 2e-3}  # max |kernel - ref| / max |ref|
 
 _ok: dict[tuple[str, int, torch.dtype], bool] = {}  # (family, device index, dtype) -> verdict, this process
@@ -214,8 +215,36 @@ def _w4a4(device: torch.device, dtype: torch.dtype) -> str | None:
     return _rel_error(got.cpu(), reference(x, *args), dtype)
 
 
+def _moe_w4a4(device: torch.device, dtype: torch.dtype) -> str | None:
+    """17 tokens, 6 experts (one never routed to), top-2, hidden 64, width 64, through the W4A4 expert kernels,
+    against their PyTorch emulation (moe_w4a4.reference)."""
+    from .. import nvfp4
+    from ..modules import NVFP4Stack
+    from .moe_w4a4 import moe_w4a4, reference
+    from .routing import moe_blocks
+
+    g = torch.Generator().manual_seed(0)
+    T, E, H, I, top = 17, 6, 64, 64, 2
+    gu, dn = NVFP4Stack(E, 2 * I, H, segments=2), NVFP4Stack(E, H, I)
+    for e in range(E):
+        for j, rows in enumerate((slice(0, I), slice(I, 2 * I))):
+            q = nvfp4.quantize(torch.randn(I, H, generator=g) * 0.1)
+            gu.weight[e, rows], gu.weight_scale[e, rows], gu.weight_scale_2[e, j] = (
+                q.weight, q.weight_scale, q.weight_scale_2)
+        q = nvfp4.quantize(torch.randn(H, I, generator=g) * 0.1)
+        dn.weight[e], dn.weight_scale[e], dn.weight_scale_2[e, 0] = q.weight, q.weight_scale, q.weight_scale_2
+    x = torch.randn(T, H, generator=g).to(dtype)
+    index = torch.stack([torch.randperm(E - 1, generator=g)[:top] for _ in range(T)])
+    weights = torch.rand(T, top, generator=g)
+    ids, block_expert = moe_blocks(index.to(device), E, 16)
+    got = moe_w4a4(x.to(device), ids, block_expert, gu.to(device), dn.to(device), weights.reshape(-1).to(device), T,
+                   top, 16)
+    return _rel_error(got.cpu(), reference(x, gu, dn, index, weights), dtype)
+
+
 PROBES = {
     "nvfp4_linear": lambda device, dtype: _linear("nvfp4", device, dtype),
+    "moe_nvfp4_w4a4": _moe_w4a4,
     "nvfp4_w4a4": _w4a4,
     "int8_linear": lambda device, dtype: _linear("int8", device, dtype),
     "moe_nvfp4": lambda device, dtype: _moe("nvfp4", device, dtype),

@@ -86,6 +86,13 @@ def _live_blocks(args: dict, grid: tuple) -> int:
     return int((block_expert < args["E"]).sum()) * tiles
 
 
+def _live_rows(args: dict, grid: tuple) -> int:
+    """quantize_act: one CTA per row; with SKIP, rows whose id is negative (MoE padding) exit at once."""
+    if args.get("SKIP"):
+        return int((args["ids_ptr"] >= 0).sum())
+    return _all_ctas(args, grid)
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -115,9 +122,14 @@ KERNELS = {
                              elems=lambda a: a["BLOCK_N"] * a["I"], ctas=_live_blocks),
     # W4A4: for k0 in range(0, K, BLOCK_K), FP4 x FP4 dot_scaled; one CTA per BLOCK_M x BLOCK_N tile of y
     "nvfp4_w4a4_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])], elems=lambda a: a["BLOCK_N"] * a["K"]),
+    # W4A4 experts: for k0 in range(0, H or I, BLOCK_K), FP4 x FP4 dot_scaled (gate and up each iteration)
+    "moe_gate_up_w4a4_kernel": Loops(trips=lambda a: [_cdiv(a["H"], a["BLOCK_K"])],
+                                     elems=lambda a: 2 * a["BLOCK_N"] * a["H"], ctas=_live_blocks),
+    "moe_down_w4a4_kernel": Loops(trips=lambda a: [_cdiv(a["I"], a["BLOCK_K"])],
+                                  elems=lambda a: a["BLOCK_N"] * a["I"], ctas=_live_blocks),
     # activations to NVFP4, one row per CTA: a sweep for the row's amax, a second quantizing (x read twice)
     "quantize_act_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])] * 2, elems=lambda a: a["K"],
-                                 passes={"x_ptr": 2}),
+                                 passes={"x_ptr": 2}, ctas=_live_rows),
     # no loop (the top-k rows unrolled): one CTA sums BLOCK columns of one token's TOPK rows
     "moe_sum_kernel": Loops(trips=lambda a: [], elems=lambda a: a["TOPK"] * a["BLOCK"]),
     # one row per CTA: a sweep over the whole BLOCK_V chunks for the max and sum, a second one writing the

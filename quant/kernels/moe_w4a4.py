@@ -1,0 +1,187 @@
+"""Routed experts in W4A4: NVFP4 activations x NVFP4 weights on the block-scaled FP4 tensor cores (sm_100, sm_120).
+
+The same two stages as moe_gate_up.py / moe_down.py (the block plan of routing.py, one block of one expert per
+program, the down outputs stored at their assignment's row and summed in slot order by moe_down.moe_sum_kernel), with
+the activations in NVFP4 as nvfp4_act.quantize_act leaves them (per-row global scales: dgemma's files carry no
+calibrated `input_scale`):
+- gate-up: xq uint8 [T, H/2], xs e4m3 bits [T, H/16], xg float32 [T] (x quantized once per token, shared by its
+  experts); weights uint8 [E, 2I, H/2], e4m3 bits [E, 2I, H/16], global scales float32 [E, S]; out h [P, I] in the
+  compute dtype, as moe_gate_up_kernel rounds it (gate and up rounded, gelu_tanh(gate) rounded, times up);
+- down: h quantized per row (hq [P, I/2], hs [P, I/16], hg [P]); weights [E, H, I/2], [E, H, I/16], [E, S];
+  ys [T*K, H] in the compute dtype.
+Each K step is one `tl.dot_scaled` (e2m1 x e2m1, one e4m3 scale per 16 inputs each side: products of exact a * s),
+float32 accumulation, and the epilogue multiplies by the row's activation global scale and the weight's global
+scale. EMULATE (the interpreter, whose dot_scaled reads e4m3 scales as e8m0): both tiles decoded to float32 a * s
+(common.nvfp4_tile, exact) and an IEEE float32 dot. `reference` is the PyTorch emulation the tests compare with.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreting
+from .common import UNSHIFT, gelu_tanh, load_nvfp4_tile, store_rounded, to_compute
+
+
+@triton.jit
+def fp4_product(acc, aq_ptr, as_ptr, a_rows, a_live, NA, w_ptr, ws_ptr, w_rows, NW, k0, K,
+                BLOCK_A: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
+    """acc [BLOCK_A, BLOCK_N] + (a rows `a_rows` of an NVFP4 activation) x (weight rows `w_rows`)^T over inputs
+    k0..k0+BLOCK_K, both as exact a * s products (global scales left to the caller). Rows are absolute row numbers
+    (int64) of [*, K/2] code arrays with [*, K/16] scale bytes; rows not live (a_live False) or >= NW read as 0."""
+    if EMULATE:
+        rows = tl.where(a_live, a_rows, NA)  # a row past the end: masked to zero
+        a = load_nvfp4_tile(aq_ptr.to(tl.pointer_type(tl.int32)), as_ptr, rows, k0, K, NA, BLOCK_A, BLOCK_K, True,
+                            True, True).to(tl.float32) * UNSHIFT
+        w = load_nvfp4_tile(w_ptr.to(tl.pointer_type(tl.int32)), ws_ptr, w_rows, k0, K, NW, BLOCK_N, BLOCK_K, True,
+                            True, True).to(tl.float32) * UNSHIFT
+        return tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+    else:
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        aq = tl.load(aq_ptr + a_rows[:, None] * (K // 2) + kb[None, :], mask=a_live[:, None], other=0)
+        asc = tl.load(as_ptr + a_rows[:, None] * (K // 16) + ks[None, :], mask=a_live[:, None], other=0)
+        wq = tl.load(w_ptr + w_rows[None, :] * (K // 2) + kb[:, None], mask=w_rows[None, :] < NW, other=0)
+        wsc = tl.load(ws_ptr + w_rows[:, None] * (K // 16) + ks[None, :], mask=w_rows[:, None] < NW, other=0)
+        return tl.dot_scaled(aq, asc.to(tl.float8e4nv, bitcast=True), "e2m1",
+                             wq, wsc.to(tl.float8e4nv, bitcast=True), "e2m1", acc)
+
+
+@triton.jit
+def moe_gate_up_w4a4_kernel(xq_ptr, xs_ptr, xg_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, h_ptr,
+                            T, H, I, E, TOPK, SEG, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_b)
+    if e >= E:
+        return
+    slots = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
+    ids = tl.load(ids_ptr + slots)
+    live = ids >= 0
+    tok = tl.where(live, ids // TOPK, 0).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of I
+    gate_rows = e.to(tl.int64) * 2 * I + cols
+    end = (e.to(tl.int64) + 1) * 2 * I
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        acc_g = fp4_product(acc_g, xq_ptr, xs_ptr, tok, live, T, w_ptr, s_ptr, gate_rows, end, k0, H, BLOCK_M,
+                            BLOCK_N, BLOCK_K, EMULATE)
+        acc_u = fp4_product(acc_u, xq_ptr, xs_ptr, tok, live, T, w_ptr, s_ptr, gate_rows + I, end, k0, H, BLOCK_M,
+                            BLOCK_N, BLOCK_K, EMULATE)
+    xg = tl.load(xg_ptr + tok, mask=live, other=0.0)[:, None]
+    dtype = h_ptr.dtype.element_ty
+    s2_g = tl.load(s2_ptr + e * (2 * I // SEG) + cols // SEG, mask=cols < I, other=0.0)
+    s2_u = tl.load(s2_ptr + e * (2 * I // SEG) + (cols + I) // SEG, mask=cols < I, other=0.0)
+    gate = to_compute(acc_g * xg * s2_g[None, :], dtype, EMULATE).to(tl.float32)
+    up = to_compute(acc_u * xg * s2_u[None, :], dtype, EMULATE).to(tl.float32)
+    act = to_compute(gelu_tanh(gate), dtype, EMULATE).to(tl.float32)
+    store_rounded(h_ptr + slots[:, None].to(tl.int64) * I + cols[None, :], act * up,
+                  live[:, None] & (cols[None, :] < I), EMULATE)
+
+
+@triton.jit
+def moe_down_w4a4_kernel(hq_ptr, hs_ptr, hg_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, ys_ptr, P, H, I, E,
+                         SEG, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         EMULATE: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_b)
+    if e >= E:
+        return
+    slots = (pid_b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    ids = tl.load(ids_ptr + slots)
+    live = ids >= 0
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of H
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        acc = fp4_product(acc, hq_ptr, hs_ptr, slots, live, P, w_ptr, s_ptr, e.to(tl.int64) * H + cols,
+                          (e.to(tl.int64) + 1) * H, k0, I, BLOCK_M, BLOCK_N, BLOCK_K, EMULATE)
+    hg = tl.load(hg_ptr + slots, mask=live, other=0.0)[:, None]
+    s2 = tl.load(s2_ptr + e * (H // SEG) + cols // SEG, mask=cols < H, other=0.0)
+    row = tl.where(live, ids, 0)
+    store_rounded(ys_ptr + row[:, None].to(tl.int64) * H + cols[None, :], acc * hg * s2[None, :],
+                  live[:, None] & (cols[None, :] < H), EMULATE)
+
+
+def block_w4a4(rows_per_expert: float, H: int, I: int, device: torch.device) -> tuple[int, int]:
+    """(rows per block, warps). sm_100's FP4 MMA (tcgen05) takes 128 rows: fewer and Triton falls back to 16-bit
+    MMAs there, so 128 rows and 8 warps (4 spill); sm_120's (mma.sync with block scales) takes the mma.sync rows of
+    moe_gate_up.candidates (make kernel-report)."""
+    from . import arch
+    from .moe_gate_up import candidates
+
+    if 100 <= arch(device) < 120:
+        return 128, 8
+    return candidates(rows_per_expert, H, I, device)[0]["BLOCK_M"], 4
+
+
+def moe_w4a4(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor, gate_up, down,
+             top_k_weights: torch.Tensor, tokens: int, topk: int, block_m: int, warps: int = 4) -> torch.Tensor:
+    """x [T, H] -> [T, H] through both W4A4 stages and the slot-order sum; gate_up / down are quant.modules'
+    NVFP4Stack (their weight, weight_scale, weight_scale_2 buffers)."""
+    from .moe_down import moe_sum_kernel
+    from .nvfp4_act import quantize_act
+
+    T, H = x.shape
+    E, two_i = gate_up.weight.shape[0], gate_up.weight.shape[1]
+    I = two_i // 2
+    if H % 64 or I % 64:
+        raise ValueError(f"W4A4 experts need hidden and expert widths that are multiples of 64 (got {H}, {I})")
+    emulate = interpreting()
+    xq, xs, xg = quantize_act(x)
+    P = sorted_ids.numel()
+    h = torch.empty(P, I, dtype=x.dtype, device=x.device)  # padding rows stay unwritten and unread
+    block_n, block_k = 64, 128 if H % 128 == 0 else 64
+    moe_gate_up_w4a4_kernel[(triton.cdiv(I, block_n), block_expert.numel())](
+        xq, xs, xg, sorted_ids, block_expert, gate_up.weight, gate_up.weight_scale.view(torch.uint8),
+        gate_up.weight_scale_2.float().contiguous(), h, T, H, I, E, topk, two_i // gate_up.weight_scale_2.shape[1],
+        block_m, block_n, block_k, emulate, num_warps=warps)
+    hq, hs, hg = quantize_act(h, sorted_ids)  # the plan's padding rows are never read
+    ys = torch.empty(tokens * topk, H, dtype=x.dtype, device=x.device)
+    moe_down_w4a4_kernel[(triton.cdiv(H, 128), block_expert.numel())](
+        hq, hs, hg, sorted_ids, block_expert, down.weight, down.weight_scale.view(torch.uint8),
+        down.weight_scale_2.float().contiguous(), ys, P, H, I, E, H // down.weight_scale_2.shape[1], block_m, 128,
+        64, emulate, num_warps=warps)
+    y = torch.empty(tokens, H, dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(H))
+    moe_sum_kernel[(tokens, triton.cdiv(H, block))](ys, top_k_weights.float().contiguous(), y, H, topk, block,
+                                                    emulate)
+    return y
+
+
+def reference(x: torch.Tensor, gate_up, down, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The PyTorch emulation of moe_w4a4: per token x quantized (nvfp4_act's reference), exact a * s operands, float32
+    products scaled by the two global scales and rounded to the compute dtype where the kernels round, h quantized
+    per assignment, the down product, the float32 slot-order sum."""
+    import torch.nn.functional as F
+
+    from .. import nvfp4
+    from .nvfp4_act import quantize_act_reference
+
+    def fp4_rows(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # -> (a * s float32 [R, K], g [R])
+        q, s, g = quantize_act_reference(a)
+        return nvfp4.dequantize_packed(q, s.view(torch.float8_e4m3fn), torch.ones(a.shape[0]), torch.float32), g
+
+    def weights(stack, e: int) -> tuple[torch.Tensor, torch.Tensor]:  # -> (a * s [N, K], global scale per row [N])
+        N = stack.weight.shape[1]
+        w = nvfp4.dequantize_packed(stack.weight[e], stack.weight_scale[e], torch.ones(N), torch.float32)
+        return w, stack.weight_scale_2[e].float().repeat_interleave(N // stack.weight_scale_2.shape[1])
+
+    dtype = x.dtype
+    T, K = top_k_index.shape
+    I = gate_up.weight.shape[1] // 2
+    xa, xg = fp4_rows(x)
+    ys = torch.empty(T, K, x.shape[1], dtype=dtype)
+    for t in range(T):
+        for k in range(K):
+            e = int(top_k_index[t, k])
+            w, s2 = weights(gate_up, e)
+            gu = (xa[t] @ w.T) * xg[t] * s2  # [2I] float32
+            gate, up = gu[:I].to(dtype).float(), gu[I:].to(dtype).float()
+            h = (F.gelu(gate, approximate="tanh").to(dtype).float() * up).to(dtype)
+            ha, hg = fp4_rows(h[None])
+            w, s2 = weights(down, e)
+            ys[t, k] = ((ha[0] @ w.T) * hg[0] * s2).to(dtype)
+    return (ys.float() * top_k_weights.float()[..., None]).sum(dim=1).to(dtype)
