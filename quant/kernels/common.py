@@ -12,7 +12,9 @@ the order production NVFP4 kernels use (the global scale in the epilogue); it di
 round((a * s) * scale_2) per weight only by rounding, and is the more exact of the two.
 
 Under Triton's interpreter bfloat16 arithmetic is not IEEE (products come out wrong, subnormals flush), so EMULATE
-does the one bfloat16 multiply in float32, where the same exact product results.
+does the one bfloat16 multiply in float32, where the same exact product results. On a GPU the bfloat16 multiply
+takes the subnormal 2^-127 (the code 0.5) as it is; were a GPU to flush it, every 0.5 would decode as 0, which the
+first-use probe (probe.py) would see and answer with the torch path.
 """
 
 import triton
@@ -77,8 +79,8 @@ def nvfp4_tile(w, sbits, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ORDER: 
     p2 = scaled_pair(e2m1_pair(w, 2), s, EMULATE)
     p3 = scaled_pair(e2m1_pair(w, 3), s, EMULATE)
     v = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # [BN, BK/8, 2 (half), 2 (q bit 1), 2 (q bit 0)]
-    if K_ORDER:  # element 4*half + 2*q1 + q0
-        return tl.permute(v, (0, 1, 2, 3, 4)).reshape(BLOCK_N, BLOCK_K)
+    if K_ORDER:  # already element 4*half + 2*q1 + q0
+        return v.reshape(BLOCK_N, BLOCK_K)
     else:  # position 2q + half = 4*q1 + 2*q0 + half
         return tl.permute(v, (0, 1, 3, 4, 2)).reshape(BLOCK_N, BLOCK_K)
 
