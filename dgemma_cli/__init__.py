@@ -10,7 +10,13 @@ The Python API (see README):
 Heavy modules (torch) are imported lazily so that `import dgemma_cli` and `dgemma --help` stay fast.
 """
 
+from .device import prepare_cpu_runtime
+
 __version__ = "0.1.0"
+
+# Before any dgemma module imports torch: OpenMP threads that sleep while they wait, so that a busy neighbour process
+# does not make generation on the CPU tens of times slower (see device.py). A no-op if torch is already imported.
+prepare_cpu_runtime()
 
 __all__ = ["load", "Engine", "GenerationSettings", "__version__"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -22,6 +22,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},  # every command: -h as in ollama, llm, llama.cpp
 )
 
 
@@ -53,18 +54,49 @@ def _read_prompt(prompt: Optional[str]) -> str:
     return sys.stdin.read()
 
 
-def _model_dir(model: Optional[str]) -> str:
-    """--model, else $DGEMMA_MODEL, else the bundled demo model (said on stderr)."""
-    model = model or os.environ.get("DGEMMA_MODEL")
+def _prompt_words(words: Optional[List[str]]) -> Optional[str]:
+    """PROMPT as typed: several words are one prompt, joined by spaces (`dgemma run why is the sky blue`, as in
+    ollama and llm); None (read stdin) when absent or '-'."""
+    if not words or list(words) == ["-"]:
+        return None
+    return " ".join(words)
+
+
+def _check_device_dtype(device: str, dtype: str) -> None:
+    """What engine.load checks too, checked before torch is imported so that a typo fails at once."""
+    from .device import check_device_name, check_dtype_name
+
+    check_device_name(device)
+    check_dtype_name(dtype)
+
+
+def _model_dir(model: Optional[str], quiet: bool = False) -> str:
+    """--model, else $DGEMMA_MODEL (resolved here, so that an error names the variable), else the bundled demo
+    model (said on stderr unless quiet)."""
+    if not model and os.environ.get("DGEMMA_MODEL"):
+        model = os.environ["DGEMMA_MODEL"]
+        from .engine import resolve_model  # torch: the model is loaded next anyway
+        from .errors import ModelError
+
+        try:
+            path = resolve_model(model)
+        except DgemmaError as e:
+            raise type(e)(f"$DGEMMA_MODEL: {e}") from None
+        if not path.is_dir():
+            raise ModelError(f"$DGEMMA_MODEL: {path}: no such model directory")
     if not model:
-        sys.stderr.write("dgemma: using the bundled demo model (pass --model DIR for another)\n")
+        if not quiet:
+            sys.stderr.write("dgemma: using the bundled demo model, which only upper-cases 16-character text "
+                             "(try \"upper: hello diffusions\"); pass --model NAME or DIR for a real model\n")
         model = "demo"
     return model
 
 
 @app.command()
 def run(
-    prompt: Optional[str] = typer.Argument(None, help="The prompt; read from stdin when absent or '-'."),
+    prompt: Optional[List[str]] = typer.Argument(
+        None, metavar="PROMPT",
+        help="The prompt; several words are joined with spaces. Read from stdin when absent or '-'."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Most tokens to generate."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Most denoising steps per canvas."),
@@ -74,40 +106,63 @@ def run(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the answer."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
     dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto."),
-    view: Optional[str] = typer.Option(None, "--view",
-                                       help="live, plain or none. Default: live on a terminal, else none."),
-    each_line: bool = typer.Option(False, "--each-line",
-                                   help="Each input line is its own prompt; answers come in input order."),
-    batch_size: int = typer.Option(8, "--batch-size", help="With --each-line: prompts generated together."),
+    view: Optional[str] = typer.Option(None, "--view", help="live, plain or none (not with --each-line). "
+                                       "Default: live when stdout and stderr are a terminal, else none."),
+    each_line: bool = typer.Option(False, "--each-line", help="Each input line is its own prompt; answers come "
+                                   "in input order, written as each batch finishes."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size",
+                                             help="With --each-line: prompts generated together (default 8)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Nothing on stderr but errors: no progress, no notices."),
 ) -> None:
     """Generate one answer. Stdout gets only the answer (or one JSON object with --json)."""
+    # Flags first, all of them before torch is imported: a typo fails at once, and no flag is silently ignored.
     if raw and system:
         raise UsageError("--system needs the chat template; it cannot be combined with --raw")
+    _check_device_dtype(device, dtype)
     if view is not None and view not in ("live", "plain", "none"):
         raise UsageError(f"--view must be live, plain or none (got {view!r})")
-    text = _read_prompt(prompt)
-    if (prompt is None or prompt == "-") and not raw and not each_line:
+    if quiet and view in ("live", "plain"):
+        raise UsageError(f"--quiet and --view {view} exclude each other")
+    if each_line and view in ("live", "plain"):
+        raise UsageError(f"--view {view} draws one prompt's canvas; it cannot be combined with --each-line")
+    if batch_size is not None and not each_line:
+        raise UsageError("--batch-size needs --each-line (a single prompt is generated alone)")
+    if batch_size is not None and batch_size < 1:
+        raise UsageError("--batch-size must be at least 1")
+    if quiet:
+        import warnings
+
+        warnings.simplefilter("ignore")  # a library's warning is a notice too
+    joined = _prompt_words(prompt)
+    text = _read_prompt(joined)
+    if joined is None and not raw and not each_line:
         text = text.rstrip("\r\n")  # `echo ... |` adds a newline the user did not mean as part of the prompt
     if each_line:
-        return _run_each_line(text, model=model, as_json=as_json, batch_size=batch_size, device=device,
-                              dtype=dtype, raw=raw, system=system, seed=seed, max_new_tokens=max_new_tokens,
-                              max_denoising_steps=steps)
+        return _run_each_line(text, model=model, as_json=as_json, batch_size=batch_size or 8, device=device,
+                              dtype=dtype, quiet=quiet, raw=raw, system=system, seed=seed,
+                              max_new_tokens=max_new_tokens, max_denoising_steps=steps)
     if not text.strip():
         raise UsageError("empty prompt")
     if view is None:  # the view draws on stderr and only makes sense when a person watches the answer arrive
-        view = "live" if sys.stdout.isatty() and sys.stderr.isatty() and not as_json else "none"
+        view = "live" if sys.stdout.isatty() and sys.stderr.isatty() and not as_json and not quiet else "none"
+    import time
+
     from .engine import load  # heavy: torch
 
-    engine = load(_model_dir(model), device=device, dtype=dtype)
+    engine = load(_model_dir(model, quiet), device=device, dtype=dtype)
     kwargs = dict(raw=raw, system=system, seed=seed, max_new_tokens=max_new_tokens, max_denoising_steps=steps)
     finished: list[int] = []  # tokens of finished canvases: what Ctrl-C keeps
+    canvases: list[int] = []  # steps each finished canvas took
 
     def keep(event) -> None:
         from .sampler import CanvasDone
 
         if isinstance(event, CanvasDone):
             finished.extend(event.tokens[0].tolist())
+            if event.steps[0]:
+                canvases.append(int(event.steps[0]))
 
+    t0 = time.perf_counter()
     try:
         if view == "live" and engine.tokenizer is not None:
             from .view import view_for
@@ -119,20 +174,47 @@ def run(
             result = engine.generate(text, on_event=lambda e: (keep(e), _plain_progress(e)), **kwargs)
         else:
             result = engine.generate(text, on_event=keep, **kwargs)
-    except KeyboardInterrupt:
-        if finished and engine.tokenizer is not None and not as_json:  # keep what was finished, then exit 130
-            eot = engine.tokenizer.end_of_turn_id
-            ids = finished[: finished.index(eot)] if eot in finished else finished
-            answer = engine.tokenizer.decode(ids) if raw else engine.tokenizer.decode_answer(ids)[1]
-            sys.stdout.write(answer + "\n")
+    except KeyboardInterrupt:  # print what was finished (the answer, or its JSON object), then exit 130
+        if finished and engine.tokenizer is not None:
+            part = _partial_answer(engine, text, finished, canvases, time.perf_counter() - t0, raw=raw,
+                                   system=system, max_new_tokens=max_new_tokens)
+            sys.stdout.write((json.dumps(part, ensure_ascii=False) if as_json else part["text"]) + "\n")
             sys.stdout.flush()
         raise
-    _write_answer(result, 0, as_json)
+    sys.stdout.write(_answer_line(result, 0, as_json))
     sys.stdout.flush()
+    notice = _empty_notice(result, 0, as_json)
+    if notice and not quiet:
+        _note(notice)
 
 
+def _partial_answer(engine, text: str, finished: list[int], canvases: list[int], seconds: float, *, raw: bool,
+                    system: Optional[str], max_new_tokens: Optional[int]) -> dict:
+    """The JSON object of an interrupted run: its finished canvases, cut and counted as a whole answer's are (at
+    the first end-of-sequence id and at --max-new-tokens), with "interrupted": true."""
+    tok, settings = engine.tokenizer, engine.settings
+    ends = set(settings.eos_token_ids) | ({tok.end_of_turn_id} - {None})
+    kept = finished[: max_new_tokens or settings.max_new_tokens]
+    ids = kept[: next((k for k, t in enumerate(kept) if t in ends), len(kept))]
+    thought, answer = ("", tok.decode(ids)) if raw else tok.decode_answer(ids)
+    forwards = sum(canvases)
+    return {"text": answer, "thought": thought, "token_ids": ids,
+            "prompt_token_ids": engine.prompt_ids(text, raw=raw, system=system), "canvases": canvases,
+            "tokens_per_forward": sum(t != settings.pad_token_id for t in kept) / forwards if forwards else 0.0,
+            "seconds": round(seconds, 4), "interrupted": True}
 
-def _write_answer(result, i: int, as_json: bool, prompt: Optional[str] = None) -> None:
+
+def _empty_notice(result, i: int, as_json: bool) -> Optional[str]:
+    """The notice for an answer with no text (None when it has some): an empty line alone says nothing."""
+    if result.texts[i].strip():
+        return None
+    if result.thoughts[i].strip():
+        return "the model produced no answer text, only a thought" + ("" if as_json else " (--json shows it)")
+    return "the model produced no text"
+
+
+def _answer_line(result, i: int, as_json: bool, prompt: Optional[str] = None) -> str:
+    """Answer i of a result as it goes to stdout: its text, or its JSON object, ending in one newline."""
     if as_json:
         obj = {} if prompt is None else {"prompt": prompt}
         obj.update({
@@ -144,16 +226,46 @@ def _write_answer(result, i: int, as_json: bool, prompt: Optional[str] = None) -
             "tokens_per_forward": result.tokens_per_forward[i],
             "seconds": round(result.seconds, 4),
         })
-        sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
-    else:
-        out = result.texts[i]
-        sys.stdout.write(out if out.endswith("\n") else out + "\n")
+        return json.dumps(obj, ensure_ascii=False) + "\n"
+    out = result.texts[i]
+    return out if out.endswith("\n") else out + "\n"
 
 
-def _run_each_line(text: str, *, model, as_json: bool, batch_size: int, device: str, dtype: str, **gen) -> None:
-    """One answer (or JSON Lines object) per input line, in input order; blank lines give blank answers."""
-    if batch_size < 1:
-        raise UsageError("--batch-size must be at least 1")
+class _CtrlCHeld:
+    """Within: Ctrl-C waits until the block ends, then interrupts as usual. Keeps a batch's answers and the count
+    of what was written together (a write never half-done, a count never off by the line just written)."""
+
+    def __enter__(self) -> _CtrlCHeld:
+        import signal
+
+        self.pending = False
+        try:
+            self.old = signal.signal(signal.SIGINT, self._hold)
+        except ValueError:  # not the main thread: signals are not ours to hold
+            self.old = None
+        return self
+
+    def _hold(self, signum, frame) -> None:
+        self.pending = True
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        if self.old is not None:
+            signal.signal(signal.SIGINT, self.old)
+            if self.pending and callable(self.old):
+                self.old(signal.SIGINT, None)  # Python's default handler raises KeyboardInterrupt
+
+
+def _run_each_line(text: str, *, model, as_json: bool, batch_size: int, device: str, dtype: str,
+                   quiet: bool = False, **gen) -> None:
+    """One answer (or JSON Lines object) per input line, in input order; blank lines give blank answers.
+
+    Each batch's answers are written and flushed as soon as it is done, so a reader sees them arrive; what is on
+    stdout is always the answers to a prefix of the input, whole lines only, and Ctrl-C keeps it (exit 130, and
+    stderr says how many lines were answered: the input after them is what is left to do)."""
+    from .errors import Interrupted
+
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()  # the final newline ends the last line; it does not start another
@@ -162,22 +274,38 @@ def _run_each_line(text: str, *, model, as_json: bool, batch_size: int, device: 
         raise UsageError("empty input: no non-blank line")
     from .engine import load  # heavy: torch
 
-    engine = load(_model_dir(model), device=device, dtype=dtype)
+    engine = load(_model_dir(model, quiet), device=device, dtype=dtype)
     todo = [i for i, line in enumerate(lines) if line.strip()]
-    answers: dict[int, tuple] = {}
-    for start in range(0, len(todo), batch_size):
-        chunk = todo[start : start + batch_size]
-        result = engine.generate([lines[i] for i in chunk], **gen)
-        for j, i in enumerate(chunk):
-            answers[i] = (result, j)
-    for i, line in enumerate(lines):
-        if i in answers:
-            _write_answer(*answers[i], as_json, prompt=line)
-        elif as_json:
-            sys.stdout.write(json.dumps({"prompt": line, "text": "", "skipped": True}) + "\n")
-        else:
-            sys.stdout.write("\n")
-    sys.stdout.flush()
+    written = 0  # input lines answered on stdout so far
+    try:
+        for start in range(0, len(todo), batch_size):
+            chunk = todo[start : start + batch_size]
+            result = engine.generate([lines[i] for i in chunk], **gen)
+            row = {i: j for j, i in enumerate(chunk)}
+            end = len(lines) if start + batch_size >= len(todo) else chunk[-1] + 1  # the last batch ends the input
+            out, notices = [], []
+            for i in range(written, end):
+                if i in row:
+                    out.append(_answer_line(result, row[i], as_json, prompt=lines[i]))
+                    notice = _empty_notice(result, row[i], as_json)
+                    if notice:
+                        notices.append(f"line {i + 1}: {notice}")
+                elif as_json:
+                    out.append(json.dumps({"prompt": lines[i], "text": "", "skipped": True}) + "\n")
+                else:
+                    out.append("\n")
+            with _CtrlCHeld():
+                sys.stdout.write("".join(out))
+                sys.stdout.flush()
+                written = end
+            for notice in [] if quiet else notices:
+                _note(notice)
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        if not written:
+            raise Interrupted("interrupted before any line was answered") from None
+        raise Interrupted(f"interrupted after answering {written} of {len(lines)} lines (their answers were "
+                          "written)") from None
 
 
 @app.command()
@@ -212,8 +340,10 @@ def fim(
     file: str = typer.Argument(..., help="The file to fill; '-' reads stdin."),
     marker: str = typer.Option("<FILL>", "--marker", help="The text that marks a hole."),
     lines: Optional[str] = typer.Option(None, "--lines", help="Regenerate lines A:B (1-based, inclusive)."),
-    in_place: bool = typer.Option(False, "--in-place", help="Rewrite FILE atomically (keeps FILE.orig)."),
-    no_backup: bool = typer.Option(False, "--no-backup", help="With --in-place: no FILE.orig."),
+    in_place: bool = typer.Option(False, "--in-place",
+                                  help="Rewrite FILE atomically, keeping the file as it was in FILE.orig; an "
+                                       "existing FILE.orig is never overwritten (then FILE.orig.1, .2, ...)."),
+    no_backup: bool = typer.Option(False, "--no-backup", help="With --in-place: keep no backup."),
     to_stdout: bool = typer.Option(False, "--stdout", help="Print the whole filled file instead of a diff."),
     method: str = typer.Option("held", "--method", help="held (default), prefix or instruct."),
     held_tokens: int = typer.Option(8, "--held-tokens", help="Suffix tokens held at the end of the canvas."),
@@ -231,6 +361,8 @@ def fim(
         raise UsageError("--in-place needs a file, not stdin")
     if in_place and to_stdout:
         raise UsageError("--in-place and --stdout exclude each other")
+    if no_backup and not in_place:
+        raise UsageError("--no-backup only applies with --in-place (without it, no file is written)")
     if held_tokens < 0:
         raise UsageError("--held-tokens must be >= 0")
     if method not in F.METHODS:
@@ -247,7 +379,9 @@ def fim(
     if in_place:
         from pathlib import Path
 
-        F.save_in_place(Path(file), text, new, backup=not no_backup)
+        kept = F.save_in_place(Path(file), text, new, backup=not no_backup)
+        if kept is not None and kept.name != f"{Path(file).name}.orig":
+            _note(f"{file}.orig holds an earlier original and is kept; this run's original is in {kept}")
     elif to_stdout:
         sys.stdout.buffer.write(new.encode("utf-8"))
     else:
@@ -271,7 +405,9 @@ def _gb(n: int) -> str:
 def pull(
     repo: str = typer.Argument("google/diffusiongemma-26B-A4B-it", help="Hub repository id (OWNER/NAME)."),
     quant: str = typer.Option("auto", "--quant", help="auto (from free GPU memory), bf16, int8 or nvfp4."),
-    revision: Optional[str] = typer.Option(None, "--revision", help="Branch, tag or commit (default: main)."),
+    revision: Optional[str] = typer.Option(None, "--revision",
+                                           help="Branch, tag or commit (default: main). An entry already stored "
+                                                "from another commit is not replaced: it says how."),
     policy: str = typer.Option("experts", "--policy",
                                help="What int8/nvfp4 quantize: experts (default) or all (+ attention, dense MLP)."),
 ) -> None:
@@ -347,6 +483,9 @@ def rm(
     from .store import find, remove, store_root
 
     found = find(model)
+    if model == "demo":  # as everywhere a model is named, 'demo' is the bundled one, never a store entry
+        same = f"; to remove the store's {', '.join(e.name for e in found)}, give its full name" if found else ""
+        raise UsageError(f"demo is the bundled demo model, part of dgemma itself: it cannot be removed{same}")
     if not found:
         raise UsageError(f"{model}: not in the store ({store_root()}); `dgemma list` shows what is there")
     if len(found) > 1:

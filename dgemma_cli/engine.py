@@ -18,33 +18,13 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .config import GenerationSettings, ModelConfig
+from .device import SMALL_STEP, fit_cpu_threads, resolve_device, resolve_dtype
 from .errors import ModelError, UsageError
 from .model import DiffusionGemma, KVCache
+from .names import DEMO_MODEL, resolve_model  # noqa: F401 (engine.DEMO_MODEL is part of the API)
 from .sampler import Done, Event, generate_events
 from .tokenizer import Tokenizer
 from .weights import load_model
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str = "auto") -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise UsageError(f"--device must be cpu, cuda or auto (got {device!r})")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """auto: bfloat16 on a GPU, float32 on the CPU (bf16 matmuls are slow on most CPUs)."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)} or auto (got {dtype!r})")
-    return DTYPES[dtype]
-
 
 def check_kernels(device: torch.device) -> None:
     """DGEMMA_KERNELS (and DGEMMA_SAMPLER) must name an implementation that can run on `device` (one line if not)."""
@@ -303,9 +283,6 @@ class Engine:
                       done.seconds)
 
 
-DEMO_MODEL = Path(__file__).resolve().parent / "demo_model"
-
-
 def _in_inference_mode(events: Iterator[Event], denoiser: ModelDenoiser | None = None) -> Iterator[Event]:
     """Run each step of a generator under inference mode, without leaving the mode on in the caller while the
     generator is paused (a `with` around `yield from` would). With `denoiser`, its CUDA-graph counts go into the
@@ -321,15 +298,6 @@ def _in_inference_mode(events: Iterator[Event], denoiser: ModelDenoiser | None =
         yield event
 
 
-def resolve_model(model: str | Path) -> Path:
-    """'demo' (the bundled demo model), a directory, or a name in the store (see store.py for the syntax)."""
-    if isinstance(model, Path):
-        return model
-    from .store import resolve
-
-    return resolve(model, DEMO_MODEL)
-
-
 def load(model: str | Path, device: str = "auto", dtype: str = "auto") -> Engine:
     """Load a checkpoint directory (Hugging Face layout), or 'demo', with its tokenizer and generation defaults."""
     path = resolve_model(model)
@@ -341,6 +309,8 @@ def load(model: str | Path, device: str = "auto", dtype: str = "auto") -> Engine
     dt = resolve_dtype(dtype, dev)
     check_kernels(dev)
     net, cfg = load_model(path, device=dev, dtype=dt)
+    if dev.type == "cpu":  # no more threads than usable cores, one for a demo-size model (see device.py)
+        fit_cpu_threads(small=cfg.canvas_length * cfg.text.vocab_size < SMALL_STEP)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
     settings = GenerationSettings.from_checkpoint(path, cfg.text)
     return Engine(net, tokenizer, settings, path)

@@ -9,6 +9,9 @@ Methods (BENCHMARKS.md compares them on the demo model's infill task):
   at the end of the canvas; the middle is denoised in front of them and ends at `<pad>` or an end token.
 - prefix: the same without the held suffix (the model sees only what comes before the hole).
 - instruct: an instruction through the chat template with the file, the hole written as the marker.
+
+`--in-place` keeps the file as it was in a backup written before the file is replaced: FILE.orig, and when that
+exists it is never overwritten (the first original stays there); the backup then goes to FILE.orig.1, .2, ...
 """
 
 from __future__ import annotations
@@ -102,7 +105,9 @@ def line_of(text: str, offset: int) -> int:
 
 def fill_holes(engine, text: str, holes: list[Hole], *, method: str = "held", held_tokens: int = 8,
                name: str = "file", marker: str = DEFAULT_MARKER, warn=None, **gen) -> str:
-    """Fill holes in order; returns the new text. `gen`: seed, max_new_tokens, max_denoising_steps."""
+    """Fill holes in order; returns the new text. `gen`: seed, max_new_tokens, max_denoising_steps.
+
+    `warn` gets one line for a prefix cut to fit the context, and one naming the holes filled with nothing."""
     if method not in METHODS:
         raise UsageError(f"--method must be one of {', '.join(METHODS)}")
     tok = engine.tokenizer
@@ -113,7 +118,7 @@ def fill_holes(engine, text: str, holes: list[Hole], *, method: str = "held", he
         if method == "held" and len(tok.encode(between)) < held_tokens:
             raise UsageError(f"{name}: the marker on line {line_of(text, holes[k + 1].start)} is inside the held "
                              f"suffix of the hole before it (keep {held_tokens} tokens between holes)")
-    out, shift = text, 0
+    out, shift, empty = text, 0, []
     for k, hole in enumerate(holes):
         start, end = hole.start + shift, hole.end + shift
         prefix = out[:start]
@@ -127,7 +132,20 @@ def fill_holes(engine, text: str, holes: list[Hole], *, method: str = "held", he
             middle = engine.infill(prefix, suffix, held_tokens=held, **gen)
         out = out[:start] + middle + out[end:]
         shift += len(middle) - (hole.end - hole.start)
+        if not middle:
+            empty.append(line_of(text, hole.start))
+    if empty and warn:
+        warn(f"dgemma: {name}: {empty_note(empty, len(holes))}")
     return out
+
+
+def empty_note(lines: list[int], total: int) -> str:
+    """What to say when holes were filled with nothing (lines: where each such hole starts in the input)."""
+    if total == 1:
+        return f"the model produced no text for the hole on line {lines[0]}; it is now empty"
+    where = f"line {lines[0]}" if len(lines) == 1 else f"lines {', '.join(map(str, lines))}"
+    it = "it is" if len(lines) == 1 else "they are"
+    return f"the model produced no text for {len(lines)} of {total} holes ({where}); {it} now empty"
 
 
 def fit_prefix(engine, prefix: str, name: str, warn, max_new_tokens, held: int = 0) -> str:
@@ -178,8 +196,23 @@ def write_atomically(path: Path, data: bytes, mode: int) -> None:
         raise
 
 
-def save_in_place(path: Path, old: str, new: str, backup: bool) -> None:
+def backup_path(path: Path) -> Path:
+    """Where this run keeps the file as it was: FILE.orig; when that exists (an earlier run's original, which
+    is never overwritten), the first free name of FILE.orig.1, FILE.orig.2, ... (the highest is the newest)."""
+    candidate, n = path.with_name(path.name + ".orig"), 0
+    while os.path.lexists(candidate):
+        n += 1
+        candidate = path.with_name(f"{path.name}.orig.{n}")
+    return candidate
+
+
+def save_in_place(path: Path, old: str, new: str, backup: bool) -> Path | None:
+    """Write `new` over `path` atomically, after keeping `old` in a new backup file (returned) unless told not to.
+    The backup is complete before the file is replaced, so an interruption at any point loses neither."""
     mode = path.stat().st_mode & 0o7777
+    kept = None
     if backup:
-        write_atomically(path.with_name(path.name + ".orig"), old.encode("utf-8"), mode)
+        kept = backup_path(path)
+        write_atomically(kept, old.encode("utf-8"), mode)
     write_atomically(path, new.encode("utf-8"), mode)
+    return kept

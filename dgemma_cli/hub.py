@@ -80,6 +80,17 @@ def download(repo_id: str, revision: str | None = None, *, progress: bool = True
         raise DgemmaError(_one_line(_explain(e, repo_id, revision))) from e
 
 
+def resolve_commit(repo_id: str, revision: str | None) -> str:
+    """The commit that `revision` (branch, tag or commit; None: the default branch) of `repo_id` names now, asked
+    of the Hub, or read from the cache when offline or when the Hub cannot be reached. No file is fetched."""
+    try:
+        return HfApi().resolve_revision(repo_id, revision=revision, local_files_only=is_offline_mode()).resolved
+    except DgemmaError:
+        raise
+    except Exception as e:  # KeyboardInterrupt is not an Exception: it propagates unchanged
+        raise DgemmaError(_one_line(_explain(e, repo_id, revision))) from e
+
+
 def _download(repo_id: str, revision: str | None, bars, on_config=None) -> Path:
     api = HfApi()
     offline = is_offline_mode()

@@ -1,7 +1,28 @@
-"""Checkpoint file names and text-stack prefixes: the torch-free part of the layout (see weights.py for the rest),
-shared by the loader and the downloader."""
+"""How things are named, below everything that uses the names (engine, store, quantize, hub, weights):
+
+- checkpoint file names and text-stack prefixes: the torch-free part of the layout (see weights.py for the rest),
+  shared by the loader and the downloader;
+- what a `--model` value names, and the model store's location and listing (store.py pulls and removes entries).
+
+Imports nothing of dgemma_cli but errors, and no torch.
+
+A `--model` value is, in this order:
+1. `demo`: the bundled demo model;
+2. a directory: any value that is an existing directory, or starts with `/`, `.` or `~`;
+3. a store name `[OWNER/]NAME[:QUANT]`, e.g. `google/diffusiongemma-26B-A4B-it:nvfp4`, or just
+   `diffusiongemma-26B-A4B-it` when one entry matches. A repository id that is not in the store is an error that
+   says which `dgemma pull` fetches it: nothing is downloaded behind the user's back.
+"""
 
 from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ModelError, UsageError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -14,3 +35,107 @@ def text_shards(weight_map: dict[str, str]) -> list[str]:
     """The shards of an index that hold at least one text-stack tensor, in index order (the others hold only the
     vision tower, which dgemma never reads, so they need not be downloaded or present)."""
     return list(dict.fromkeys(f for n, f in weight_map.items() if n.startswith(TEXT_PREFIXES)))
+
+
+# ----------------------------------------------------------------------------- models and the store
+
+DEMO_MODEL = Path(__file__).resolve().parent / "demo_model"
+
+MANIFEST = "dgemma-manifest.json"  # the same name quant.convert writes
+QUANTS = ("bf16", "int8", "nvfp4")
+STORE_NAME = re.compile(r"^(?:(?P<owner>[A-Za-z0-9][A-Za-z0-9._-]*)/)?(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)"
+                        r"(?::(?P<quant>[a-z0-9]+))?$")
+
+
+def store_root() -> Path:
+    if os.environ.get("DGEMMA_HOME"):
+        return Path(os.environ["DGEMMA_HOME"]).expanduser() / "models"
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache).expanduser() / "dgemma" / "models"
+
+
+@dataclass(frozen=True)
+class Entry:
+    repo: str  # OWNER/NAME
+    quant: str
+    path: Path
+    manifest: dict
+
+    @property
+    def name(self) -> str:
+        return f"{self.repo}:{self.quant}"
+
+    @property
+    def size(self) -> int:
+        return sum(int(f["size"]) for f in self.manifest.get("files", {}).values())
+
+
+def entry_dir(repo: str, quant: str) -> Path:
+    owner, name = repo.split("/")
+    return store_root() / f"{owner}--{name}--{quant}"
+
+
+def entries() -> list[Entry]:
+    """Every complete entry in the store (directories with a readable manifest), sorted by name."""
+    root = store_root()
+    out = []
+    if not root.is_dir():
+        return out
+    for d in sorted(root.iterdir()):
+        if not d.is_dir() or d.name.endswith(".partial") or d.name.startswith("."):
+            continue
+        try:
+            manifest = json.loads((d / MANIFEST).read_text())
+            store = manifest["store"]
+            out.append(Entry(store["repo"], store["quant"], d, manifest))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not ours, or damaged: `dgemma list` ignores it
+    return out
+
+
+def find(ref: str) -> list[Entry]:
+    """Entries matching a store name `[OWNER/]NAME[:QUANT]` (names compare without regard to case)."""
+    m = STORE_NAME.match(ref)
+    if not m:
+        return []
+    owner, name, quant = m["owner"], m["name"].lower(), m["quant"]
+    found = []
+    for e in entries():
+        e_owner, e_name = e.repo.lower().split("/")
+        if name == e_name and (owner is None or owner.lower() == e_owner) and (quant is None or quant == e.quant):
+            found.append(e)
+    return found
+
+
+def looks_like_path(ref: str) -> bool:
+    return ref.startswith(("/", ".", "~")) or Path(ref).expanduser().is_dir()
+
+
+def resolve(ref: str, demo: Path) -> Path:
+    """A `--model` value -> a model directory (see the module docstring for the syntax)."""
+    if ref == "demo":
+        return demo
+    if looks_like_path(ref):
+        return Path(ref).expanduser()
+    m = STORE_NAME.match(ref)
+    if not m:
+        raise UsageError(f"{ref!r} is neither a model directory nor a store name ([OWNER/]NAME[:QUANT])")
+    if m["quant"] and m["quant"] not in QUANTS:
+        raise UsageError(f"{ref}: unknown format {m['quant']!r} (one of {', '.join(QUANTS)})")
+    found = find(ref)
+    if len(found) == 1:
+        return found[0].path
+    if len(found) > 1:
+        names = ", ".join(e.name for e in found)
+        raise UsageError(f"{ref} matches {len(found)} models in the store ({names}); add :QUANT to choose")
+    repo = f"{m['owner']}/{m['name']}" if m["owner"] else None
+    quant = f" --quant {m['quant']}" if m["quant"] else ""
+    hint = f"`dgemma pull {repo}{quant}` downloads it" if repo else "`dgemma list` shows what is there"
+    raise ModelError(f"{ref}: no such model directory, and not in the store ({store_root()}); {hint}")
+
+
+def resolve_model(model: str | Path) -> Path:
+    """'demo' (the bundled demo model), a directory, or a name in the store (see the module docstring)."""
+    if isinstance(model, Path):
+        return model
+    return resolve(model, DEMO_MODEL)

@@ -29,6 +29,7 @@ from quant.convert import ConvertError, Group, OutTensor, Shard, write_checkpoin
 
 from . import __version__
 from .config import ModelConfig
+from .device import resolve_device
 from .errors import ModelError, UsageError
 from .weights import (
     DGEMMA_INT8_VERSION, TensorRecord, checked_record, checkpoint_files, checkpoint_name, expected_tensors,
@@ -254,8 +255,6 @@ def quantize_checkpoint(src: Path, out: Path, fmt: str, policy: str = "experts",
     out = Path(out)
     if out.exists():
         raise UsageError(f"{out} already exists; remove it or choose another --out")
-    from .engine import resolve_device
-
     device = str(resolve_device(device))
     search = DEFAULT_SEARCH.get(fmt, False) if search is None else search
     shards, files, job = plan(src, fmt, policy, search, device)

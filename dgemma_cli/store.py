@@ -1,4 +1,4 @@
-"""dgemma's model store, and how a `--model` value names a model.
+"""dgemma's model store: pull, describe and remove entries.
 
 The store is a folder (`$DGEMMA_HOME/models`, else `$XDG_CACHE_HOME/dgemma/models`, else `~/.cache/dgemma/models`)
 with one directory per model: `OWNER--NAME--QUANT/`, a checkpoint in the Hugging Face layout plus
@@ -6,12 +6,8 @@ with one directory per model: `OWNER--NAME--QUANT/`, a checkpoint in the Hugging
 made in `OWNER--NAME--QUANT.partial/` and renamed into place only when complete and verified, so a listed entry is
 always whole; `.partial` directories (an interrupted pull) are never listed and are resumed by the next pull.
 
-A `--model` value is, in this order:
-1. `demo`: the bundled demo model;
-2. a directory: any value that is an existing directory, or starts with `/`, `.` or `~`;
-3. a store name `[OWNER/]NAME[:QUANT]`, e.g. `google/diffusiongemma-26B-A4B-it:nvfp4`, or just
-   `diffusiongemma-26B-A4B-it` when one entry matches. A repository id that is not in the store is an error that
-   says which `dgemma pull` fetches it: nothing is downloaded behind the user's back.
+How a `--model` value names a model, and the store's location and listing (`entries`, `find`,
+`resolve`), live in names.py, below the engine; they are imported here too.
 """
 
 from __future__ import annotations
@@ -22,104 +18,15 @@ import re
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import DgemmaError, ModelError, UsageError
+# The naming and listing half of the store (names.py), used here and by the CLI as store.entries, store.find, ...
+from .names import (MANIFEST, QUANTS, STORE_NAME, Entry, entries, entry_dir, find,  # noqa: F401
+                    looks_like_path, resolve, store_root)
 
-MANIFEST = "dgemma-manifest.json"  # the same name quant.convert writes
 DEFAULT_REPO = "google/diffusiongemma-26B-A4B-it"
-QUANTS = ("bf16", "int8", "nvfp4")
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-STORE_NAME = re.compile(r"^(?:(?P<owner>[A-Za-z0-9][A-Za-z0-9._-]*)/)?(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)"
-                        r"(?::(?P<quant>[a-z0-9]+))?$")
-
-
-def store_root() -> Path:
-    if os.environ.get("DGEMMA_HOME"):
-        return Path(os.environ["DGEMMA_HOME"]).expanduser() / "models"
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache).expanduser() / "dgemma" / "models"
-
-
-@dataclass(frozen=True)
-class Entry:
-    repo: str  # OWNER/NAME
-    quant: str
-    path: Path
-    manifest: dict
-
-    @property
-    def name(self) -> str:
-        return f"{self.repo}:{self.quant}"
-
-    @property
-    def size(self) -> int:
-        return sum(int(f["size"]) for f in self.manifest.get("files", {}).values())
-
-
-def entry_dir(repo: str, quant: str) -> Path:
-    owner, name = repo.split("/")
-    return store_root() / f"{owner}--{name}--{quant}"
-
-
-def entries() -> list[Entry]:
-    """Every complete entry in the store (directories with a readable manifest), sorted by name."""
-    root = store_root()
-    out = []
-    if not root.is_dir():
-        return out
-    for d in sorted(root.iterdir()):
-        if not d.is_dir() or d.name.endswith(".partial") or d.name.startswith("."):
-            continue
-        try:
-            manifest = json.loads((d / MANIFEST).read_text())
-            store = manifest["store"]
-            out.append(Entry(store["repo"], store["quant"], d, manifest))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # not ours, or damaged: `dgemma list` ignores it
-    return out
-
-
-def find(ref: str) -> list[Entry]:
-    """Entries matching a store name `[OWNER/]NAME[:QUANT]` (names compare without regard to case)."""
-    m = STORE_NAME.match(ref)
-    if not m:
-        return []
-    owner, name, quant = m["owner"], m["name"].lower(), m["quant"]
-    found = []
-    for e in entries():
-        e_owner, e_name = e.repo.lower().split("/")
-        if name == e_name and (owner is None or owner.lower() == e_owner) and (quant is None or quant == e.quant):
-            found.append(e)
-    return found
-
-
-def looks_like_path(ref: str) -> bool:
-    return ref.startswith(("/", ".", "~")) or Path(ref).expanduser().is_dir()
-
-
-def resolve(ref: str, demo: Path) -> Path:
-    """A `--model` value -> a model directory (see the module docstring for the syntax)."""
-    if ref == "demo":
-        return demo
-    if looks_like_path(ref):
-        return Path(ref).expanduser()
-    m = STORE_NAME.match(ref)
-    if not m:
-        raise UsageError(f"{ref!r} is neither a model directory nor a store name ([OWNER/]NAME[:QUANT])")
-    if m["quant"] and m["quant"] not in QUANTS:
-        raise UsageError(f"{ref}: unknown format {m['quant']!r} (one of {', '.join(QUANTS)})")
-    found = find(ref)
-    if len(found) == 1:
-        return found[0].path
-    if len(found) > 1:
-        names = ", ".join(e.name for e in found)
-        raise UsageError(f"{ref} matches {len(found)} models in the store ({names}); add :QUANT to choose")
-    repo = f"{m['owner']}/{m['name']}" if m["owner"] else None
-    quant = f" --quant {m['quant']}" if m["quant"] else ""
-    hint = f"`dgemma pull {repo}{quant}` downloads it" if repo else "`dgemma list` shows what is there"
-    raise ModelError(f"{ref}: no such model directory, and not in the store ({store_root()}); {hint}")
 
 
 def describe(path: Path) -> dict:
@@ -192,6 +99,25 @@ def _store_as_is(snapshot: Path, out: Path, store_meta: dict, note) -> dict:
     return manifest
 
 
+def _check_stored_revision(e: Entry, revision: str, resolve_commit, note) -> None:
+    """`pull --revision REV` of a repo already in the store: nothing to do when the entry was made from the commit
+    REV names (a commit or its prefix is compared without asking the Hub); otherwise say what is there and how to
+    replace it. One entry per repository and format, so a second revision never sits beside the first."""
+    stored = str(e.manifest.get("store", {}).get("revision") or "")
+    rev = revision.lower()
+    if stored and (rev == stored or (len(rev) >= 7 and re.fullmatch(r"[0-9a-f]+", rev) and stored.startswith(rev))):
+        commit = stored
+    else:
+        commit = resolve_commit(e.repo, revision)
+    if stored and commit == stored:
+        note(f"{e.name} is already in the store at {revision} (commit {stored[:12]}, {e.path}); nothing to do")
+        return
+    at = f"commit {stored[:12]}" if stored else "an unrecorded commit"
+    raise UsageError(f"{e.name} is already in the store at {at}, not at {revision} (commit {commit[:12]}); to "
+                     f"replace it: `dgemma rm {e.name}`, then `dgemma pull {e.repo} --quant {e.quant} "
+                     f"--revision {revision}`")
+
+
 def pull(repo: str, quant: str = "auto", revision: str | None = None, policy: str = "experts",
          progress: bool = True, note=lambda s: sys.stderr.write(f"dgemma: {s}\n")) -> Entry | None:
     """Download `repo` and make its store entry in the requested format. Returns the entry (None when it was
@@ -213,7 +139,10 @@ def pull(repo: str, quant: str = "auto", revision: str | None = None, policy: st
     present = [e for e in entries() if e.repo.lower() == repo.lower() and quant in ("auto", e.quant)]
     if present:
         e = present[0]
-        note(f"{e.name} is already in the store ({e.path}); nothing to do")
+        if revision is None:
+            note(f"{e.name} is already in the store ({e.path}); nothing to do")
+            return None
+        _check_stored_revision(e, revision, hub.resolve_commit, note)
         return None
 
     decided: dict = {}

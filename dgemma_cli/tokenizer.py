@@ -74,12 +74,17 @@ def split_thought(text: str) -> tuple[str, str]:
 class Tokenizer:
     """A checkpoint's tokenizer.json plus its chat template."""
 
-    def __init__(self, tokenizer, chat_template: str, special_tokens: dict[str, str] | None = None):
-        """tokenizer: a `tokenizers.Tokenizer`; special_tokens: template variables like bos_token -> "<bos>"."""
+    def __init__(self, tokenizer, chat_template: str, special_tokens: dict[str, str] | None = None,
+                 template_origin: str | None = None):
+        """tokenizer: a `tokenizers.Tokenizer`; special_tokens: template variables like bos_token -> "<bos>";
+        template_origin: where the template came from, named when it does not compile."""
         self._tokenizer = tokenizer
         self.chat_template = chat_template
+        self.template_origin = template_origin
         self.special_tokens = dict(special_tokens or {})
-        self._template = _compile_template(chat_template)
+        # Compiled at first use, not here: raw text (`dgemma run --raw`, infill) never renders the template, so a
+        # broken one must not stop it. A template that does not compile fails the first chat render instead.
+        self._template = None
         # Every special added token (control tokens, placeholders), longest first so that no token is cut by
         # a shorter one that is its prefix. Used to clean decoded text.
         specials = sorted(
@@ -92,7 +97,8 @@ class Tokenizer:
         """Load tokenizer.json and the chat template from a model directory.
 
         The template comes from chat_template.jinja, else tokenizer_config.json's "chat_template", else
-        FALLBACK_CHAT_TEMPLATE. Raises ModelError when tokenizer.json is missing or unreadable.
+        FALLBACK_CHAT_TEMPLATE. Raises ModelError when tokenizer.json is missing or unreadable; a template that does
+        not compile raises (naming its file) only when a chat is rendered.
         """
         from tokenizers import Tokenizer as HFTokenizer
 
@@ -125,10 +131,7 @@ class Tokenizer:
                 value = value.get("content")
             if isinstance(value, str):
                 special_tokens[name] = value
-        try:
-            return cls(tokenizer, chat_template, special_tokens)
-        except ModelError as e:  # a template that does not compile
-            raise ModelError(f"{origin}: {e}") from None
+        return cls(tokenizer, chat_template, special_tokens, template_origin=origin)
 
     # --- tokens ---------------------------------------------------------------------------------------
 
@@ -198,10 +201,20 @@ class Tokenizer:
             "enable_thinking": enable_thinking,
             **kwargs,
         }
+        template = self.compiled_template()
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as e:
             raise UsageError(f"the chat template rejected the conversation: {e}") from None
+
+    def compiled_template(self):
+        """The chat template, compiled on first use; ModelError (naming where it came from) if it does not compile."""
+        if self._template is None:
+            try:
+                self._template = _compile_template(self.chat_template)
+            except ModelError as e:
+                raise ModelError(f"{self.template_origin}: {e}" if self.template_origin else str(e)) from None
+        return self._template
 
     def encode_chat(
         self, messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool = False, **kwargs

@@ -4,12 +4,15 @@ Config (from the engine issue): hidden 256, 6 layers (5 sliding : 1 full), 16 ex
 canvas 256, prompt 64 tokens, 16 fixed denoising steps per canvas (adaptive stopping disabled), float32.
 Both sides run after `torch.manual_seed(seed)` and must return the same token ids, or the script fails.
 Prints per-run seconds, ms per denoise step, and the speed ratio; `--json FILE` also writes the figures.
+torch is imported before dgemma_cli, so OpenMP keeps its own wait policy (dgemma_cli/device.py sets PASSIVE only
+when it is imported first): set OMP_WAIT_POLICY to measure another.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -88,14 +91,15 @@ def main() -> int:
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-                   f"torch {torch.__version__}",
+                   f"torch {torch.__version__}, OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'unset')}",
         "config": {**TEXT, "canvas": CANVAS, "prompt": PROMPT, "steps": STEPS, "dtype": "float32"},
         "reference_s": ref_s, "dgemma_s": dg_s,
         "reference_ms_per_step": 1000 * ref_s / STEPS, "dgemma_ms_per_step": 1000 * dg_s / STEPS,
         "speedup": ref_s / dg_s, "identical_tokens": True, "repeats": args.repeats,
     }
     print(f"config: hidden 256, 6 layers, 16 experts top-4, vocab 32768, canvas {CANVAS}, prompt {PROMPT}, "
-          f"{STEPS} fixed steps, float32, {torch.get_num_threads()} threads")
+          f"{STEPS} fixed steps, float32, {torch.get_num_threads()} threads, "
+          f"OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'unset')}")
     print(f"{'':12}{'s/run (median)':>16}{'ms/step':>10}   runs")
     for name, s in (("reference", ref_s), ("dgemma", dg_s)):
         runs = " ".join(f"{t:.3f}" for t in times[name])

@@ -1,8 +1,12 @@
 import os
 from pathlib import Path
 
-import pytest
-import torch
+# Before torch loads its OpenMP runtime: threads that sleep while they wait, as dgemma sets for itself
+# (dgemma_cli/device.py), so that the suite degrades gracefully on a machine shared with other busy processes.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Triton reads this once, at import: without a CUDA device its kernels run in the interpreter (tests/test_kernels.py).
 if not torch.cuda.is_available():

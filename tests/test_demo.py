@@ -59,6 +59,20 @@ def test_run_with_no_model_uses_the_demo(capsys):
     assert "demo model" in captured.err
 
 
+def test_the_demo_notice_says_what_the_demo_does(capsys):
+    """`dgemma run "hello"` on the default model: the one-line notice says the demo only upper-cases and shows a
+    prompt it answers, so an answer that is not English is explained."""
+    from cli_helpers import run_main
+
+    assert run_main(["run", "hello", "--seed", "0", "--device", "cpu", "--max-new-tokens", "4"]) == 0
+    notice = [line for line in capsys.readouterr().err.splitlines() if "demo model" in line]
+    assert len(notice) == 1, notice
+    assert "upper-cases" in notice[0] and '"upper: ' in notice[0] and "--model" in notice[0], notice[0]
+    example = notice[0].split('"')[1]  # the example it gives is one the demo answers
+    assert run_main(["run", example, "--seed", "0", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out == example[len("upper: "):].upper() + "\n"
+
+
 def test_tokens_per_forward_counts_only_what_the_answer_keeps():
     from dgemma_cli.engine import load
 

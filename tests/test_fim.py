@@ -166,6 +166,52 @@ def test_in_place_no_backup_leaves_no_orig(capsysbinary, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["home", "in.txt"]
 
 
+def test_a_second_in_place_run_never_overwrites_the_first_original(capsysbinary, tmp_path):
+    """FILE.orig keeps the file as it was before the first run; each later run keeps its own input in the next free
+    FILE.orig.N, and says where in one line."""
+    content = CASES["everything"]
+    f = tmp_path / "in.txt"
+    f.write_bytes(content)
+    f.chmod(0o640)
+    code, _, err = fim(capsysbinary, f, "--in-place")
+    assert code == 0 and ".orig" not in err, err  # the first run's backup is the expected FILE.orig: not said
+    orig = tmp_path / "in.txt.orig"
+    assert orig.read_bytes() == content
+    second = f.read_bytes() + BLOCK2  # the user adds a new hole and fills again
+    f.write_bytes(second)
+    code, _, err = fim(capsysbinary, f, "--in-place")
+    assert code == 0, err
+    assert orig.read_bytes() == content  # the true original, byte for byte
+    assert (tmp_path / "in.txt.orig.1").read_bytes() == second
+    (said,) = [line for line in err.splitlines() if ".orig" in line]  # one line
+    assert said.startswith("dgemma: ") and "in.txt.orig " in said and "in.txt.orig.1" in said and "kept" in said
+    third = f.read_bytes()
+    code, _, err = fim(capsysbinary, f, "--in-place", "--lines", "2:2")
+    assert code == 0, err
+    assert orig.read_bytes() == content and (tmp_path / "in.txt.orig.1").read_bytes() == second
+    assert (tmp_path / "in.txt.orig.2").read_bytes() == third and "in.txt.orig.2" in err
+    assert stat.S_IMODE((tmp_path / "in.txt.orig.2").stat().st_mode) == 0o640
+    assert sorted(os.listdir(tmp_path)) == ["home", "in.txt", "in.txt.orig", "in.txt.orig.1", "in.txt.orig.2"]
+
+
+def test_a_users_own_orig_file_is_kept(capsysbinary, tmp_path):
+    f = tmp_path / "in.txt"
+    f.write_bytes(BLOCK)
+    (tmp_path / "in.txt.orig").write_bytes(b"mine")
+    code, _, err = fim(capsysbinary, f, "--in-place")
+    assert code == 0, err
+    assert (tmp_path / "in.txt.orig").read_bytes() == b"mine"
+    assert (tmp_path / "in.txt.orig.1").read_bytes() == BLOCK
+
+
+def test_no_backup_without_in_place_is_refused(capsysbinary, tmp_path):
+    f, before = _setup_file(tmp_path, BLOCK)
+    for extra in ([], ["--stdout"]):
+        result = cli(capsysbinary, "fim", str(f), "--no-backup", *extra, "--model", str(tmp_path / "no-model"))
+        assert_error(result, 2, "--no-backup", "--in-place")  # before loading a model
+    assert snapshot(tmp_path) == before
+
+
 def test_in_place_and_stdout_give_the_same_file(capsysbinary, tmp_path):
     content = CASES["non-ascii"]
     f = tmp_path / "in.txt"
@@ -237,6 +283,48 @@ def test_dash_reads_stdin(capsysbinary, monkeypatch):
     code, out, err = cli(capsysbinary, "fim", "-", *DEMO)
     assert code == 0, err
     assert out.startswith(b"--- a/stdin\n+++ b/stdin\n@@ "), out
+
+
+def _empty_infill(monkeypatch, which: set[int]) -> None:
+    """Engine.infill returns nothing for the calls numbered in `which` (0-based) and generates the others."""
+    real, calls = engine_mod.Engine.infill, []
+
+    def infill(self, prefix, suffix, **kw):
+        calls.append(prefix)
+        return "" if len(calls) - 1 in which else real(self, prefix, suffix, **kw)
+
+    monkeypatch.setattr(engine_mod.Engine, "infill", infill)
+
+
+def test_holes_filled_with_nothing_are_named_on_stderr(capsysbinary, tmp_path, monkeypatch):
+    content = BLOCK + b"\n" + BLOCK2 + b"\n" + BLOCK  # holes on lines 2, 5 and 8
+    f = tmp_path / "in.txt"
+    f.write_bytes(content)
+    _empty_infill(monkeypatch, {1, 2})
+    code, out, err = fim(capsysbinary, f, "--stdout")
+    assert code == 0, err  # the exit code is unchanged
+    first, second, third = middles(content, out)
+    assert first and second == b"" and third == b""
+    assert err == "dgemma: " + str(f) + ": the model produced no text for 2 of 3 holes (lines 5, 8); they are " \
+                  "now empty\n", err
+
+
+def test_a_single_empty_hole_is_named(capsysbinary, tmp_path, monkeypatch):
+    f = tmp_path / "in.txt"
+    f.write_bytes(BLOCK)
+    _empty_infill(monkeypatch, {0})
+    code, out, err = fim(capsysbinary, f, "--in-place")
+    assert code == 0, err
+    assert f.read_bytes() == b"upper: hello diffusions\nHELLO USIONS\n"
+    assert err == f"dgemma: {f}: the model produced no text for the hole on line 2; it is now empty\n", err
+
+
+def test_filled_holes_say_nothing(capsysbinary, tmp_path):
+    f = tmp_path / "in.txt"
+    f.write_bytes(BLOCK)
+    code, out, err = fim(capsysbinary, f)
+    assert code == 0 and err == "", err
+    assert b"\n+HELLO DIFFUSIONS\n" in out
 
 
 # ----------------------------------------------------------------------------------------------- 3. holes, lines
@@ -404,7 +492,8 @@ def test_in_place_interrupted_while_writing(capsysbinary, tmp_path, monkeypatch,
     temporary file is removed."""
     import dgemma_cli.fim as fim_mod
 
-    f, before = _setup_file(tmp_path)
+    # a hole the demo model fills (text before `upper:` makes it fill nothing, which is said on stderr)
+    f, before = _setup_file(tmp_path, BLOCK + "\t\u00e9 \u65e5\u672c \U0001F389\r\nend \u00e9".encode())
     real_replace = os.replace
     victim = f.name + ".orig" if target == "backup" else f.name
 

@@ -40,7 +40,7 @@ def test_linear_kernels_match_reference(rows, dtype):
     from quant.kernels.nvfp4_linear import nvfp4_linear
 
     g = torch.Generator().manual_seed(rows)
-    N, K = 80, 96  # N not a multiple of the 64-wide tile, K not of the 64-deep one
+    N, K = 80, 96  # N not a multiple of the 64-wide tile (a masked one); K = 96 runs as three whole 32-deep tiles
     w = torch.randn(N, K, generator=g)
     x = torch.randn(rows, K, generator=g).to(dtype).to(DEVICE)
     q = nvfp4.quantize(w, search=True)
@@ -180,7 +180,7 @@ MOE_CASES = [(t, "uniform") for t in ROWS] + [(t, load) for t in ROWS if t <= 33
 @pytest.mark.parametrize("tokens,load", MOE_CASES)
 def test_fused_moe_matches_reference(fmt, tokens, load):
     g = torch.Generator().manual_seed(tokens)
-    E, H, I, K = 6, 64, 48, 2  # I not a multiple of the 64-wide tile
+    E, H, I, K = 6, 64, 48, 2  # I = 48: gate-up tiles shrink to 16 wide (whole); down's 128-wide tile over H is masked
     gu, dn = build_stacks(fmt, E, H, I, g)
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(tokens, H, generator=g).to(dtype).to(DEVICE)
@@ -200,7 +200,8 @@ def test_fused_moe_matches_reference(fmt, tokens, load):
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "int8"])
 def test_fused_moe_masked_tiles(fmt):
-    """Hidden 48 and width 80: partial K tiles in both kernels (32-deep tiles, 16 left over)."""
+    """Hidden 48 and width 80: the tiles shrink to 16 to fit whole (moe_gate_up.candidates), so the gate-up kernel runs
+    unmasked; the down kernel masks its 128-wide tile over hidden 48."""
     g = torch.Generator().manual_seed(5)
     E, H, I, K = 5, 48, 80, 3
     gu, dn = build_stacks(fmt, E, H, I, g)

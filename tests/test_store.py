@@ -111,6 +111,45 @@ def test_pull_auto_picks_by_free_memory(served, monkeypatch, capsys, checkpoints
     assert "already in the store" in capsys.readouterr().err
 
 
+def test_pull_revision_of_an_entry_already_there_is_never_ignored(served, tmp_path, capsys):
+    """`pull --revision REV` with the entry present: nothing to do when REV is the entry's commit (said, with the
+    commit); otherwise one error line saying which commit is there and how to replace it. The entry is untouched."""
+    assert run_main(["pull", REPO, "--quant", "int8"]) == 0
+    (entry,) = store.entries()
+    first = entry.manifest["store"]["revision"]
+    assert first == served.repos[REPO].sha
+    capsys.readouterr()
+    for rev in ("main", first, first[:10].upper()):  # a branch naming it, the commit, a prefix of it
+        served.clear()
+        assert run_main(["pull", REPO, "--quant", "int8", "--revision", rev]) == 0
+        err = capsys.readouterr().err
+        assert "already in the store" in err and first[:12] in err and rev in err, err
+        assert not [r for r in served.requests if "/resolve/" in r.path]  # nothing downloaded
+    # main moves to a new commit: the stored entry is at another revision
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    for f in (tmp_path / "repo").iterdir():
+        (moved / f.name).write_bytes(f.read_bytes())
+    (moved / "README.md").write_text("a second commit\n")
+    second = serve_directory(served, REPO, moved).sha
+    assert second != first
+    for rev in ("main", second):
+        served.clear()
+        assert run_main(["pull", REPO, "--quant", "int8", "--revision", rev]) == 2
+        msg = one_error_line(capsys)
+        assert f"commit {first[:12]}" in msg and f"not at {rev} (commit {second[:12]})" in msg, msg
+        assert f"`dgemma rm {REPO}:int8`, then `dgemma pull {REPO} --quant int8 --revision {rev}`" in msg, msg
+        assert not [r for r in served.requests if "/resolve/" in r.path]
+    assert run_main(["pull", REPO, "--quant", "int8", "--revision", "v9"]) == 1  # no such revision: the Hub says
+    assert "no revision 'v9'" in one_error_line(capsys)
+    assert store.entries() == [entry]
+    # the way the message gives: the new revision replaces the entry
+    assert run_main(["rm", f"{REPO}:int8", "--yes"]) == 0
+    assert run_main(["pull", REPO, "--quant", "int8", "--revision", "main"]) == 0
+    (entry,) = store.entries()
+    assert entry.manifest["store"]["revision"] == second
+
+
 def test_published_nvfp4_is_stored_as_published(fake_hub, checkpoints, tmp_path, capsys):  # noqa: F811
     write_modelopt_checkpoint(checkpoints["five_to_one"], tmp_path / "published")
     serve_directory(fake_hub, "vendor/tiny-NVFP4", tmp_path / "published")
@@ -176,6 +215,25 @@ def test_model_names_resolve_or_say_how(checkpoints, capsys):
     assert run_main(["rm", str(checkpoints["five_to_one"]), "--yes"]) == 2  # never a directory outside the store
     assert "not in the store" in one_error_line(capsys)
     assert Path(checkpoints["five_to_one"], "config.json").is_file()
+
+
+def test_rm_demo_says_the_bundled_model_cannot_be_removed(capsys):
+    from dgemma_cli.engine import DEMO_MODEL
+
+    assert run_main(["rm", "demo", "--yes"]) == 2
+    msg = one_error_line(capsys)
+    assert "bundled demo model" in msg and "cannot be removed" in msg and "not in the store" not in msg, msg
+    assert (DEMO_MODEL / "model.safetensors").is_file()
+    # a store entry named demo: 'demo' still means the bundled model (as for --model); its full name removes it
+    d = store.entry_dir("acme/demo", "int8")
+    d.mkdir(parents=True)
+    (d / store.MANIFEST).write_text(json.dumps({"store": {"repo": "acme/demo", "quant": "int8"}, "files": {}}))
+    assert run_main(["rm", "demo", "--yes"]) == 2
+    msg = one_error_line(capsys)
+    assert "cannot be removed" in msg and "acme/demo:int8" in msg and "full name" in msg, msg
+    assert d.is_dir()
+    assert run_main(["rm", "acme/demo", "--yes"]) == 0
+    assert not d.exists() and store.entries() == []
 
 
 # ----------------------------------------------------------------------------- dgemma quantize

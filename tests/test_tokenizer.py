@@ -209,11 +209,14 @@ def test_damaged_tokenizer_json(tmp_path):
     assert "\n" not in str(info.value)
 
 
-def test_broken_template_names_its_file(tmp_path):
+def test_broken_template_names_its_file_when_a_chat_is_rendered(tmp_path):
+    """A template that does not compile fails the chat render, naming its file; raw text never needs it."""
     build_tokenizer_files(tmp_path)
     (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}")
+    tok = Tokenizer.from_dir(tmp_path)
+    assert tok.decode(tok.encode("hello world")) == "hello world"
     with pytest.raises(ModelError, match="chat_template.jinja"):
-        Tokenizer.from_dir(tmp_path)
+        tok.encode_chat([{"role": "user", "content": "hi"}])
 
 
 def test_module_does_not_import_torch():

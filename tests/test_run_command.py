@@ -1,0 +1,324 @@
+"""`dgemma run` as a new user meets it (issue 12): finished work survives Ctrl-C and arrives as it is done, an
+empty answer is said, no flag is silently ignored, cheap flags fail before torch loads, and what people coming
+from ollama, llm or llama.cpp type works (-h, unquoted words, --quiet).
+
+The demo model answers `upper: <16 characters>` prompts; with --seed 0 each batch of LINES is answered exactly.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from cli_helpers import run_main
+
+LINES = ["upper: hello diffusions", "", "upper: abc def 12 ghijk", "upper: 940 c wzvu 505 h"]
+EXPECTED = ["HELLO DIFFUSIONS", "", "ABC DEF 12 GHIJK", "940 C WZVU 505 H"]
+DEMO = ["--model", "demo", "--device", "cpu", "--seed", "0"]
+
+
+def cli(capsys, monkeypatch, *args: str, stdin: str | None = None) -> tuple[int, str, str]:
+    """`dgemma ARGS` in-process: (exit code, stdout, stderr)."""
+    if stdin is not None:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    capsys.readouterr()
+    code = run_main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_error_line(err: str, *fragments: str) -> str:
+    assert "Traceback" not in err, err
+    assert err.startswith("dgemma: error: ") and err.count("\n") == 1 and err.endswith("\n"), repr(err)
+    for f in fragments:
+        assert f in err, (f, err)
+    return err
+
+
+# ------------------------------------------------------------------ 1. Ctrl-C keeps finished work; per batch
+
+
+def _reader(stream, q: queue.Queue) -> None:
+    for line in stream:
+        q.put(line)
+    q.put(None)  # end of output
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_each_line_writes_each_batch_when_done_and_ctrl_c_keeps_them(as_json):
+    """A real process in a pipe: the first batch's answers arrive while later batches are still being generated
+    (the process is still running); Ctrl-C (SIGINT to its process group, as a terminal sends it) then ends it
+    with 130 and one line on stderr, and every answer written so far is there, whole and in input order."""
+    repeats = 500  # 500 batches of 3 prompts (about 15 ms each on an idle CPU): seconds of work after the first
+    stdin = "\n".join(LINES * repeats) + "\n"
+    args = [sys.executable, "-m", "dgemma_cli", "run", "--each-line", *DEMO, "--batch-size", "3"]
+    args += ["--json"] if as_json else []
+    p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    q: queue.Queue = queue.Queue()
+    threading.Thread(target=_reader, args=(p.stdout, q), daemon=True).start()
+    try:
+        p.stdin.write(stdin)
+        p.stdin.close()
+        first = [q.get(timeout=300) for _ in range(len(LINES))]  # one batch: its 3 answers and the blank line
+        assert None not in first, first
+        running = p.poll() is None  # the answers came before the work was done: per batch, not at the end
+        os.killpg(p.pid, signal.SIGINT)
+        code = p.wait(timeout=120)
+        err = p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    rest = []
+    while (line := q.get(timeout=30)) is not None:
+        rest.append(line)
+    out = first + rest
+    assert running, "the first batch's answers arrived only when the whole input was done"
+    assert code == 130, (code, err)
+    n = len(out)
+    one_error_line(err, "interrupted", f"answering {n} of {len(LINES) * repeats} lines")
+    assert all(line.endswith("\n") for line in out), out[-1:]  # whole lines only
+    assert n % len(LINES) == 0 and len(LINES) <= n < len(LINES) * repeats, n  # whole batches, not all of them
+    for i, line in enumerate(out):
+        if as_json:
+            row = json.loads(line)
+            assert (row["prompt"], row["text"]) == (LINES[i % 4], EXPECTED[i % 4]), (i, row)
+        else:
+            assert line == EXPECTED[i % 4] + "\n", (i, line)
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_each_line_writes_a_batch_before_the_next_is_generated(capsys, monkeypatch, as_json):
+    """In-process and without timing: when batch k starts, stdout holds exactly the answers of batches 1..k-1."""
+    from dgemma_cli.engine import Engine
+
+    real = Engine.generate
+    new_output = []  # what reached stdout since the previous batch started
+
+    def spy(self, prompts, **kwargs):
+        new_output.append(capsys.readouterr().out)
+        return real(self, prompts, **kwargs)
+
+    monkeypatch.setattr(Engine, "generate", spy)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(LINES * 3) + "\n"))
+    capsys.readouterr()
+    code = run_main(["run", "--each-line", *DEMO, "--batch-size", "3", *(["--json"] if as_json else [])])
+    new_output.append(capsys.readouterr().out)
+    assert code == 0
+    assert len(new_output) == 4 and new_output[0] == ""  # nothing before the first batch; then one batch each
+    for chunk in new_output[1:]:
+        rows = chunk.splitlines()
+        got = [json.loads(r).get("text") for r in rows] if as_json else rows
+        assert got == EXPECTED, chunk
+
+
+def _interrupt_after_first_canvas(monkeypatch) -> None:
+    import dgemma_cli.engine as engine_mod
+    from dgemma_cli.sampler import CanvasDone
+
+    real = engine_mod.generate_events
+
+    def interrupted(*args, **kwargs):
+        for ev in real(*args, **kwargs):
+            yield ev
+            if isinstance(ev, CanvasDone):
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine_mod, "generate_events", interrupted)
+
+
+def test_ctrl_c_with_json_prints_the_finished_canvases_as_a_json_object(capsys, monkeypatch):
+    code, out, err = cli(capsys, monkeypatch, "run", "upper: hello diffusions", *DEMO, "--json")
+    assert code == 0, err
+    whole = json.loads(out)
+    _interrupt_after_first_canvas(monkeypatch)
+    code, out, err = cli(capsys, monkeypatch, "run", "upper: hello diffusions", *DEMO, "--json")
+    assert code == 130
+    one_error_line(err, "interrupted")
+    part = json.loads(out)
+    assert part["interrupted"] is True
+    assert part["text"] == "HELLO DIFFUSIONS"
+    # the demo's answer fits one canvas: what was finished is the whole answer, cut and counted the same way
+    for key in ("text", "thought", "token_ids", "prompt_token_ids", "canvases", "tokens_per_forward"):
+        assert part[key] == whole[key], key
+
+
+# ------------------------------------------------------------------ 2. an empty answer is said
+
+
+def _answers_end_at_once(monkeypatch) -> None:
+    """The model ends every answer at its first position (what an empty answer is), through the real engine."""
+    import dgemma_cli.engine as engine_mod
+    from dgemma_cli.sampler import Done
+
+    real = engine_mod.generate_events
+
+    def empty(*args, **kwargs):
+        for ev in real(*args, **kwargs):
+            if isinstance(ev, Done):
+                ev.token_ids = [[] for _ in ev.token_ids]
+            yield ev
+
+    monkeypatch.setattr(engine_mod, "generate_events", empty)
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_empty_answer_is_said_on_stderr(capsys, monkeypatch, as_json):
+    _answers_end_at_once(monkeypatch)
+    code, out, err = cli(capsys, monkeypatch, "run", "upper: hello diffusions", *DEMO,
+                         *(["--json"] if as_json else []))
+    assert code == 0, err
+    if as_json:
+        assert json.loads(out)["text"] == ""
+    else:
+        assert out == "\n"  # stdout stays an answer: the empty one
+    assert err == "dgemma: the model produced no text\n"
+    code, out, err = cli(capsys, monkeypatch, "run", "upper: hello diffusions", *DEMO, "--quiet",
+                         *(["--json"] if as_json else []))
+    assert (code, err) == (0, "")
+
+
+def test_empty_answers_in_each_line_are_said_by_line(capsys, monkeypatch):
+    _answers_end_at_once(monkeypatch)
+    code, out, err = cli(capsys, monkeypatch, "run", "--each-line", *DEMO, stdin="\n".join(LINES) + "\n")
+    assert code == 0, err
+    assert out == "\n" * 4
+    assert err.splitlines() == [f"dgemma: line {i}: the model produced no text" for i in (1, 3, 4)]
+
+
+def test_an_answer_with_text_has_no_notice(capsys, monkeypatch):
+    code, out, err = cli(capsys, monkeypatch, "run", "upper: hello diffusions", *DEMO)
+    assert (code, out, err) == (0, "HELLO DIFFUSIONS\n", "")
+
+
+# ------------------------------------------------------------------ 3. no flag silently ignored
+
+
+def test_batch_size_without_each_line_is_refused(capsys, monkeypatch):
+    code, out, err = cli(capsys, monkeypatch, "run", "upper: hello diffusions", *DEMO, "--batch-size", "4")
+    assert (code, out) == (2, "")
+    one_error_line(err, "--batch-size", "--each-line")
+
+
+@pytest.mark.parametrize("view", ["live", "plain"])
+def test_view_with_each_line_is_refused(capsys, monkeypatch, view):
+    """--view draws one prompt's canvas: with --each-line it did nothing, so it is refused there."""
+    code, out, err = cli(capsys, monkeypatch, "run", "--each-line", *DEMO, "--view", view, stdin=LINES[0] + "\n")
+    assert (code, out) == (2, "")
+    one_error_line(err, "--view", "--each-line")
+
+
+def test_view_without_each_line_is_used(capsys, monkeypatch):
+    """Without --each-line --view does what it says (so it is not refused there): plain prints progress."""
+    code, out, err = cli(capsys, monkeypatch, "run", "upper: hello diffusions", *DEMO, "--view", "plain")
+    assert (code, out) == (0, "HELLO DIFFUSIONS\n")
+    assert err.startswith("dgemma: canvas 1 done in ")
+    code, out, err = cli(capsys, monkeypatch, "run", "--each-line", *DEMO, "--view", "none", stdin=LINES[0] + "\n")
+    assert (code, out, err) == (0, "HELLO DIFFUSIONS\n", "")
+
+
+def test_raw_does_not_need_the_chat_template(capsys, monkeypatch, tmp_path):
+    """--raw never renders the chat template, so a broken one does not stop it; chat mode names the file."""
+    from dgemma_cli.engine import DEMO_MODEL
+
+    model = tmp_path / "demo-broken-template"
+    shutil.copytree(DEMO_MODEL, model)
+    (model / "chat_template.jinja").write_text("{% for m in messages %}")  # does not compile
+    code, out, err = cli(capsys, monkeypatch, "run", "upper: hello diffusions", "--model", str(model), "--raw",
+                         "--device", "cpu", "--seed", "0", "--json")
+    assert code == 0, err
+    assert json.loads(out)["prompt_token_ids"]
+    code, out, err = cli(capsys, monkeypatch, "run", "upper: hello diffusions", "--model", str(model),
+                         "--device", "cpu")
+    assert (code, out) == (1, "")
+    one_error_line(err, "chat_template.jinja", "syntax error")
+
+
+@pytest.mark.parametrize("value", ["bogus", "/no/such/model/dir"])
+def test_bad_dgemma_model_names_the_variable(capsys, monkeypatch, value):
+    monkeypatch.setenv("DGEMMA_MODEL", value)
+    code, out, err = cli(capsys, monkeypatch, "run", "upper: hello diffusions", "--device", "cpu")
+    assert (code, out) == (1, "")
+    one_error_line(err, "DGEMMA_MODEL", value)
+
+
+def test_dgemma_model_is_used(capsys, monkeypatch):
+    monkeypatch.setenv("DGEMMA_MODEL", "demo")
+    code, out, err = cli(capsys, monkeypatch, "run", "upper: hello diffusions", "--device", "cpu", "--seed", "0")
+    assert (code, out, err) == (0, "HELLO DIFFUSIONS\n", "")
+
+
+@pytest.mark.parametrize("flag,value", [("--device", "tpu"), ("--device", "cuda:x"), ("--dtype", "float64")])
+def test_bad_device_or_dtype_fails_before_torch_is_imported(flag, value):
+    code = ("import sys\nfrom dgemma_cli.cli import main\n"
+            f"try:\n    main(['run', 'upper: hello diffusions', '--model', 'demo', {flag!r}, {value!r}])\n"
+            "except SystemExit as e:\n    sys.stdout.write(f'{e.code} {\"torch\" in sys.modules}')\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       stdin=subprocess.DEVNULL)
+    assert p.stdout == "2 False", (p.stdout, p.stderr)
+    one_error_line(p.stderr, flag, value)
+
+
+# ------------------------------------------------------------------ 4. what people coming from ollama/llm expect
+
+
+def test_dash_h_is_help_on_every_command(capsys, monkeypatch):
+    import typer
+
+    from dgemma_cli.cli import app
+
+    commands = sorted(typer.main.get_command(app).commands)
+    assert {"run", "chat", "fim", "pull", "list", "info", "rm", "quantize", "bench"} <= set(commands)
+    for args in [["-h"]] + [[c, "-h"] for c in commands]:
+        code, out, err = cli(capsys, monkeypatch, *args)
+        assert (code, err) == (0, ""), (args, err)
+        assert out.startswith("Usage") and "-h, --help" in out, args
+
+
+def test_several_unquoted_words_are_one_prompt(capsys, monkeypatch):
+    code, quoted, err = cli(capsys, monkeypatch, "run", "upper: hello diffusions", *DEMO, "--json")
+    assert code == 0, err
+    code, words, err = cli(capsys, monkeypatch, "run", "upper:", "hello", "diffusions", *DEMO, "--json")
+    assert code == 0, err
+    assert json.loads(words)["prompt_token_ids"] == json.loads(quoted)["prompt_token_ids"]
+    assert json.loads(words)["text"] == "HELLO DIFFUSIONS"
+    code, out, err = cli(capsys, monkeypatch, "run", *DEMO, "upper:", "hello", "diffusions")
+    assert (code, out) == (0, "HELLO DIFFUSIONS\n")  # options before the words too
+
+
+@pytest.mark.parametrize("args", [[], ["-"]], ids=["absent", "dash"])
+def test_stdin_prompt_still_works(capsys, monkeypatch, args):
+    code, out, err = cli(capsys, monkeypatch, "run", *args, *DEMO, stdin="upper: hello diffusions\n")
+    assert (code, out) == (0, "HELLO DIFFUSIONS\n"), err
+
+
+def test_quiet_leaves_stderr_to_errors(capsys, monkeypatch):
+    # without --model the demo model is announced on stderr; --quiet drops that notice
+    code, out, err = cli(capsys, monkeypatch, "run", "upper: hello diffusions", "--device", "cpu", "--seed", "0")
+    assert code == 0 and "demo model" in err
+    code, out, err = cli(capsys, monkeypatch, "run", "upper: hello diffusions", "--device", "cpu", "--seed", "0",
+                         "--quiet")
+    assert (code, out, err) == (0, "HELLO DIFFUSIONS\n", "")
+    code, out, err = cli(capsys, monkeypatch, "run", "--each-line", "-q", "--device", "cpu", "--seed", "0",
+                         stdin="\n".join(LINES) + "\n")
+    assert (code, out.splitlines(), err) == (0, EXPECTED, "")
+    # errors still speak
+    code, out, err = cli(capsys, monkeypatch, "run", "x", "--quiet", "--model", "demo", "--device", "tpu")
+    assert (code, out) == (2, "")
+    one_error_line(err, "--device")
+
+
+def test_quiet_refuses_a_view(capsys, monkeypatch):
+    code, out, err = cli(capsys, monkeypatch, "run", "x", *DEMO, "--quiet", "--view", "plain")
+    assert (code, out) == (2, "")
+    one_error_line(err, "--quiet and --view plain exclude each other")
