@@ -22,10 +22,11 @@ from . import int8, nvfp4
 from .kernels import use_triton
 from .kernels.probe import family_ok
 
+
 def w4a4(device: torch.device) -> bool:
-    """NVFP4 linears multiply FP4 activations (W4A4, quantized per token on the fly) where the GPU has FP4 tensor
-    cores, sm_100 and sm_120, unless DGEMMA_W4A4=0; elsewhere (and on the CPU) 16-bit activations. W4A4 trades
-    accuracy for math throughput: see README, Quantized formats."""
+    """NVFP4 linears and experts multiply FP4 activations (W4A4, quantized per token on the fly) where the GPU has
+    FP4 tensor cores, sm_100 and sm_120, unless DGEMMA_W4A4=0; elsewhere (and on the CPU) 16-bit activations. W4A4
+    trades accuracy for math throughput: see README, Speed, and BENCHMARKS.md."""
     import os
 
     from .kernels.nvfp4_w4a4 import supported
@@ -104,8 +105,9 @@ class Int8Linear(nn.Module):
 def fused_experts(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor) -> torch.Tensor | None:
     """The routed experts through the fused Triton kernels (x [T, H] -> [T, H]), or None when DGEMMA_KERNELS selects
-    the reference for x's device (the caller then dequantizes and runs its grouped matmuls). The launch settings,
-    rows per block among them, come from the kernels' candidates, tuned on first use per GPU (kernels/tuning.py)."""
+    the reference for x's device (the caller then dequantizes and runs its grouped matmuls). NVFP4 experts take W4A4
+    where `w4a4` says so. The launch settings, rows per block among them, come from the kernels' candidates, tuned
+    on first use per GPU (kernels/tuning.py)."""
     if not use_triton(x.device):
         return None
     if (gate_up.format == "nvfp4" and gate_up.shape[2] % 64 == 0 and down.shape[2] % 64 == 0 and w4a4(x.device)
