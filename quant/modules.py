@@ -188,6 +188,20 @@ class NVFP4Stack(_Stack):
                                                          dtype=torch.float8_e4m3fn, device=device))
         self.register_buffer("weight_scale_2", torch.empty(num, segments, dtype=torch.float32, device=device))
 
+    @classmethod
+    def from_weights(cls, w: torch.Tensor, segments: int = 1, search: bool = False) -> NVFP4Stack:
+        """Quantize float weights [E, N, K]: each expert's row segments with their own global scale (ModelOpt
+        keeps gate and up apart), block scales by absmax or, with `search`, the best of a few (nvfp4.quantize)."""
+        E, N, K = w.shape
+        stack, seg = cls(E, N, K, segments=segments), N // segments
+        for e in range(E):
+            for j in range(segments):
+                rows = slice(j * seg, (j + 1) * seg)
+                q = nvfp4.quantize(w[e, rows], search=search)
+                stack.weight[e, rows], stack.weight_scale[e, rows], stack.weight_scale_2[e, j] = (
+                    q.weight, q.weight_scale, q.weight_scale_2)
+        return stack
+
     def row_scale_2(self, lo: int, hi: int) -> torch.Tensor:
         """[hi-lo, N] global scale of every row of experts lo..hi."""
         return self.weight_scale_2[lo:hi].repeat_interleave(self.shape[1] // self.segments, dim=1)
@@ -206,6 +220,16 @@ class Int8Stack(_Stack):
         self.shape = (num, out_features, in_features)
         self.register_buffer("weight", torch.empty(num, out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("weight_scale", torch.empty(num, out_features, dtype=torch.float32, device=device))
+
+    @classmethod
+    def from_weights(cls, w: torch.Tensor) -> Int8Stack:
+        """Quantize float weights [E, N, K], one scale per row (int8.quantize)."""
+        E, N, K = w.shape
+        stack = cls(E, N, K)
+        for e in range(E):
+            q = int8.quantize(w[e])
+            stack.weight[e], stack.weight_scale[e] = q.weight, q.weight_scale
+        return stack
 
     def dequantize_experts(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
         return int8.dequantize_packed(self.weight[lo:hi], self.weight_scale[lo:hi], dtype)

@@ -125,25 +125,13 @@ def test_w4a4_experts_match_emulation(tokens, load, monkeypatch):
 
 
 def build_stacks(fmt: str, E: int, H: int, I: int, g: torch.Generator):
-    """Quantized expert stacks and their dequantized float32 weights (gate/up with separate global scales)."""
+    """Quantized expert stacks from random weights (NVFP4: gate and up with their own global scales, searched block
+    scales for them)."""
     gu_w, dn_w = torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1
     if fmt == "nvfp4":
-        gu, dn = NVFP4Stack(E, 2 * I, H, segments=2), NVFP4Stack(E, H, I)
-        for e in range(E):
-            for j in range(2):
-                q = nvfp4.quantize(gu_w[e, j * I:(j + 1) * I], search=True)
-                sl = slice(j * I, (j + 1) * I)
-                gu.weight[e, sl], gu.weight_scale[e, sl], gu.weight_scale_2[e, j] = (
-                    q.weight, q.weight_scale, q.weight_scale_2)
-            q = nvfp4.quantize(dn_w[e])
-            dn.weight[e], dn.weight_scale[e], dn.weight_scale_2[e, 0] = q.weight, q.weight_scale, q.weight_scale_2
+        gu, dn = NVFP4Stack.from_weights(gu_w, segments=2, search=True), NVFP4Stack.from_weights(dn_w)
     else:
-        gu, dn = Int8Stack(E, 2 * I, H), Int8Stack(E, H, I)
-        for e in range(E):
-            q = int8.quantize(gu_w[e])
-            gu.weight[e], gu.weight_scale[e] = q.weight, q.weight_scale
-            q = int8.quantize(dn_w[e])
-            dn.weight[e], dn.weight_scale[e] = q.weight, q.weight_scale
+        gu, dn = Int8Stack.from_weights(gu_w), Int8Stack.from_weights(dn_w)
     return gu.to(DEVICE), dn.to(DEVICE)
 
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from cli_helpers import run_main
+from cli_helpers import interrupt_after_first_canvas, run_main
 
 LINES = "upper: hello diffusions\n\nupper: abc def 12 ghijk\nupper: 940 c wzvu 505 h\n"
 EXPECTED = ["HELLO DIFFUSIONS", "", "ABC DEF 12 GHIJK", "940 C WZVU 505 H"]
@@ -50,18 +50,7 @@ def test_each_line_usage_errors(capsys, monkeypatch, stdin, args):
 
 def test_ctrl_c_keeps_the_finished_canvases_and_exits_130(capsys, monkeypatch):
     """Ctrl-C while a second canvas is being denoised: the first canvas's text is printed, then exit 130."""
-    import dgemma_cli.engine as engine_mod
-    from dgemma_cli.sampler import CanvasDone
-
-    real = engine_mod.generate_events
-
-    def interrupted(*args, **kwargs):
-        for ev in real(*args, **kwargs):
-            yield ev
-            if isinstance(ev, CanvasDone):
-                raise KeyboardInterrupt
-
-    monkeypatch.setattr(engine_mod, "generate_events", interrupted)
+    interrupt_after_first_canvas(monkeypatch)
     code, out, err = run(capsys, monkeypatch, "upper: hello diffusions\n", "--view", "none")
     assert code == 130
     assert out == "HELLO DIFFUSIONS\n"

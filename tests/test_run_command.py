@@ -19,7 +19,7 @@ import threading
 
 import pytest
 
-from cli_helpers import run_main
+from cli_helpers import interrupt_after_first_canvas, run_main
 
 LINES = ["upper: hello diffusions", "", "upper: abc def 12 ghijk", "upper: 940 c wzvu 505 h"]
 EXPECTED = ["HELLO DIFFUSIONS", "", "ABC DEF 12 GHIJK", "940 C WZVU 505 H"]
@@ -122,26 +122,11 @@ def test_each_line_writes_a_batch_before_the_next_is_generated(capsys, monkeypat
         assert got == EXPECTED, chunk
 
 
-def _interrupt_after_first_canvas(monkeypatch) -> None:
-    import dgemma_cli.engine as engine_mod
-    from dgemma_cli.sampler import CanvasDone
-
-    real = engine_mod.generate_events
-
-    def interrupted(*args, **kwargs):
-        for ev in real(*args, **kwargs):
-            yield ev
-            if isinstance(ev, CanvasDone):
-                raise KeyboardInterrupt
-
-    monkeypatch.setattr(engine_mod, "generate_events", interrupted)
-
-
 def test_ctrl_c_with_json_prints_the_finished_canvases_as_a_json_object(capsys, monkeypatch):
     code, out, err = cli(capsys, monkeypatch, "run", "upper: hello diffusions", *DEMO, "--json")
     assert code == 0, err
     whole = json.loads(out)
-    _interrupt_after_first_canvas(monkeypatch)
+    interrupt_after_first_canvas(monkeypatch)
     code, out, err = cli(capsys, monkeypatch, "run", "upper: hello diffusions", *DEMO, "--json")
     assert code == 130
     one_error_line(err, "interrupted")

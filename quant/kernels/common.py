@@ -124,6 +124,15 @@ def nvfp4_operand(tile, dtype: tl.constexpr):
 
 
 @triton.jit
+def block_rows(ids_ptr, pid_b, BLOCK_M: tl.constexpr):
+    """The rows of block pid_b of the MoE block plan (routing.py): (slots [BLOCK_M], assignment ids t*K + k,
+    live: False on the plan's padding rows, whose id is -1)."""
+    slots = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
+    ids = tl.load(ids_ptr + slots)
+    return slots, ids, ids >= 0
+
+
+@triton.jit
 def gelu_tanh(x):
     """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), float32; tanh(z) = 1 - 2 / (exp(2z) + 1)."""
     z = 0.7978845608028654 * (x + 0.044715 * x * x * x)

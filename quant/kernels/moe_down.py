@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .common import dot_acc, store_rounded, to_compute
+from .common import block_rows, dot_acc, store_rounded
 from .moe_gate_up import row_factor, weight_tile
 
 
@@ -33,9 +33,7 @@ def moe_down_kernel(h_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, ys_p
     e = tl.load(block_expert_ptr + pid_b)
     if e >= E:
         return
-    slots = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
-    ids = tl.load(ids_ptr + slots)
-    live = ids >= 0
+    slots, ids, live = block_rows(ids_ptr, pid_b, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of H
     dtype = ys_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

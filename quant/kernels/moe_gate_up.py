@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from . import arch, interpreting, shared_b_operand
-from .common import dot_acc, gelu_tanh, load_nvfp4_tile, nvfp4_operand, pair_order, store_rounded, to_compute
+from .common import (block_rows, dot_acc, gelu_tanh, load_nvfp4_tile, nvfp4_operand, pair_order, store_rounded,
+                     to_compute)
 from .routing import moe_blocks  # noqa: F401  (re-exported for callers)
 
 
@@ -65,9 +66,7 @@ def moe_gate_up_kernel(x_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, h
     e = tl.load(block_expert_ptr + pid_b)
     if e >= E:
         return
-    slots = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
-    ids = tl.load(ids_ptr + slots)
-    live = ids >= 0
+    slots, ids, live = block_rows(ids_ptr, pid_b, BLOCK_M)
     tok = tl.where(live, ids // TOPK, 0)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of I
     dtype = h_ptr.dtype.element_ty

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .common import UNSHIFT, gelu_tanh, load_nvfp4_tile, store_rounded, to_compute
+from .common import UNSHIFT, block_rows, gelu_tanh, load_nvfp4_tile, store_rounded, to_compute
 
 
 @triton.jit
@@ -56,9 +56,7 @@ def moe_gate_up_w4a4_kernel(xq_ptr, xs_ptr, xg_ptr, ids_ptr, block_expert_ptr, w
     e = tl.load(block_expert_ptr + pid_b)
     if e >= E:
         return
-    slots = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
-    ids = tl.load(ids_ptr + slots)
-    live = ids >= 0
+    slots, ids, live = block_rows(ids_ptr, pid_b, BLOCK_M)
     tok = tl.where(live, ids // TOPK, 0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of I
     gate_rows = e.to(tl.int64) * 2 * I + cols
@@ -90,9 +88,8 @@ def moe_down_w4a4_kernel(hq_ptr, hs_ptr, hg_ptr, ids_ptr, block_expert_ptr, w_pt
     e = tl.load(block_expert_ptr + pid_b)
     if e >= E:
         return
-    slots = (pid_b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    ids = tl.load(ids_ptr + slots)
-    live = ids >= 0
+    slots, ids, live = block_rows(ids_ptr, pid_b, BLOCK_M)
+    slots = slots.to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of H
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):

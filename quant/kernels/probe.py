@@ -132,28 +132,15 @@ def _moe(fmt: str, device: torch.device, dtype: torch.dtype) -> str | None:
     """33 tokens, 6 experts (one never routed to), top-2, hidden 64, width 48 (a partial tile) through
     `fused_experts`, against the reference expert math on the dequantized stacks: gate/up product rounded to the
     compute dtype, gelu_tanh(gate) * up, down product rounded, float32 weighted sum over the slots."""
-    from .. import int8, nvfp4
     from ..modules import Int8Stack, NVFP4Stack, fused_experts
 
     g = torch.Generator().manual_seed(0)
     T, E, H, I, top = 33, 6, 64, 48, 2
     gu_w, dn_w = torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1
-    if fmt == "nvfp4":
-        gu, dn = NVFP4Stack(E, 2 * I, H, segments=2), NVFP4Stack(E, H, I)  # gate and up with their own scales
-        for e in range(E):
-            for j, rows in enumerate((slice(0, I), slice(I, 2 * I))):
-                q = nvfp4.quantize(gu_w[e, rows])
-                gu.weight[e, rows], gu.weight_scale[e, rows], gu.weight_scale_2[e, j] = (
-                    q.weight, q.weight_scale, q.weight_scale_2)
-            q = nvfp4.quantize(dn_w[e])
-            dn.weight[e], dn.weight_scale[e], dn.weight_scale_2[e, 0] = q.weight, q.weight_scale, q.weight_scale_2
+    if fmt == "nvfp4":  # gate and up with their own global scales
+        gu, dn = NVFP4Stack.from_weights(gu_w, segments=2), NVFP4Stack.from_weights(dn_w)
     else:
-        gu, dn = Int8Stack(E, 2 * I, H), Int8Stack(E, H, I)
-        for e in range(E):
-            q = int8.quantize(gu_w[e])
-            gu.weight[e], gu.weight_scale[e] = q.weight, q.weight_scale
-            q = int8.quantize(dn_w[e])
-            dn.weight[e], dn.weight_scale[e] = q.weight, q.weight_scale
+        gu, dn = Int8Stack.from_weights(gu_w), Int8Stack.from_weights(dn_w)
     gu, dn = gu.to(device), dn.to(device)
     x = torch.randn(T, H, generator=g).to(dtype).to(device)
     index = torch.stack([torch.randperm(E - 1, generator=g)[:top] for _ in range(T)]).to(device)  # [T, top]
@@ -218,21 +205,14 @@ def _w4a4(device: torch.device, dtype: torch.dtype) -> str | None:
 def _moe_w4a4(device: torch.device, dtype: torch.dtype) -> str | None:
     """17 tokens, 6 experts (one never routed to), top-2, hidden 64, width 64, through the W4A4 expert kernels,
     against their PyTorch emulation (moe_w4a4.reference)."""
-    from .. import nvfp4
     from ..modules import NVFP4Stack
     from .moe_w4a4 import moe_w4a4, reference
     from .routing import moe_blocks
 
     g = torch.Generator().manual_seed(0)
     T, E, H, I, top = 17, 6, 64, 64, 2
-    gu, dn = NVFP4Stack(E, 2 * I, H, segments=2), NVFP4Stack(E, H, I)
-    for e in range(E):
-        for j, rows in enumerate((slice(0, I), slice(I, 2 * I))):
-            q = nvfp4.quantize(torch.randn(I, H, generator=g) * 0.1)
-            gu.weight[e, rows], gu.weight_scale[e, rows], gu.weight_scale_2[e, j] = (
-                q.weight, q.weight_scale, q.weight_scale_2)
-        q = nvfp4.quantize(torch.randn(H, I, generator=g) * 0.1)
-        dn.weight[e], dn.weight_scale[e], dn.weight_scale_2[e, 0] = q.weight, q.weight_scale, q.weight_scale_2
+    gu = NVFP4Stack.from_weights(torch.randn(E, 2 * I, H, generator=g) * 0.1, segments=2)
+    dn = NVFP4Stack.from_weights(torch.randn(E, H, I, generator=g) * 0.1)
     x = torch.randn(T, H, generator=g).to(dtype)
     index = torch.stack([torch.randperm(E - 1, generator=g)[:top] for _ in range(T)])
     weights = torch.rand(T, top, generator=g)
