@@ -28,6 +28,7 @@ import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 
@@ -348,8 +349,11 @@ def time_reference(config: dict, prompts: torch.Tensor, steps: int, canvases: in
 
 def run_bench(config: str = "mid", fmt: str = "nvfp4", policy: str = "experts", batch: int = 1, prompt: int = 512,
               steps: int = 16, canvases: int = 1, device: str = "auto", dtype: str = "auto",
-              compare: str | None = None) -> BenchResult:
+              compare: str | None = None, note: Callable[[str], None] | None = None) -> BenchResult:
+    """`note(message)`, when given, hears each phase as it starts (a run takes from seconds to minutes)."""
     from .engine import Engine, check_kernels, resolve_device, resolve_dtype
+
+    say = note or (lambda message: None)
 
     if fmt not in FORMATS:
         raise UsageError(f"--format must be one of {', '.join(FORMATS)} (got {fmt!r})")
@@ -370,16 +374,20 @@ def run_bench(config: str = "mid", fmt: str = "nvfp4", policy: str = "experts", 
         if free and need > 0.8 * free:
             raise UsageError(f"--config {name} needs about {need / 1e9:.0f} GB for its weights on the CPU; "
                              f"{free / 1e9:.0f} GB are free (use a GPU, or --config mid)")
+    say(f"building {name} with random {fmt} weights on {dev} ({str(dt).removeprefix('torch.')})")
     torch.manual_seed(0)
     model = random_model(cfg, fmt, policy, dev, dt)
     engine = Engine(model, None, GenerationSettings(eos_token_ids=(1,)))
     V = cfg.text.vocab_size
     prompts = torch.randint(107, V, (batch, prompt), generator=torch.Generator().manual_seed(1))
     ids = prompts.tolist()
+    say("warming up (5 steps)")
     time_dgemma(engine, ids, 5, 1, dev)  # warm-up: kernels compiled, graphs captured, allocator settled
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
+    say(f"timing {canvases * steps} steps (batch {batch}, prompt {prompt})")
     ms, replays = time_dgemma(engine, ids, steps, canvases, dev)
+    say("timing the prefill and the device's copy bandwidth")
     prefill = time_prefill(model, prompts)
     peak = torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None
     bw = copy_bandwidth(dev)
@@ -394,6 +402,7 @@ def run_bench(config: str = "mid", fmt: str = "nvfp4", policy: str = "experts", 
         del engine, model  # the reference gets the device to itself
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+        say(f"timing the reference ({compare}) on the same shapes")
         ref_ms, mode = time_reference(raw, prompts.to(dev), steps, canvases, dev,
                                       torch.bfloat16 if dev.type == "cuda" else dt, compiled=compare == "transformers")
         result.reference_ms_per_step, result.reference_mode = ref_ms, mode

@@ -31,6 +31,8 @@ HELP = """\
 /reset             start a new conversation (keeps the system prompt and settings)
 /system TEXT       set the system prompt (and start a new conversation); /system alone clears it
 /steps N           most denoising steps per canvas
+/settings          the sampler's settings and the chat's
+/set NAME VALUE    change a sampler setting (names as /settings shows them), e.g. /set t-max 0.9
 /think on|off      let the model think first (its thoughts show dimmed, apart from the answer)
 /retry             answer the last message again
 /save FILE         write the conversation as Markdown
@@ -124,7 +126,9 @@ class Conversation:
                 first_ids = self.user_turn_ids(kept[0].user, first=True)
         if len(ids) + self._reserve(settings) > self.context:
             raise UsageError(f"this message needs {len(ids) + self._reserve(settings)} positions with a full answer; "
-                             f"the chat context is {self.context} (--context)")
+                             f"the chat context is {self.context}" +
+                             (" (--context)" if self.context < self.engine.config.text.max_position_embeddings
+                              else ", the model's most"))
         dropped = len(self.turns) - len(kept)
         if dropped:
             if first_ids is not None:
@@ -248,16 +252,39 @@ def save_markdown(path: Path, text: str) -> None:
     write_atomically(path, text.encode("utf-8"), mode)
 
 
-def run_chat(engine, *, system: str | None, steps: int | None, think: bool, view: str, context: int,
-             seed: int | None, out=None, err=None) -> int:
-    """The interactive loop; returns the exit status."""
+def settings_text(settings, conv: Conversation, view: str, seed: int | None) -> str:
+    """What /settings shows: each sampler setting under its flag's name, then the chat's own."""
+    rows = settings.describe() + [("think", "on" if conv.enable_thinking else "off"), ("view", view),
+                                  ("seed", "none" if seed is None else str(seed)), ("context", str(conv.context)),
+                                  ("system", repr(conv.system) if conv.system else "none")]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def set_setting(settings, arg: str):
+    """`/set NAME VALUE`: the settings with one sampler setting changed (UsageError, said as a usage line)."""
+    from .config import SAMPLER_FLAGS
+
+    name, _, value = arg.strip().partition(" ")
+    if name not in SAMPLER_FLAGS:
+        raise UsageError(f"usage: /set NAME VALUE, NAME one of {', '.join(SAMPLER_FLAGS)}")
+    field_name, kind, _ = SAMPLER_FLAGS[name]
+    try:
+        parsed = kind(value.strip())
+    except ValueError:
+        raise UsageError(f"/set {name}: {value.strip()!r} is not {'an integer' if kind is int else 'a number'}")
+    try:
+        return settings.override(**{field_name: parsed})
+    except UsageError as e:
+        raise UsageError(f"/set {name}: {e}") from None
+
+
+def prompt_session(history: Path | None):
+    """The input line: Enter sends, Alt-Enter or Ctrl-J adds a line; entries persist in `history`."""
     from prompt_toolkit import PromptSession
-    from prompt_toolkit.history import FileHistory
+    from prompt_toolkit.history import FileHistory, InMemoryHistory
     from prompt_toolkit.key_binding import KeyBindings
 
-    out, err = out or sys.stdout, err or sys.stderr
-    conv = Conversation(engine, context, system, think)
-    settings = engine.settings.override(max_denoising_steps=steps)
     bindings = KeyBindings()
 
     @bindings.add("enter")
@@ -269,9 +296,21 @@ def run_chat(engine, *, system: str | None, steps: int | None, think: bool, view
     def _(event):
         event.current_buffer.insert_text("\n")
 
-    session = PromptSession(history=FileHistory(str(history_file())), multiline=True, key_bindings=bindings,
-                            prompt_continuation=lambda width, line, wrap: "." * (width - 1) + " ")
+    return PromptSession(history=FileHistory(str(history)) if history else InMemoryHistory(), multiline=True,
+                         key_bindings=bindings,
+                         prompt_continuation=lambda width, line, wrap: "." * (width - 1) + " ")
+
+
+def run_chat(engine, *, system: str | None, settings, think: bool, view: str, context: int,
+             seed: int | None, out=None, err=None) -> int:
+    """The interactive loop; returns the exit status. `settings`: the sampler's (GenerationSettings)."""
+    out, err = out or sys.stdout, err or sys.stderr
+    conv = Conversation(engine, context, system, think)
+    session = prompt_session(history_file())
     err.write("dgemma chat: /help for commands, Ctrl-D to leave\n")
+    if conv.context < context:
+        err.write(f"(--context {context} is more than this model's {conv.context} positions: the chat keeps "
+                  f"{conv.context})\n")
     err.flush()
     resend: str | None = None
     while True:
@@ -306,6 +345,15 @@ def run_chat(engine, *, system: str | None, steps: int | None, think: bool, view
                     err.write(f"(at most {settings.max_denoising_steps} steps per canvas)\n")
                 except (ValueError, UsageError):
                     err.write("usage: /steps N (N >= 1)\n")
+            elif cmd == "/settings":
+                out.write(settings_text(settings, conv, view, seed) + "\n")
+            elif cmd == "/set":
+                try:
+                    settings = set_setting(settings, arg)
+                    name = arg.split()[0]
+                    err.write(f"({name} {dict(settings.describe())[name]})\n")
+                except UsageError as e:
+                    err.write(f"{e}\n")
             elif cmd == "/think":
                 if arg not in ("on", "off"):
                     err.write("usage: /think on|off\n")
@@ -340,8 +388,53 @@ def run_chat(engine, *, system: str | None, steps: int | None, think: bool, view
         answer_turn(conv, text, settings, view, seed, out, err)
 
 
+class TypeAheadKept:
+    """While an answer is generated, what the user types waits, unseen, for the next prompt.
+
+    The terminal is in its cooked mode between prompts: it would echo keys into the live view, and turn Enter
+    (carriage return) into a newline, which the prompt reads as "new line", not "send". Within this block the
+    terminal neither echoes nor buffers lines nor translates Enter; Ctrl-C still interrupts. Nothing is read, so
+    the keys stay queued and the next prompt receives them as typed: the text, and Enter sending it. Leaving
+    restores the settings without discarding queued input. Does nothing when stdin is not a terminal."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stdin
+        self.saved = None
+
+    def __enter__(self) -> TypeAheadKept:
+        try:
+            import termios
+        except ImportError:  # not a POSIX terminal
+            return self
+        try:
+            fd = self.stream.fileno()
+            if not os.isatty(fd):
+                return self
+            self.saved = termios.tcgetattr(fd)
+            attrs = termios.tcgetattr(fd)
+            attrs[0] &= ~(termios.ICRNL | termios.INLCR | termios.IGNCR)  # iflag: Enter stays a carriage return
+            attrs[3] &= ~(termios.ECHO | termios.ICANON)  # lflag: no echo, no line editing; ISIG kept (Ctrl-C)
+            termios.tcsetattr(fd, termios.TCSANOW, attrs)
+            self.fd = fd
+        except (AttributeError, OSError, ValueError, termios.error):  # no file descriptor, or not ours to set
+            self.saved = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.saved is not None:
+            import termios
+
+            termios.tcsetattr(self.fd, termios.TCSANOW, self.saved)  # TCSANOW: queued keys are kept
+
+
 def answer_turn(conv: Conversation, text: str, settings, view: str, seed: int | None, out, err) -> None:
-    """Generate one answer with the chosen view; Ctrl-C cancels it and keeps the session."""
+    """Generate one answer with the chosen view; Ctrl-C cancels it and keeps the session; keys typed meanwhile
+    wait for the next prompt."""
+    with TypeAheadKept():
+        _answer_turn(conv, text, settings, view, seed, out, err)
+
+
+def _answer_turn(conv: Conversation, text: str, settings, view: str, seed: int | None, out, err) -> None:
     try:
         events, stats = conv.turn_events(text, settings, seed)
     except UsageError as e:
@@ -350,20 +443,20 @@ def answer_turn(conv: Conversation, text: str, settings, view: str, seed: int | 
     for note in conv.notices:
         err.write(f"({note})\n")
     conv.notices.clear()
-    canvas_view = None
-    if view == "live":
-        from .view import view_for
+    from .view import PlainProgress, choose_view, view_for
 
-        canvas_view = view_for(conv.tok)
+    # /view live on a terminal that cannot move the cursor (TERM=dumb) shows plain lines, as `dgemma run` does
+    view = choose_view(view, stdout_tty=True, stderr_tty=err.isatty(), term=os.environ.get("TERM"))
+    show = view_for(conv.tok) if view == "live" else PlainProgress(err) if view == "plain" else None
     try:
-        if canvas_view is not None:
-            with canvas_view:
+        if view == "live":
+            with show:
                 for ev in events:
-                    canvas_view(ev)
+                    show(ev)
         else:
             for ev in events:
-                if view == "plain" and isinstance(ev, CanvasDone):
-                    err.write(f"(canvas {ev.canvas_index + 1}: {ev.steps[0]} steps)\n")
+                if show is not None:
+                    show(ev)
     except KeyboardInterrupt:
         conv.cancel()
         err.write("(cancelled)\n")

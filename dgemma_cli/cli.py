@@ -46,6 +46,29 @@ MODEL_HELP = ("A model directory, a store name [OWNER/]NAME[:QUANT] (see `dgemma
               "bundled demo model. Defaults to $DGEMMA_MODEL, then 'demo'.")
 
 
+def _sampler_option(flag: str):
+    """The Typer option for one of the sampler's settings (config.SAMPLER_FLAGS); None keeps the model's value."""
+    from .config import SAMPLER_FLAGS
+
+    return typer.Option(None, f"--{flag}", help=SAMPLER_FLAGS[flag][2], show_default=False)
+
+
+def _sampler_settings(**given) -> dict:
+    """Flag values -> GenerationSettings overrides, the flags that were not given left out (so the model's own
+    values stay). Each value is range-checked here, before the model loads; combinations (--t-min above the
+    model's --t-max) are checked when the settings are applied."""
+    from .config import GenerationSettings
+
+    out = {k: v for k, v in given.items() if v is not None}
+    trial = dict(out)  # over the built-in defaults, a temperature given alone is paired with one it fits
+    if "t_min" in out and "t_max" not in out:
+        trial["t_max"] = max(out["t_min"], GenerationSettings.t_max, 1e-9)
+    if "t_max" in out and "t_min" not in out:
+        trial["t_min"] = min(out["t_max"], GenerationSettings.t_min)
+    GenerationSettings().override(**trial)
+    return out
+
+
 def _read_prompt(prompt: Optional[str]) -> str:
     if prompt is not None and prompt != "-":
         return prompt
@@ -98,8 +121,13 @@ def run(
         None, metavar="PROMPT",
         help="The prompt; several words are joined with spaces. Read from stdin when absent or '-'."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
-    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Most tokens to generate."),
-    steps: Optional[int] = typer.Option(None, "--steps", help="Most denoising steps per canvas."),
+    max_new_tokens: Optional[int] = _sampler_option("max-new-tokens"),
+    steps: Optional[int] = _sampler_option("steps"),
+    t_max: Optional[float] = _sampler_option("t-max"),
+    t_min: Optional[float] = _sampler_option("t-min"),
+    entropy_bound: Optional[float] = _sampler_option("entropy-bound"),
+    confidence_threshold: Optional[float] = _sampler_option("confidence-threshold"),
+    stability_threshold: Optional[int] = _sampler_option("stability-threshold"),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed torch's generator for a reproducible run."),
     raw: bool = typer.Option(False, "--raw", help="No chat template: tokenize the text exactly as given."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt (chat mode)."),
@@ -107,14 +135,18 @@ def run(
     device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
     dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto."),
     view: Optional[str] = typer.Option(None, "--view", help="live, plain or none (not with --each-line). "
-                                       "Default: live when stdout and stderr are a terminal, else none."),
+                                       "Default: live when stdout and stderr are a terminal; plain (a line per "
+                                       "canvas) when only stderr is, or with --json; none when stderr is not a "
+                                       "terminal. live on a dumb terminal (TERM=dumb) is plain."),
     each_line: bool = typer.Option(False, "--each-line", help="Each input line is its own prompt; answers come "
                                    "in input order, written as each batch finishes."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size",
                                              help="With --each-line: prompts generated together (default 8)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Nothing on stderr but errors: no progress, no notices."),
 ) -> None:
-    """Generate one answer. Stdout gets only the answer (or one JSON object with --json)."""
+    """Generate one answer. Stdout gets only the answer (or one JSON object with --json).
+
+    The sampler's settings (--steps to --stability-threshold) default to the model's generation_config.json."""
     # Flags first, all of them before torch is imported: a typo fails at once, and no flag is silently ignored.
     if raw and system:
         raise UsageError("--system needs the chat template; it cannot be combined with --raw")
@@ -129,6 +161,9 @@ def run(
         raise UsageError("--batch-size needs --each-line (a single prompt is generated alone)")
     if batch_size is not None and batch_size < 1:
         raise UsageError("--batch-size must be at least 1")
+    sampler = _sampler_settings(max_new_tokens=max_new_tokens, max_denoising_steps=steps, t_max=t_max,
+                                t_min=t_min, entropy_bound=entropy_bound, confidence_threshold=confidence_threshold,
+                                stability_threshold=stability_threshold)
     if quiet:
         import warnings
 
@@ -139,28 +174,36 @@ def run(
         text = text.rstrip("\r\n")  # `echo ... |` adds a newline the user did not mean as part of the prompt
     if each_line:
         return _run_each_line(text, model=model, as_json=as_json, batch_size=batch_size or 8, device=device,
-                              dtype=dtype, quiet=quiet, raw=raw, system=system, seed=seed,
-                              max_new_tokens=max_new_tokens, max_denoising_steps=steps)
+                              dtype=dtype, quiet=quiet, raw=raw, system=system, seed=seed, **sampler)
     if not text.strip():
         raise UsageError("empty prompt")
-    if view is None:  # the view draws on stderr and only makes sense when a person watches the answer arrive
-        view = "live" if sys.stdout.isatty() and sys.stderr.isatty() and not as_json and not quiet else "none"
+    from .view import choose_view  # progress goes to stderr, for a person watching it (view.choose_view)
+
+    view = choose_view(view, stdout_tty=sys.stdout.isatty(), stderr_tty=sys.stderr.isatty(),
+                       term=os.environ.get("TERM"), as_json=as_json, quiet=quiet)
     import time
 
     from .engine import load  # heavy: torch
 
     engine = load(_model_dir(model, quiet), device=device, dtype=dtype)
-    kwargs = dict(raw=raw, system=system, seed=seed, max_new_tokens=max_new_tokens, max_denoising_steps=steps)
-    finished: list[int] = []  # tokens of finished canvases: what Ctrl-C keeps
-    canvases: list[int] = []  # steps each finished canvas took
+    kwargs = dict(raw=raw, system=system, seed=seed, **sampler)
+    from .answer import FinishedCanvases
+
+    def write(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    # Each finished canvas's text goes to stdout as it settles (a pipe sees the answer grow), unless stdout gets
+    # one JSON object or the live view shows the answer growing; Ctrl-C keeps every finished canvas either way.
+    streaming = not as_json and view != "live" and engine.tokenizer is not None
+    finished = (FinishedCanvases(engine.tokenizer, engine.settings.override(**sampler), raw=raw,
+                                 write=write if streaming else None) if engine.tokenizer is not None else None)
 
     def keep(event) -> None:
         from .sampler import CanvasDone
 
-        if isinstance(event, CanvasDone):
-            finished.extend(event.tokens[0].tolist())
-            if event.steps[0]:
-                canvases.append(int(event.steps[0]))
+        if isinstance(event, CanvasDone) and finished is not None:
+            finished.add(event.tokens[0].tolist(), int(event.steps[0]), int(event.kept[0]))
 
     t0 = time.perf_counter()
     try:
@@ -170,37 +213,41 @@ def run(
             canvas_view = view_for(engine.tokenizer)
             with canvas_view:
                 result = engine.generate(text, on_event=lambda e: (keep(e), canvas_view(e)), **kwargs)
-        elif view == "plain":
-            result = engine.generate(text, on_event=lambda e: (keep(e), _plain_progress(e)), **kwargs)
+        elif view != "none":  # plain (or live without a tokenizer to show tokens with)
+            from .view import PlainProgress
+
+            progress = PlainProgress(sys.stderr)
+            result = engine.generate(text, on_event=lambda e: (keep(e), progress(e)), **kwargs)
         else:
             result = engine.generate(text, on_event=keep, **kwargs)
     except KeyboardInterrupt:  # print what was finished (the answer, or its JSON object), then exit 130
-        if finished and engine.tokenizer is not None:
-            part = _partial_answer(engine, text, finished, canvases, time.perf_counter() - t0, raw=raw,
-                                   system=system, max_new_tokens=max_new_tokens)
-            sys.stdout.write((json.dumps(part, ensure_ascii=False) if as_json else part["text"]) + "\n")
-            sys.stdout.flush()
+        if finished is not None and finished.tokens:
+            part = _partial_answer(engine, text, finished, time.perf_counter() - t0, raw=raw, system=system)
+            if as_json:
+                write(json.dumps(part, ensure_ascii=False) + "\n")
+            elif streaming:
+                finished.finish(part["text"])
+            else:
+                write(part["text"] + "\n")
         raise
-    sys.stdout.write(_answer_line(result, 0, as_json))
-    sys.stdout.flush()
+    if streaming:
+        finished.finish(result.texts[0])
+    else:
+        write(_answer_line(result, 0, as_json))
     notice = _empty_notice(result, 0, as_json)
     if notice and not quiet:
         _note(notice)
 
 
-def _partial_answer(engine, text: str, finished: list[int], canvases: list[int], seconds: float, *, raw: bool,
-                    system: Optional[str], max_new_tokens: Optional[int]) -> dict:
-    """The JSON object of an interrupted run: its finished canvases, cut and counted as a whole answer's are (at
-    the first end-of-sequence id and at --max-new-tokens), with "interrupted": true."""
-    tok, settings = engine.tokenizer, engine.settings
-    ends = set(settings.eos_token_ids) | ({tok.end_of_turn_id} - {None})
-    kept = finished[: max_new_tokens or settings.max_new_tokens]
-    ids = kept[: next((k for k, t in enumerate(kept) if t in ends), len(kept))]
-    thought, answer = ("", tok.decode(ids)) if raw else tok.decode_answer(ids)
-    forwards = sum(canvases)
-    return {"text": answer, "thought": thought, "token_ids": ids,
-            "prompt_token_ids": engine.prompt_ids(text, raw=raw, system=system), "canvases": canvases,
-            "tokens_per_forward": sum(t != settings.pad_token_id for t in kept) / forwards if forwards else 0.0,
+def _partial_answer(engine, text: str, finished, seconds: float, *, raw: bool, system: Optional[str]) -> dict:
+    """The JSON object of an interrupted run: its finished canvases (answer.FinishedCanvases), cut and counted as
+    a whole answer's are, with "interrupted": true."""
+    from .sampler import tokens_per_forward
+
+    thought, answer = finished.thought_and_answer()
+    return {"text": answer, "thought": thought, "token_ids": finished.ids,
+            "prompt_token_ids": engine.prompt_ids(text, raw=raw, system=system), "canvases": finished.steps,
+            "tokens_per_forward": tokens_per_forward(finished.kept_tokens, sum(finished.steps)),
             "seconds": round(seconds, 4), "interrupted": True}
 
 
@@ -312,7 +359,13 @@ def _run_each_line(text: str, *, model, as_json: bool, batch_size: int, device: 
 def chat(
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
-    steps: Optional[int] = typer.Option(None, "--steps", help="Most denoising steps per canvas."),
+    max_new_tokens: Optional[int] = _sampler_option("max-new-tokens"),
+    steps: Optional[int] = _sampler_option("steps"),
+    t_max: Optional[float] = _sampler_option("t-max"),
+    t_min: Optional[float] = _sampler_option("t-min"),
+    entropy_bound: Optional[float] = _sampler_option("entropy-bound"),
+    confidence_threshold: Optional[float] = _sampler_option("confidence-threshold"),
+    stability_threshold: Optional[int] = _sampler_option("stability-threshold"),
     think: bool = typer.Option(False, "--think", help="Let the model think before answering."),
     view: str = typer.Option("live", "--view", help="live, plain or none."),
     context: int = typer.Option(8192, "--context", help="Tokens of conversation kept (oldest turns drop)."),
@@ -320,7 +373,14 @@ def chat(
     device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
     dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto."),
 ) -> None:
-    """Chat in the terminal; the KV cache carries over between turns. /help lists the commands."""
+    """Chat in the terminal; the KV cache carries over between turns. /help lists the commands.
+
+    The sampler's settings (--max-new-tokens to --stability-threshold) default to the model's
+    generation_config.json; /settings shows them and /set changes them during the chat."""
+    sampler = _sampler_settings(max_new_tokens=max_new_tokens, max_denoising_steps=steps, t_max=t_max,
+                                t_min=t_min, entropy_bound=entropy_bound, confidence_threshold=confidence_threshold,
+                                stability_threshold=stability_threshold)
+    _check_device_dtype(device, dtype)
     if view not in ("live", "plain", "none"):
         raise UsageError(f"--view must be live, plain or none (got {view!r})")
     if context < 64:
@@ -331,7 +391,8 @@ def chat(
     from .engine import load
 
     engine = load(_model_dir(model), device=device, dtype=dtype)
-    raise typer.Exit(run_chat(engine, system=system, steps=steps, think=think, view=view, context=context,
+    settings = engine.settings.override(**sampler)
+    raise typer.Exit(run_chat(engine, system=system, settings=settings, think=think, view=view, context=context,
                               seed=seed))
 
 
@@ -540,7 +601,8 @@ def bench(
     policy: str = typer.Option("experts", "--policy", help="What int8/nvfp4 cover: experts or all."),
     batch: int = typer.Option(1, "--batch", help="Rows generated together."),
     prompt: int = typer.Option(512, "--prompt", help="Prompt tokens per row."),
-    steps: int = typer.Option(16, "--steps", help="Denoising steps per canvas (fixed)."),
+    steps: int = typer.Option(16, "--steps", help="Denoising steps per canvas (fixed; at least 5, so that the "
+                              "median has enough intervals)."),
     canvases: int = typer.Option(1, "--canvases", help="Canvases per row."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
     dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto."),
@@ -548,19 +610,17 @@ def bench(
                                           "compiled static-cache path where it has one); 'transformers-eager'."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object."),
 ) -> None:
-    """Time the denoise step on random weights (no download) against the weight-read floor."""
+    """Time the denoise step on random weights (no download) against the weight-read floor. Each phase is said on
+    stderr when it is a terminal (stdout keeps only the table or the JSON object)."""
     from .bench import as_dict, run_bench
 
-    result = run_bench(config, fmt, policy, batch, prompt, steps, canvases, device, dtype, compare)
+    def note(message: str) -> None:
+        _note(f"bench: {message}")
+        sys.stderr.flush()
+
+    result = run_bench(config, fmt, policy, batch, prompt, steps, canvases, device, dtype, compare,
+                       note=note if sys.stderr.isatty() else None)
     sys.stdout.write((json.dumps(as_dict(result)) if as_json else result.table()) + "\n")
-
-
-def _plain_progress(event) -> None:
-    """--view plain: one line per finished canvas on stderr."""
-    from .sampler import CanvasDone
-
-    if isinstance(event, CanvasDone):
-        sys.stderr.write(f"dgemma: canvas {event.canvas_index + 1} done in {event.steps[0]} steps\n")
 
 
 def _fail(message: str, code: int) -> None:

@@ -181,6 +181,23 @@ def read_json_object(path: Path) -> dict[str, Any]:
     return raw
 
 
+# The sampler's settings a user can change: flag name (without "--", also chat's /set name) -> (field of
+# GenerationSettings, type, what it does). Names follow generation_config.json's keys.
+SAMPLER_FLAGS: dict[str, tuple[str, type, str]] = {
+    "max-new-tokens": ("max_new_tokens", int, "Most tokens to generate."),
+    "steps": ("max_denoising_steps", int, "Most denoising steps per canvas."),
+    "t-max": ("t_max", float, "Sampling temperature at a canvas's first step; it falls linearly to --t-min at "
+              "the last."),
+    "t-min": ("t_min", float, "Sampling temperature at a canvas's last step."),
+    "entropy-bound": ("entropy_bound", float, "Each step accepts the surest tokens while their summed entropy "
+                      "stays within this bound: lower is more careful and takes more steps."),
+    "confidence-threshold": ("confidence_threshold", float, "A canvas stops early once its mean entropy is "
+                             "below this and its best guess is stable (0: always take --steps steps)."),
+    "stability-threshold": ("stability_threshold", int, "Steps the best guess must stay unchanged before a "
+                            "canvas may stop early."),
+}
+
+
 @dataclass
 class GenerationSettings:
     """The sampler's knobs (DESIGN.md section 3). Defaults are the reference's global defaults."""
@@ -228,14 +245,28 @@ class GenerationSettings:
         return s
 
     def validate(self) -> None:
+        """Each setting named by its flag (SAMPLER_FLAGS), as the user gave it."""
         if self.max_new_tokens < 1:
             raise UsageError(f"--max-new-tokens must be at least 1 (got {self.max_new_tokens})")
         if self.max_denoising_steps < 1:
             raise UsageError(f"--steps must be at least 1 (got {self.max_denoising_steps})")
-        if not (0 <= self.t_min < self.t_max):
-            raise UsageError(f"temperatures need 0 <= t_min < t_max (got {self.t_min}, {self.t_max})")
-        if self.entropy_bound <= 0:
-            raise UsageError("entropy_bound must be > 0")
+        if not (0 <= self.t_min <= self.t_max and self.t_max > 0):
+            raise UsageError(f"the temperatures need 0 <= --t-min <= --t-max and --t-max > 0 "
+                             f"(got --t-min {self.t_min:g}, --t-max {self.t_max:g})")
+        if not self.entropy_bound > 0:
+            raise UsageError(f"--entropy-bound must be > 0 (got {self.entropy_bound:g})")
+        if not self.confidence_threshold >= 0:
+            raise UsageError(f"--confidence-threshold must be >= 0 (got {self.confidence_threshold:g})")
+        if self.stability_threshold < 0:
+            raise UsageError(f"--stability-threshold must be >= 0 (got {self.stability_threshold})")
+
+    def describe(self) -> list[tuple[str, str]]:
+        """(flag name, value) for each setting a user can change, in SAMPLER_FLAGS's order."""
+        out = []
+        for flag, (name, _, _) in SAMPLER_FLAGS.items():
+            value = getattr(self, name)
+            out.append((flag, f"{value:g}" if isinstance(value, float) else str(value)))
+        return out
 
     def canvases_for(self, canvas_length: int) -> int:
         return math.ceil(self.max_new_tokens / canvas_length)

@@ -55,6 +55,8 @@ class CanvasDone:
     tokens: torch.Tensor  # [B, C] the kept (argmax) canvas, pad after the first end-of-sequence token
     steps: list[int]  # per row: forward passes this canvas took before the row stopped
     finished: torch.Tensor  # bool [B]: rows that have ended (end-of-sequence seen or length reached)
+    kept: list[int] = field(default_factory=list)  # per row: tokens of this canvas the answer keeps (non-pad, within
+    # max_new_tokens), what `tokens_per_forward` counts
 
 
 @dataclass
@@ -68,6 +70,13 @@ class Done:
 
 
 Event = Step | CanvasDone | Done
+
+
+def tokens_per_forward(kept: int, forwards: int) -> float:
+    """The one definition of tokens per forward pass, for Done, the view, progress lines and --json: tokens the answer
+    keeps (non-pad generated ids within max_new_tokens; `CanvasDone.kept` summed) over the decoder forward passes
+    its row took (`CanvasDone.steps` summed). 0 before the first forward pass."""
+    return kept / forwards if forwards else 0.0
 
 
 class SamplerBuffers:
@@ -167,6 +176,7 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
     forward_passes = torch.zeros(B, dtype=torch.int64, device=dev)
     canvases: list[torch.Tensor] = []
     steps_per_canvas: list[list[int]] = [[] for _ in range(B)]
+    kept_per_row = [0] * B  # tokens the answer keeps, summed over canvases
     batched_calls = 0
     chunk, chunk_valid = prompt, prompt_valid
     buf = SamplerBuffers(B * C, V, dev, fused=fused_sampler(dev))
@@ -231,25 +241,25 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
         tokens[(run > 0) & ~((run == 1) & is_eos)] = pad
         finished_rows = finished_rows | ended_here
         canvases.append(tokens)
-        steps = row_steps.tolist()
+        room = max(0, min(free, settings.max_new_tokens - ci * free))  # positions of this canvas within the limit
+        steps, kept = torch.stack([row_steps, (tokens[:, :room] != pad).sum(dim=-1)]).tolist()  # one transfer
         for b in range(B):
+            kept_per_row[b] += kept[b]
             if steps[b]:  # rows that ended in an earlier canvas took no steps on this one
                 steps_per_canvas[b].append(int(steps[b]))
-        yield CanvasDone(ci, tokens, steps, finished_rows.clone())
+        yield CanvasDone(ci, tokens, steps, finished_rows.clone(), kept)
         if bool(finished_rows.all()):
             break
         chunk, chunk_valid = tokens, None
 
     generated = torch.cat(canvases, dim=1)
     token_ids = []
-    tpf = []
     passes = forward_passes.tolist()
     ends = set(eos.tolist())
-    for b, row in enumerate(generated.tolist()):
+    for row in generated.tolist():
         cut = next((i for i, t in enumerate(row) if t in ends), len(row))
         token_ids.append(row[: min(cut, settings.max_new_tokens)])
-        valid = sum(1 for t in row[: settings.max_new_tokens] if t != pad)  # what the answer keeps
-        tpf.append(valid / passes[b] if passes[b] else 0.0)
+    tpf = [tokens_per_forward(k, f) for k, f in zip(kept_per_row, passes)]
     yield Done(token_ids, steps_per_canvas, tpf, time.perf_counter() - t0, batched_calls)
 
 

@@ -1,33 +1,133 @@
-"""The live canvas view: renders sampler events, nothing else.
+"""What a person sees while an answer is generated: the live canvas view, the plain progress lines, and which of
+them (`choose_view`). Both render sampler events, nothing else.
 
-It knows the event types and two functions from token ids to text; it never reaches into the sampler or the model.
+They know the event types and two functions from token ids to text; they never reach into the sampler or the model.
 
 Layout (redrawn in place on a terminal, gone when generation ends):
 - the answer so far: finished canvases, decoded whole (so characters split across canvases come out right); a
   thought channel (`<|channel>thought ... <channel|>`) shows dimmed and apart, under a "thinking" label; only the
   last lines that fit the terminal are kept, so the view never scrolls;
-- a header: canvas number, step n of N, tokens accepted this step, tokens per forward pass, tokens per second;
+- a header: canvas number, step n of N, tokens newly accepted at this step (accepted now, not at the previous step)
+  and accepted in all, tokens per forward pass and tokens per second, both by `sampler.tokens_per_forward`'s
+  definition: the finished canvases' kept tokens (`CanvasDone.kept`) plus the non-pad tokens accepted on the canvas
+  being denoised, over the forward passes so far; when a canvas finishes the header gives its exact figures, so the
+  last one shown equals `Done.tokens_per_forward` (and `--json`'s);
 - the canvas being denoised, every position in order: the positions accepted this step show their token,
   coloured by confidence (entropy: green sure, yellow, red unsure); the others are still noise and show as one dim
   scrambled glyph each, a different one every step.
-Redraws are throttled (`max_fps`); between redraws an event costs a counter increment and touches no tensor, so
-a GPU is never synchronised for the view. The width follows the terminal at every redraw (resizing works).
+Redraws are throttled (`max_fps`); between redraws a step event costs a counter increment and keeping a reference
+to its `accepted` tensor (to tell what is new at the next redraw); no tensor is read, so a GPU is never synchronised
+for the view. The width follows the terminal at every redraw. When the terminal gets narrower, terminals that
+re-wrap what they show (most do) turn each row of the last frame into several; the region (`_Region`) counts the
+rows the last frame takes at the new width and erases them all before drawing, so no stale header is left behind.
 """
 
 from __future__ import annotations
 
+import sys
 import time
-from typing import Callable
+from typing import Callable, TextIO
 
 from rich.console import Console, Group
+from rich.control import Control
 from rich.live import Live
+from rich.live_render import LiveRender
+from rich.segment import ControlType, Segment
 from rich.text import Text
 
-from .sampler import CanvasDone, Done, Step
+from .sampler import CanvasDone, Done, Step, tokens_per_forward
 from .tokenizer import split_thought
 
 NOISE_GLYPHS = "░▒▓▖▗▘▝▚▞■□▪▫◇◆◊"
 DEFAULT_FPS = 8.0  # redraws per second at most: a full 256-token frame costs a few ms (BENCHMARKS.md)
+
+
+def is_dumb(term: str | None) -> bool:
+    """A terminal that cannot move the cursor (Rich's test: TERM dumb or unknown); an unset TERM is not one."""
+    return (term or "").strip().lower() in ("dumb", "unknown")
+
+
+def choose_view(requested: str | None, *, stdout_tty: bool, stderr_tty: bool, term: str | None,
+                as_json: bool = False, quiet: bool = False) -> str:
+    """What `dgemma run` shows on stderr while it generates: "live", "plain" or "none".
+
+    requested: --view, None for the default. The default: nothing with --quiet or when stderr is not a terminal
+    (nobody watches it); the live view when stdout and stderr are both a terminal; plain lines otherwise (stdout
+    redirected, or --json, whose object then arrives on a clean stdout). The live view needs a terminal that moves
+    the cursor: asked for on a dumb one (TERM=dumb) or with stderr not a terminal, it falls back to plain lines.
+    """
+    if quiet or requested == "none":
+        return "none"
+    live_ok = stderr_tty and not is_dumb(term)
+    if requested == "live":
+        return "live" if live_ok else "plain"
+    if requested == "plain":
+        return "plain"
+    if not stderr_tty:
+        return "none"
+    return "live" if live_ok and stdout_tty and not as_json else "plain"
+
+
+class PlainProgress:
+    """--view plain: one line per finished canvas on `stream` (stderr), with the figures the live header gives."""
+
+    def __init__(self, stream: TextIO | None = None):
+        self.stream = stream
+        self.started = time.perf_counter()
+        self.kept = 0  # row 0's tokens kept so far (CanvasDone.kept summed)
+        self.forwards = 0  # row 0's forward passes so far (CanvasDone.steps summed)
+
+    def __call__(self, ev) -> None:
+        if not isinstance(ev, CanvasDone):
+            return
+        self.kept += ev.kept[0] if ev.kept else 0
+        self.forwards += ev.steps[0]
+        rate = self.kept / max(time.perf_counter() - self.started, 1e-9)
+        stream = self.stream or sys.stderr
+        stream.write(f"dgemma: canvas {ev.canvas_index + 1} done in {ev.steps[0]} steps "
+                     f"({tokens_per_forward(self.kept, self.forwards):.1f} tok/forward, {rate:,.0f} tok/s)\n")
+        stream.flush()
+
+
+class _Region(LiveRender):
+    """Rich's live region, aware that a terminal re-wraps the rows it shows when it gets narrower.
+
+    Rich moves the cursor up by the row count of the last frame to erase it. A frame drawn at width W has rows of up
+    to W cells; after the terminal shrinks to w < W, a re-wrapping terminal shows a row of n cells as ceil(n / w)
+    rows, so moving up by the old count left the frame's upper rows (the header among them) on the screen. Here the
+    count is taken at the current width. (A terminal that truncates instead of re-wrapping, such as xterm, then has
+    those extra rows erased above the frame: lines that were already on the screen, never the scrollback.)
+    """
+
+    def __init__(self, console: Console):
+        super().__init__(Text(""), vertical_overflow="crop")
+        self.console = console
+        self._widths: list[int] = []  # cells in each row of the last frame
+        self._drawn_at = 0  # the terminal width it was drawn at
+
+    def rows_on_screen(self) -> int:
+        width = self.console.width
+        if width >= self._drawn_at:  # rows are separate lines (Rich ends each with a newline): wider joins none
+            return len(self._widths)
+        return sum(max(1, -(-n // width)) for n in self._widths)
+
+    def __rich_console__(self, console, options):
+        segments = list(super().__rich_console__(console, options))
+        self._widths = [sum(seg.cell_length for seg in row) for row in Segment.split_lines(segments)]
+        self._drawn_at = options.max_width
+        yield from segments
+
+    def _erase(self, up: int) -> Control:
+        return Control(ControlType.CARRIAGE_RETURN, (ControlType.ERASE_IN_LINE, 2),
+                       *(((ControlType.CURSOR_UP, 1), (ControlType.ERASE_IN_LINE, 2)) * up))
+
+    def position_cursor(self) -> Control:
+        """Erase the last frame, every row it now takes, leaving the cursor at its first row."""
+        return Control() if self._shape is None else self._erase(self.rows_on_screen() - 1)
+
+    def restore_cursor(self) -> Control:
+        """Erase the last frame when the view closes (the cursor is on the line below it)."""
+        return Control() if self._shape is None else self._erase(self.rows_on_screen())
 
 
 def confidence_style(entropy: float) -> str:
@@ -43,29 +143,36 @@ class CanvasView:
 
     def __init__(self, piece: Callable[[int], str], console: Console | None = None, max_fps: float = DEFAULT_FPS,
                  skip_ids: set[int] | None = None, decode: Callable[[list[int]], str] | None = None,
-                 strip: Callable[[str], str] | None = None):
+                 strip: Callable[[str], str] | None = None, pad_id: int | None = None):
         self.piece = piece  # one token -> text, for the canvas being denoised
         self.decode = decode or (lambda ids: "".join(piece(t) for t in ids))  # finished canvases, decoded whole
         self.strip = strip or (lambda s: s)  # removes special-token strings from finished text
         self.console = console or Console(stderr=True)
         self.min_interval = 1.0 / max_fps
         self.skip_ids = skip_ids or set()
+        self.pad_id = pad_id  # accepted pad tokens are not counted as kept (the sampler does not count them)
         self.finished_ids: list[int] = []
         self._answer = None  # (key, the answer so far as laid out)
         self._pieces: dict[int, str] = {}
         self.last_draw = 0.0
         self.started = time.perf_counter()
-        self.forwards = 0
+        self.forwards = 0  # step events seen
+        self.kept = 0  # row 0's tokens kept by finished canvases (CanvasDone.kept summed)
+        self.forwards_done = 0  # row 0's forward passes on finished canvases (CanvasDone.steps summed)
+        self._accepted = None  # [B, C] bool: the last step's accepted positions (a reference: never read between draws)
+        self._before = None  # the same for the step before it on this canvas (None at a canvas's first step)
         self.draws = 0
         self.draw_seconds = 0.0  # time spent rendering, for the overhead measurement
         self.live = Live(console=self.console, auto_refresh=False, transient=True, redirect_stdout=False,
                          redirect_stderr=False, vertical_overflow="crop")
+        self.live._live_render = _Region(self.console)  # Rich's region, counting rows the terminal re-wrapped
 
     def __enter__(self) -> CanvasView:
         self.live.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        self.live.update(Text(""))  # Live draws once more on closing, uncropped: nothing left to overflow the screen
         self.live.__exit__(*exc)
 
     # -- pieces ------------------------------------------------------------------------------------------
@@ -92,22 +199,35 @@ class CanvasView:
         self._answer = (key, answer)
         return answer
 
-    def header(self, ev: Step, accepted_now: int) -> Text:
-        elapsed = max(time.perf_counter() - self.started, 1e-9)
-        done = len(self.finished_ids)
-        per_forward = (done + accepted_now) / self.forwards if self.forwards else 0.0
-        return Text(f"canvas {ev.canvas_index + 1} · step {ev.step}/{ev.max_steps} · +{accepted_now} accepted · "
-                    f"{per_forward:.1f} tok/forward · {(done + accepted_now) / elapsed:,.0f} tok/s", style="bold")
+    def rates(self, kept: int, forwards: int) -> str:
+        """Tokens per forward pass (the sampler's definition) and per second, for `kept` tokens so far."""
+        per_second = kept / max(time.perf_counter() - self.started, 1e-9)
+        return f"{tokens_per_forward(kept, forwards):.1f} tok/forward · {per_second:,.0f} tok/s"
 
-    def canvas_text(self, ev: Step) -> tuple[Text, int]:
-        """(the canvas as text, positions accepted this step)."""
+    def header(self, ev: Step, counts: tuple[int, int, int]) -> Text:
+        """counts: (positions newly accepted at this step, accepted in all, accepted non-pad tokens)."""
+        new, accepted, kept = counts
+        return Text(f"canvas {ev.canvas_index + 1} · step {ev.step}/{ev.max_steps} · +{new} accepted "
+                    f"({accepted}/{ev.canvas.shape[-1]}) · "
+                    f"{self.rates(self.kept + kept, self.forwards_done + ev.step)}", style="bold")
+
+    def done_header(self, ev: CanvasDone) -> Text:
+        """After a canvas: its steps, and the exact figures so far (the last ones equal Done's)."""
+        return Text(f"canvas {ev.canvas_index + 1} done in {ev.steps[0]} steps · "
+                    f"{self.rates(self.kept, self.forwards_done)}", style="bold")
+
+    def canvas_text(self, ev: Step) -> tuple[Text, tuple[int, int, int]]:
+        """(the canvas as text, (positions newly accepted at this step, accepted in all, accepted non-pad))."""
         canvas = ev.canvas[0].tolist()
         accepted, entropy = ev.accepted[0].tolist(), ev.entropy[0].tolist()
+        before = self._before[0].tolist() if self._before is not None else [False] * len(accepted)
         runs: list[tuple[str, str]] = []  # (text, style), neighbours of one style merged: fewer spans to lay out
-        n = 0
-        for i, (token, ok, h) in enumerate(zip(canvas, accepted, entropy)):
+        new = n = kept = 0
+        for i, (token, ok, was, h) in enumerate(zip(canvas, accepted, before, entropy)):
             if ok:
                 n += 1
+                new += not was
+                kept += token != self.pad_id
                 text, style = self.token_text(token), confidence_style(h)
             else:  # still noise: one scrambled glyph
                 text, style = NOISE_GLYPHS[(i * 7 + ev.step * 13) % len(NOISE_GLYPHS)], "dim"
@@ -115,7 +235,7 @@ class CanvasView:
                 runs[-1] = (runs[-1][0] + text, style)
             else:
                 runs.append((text, style))
-        return Text.assemble(*runs), n
+        return Text.assemble(*runs), (new, n, kept)
 
     def token_text(self, token: int) -> str:
         """How one accepted token shows (cached: the same ids come back every step)."""
@@ -126,14 +246,16 @@ class CanvasView:
         return text
 
     def render(self, ev: Step) -> Group:
-        body, n = self.canvas_text(ev)
-        return Group(self.answer_so_far(), self.header(ev, n), body)
+        """The frame for the last step event seen (its accepted positions compared with the step's before)."""
+        body, counts = self.canvas_text(ev)
+        return Group(self.answer_so_far(), self.header(ev, counts), body)
 
     # -- events ------------------------------------------------------------------------------------------
 
     def __call__(self, ev) -> None:
         if isinstance(ev, Step):
             self.forwards += 1
+            self._before, self._accepted = (self._accepted if ev.step > 1 else None), ev.accepted
             now = time.perf_counter()
             if now - self.last_draw < self.min_interval:
                 return
@@ -144,7 +266,10 @@ class CanvasView:
         elif isinstance(ev, CanvasDone):
             t = time.perf_counter()
             self.finished_ids += [int(x) for x in ev.tokens[0].tolist() if int(x) not in self.skip_ids]
-            self.live.update(self.answer_so_far(), refresh=True)
+            self.kept += ev.kept[0] if ev.kept else 0
+            self.forwards_done += ev.steps[0]
+            self._accepted = self._before = None
+            self.live.update(Group(self.answer_so_far(), self.done_header(ev)), refresh=True)
             self.draw_seconds += time.perf_counter() - t
         elif isinstance(ev, Done):
             self.live.update(Text(""), refresh=True)
@@ -156,4 +281,4 @@ def view_for(tok, console: Console | None = None, max_fps: float = DEFAULT_FPS) 
     skip = {i for i in (tok.pad_id, tok.eos_id, tok.end_of_turn_id) if i is not None}
     return CanvasView(lambda t: tok.decode([t], skip_special_tokens=False), console=console, max_fps=max_fps,
                       skip_ids=skip, decode=lambda ids: tok.decode(ids, skip_special_tokens=False),
-                      strip=tok.strip_special)
+                      strip=tok.strip_special, pad_id=tok.pad_id)

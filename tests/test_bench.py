@@ -2,6 +2,7 @@
 Triton path's tokens against the torch path's."""
 
 import json
+import sys
 
 import pytest
 import torch
@@ -47,6 +48,32 @@ def test_bench_reports_consistent_figures(capsys, fmt, policy):
     assert r["statistic"] == statistic(5, 1)
     assert r["canvas_vocab_bytes"] == 4 * C * 512 * 4
     assert r["reference_ms_per_step"] is None and r["reference_mode"] is None
+
+
+def test_bench_says_each_phase_as_it_starts(monkeypatch):
+    heard = []
+    real = bench.random_model
+    monkeypatch.setattr(bench, "random_model", lambda *a, **k: (heard.append("(built)"), real(*a, **k))[1])
+    bench.run_bench("tiny", "bf16", prompt=20, steps=5, device="cpu", dtype="float32", note=heard.append)
+    assert heard[:2] == ["building tiny with random bf16 weights on cpu (float32)", "(built)"]  # said before it ran
+    assert heard[2:] == ["warming up (5 steps)", "timing 5 steps (batch 1, prompt 20)",
+                         "timing the prefill and the device's copy bandwidth"]
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_bench_command_says_its_phases_on_a_terminal_stderr(capsys, monkeypatch, terminal):
+    """A long run is not silent where a person watches stderr; stdout keeps only the JSON object either way."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+    args = ["bench", "--config", "tiny", "--format", "bf16", "--prompt", "20", "--steps", "5", "--device", "cpu",
+            "--json"]
+    assert run_main(args) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["ms_per_step"] > 0
+    if terminal:
+        assert err.splitlines()[0].startswith("dgemma: bench: building tiny with random bf16 weights on cpu")
+        assert len(err.splitlines()) == 4 and all(line.startswith("dgemma: bench: ") for line in err.splitlines())
+    else:
+        assert err == ""
 
 
 def test_floor_is_the_weights_one_step_reads_over_the_peak_bandwidth(monkeypatch):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pty
+import re
 import select
 import signal
 import subprocess
@@ -117,19 +118,20 @@ def test_cancel_retry_and_transcript(demo, tmp_path):
 
 
 class Terminal:
-    """`dgemma chat` in a pseudo-terminal of 80 x 24, its output fed to a terminal emulator (pyte)."""
+    """`dgemma chat` in a pseudo-terminal of 80 x 48, its output fed to a terminal emulator (pyte). Tall enough that
+    a test's whole conversation stays on the screen."""
 
     def __init__(self, args: list[str], env: dict):
         import pyte
 
-        self.screen = pyte.Screen(80, 24)
+        self.screen = pyte.Screen(80, 48)
         self.stream = pyte.ByteStream(self.screen)
         self.master, slave = pty.openpty()
         import fcntl
         import struct
         import termios
 
-        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 48, 80, 0, 0))
         self.proc = subprocess.Popen(args, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=ROOT,
                                      start_new_session=True)
         os.close(slave)
@@ -160,6 +162,16 @@ class Terminal:
                 return
         raise AssertionError(f"{needle!r} never appeared; screen:\n{self.text()}")
 
+    def wait_for_prompts(self, n: int, timeout: float = 60.0) -> None:
+        """Until n input prompts are on the screen: the answers to the first n-1 messages are complete (a prompt
+        line stays on the screen; the live view, which is not one, is erased when its answer is printed)."""
+        end = time.time() + timeout
+        while time.time() < end:
+            self.pump()
+            if sum(line.startswith("›") for line in self.screen.display) >= n:
+                return
+        raise AssertionError(f"the prompt never came back {n} times; screen:\n{self.text()}")
+
     def type(self, keys: str) -> None:
         os.write(self.master, keys.encode())
 
@@ -168,23 +180,25 @@ class Terminal:
 def test_chat_in_a_pseudo_terminal(tmp_path):
     pytest.importorskip("pyte")
     env = dict(os.environ, TERM="xterm-256color", PROMPT_TOOLKIT_NO_CPR="1", DGEMMA_HOME=str(tmp_path / "dgemma"),
-               COLUMNS="80", LINES="24", PYTHONPATH=str(ROOT))
+               COLUMNS="80", LINES="48", PYTHONPATH=str(ROOT))
     env.pop("DGEMMA_MODEL", None)
-    term = Terminal([sys.executable, "-m", "dgemma_cli", "chat", "--model", "demo", "--device", "cpu", "--seed", "0"],
-                    env)
+    term = Terminal([sys.executable, "-m", "dgemma_cli", "chat", "--model", "demo", "--device", "cpu", "--seed", "0",
+                     "--context", "100000"], env)
     try:
         term.wait_for("/help for commands")
+        term.wait_for("is more than this model's 4096 positions")  # a --context above the model's is said at once
         term.wait_for("›")
         term.type("upper: hello diffusions\r")
-        term.wait_for("HELLO DIFFUSIONS")
+        term.wait_for_prompts(2)  # the answer is in and the prompt is back: nothing typed ahead in this turn
+        assert "HELLO DIFFUSIONS" in term.text()
+        # Typed ahead, without waiting: the second message goes in while the first is (or may be) generated; each
+        # Enter sends its own message, and nothing typed shows inside the answer being drawn
         term.type("upper: abc def 12 ghijk\r")
-        term.wait_for("upper: abc def 12 ghijk")
-        deadline = time.time() + 60
-        while time.time() < deadline:  # the second answer arrives: the prompt comes back a third time
-            term.pump()
-            if term.text().count("›") >= 3:
-                break
-        assert term.text().count("›") >= 3, term.text()
+        term.type("upper: typed ahead 123\r")
+        term.wait_for_prompts(4)  # (the demo model answers single turns only: these answers are not checked)
+        prompts = [line.rstrip() for line in term.screen.display if line.startswith("›")]
+        assert prompts == ["› upper: hello diffusions", "› upper: abc def 12 ghijk", "› upper: typed ahead 123",
+                           "›"], term.text()
         term.type(f"/save {tmp_path / 'talk.md'}\r")
         term.wait_for("(saved")
         term.type("/reset\r")
@@ -202,8 +216,56 @@ def test_chat_in_a_pseudo_terminal(tmp_path):
         assert "HELLO DIFFUSIONS" in screen or b"HELLO DIFFUSIONS" in term.log
         transcript = (tmp_path / "talk.md").read_text()
         assert "upper: hello diffusions" in transcript and "HELLO DIFFUSIONS" in transcript
+        assert transcript.count("## User") == 3 and "\nupper: typed ahead 123\n" in transcript, transcript
         history = (tmp_path / "dgemma" / "chat_history").read_text()
         assert "upper: hello diffusions" in history  # prompts persist across sessions
+    finally:
+        if term.proc.poll() is None:
+            os.killpg(term.proc.pid, signal.SIGKILL)
+        os.close(term.master)
+
+
+TYPE_AHEAD_CHILD = """
+import sys, time
+from dgemma_cli.chat import TypeAheadKept, prompt_session
+keep = sys.argv[1] == "kept"
+print("generating", flush=True)
+if keep:
+    with TypeAheadKept():
+        time.sleep(2.0)  # an answer being generated: the test types meanwhile
+else:
+    time.sleep(2.0)
+print("generated", flush=True)
+session = prompt_session(None)
+for _ in range(2):
+    print("sent", repr(session.prompt("> ")), flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kept", [True, False], ids=["kept", "cooked"])
+def test_keys_typed_during_an_answer_wait_for_the_next_prompt(tmp_path, kept):
+    """Two messages typed while an answer is generated, each ended by Enter, in a real pseudo-terminal: with the
+    terminal as chat sets it during an answer, nothing is echoed meanwhile and each Enter sends its own message.
+    Without it (the terminal's cooked mode, `cooked`), the keys are echoed into the answer being drawn and Enter
+    becomes a new line inside one unsent message: this case shows what the test detects."""
+    pytest.importorskip("pyte")
+    env = dict(os.environ, TERM="xterm-256color", PROMPT_TOOLKIT_NO_CPR="1", PYTHONPATH=str(ROOT))
+    term = Terminal([sys.executable, "-c", TYPE_AHEAD_CHILD, "kept" if kept else "cooked"], env)
+    try:
+        term.wait_for("generating")
+        term.type("first message\rsecond message\r")
+        term.wait_for("generated", timeout=30)
+        echoed = b"first message" in term.log.split(b"generated")[0]
+        end = time.time() + (20 if kept else 4)
+        while time.time() < end and term.log.count(b"sent ") < 2:
+            term.pump()
+        sent = re.findall(r"sent ('[^']*')", term.log.decode(errors="replace"))
+        if kept:
+            assert not echoed, term.log
+            assert sent == ["'first message'", "'second message'"], term.log
+        else:
+            assert echoed and sent == [], term.log
     finally:
         if term.proc.poll() is None:
             os.killpg(term.proc.pid, signal.SIGKILL)
@@ -219,3 +281,38 @@ def test_chat_refuses_a_pipe(capsys, monkeypatch):
     assert run_main(["chat", "--model", "demo", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "needs a terminal" in err[0]
+
+
+def test_set_and_settings_commands(demo):
+    from dgemma_cli.chat import set_setting, settings_text
+    from dgemma_cli.errors import UsageError
+
+    conv = Conversation(demo, 100000)
+    assert conv.context == demo.config.text.max_position_embeddings  # capped (run_chat says so once)
+    s = set_setting(demo.settings, "t-max 0.9")
+    s = set_setting(s, "steps 12")
+    assert (s.t_max, s.max_denoising_steps) == (0.9, 12) and demo.settings.t_max != 0.9  # the model's kept
+    shown = dict(line.split(None, 1) for line in settings_text(s, conv, "live", 3).splitlines())
+    assert shown["t-max"] == "0.9" and shown["steps"] == "12" and shown["seed"] == "3" and shown["view"] == "live"
+    assert shown["context"] == str(conv.context) and shown["think"] == "off"
+    for bad, said in [("bogus 1", "usage: /set NAME VALUE"), ("steps x", "not an integer"),
+                      ("t-min 0.95", "--t-min <= --t-max"), ("entropy-bound 0", "--entropy-bound must be > 0")]:
+        with pytest.raises(UsageError, match=said.replace("+", r"\+")):
+            set_setting(s, bad)
+
+
+def test_a_dumb_terminal_gets_plain_progress_lines(demo, monkeypatch):
+    """/view live where the terminal cannot move the cursor (TERM=dumb): a line per canvas, as `dgemma run`."""
+    import io
+
+    from dgemma_cli.chat import answer_turn
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setenv("TERM", "dumb")
+    out, err = io.StringIO(), Tty()
+    answer_turn(Conversation(demo, 4096), "upper: hello diffusions", demo.settings, "live", 0, out, err)
+    assert out.getvalue() == "HELLO DIFFUSIONS\n"
+    assert "dgemma: canvas 1 done in" in err.getvalue() and "\x1b[" not in err.getvalue()

@@ -18,6 +18,7 @@ import sys
 import threading
 
 import pytest
+import torch
 
 from cli_helpers import interrupt_after_first_canvas, run_main
 
@@ -144,12 +145,16 @@ def test_ctrl_c_with_json_prints_the_finished_canvases_as_a_json_object(capsys, 
 def _answers_end_at_once(monkeypatch) -> None:
     """The model ends every answer at its first position (what an empty answer is), through the real engine."""
     import dgemma_cli.engine as engine_mod
-    from dgemma_cli.sampler import Done
+    from dgemma_cli.sampler import CanvasDone, Done
 
     real = engine_mod.generate_events
 
     def empty(*args, **kwargs):
         for ev in real(*args, **kwargs):
+            if isinstance(ev, CanvasDone):  # an end-of-sequence id first, then pads
+                ev.tokens = torch.zeros_like(ev.tokens)
+                ev.tokens[:, 0] = 1
+                ev.kept = [1] * len(ev.kept)
             if isinstance(ev, Done):
                 ev.token_ids = [[] for _ in ev.token_ids]
             yield ev
@@ -307,3 +312,111 @@ def test_quiet_refuses_a_view(capsys, monkeypatch):
     code, out, err = cli(capsys, monkeypatch, "run", "x", *DEMO, "--quiet", "--view", "plain")
     assert (code, out) == (2, "")
     one_error_line(err, "--quiet and --view plain exclude each other")
+
+
+# ------------------------------------------------------------------ 10. each finished canvas streams to stdout
+
+
+def test_a_pipe_receives_the_answer_before_generation_ends(capsys, monkeypatch):
+    """stdout (a pipe here) holds the first canvas's text when the sampler reports it is done, before the run ends;
+    the whole output is still exactly the answer and one newline."""
+    import dgemma_cli.engine as engine_mod
+    from dgemma_cli.sampler import Done
+
+    real = engine_mod.generate_events
+    seen_at_done = []
+
+    def watched(*args, **kwargs):
+        for ev in real(*args, **kwargs):
+            if isinstance(ev, Done):
+                seen_at_done.append(sys.stdout.getvalue())
+            yield ev
+
+    monkeypatch.setattr(engine_mod, "generate_events", watched)
+    code, out, err = cli(capsys, monkeypatch, "run", "upper: hello diffusions", *DEMO)
+    assert code == 0, err
+    assert seen_at_done == ["HELLO DIFFUSIONS"]  # written as its canvas finished (the newline ends the run)
+    assert out == "HELLO DIFFUSIONS\n"
+
+
+def _demo_tokenizer():
+    from dgemma_cli.engine import load
+
+    return load("demo", device="cpu", dtype="float32").tokenizer
+
+
+@pytest.mark.parametrize("canvas", [1, 2, 3, 5, 8])
+def test_streamed_canvases_add_up_to_the_answer(canvas):
+    """An answer cut into canvases of any size: each write is text no later canvas changes (no trailing
+    whitespace, no half character before the end), and the writes plus `finish` are exactly the answer's line."""
+    from dgemma_cli.answer import FinishedCanvases
+    from dgemma_cli.config import GenerationSettings
+
+    tok = _demo_tokenizer()
+    text = "Upper case:  two  spaces, tabs\tand\nnew lines; é ü ß 😀 end  "
+    ids = tok.encode(text)
+    settings = GenerationSettings(max_new_tokens=1000, eos_token_ids=(1,), pad_token_id=0)
+    answer = tok.decode_answer(ids)[1]
+    writes: list[str] = []
+    stream = FinishedCanvases(tok, settings, write=writes.append)
+    body = ids + [1]  # the end-of-sequence id, then pads to a whole canvas
+    body += [0] * (-len(body) % canvas)
+    for k in range(0, len(body), canvas):
+        stream.add(body[k : k + canvas], steps=1, kept=0)
+        so_far = "".join(writes)
+        assert answer.startswith(so_far)
+        if not stream.ended:
+            assert so_far == so_far.rstrip() and not so_far.endswith("\ufffd")
+    stream.finish(answer)
+    assert "".join(writes) == answer + "\n"
+    assert len(writes) > 2  # it did stream
+
+
+def test_an_interrupted_stream_keeps_the_finished_canvases(capsys, monkeypatch):
+    interrupt_after_first_canvas(monkeypatch)
+    code, out, err = cli(capsys, monkeypatch, "run", "upper: hello diffusions", *DEMO)
+    assert code == 130
+    assert out == "HELLO DIFFUSIONS\n"  # streamed, then completed and ended with its newline, once
+
+
+# ------------------------------------------------------------------ 10. the sampler's settings as flags
+
+
+def test_sampler_flags_reach_the_sampler(capsys, monkeypatch):
+    """--confidence-threshold 0 turns the early stop off: every canvas takes exactly --steps steps."""
+    code, out, _ = cli(capsys, monkeypatch, "run", "upper: hello diffusions", *DEMO, "--json")
+    assert code == 0 and json.loads(out)["canvases"][0] < 7  # the demo stops early by itself
+    code, out, err = cli(capsys, monkeypatch, "run", "upper: hello diffusions", *DEMO, "--json", "--steps", "7",
+                         "--confidence-threshold", "0", "--t-max", "0.9", "--t-min", "0.1", "--entropy-bound", "0.2",
+                         "--stability-threshold", "2")
+    assert code == 0, err
+    assert json.loads(out)["canvases"] == [7]
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--t-min", "-1"], "--t-min"),
+    (["--t-max", "0"], "--t-max"),
+    (["--entropy-bound", "0"], "--entropy-bound must be > 0"),
+    (["--confidence-threshold", "-0.1"], "--confidence-threshold must be >= 0"),
+    (["--stability-threshold", "-1"], "--stability-threshold must be >= 0"),
+    (["--t-min", "0.9", "--t-max", "0.5"], "--t-min <= --t-max"),
+])
+def test_sampler_flags_out_of_range_fail_before_the_model_loads(capsys, monkeypatch, args, fragment):
+    import dgemma_cli.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    code, out, err = cli(capsys, monkeypatch, "run", "upper: hello diffusions", *DEMO, *args)
+    assert code == 2 and out == ""
+    one_error_line(err, fragment)
+
+
+def test_sampler_flags_in_help():
+    for command in ("run", "chat"):
+        out = subprocess.run([sys.executable, "-m", "dgemma_cli", command, "-h"], capture_output=True, text=True,
+                             env=dict(os.environ, COLUMNS="200")).stdout
+        for flag in ("--max-new-tokens", "--steps", "--t-max", "--t-min", "--entropy-bound",
+                     "--confidence-threshold", "--stability-threshold"):
+            assert flag in out, (command, flag)
+    out = subprocess.run([sys.executable, "-m", "dgemma_cli", "bench", "-h"], capture_output=True, text=True,
+                         env=dict(os.environ, COLUMNS="200")).stdout
+    assert "at least 5" in out  # the minimum that `bench --steps 4` is refused by

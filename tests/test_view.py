@@ -1,15 +1,21 @@
-"""The live canvas view rendered from a fixed event sequence, at two terminal widths."""
+"""The live canvas view rendered from a fixed event sequence, at two terminal widths; its figures against the
+sampler's on a real generation; a terminal that re-wraps on shrinking; which view a run gets; the plain lines."""
 
 from __future__ import annotations
 
 import io
+import json
 import re
+import sys
 
+import pyte
+import pytest
 import torch
+from cli_helpers import run_main
 from rich.console import Console
 
 from dgemma_cli.sampler import CanvasDone, Done, Step
-from dgemma_cli.view import NOISE_GLYPHS, CanvasView
+from dgemma_cli.view import NOISE_GLYPHS, CanvasView, PlainProgress, choose_view, view_for
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 # a character-level toy vocabulary: ids 10.. are letters; 1 is an end token, 0 pad; 100/101 open and close thought
@@ -109,6 +115,14 @@ def test_long_answers_keep_only_the_last_lines_that_fit():
     assert len(lines) <= 12
 
 
+def test_newly_accepted_counts_only_what_the_step_before_had_not():
+    # step 2 accepts positions 0..5; positions 0 and 3 were accepted at step 1 already: 4 are new, 6 in all
+    _, frames = render(80, EVENTS)
+    assert "+4 accepted (6/12)" in ANSI.sub("", plain(frames[1], 80))
+    # a new canvas starts afresh: all 18 of its first step are new
+    assert "+18 accepted (18/18)" in ANSI.sub("", plain(frames[2], 80))
+
+
 def test_throttle_skips_redraws_without_touching_tensors():
     buf = io.StringIO()
     view = CanvasView(piece, console=Console(file=buf, width=80, force_terminal=True), max_fps=1.0, decode=decode)
@@ -123,3 +137,178 @@ def test_throttle_skips_redraws_without_touching_tensors():
         for _ in range(50):
             view(skipped)
     assert view.draws == 1 and view.forwards == 51
+
+
+def terminal_console(buf: io.StringIO, width: int, height: int = 50) -> Console:
+    return Console(file=buf, width=width, height=height, force_terminal=True, color_system="truecolor",
+                   legacy_windows=False)
+
+
+@pytest.fixture(scope="module")
+def demo_engine():
+    from dgemma_cli.engine import load
+
+    return load("demo", device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize("prompt,max_new_tokens,canvases", [
+    ("upper: hello diffusions", None, 1),  # the demo's answer: one canvas of 2 steps, "HELLO DIFFUSIONS"
+    ("upper: hello diffusions and more words here", 128, 4),  # 4 canvases of 2 to 37 steps
+])
+def test_header_figures_are_the_samplers_on_a_real_generation(monkeypatch, demo_engine, prompt, max_new_tokens,
+                                                              canvases):
+    """Every step drawn: "+N accepted" is the positions accepted now and not at the step before, and the last
+    tok/forward shown is Done's (what --json reports), by the sampler's definition."""
+    monkeypatch.setenv("TERM", "xterm-256color")
+    engine = demo_engine
+    buf = io.StringIO()
+    view = view_for(engine.tokenizer, console=terminal_console(buf, 200, height=80), max_fps=1e9)
+    before, done, steps, differs = None, None, 0, False
+    with view:
+        for ev in engine.events(prompt, seed=3, max_new_tokens=max_new_tokens or engine.settings.max_new_tokens):
+            mark = len(buf.getvalue())
+            view(ev)
+            drawn = ANSI.sub("", buf.getvalue()[mark:])
+            if isinstance(ev, Step):
+                accepted = ev.accepted[0]
+                new = int((accepted & ~before).sum()) if before is not None and ev.step > 1 else int(accepted.sum())
+                before = accepted
+                shown = re.search(r"step (\d+)/\d+ · \+(\d+) accepted", drawn)
+                assert shown and int(shown[1]) == ev.step, drawn
+                assert int(shown[2]) == new, drawn
+                assert f"accepted ({int(accepted.sum())}/32)" in drawn  # and how many in all, of the canvas's 32
+                differs |= new != int(accepted.sum())
+                steps += 1
+            elif isinstance(ev, Done):
+                done = ev
+    assert done is not None and steps >= 2 and len(done.steps_per_canvas[0]) == canvases
+    assert differs  # some step re-accepted positions: "new" was tested apart from "all"
+    figures = re.findall(r"([0-9.]+) tok/forward", ANSI.sub("", buf.getvalue()))
+    assert figures[-1] == f"{done.tokens_per_forward[0]:.1f}"
+    from dgemma_cli.sampler import tokens_per_forward
+
+    assert tokens_per_forward(view.kept, view.forwards_done) == done.tokens_per_forward[0]
+
+
+def tty(text: str) -> str:
+    """What reaches the terminal: the tty driver turns each newline into carriage return + newline."""
+    return text.replace("\n", "\r\n")
+
+
+def reflowed(screen: pyte.Screen, width: int) -> tuple[pyte.Screen, pyte.Stream]:
+    """The screen a terminal that re-wraps (as most do) shows after shrinking to `width` columns: each row of n
+    characters becomes ceil(n / width) rows; the cursor stays after the same character."""
+    rows = [line.rstrip() for line in screen.display]
+    new = pyte.Screen(width, screen.lines)
+    stream = pyte.Stream(new)
+    out, cursor = [], (0, 0)
+    for y, row in enumerate(rows):
+        chunks = [row[i:i + width] for i in range(0, len(row), width)] or [""]
+        if y == screen.cursor.y:
+            line = min(screen.cursor.x // width, len(chunks) - 1)
+            cursor = (len(out) + line, screen.cursor.x - line * width)
+        out += chunks
+    while out and not out[-1] and len(out) > cursor[0] + 1:
+        out.pop()
+    assert len(out) <= screen.lines, "the test keeps everything on the screen"
+    stream.feed("\r\n".join(out))
+    stream.feed(f"\x1b[{cursor[0] + 1};{cursor[1] + 1}H")
+    return new, stream
+
+
+def test_shrinking_a_rewrapping_terminal_leaves_one_header(monkeypatch):
+    monkeypatch.setenv("TERM", "xterm-256color")
+    canvas = list(range(10, 10 + 26)) * 8  # 208 positions: rows of 100 cells that re-wrap at 60
+    screen = pyte.Screen(100, 40)
+    stream = pyte.Stream(screen)
+    stream.feed("$ dgemma run hello\r\n")  # what was on the terminal before
+    buf = io.StringIO()
+    console = terminal_console(buf, 100, height=40)
+    view = CanvasView(piece, console=console, max_fps=1e9, skip_ids={0, 1}, decode=decode, strip=strip)
+    with view:
+        view(step(canvas, [True] * 100 + [False] * 108, [0.0] * 208, 1))
+        stream.feed(tty(buf.getvalue()))
+        assert sum("step 1/8" in row for row in screen.display) == 1
+        console.width = 60
+        screen, stream = reflowed(screen, 60)
+        assert sum("step 1/8" in row for row in screen.display) == 1  # re-wrapped, not yet redrawn
+        mark = len(buf.getvalue())
+        view(step(canvas, [True] * 150 + [False] * 58, [0.0] * 208, 2))
+        stream.feed(tty(buf.getvalue()[mark:]))
+    headers = [row for row in screen.display if "canvas 1 · step" in row]
+    assert len(headers) == 1 and "step 2/8" in headers[0], screen.display
+    assert screen.display[0].startswith("$ dgemma run hello")  # nothing above the view was erased
+    assert max(len(row.rstrip()) for row in screen.display) <= 60
+
+
+def test_closing_the_view_leaves_only_what_was_there(monkeypatch):
+    monkeypatch.setenv("TERM", "xterm-256color")
+    screen = pyte.Screen(80, 30)
+    stream = pyte.Stream(screen)
+    stream.feed("$ dgemma run hello\r\n")
+    buf = io.StringIO()
+    view = CanvasView(piece, console=terminal_console(buf, 80, height=30), max_fps=1e9, skip_ids={0, 1},
+                      decode=decode, strip=strip)
+    with view:
+        for ev in EVENTS[:4]:  # interrupted in the middle of a canvas: no Done event clears the view
+            view(ev)
+    stream.feed(tty(buf.getvalue()))
+    assert [row.rstrip() for row in screen.display if row.strip()] == ["$ dgemma run hello"]
+
+
+@pytest.mark.parametrize("requested,stdout_tty,stderr_tty,term,as_json,quiet,expected", [
+    (None, True, True, "xterm-256color", False, False, "live"),
+    (None, True, True, "dumb", False, False, "plain"),  # no cursor movement: lines instead
+    (None, False, True, "xterm", False, False, "plain"),  # stdout redirected, a person watches stderr
+    (None, True, True, "xterm", True, False, "plain"),  # --json: the object comes on a clean stdout
+    (None, True, False, "xterm", False, False, "none"),  # stderr redirected: nobody watches it
+    (None, False, False, "xterm", False, False, "none"),
+    (None, True, True, "xterm", False, True, "none"),  # --quiet
+    (None, True, True, None, False, False, "live"),  # TERM unset (Windows terminals) is not dumb
+    ("live", True, True, "dumb", False, False, "plain"),  # asked for, cannot be drawn: plain, no error
+    ("live", True, False, "xterm", False, False, "plain"),
+    ("live", False, True, "xterm", True, False, "live"),
+    ("plain", False, False, "xterm", False, False, "plain"),
+    ("none", True, True, "xterm", False, False, "none"),
+])
+def test_choose_view(requested, stdout_tty, stderr_tty, term, as_json, quiet, expected):
+    assert choose_view(requested, stdout_tty=stdout_tty, stderr_tty=stderr_tty, term=term, as_json=as_json,
+                       quiet=quiet) == expected
+
+
+def test_plain_progress_says_each_canvas_with_the_samplers_figures():
+    out = io.StringIO()
+    progress = PlainProgress(out)
+    for ev in EVENTS[:2]:
+        progress(ev)  # steps say nothing
+    assert out.getvalue() == ""
+    progress(CanvasDone(0, torch.tensor([CANVAS_1]), [3], torch.tensor([False]), [12]))
+    progress(CanvasDone(1, torch.tensor([THOUGHT]), [5], torch.tensor([True]), [16]))
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2
+    assert re.fullmatch(r"dgemma: canvas 1 done in 3 steps \(4\.0 tok/forward, [0-9,]+ tok/s\)", lines[0])
+    assert lines[1].startswith("dgemma: canvas 2 done in 5 steps (3.5 tok/forward, ")  # 28 tokens / 8 forwards
+
+
+PLAIN_LINE = r"dgemma: canvas 1 done in \d+ steps \(([0-9.]+) tok/forward, [0-9,]+ tok/s\)"
+
+
+@pytest.mark.parametrize("stderr_tty,term,args,progress", [
+    (True, "xterm-256color", [], True),  # stdout redirected, stderr a terminal: plain lines by default
+    (True, "dumb", ["--view", "live"], True),  # live asked for where it cannot be drawn: plain lines, no error
+    (False, "xterm-256color", [], False),  # nobody watches stderr
+])
+def test_run_shows_progress_where_a_person_watches_stderr(capsys, monkeypatch, stderr_tty, term, args, progress):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: stderr_tty)
+    monkeypatch.setenv("TERM", term)
+    code = run_main(["run", "upper: hello diffusions", "--model", "demo", "--device", "cpu", "--seed", "0",
+                     "--json", *args])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    answer = json.loads(out)  # stdout: the object alone
+    if progress:
+        shown = re.fullmatch(PLAIN_LINE + "\n", err)
+        assert shown, err
+        assert shown[1] == f"{answer['tokens_per_forward']:.1f}"  # the figure --json gives
+    else:
+        assert err == ""
