@@ -9,10 +9,12 @@ device and every expected tensor is checked for presence, shape and dtype before
 
 Quantized checkpoints describe themselves: config.json's `quantization_config` (or ModelOpt's
 `hf_quant_config.json`) names the format, and a projection is quantized exactly when its `weight_scale` tensor is in
-the checkpoint; the module is then swapped for a `quant.modules` one before loading and its packed tensors are kept
-as they are. Routed experts come either fused (`experts.gate_up_proj`, `experts.down_proj`: bf16, or dgemma INT8
-with `.weight` / `.weight_scale`) or per expert as ModelOpt writes them (`experts.E.{gate,up,down}_proj.*`), which are
-stacked into [E, ...] buffers on load.
+the checkpoint; the module is then swapped for the format's `quant.modules` one before loading and its packed tensors
+are kept as they are. Everything format-specific (which checkpoints, tensor names and scales, what an ignore list
+leaves unquantized, which modules) is the format's own module under quant/formats/; this file asks it. Routed
+experts come either fused (`experts.gate_up_proj`, `experts.down_proj`: bf16, or quantized with `.weight` /
+`.weight_scale`) or per expert (`experts.E.{gate,up,down}_proj.*`, as ModelOpt and compressed-tensors write them),
+which are stacked into [E, ...] buffers on load.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from pathlib import Path
 
 import torch
 
-from quant import modules as qmodules
+from quant import formats as qformats
+from quant.formats import dgemma_int8
 
 from .config import ModelConfig
-from .errors import ModelError
+from .errors import ModelError, UsageError
 from .names import INDEX_FILE, SINGLE_FILE, TEXT_PREFIXES, text_shards
 
 ENCODER_SCALAR = "model.encoder.language_model.layers.{}.layer_scalar"
@@ -203,89 +206,79 @@ def read_converted(rec: TensorRecord, dtype: torch.dtype, device) -> torch.Tenso
 
 # ----------------------------------------------------------------------------- quantized checkpoints
 
-QUANT_FORMATS = ("nvfp4", "int8")
-DGEMMA_INT8_VERSION = 1
+DGEMMA_INT8_VERSION = dgemma_int8.VERSION
+
+
+def read_format(directory: Path, raw_config: dict) -> qformats.Format | None:
+    """The checkpoint's quantization format from its own description (quant/formats/), or None (unquantized).
+
+    Each published layout is one module there (ModelOpt NVFP4, dgemma INT8, compressed-tensors FP8/INT8 W8A8);
+    anything else is refused by name rather than loaded wrongly.
+    """
+    try:
+        return qformats.detect(Path(directory), raw_config)
+    except qformats.FormatError as e:
+        raise ModelError(str(e)) from None
 
 
 def read_quant_format(directory: Path, raw_config: dict) -> str | None:
-    """The checkpoint's quantization format ('nvfp4', 'int8') from its own description, or None (unquantized).
-
-    ModelOpt NVFP4: `quantization_config` {quant_method: modelopt, quant_algo: NVFP4} in config.json, or the
-    older `hf_quant_config.json` {quantization: {quant_algo: NVFP4}}. dgemma INT8: {quant_method: dgemma,
-    format: int8, format_version: 1}. Anything else is refused by name rather than loaded wrongly.
-    """
-    qc = raw_config.get("quantization_config")
-    if qc is None:
-        hf_quant = Path(directory) / "hf_quant_config.json"
-        if not hf_quant.is_file():
-            return None
-        try:
-            qc = dict(json.loads(hf_quant.read_text())["quantization"], quant_method="modelopt")
-        except (OSError, ValueError, KeyError, TypeError):
-            raise ModelError(f"{hf_quant}: not a valid ModelOpt quantization file") from None
-    if not isinstance(qc, dict):
-        raise ModelError("config.json: quantization_config is not an object")
-    method = str(qc.get("quant_method", "")).lower()
-    if method == "modelopt":
-        algo = str(qc.get("quant_algo", "")).upper()
-        if algo == "NVFP4" and int(qc.get("group_size", 16)) == 16:
-            return "nvfp4"
-        raise ModelError(f"config.json: ModelOpt quantization {algo or '?'} is not supported (dgemma reads NVFP4 "
-                         "with group size 16)")
-    if method == "dgemma":
-        fmt = str(qc.get("format", "")).lower()
-        if fmt == "int8" and qc.get("format_version") == DGEMMA_INT8_VERSION:
-            return "int8"
-        raise ModelError(f"config.json: dgemma quantization format {fmt!r} version {qc.get('format_version')!r} is "
-                         "not supported by this dgemma")
-    raise ModelError(f"config.json: quantization method {method or '?'!r} is not supported (dgemma reads ModelOpt "
-                     "NVFP4 and its own INT8)")
+    """The format's short name ('nvfp4', 'int8', 'fp8'), or None (unquantized)."""
+    fmt = read_format(directory, raw_config)
+    return None if fmt is None else fmt.label
 
 
 def expert_base(layer: int, prefix: str) -> str:
     return checkpoint_name(f"layers.{layer}.experts.gate_up_proj", prefix).rsplit(".", 1)[0]
 
 
-def per_expert_name(base: str, expert: int, proj: str, part: str) -> str:
-    """ModelOpt's per-expert tensor name, e.g. model.decoder.layers.3.experts.17.gate_proj.weight_scale."""
-    return f"{base}.{expert}.{proj}.{part}"
-
-
 def swap_quantized_modules(model: torch.nn.Module, records: dict[str, TensorRecord], prefix: str,
-                           fmt: str | None) -> dict[str, str]:
+                           fmt: qformats.Format | None) -> dict[str, str]:
     """Replace (on the meta model) every projection and expert block the checkpoint holds quantized.
 
-    Returns {module path: 'linear' | 'experts' | 'per_expert'} for what was swapped. A quantized tensor in a
-    checkpoint that declares no format is an error: the format is never guessed.
+    Returns {module path: 'linear' | 'fused' | 'per_expert'} for what was swapped. A module is quantized exactly when
+    its scale tensor is stored; where the format's description also lists what it quantizes (compressed-tensors'
+    targets and ignore list), the two must agree. A quantized tensor in a checkpoint that declares no format is an
+    error: the format is never guessed.
     """
     from .model import Experts, QuantizedExperts
+
+    def agree(module: str, quantized: bool) -> None:
+        if fmt is None:
+            return
+        if quantized and fmt.ignored(module):
+            raise ModelError(f"{module} is stored quantized but the checkpoint's ignore list names it")
+        if not quantized and fmt.targets(module):
+            raise ModelError(f"{module} is stored unquantized but the checkpoint's quantization_config quantizes it "
+                             "(it is not in the ignore list)")
 
     swapped = {}
     for path, mod in list(model.named_modules()):
         if isinstance(mod, torch.nn.Linear):
             base = checkpoint_name(path + ".weight", prefix)[: -len(".weight")]
-            if base + ".weight_scale" in records:
+            quantized = (fmt or qformats.Format()).quantized_linear(base, records)
+            agree(base, quantized)
+            if quantized:
                 swapped[path] = "linear"
                 if fmt:
-                    _set_module(model, path, qmodules.make_linear(fmt, mod.in_features, mod.out_features, "meta"))
+                    _set_module(model, path, fmt.make_linear(mod.in_features, mod.out_features, "meta"))
         elif isinstance(mod, Experts):
             layer = int(path.split(".")[1])
             base = expert_base(layer, prefix)
             E, twoI, H = mod.gate_up_proj.shape
-            I = twoI // 2
-            if per_expert_name(base, 0, "gate_proj", "weight") in records:
-                kind, segments = "per_expert", (2, 1)
-            elif base + ".gate_up_proj.weight_scale" in records:
-                kind, segments = "experts", (1, 1)
-            else:
+            layout = (fmt or qformats.Format()).expert_layout(base, records)
+            if layout is None:  # float experts are 3-D tensors, not linear modules: no list speaks of them
                 continue
-            swapped[path] = kind
+            names = ("0.gate_proj", "0.up_proj", "0.down_proj") if layout == "per_expert" else (
+                "gate_up_proj", "down_proj")  # per expert, the first stands for all (every name is checked on load)
+            for name in names:
+                agree(f"{base}.{name}", True)
+            swapped[path] = layout
             if fmt:
-                if kind == "per_expert" and fmt != "nvfp4":
-                    raise ModelError(f"{base}: per-expert tensors are read as ModelOpt NVFP4, but the checkpoint "
-                                     f"says {fmt}")
-                gate_up = qmodules.make_stack(fmt, E, 2 * I, H, segments[0], device="meta")
-                down = qmodules.make_stack(fmt, E, H, I, segments[1], device="meta")
+                if layout not in fmt.expert_layouts:
+                    how = "per expert" if layout == "per_expert" else "fused"
+                    raise ModelError(f"{base}: the checkpoint stores these experts {how}, which its {fmt.label} "
+                                     "format does not")
+                gate_up, down = fmt.make_experts(E, H, twoI // 2, layout, device="meta")
                 _set_module(model, path, QuantizedExperts(E, gate_up, down))
     if swapped and fmt is None:
         first = next(iter(swapped))
@@ -296,23 +289,6 @@ def swap_quantized_modules(model: torch.nn.Module, records: dict[str, TensorReco
 def _set_module(model: torch.nn.Module, path: str, new: torch.nn.Module) -> None:
     parent, _, leaf = path.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, leaf, new)
-
-
-def per_expert_parts(name: str, meta: torch.Tensor, base: str) -> list[tuple[str, tuple]]:
-    """Where the pieces of a stacked buffer (e.g. experts.gate_up_proj.weight [E, 2I, H/2]) live per expert:
-    [(checkpoint name, index into the buffer)]. Gate rows come first, then up; each has its own global scale."""
-    proj, part = name.split(".")[-2:]  # e.g. gate_up_proj, weight_scale_2
-    E = meta.shape[0]
-    out = []
-    for e in range(E):
-        if proj == "down_proj":
-            out.append((per_expert_name(base, e, "down_proj", part), (e, 0) if part == "weight_scale_2" else (e,)))
-            continue
-        half = meta.shape[1] // 2
-        for j, sub in enumerate(("gate_proj", "up_proj")):
-            idx = (e, j) if part == "weight_scale_2" else (e, slice(j * half, (j + 1) * half))
-            out.append((per_expert_name(base, e, sub, part), idx))
-    return out
 
 
 def expected_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -340,7 +316,12 @@ def load_model(directory: Path, device: str | torch.device = "cpu", dtype: torch
     if not directory.is_dir():
         raise ModelError(f"{directory}: no such model directory")
     cfg = ModelConfig.from_dir(directory)
-    fmt = read_quant_format(directory, cfg.raw)
+    fmt = read_format(directory, cfg.raw)
+    if fmt is not None:
+        try:
+            fmt.check_settings()
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     records = index_checkpoint(directory)
     prefix = text_prefix(records)
     if dtype is None:
@@ -356,8 +337,8 @@ def load_model(directory: Path, device: str | torch.device = "cpu", dtype: torch
     packed = dict(model.named_buffers())  # quantized tensors: they keep their own dtype
     plan: dict[str, list[tuple[TensorRecord, tuple | None]]] = {}
     for name, meta in expected.items():
-        if name.rsplit(".", 2)[0] in per_expert:  # ModelOpt: one tensor per expert and projection, stacked here
-            parts = per_expert_parts(name, meta, expert_base(int(name.split(".")[1]), prefix))
+        if name.rsplit(".", 2)[0] in per_expert:  # one tensor per expert and projection, stacked here
+            parts = fmt.per_expert_parts(name, tuple(meta.shape), expert_base(int(name.split(".")[1]), prefix))
             plan[name] = [(checked_record(records, ck, meta, idx), idx) for ck, idx in parts]
             continue
         ck = checkpoint_name(name, prefix)

@@ -3,10 +3,12 @@
 Buffers carry the names they have in a checkpoint, so a loader maps them one to one:
 - `NVFP4Linear`: weight uint8 [N, K/2], weight_scale float8_e4m3fn [N, K/16], weight_scale_2 float32 [] (ModelOpt).
 - `Int8Linear`: weight int8 [N, K], weight_scale float32 [N] (dgemma's INT8).
-- `NVFP4Stack` / `Int8Stack`: E matrices [E, N, K] stacked (routed experts), same packing per matrix; NVFP4 keeps
-  one global scale per expert per row segment, weight_scale_2 [E, S], so an expert's gate and up halves may carry
-  their own (ModelOpt stores them per projection). `dequantize(dtype)` gives [E, N, K], a few experts at a time so
-  the float32 temporaries stay small.
+- `W8A8Linear`: weight float8_e4m3fn or int8 [N, K], weight_scale float32 [N, 1] (compressed-tensors' channel
+  layout), with dynamic per-token 8-bit activations where the GPU has the tensor cores (w8a8.py).
+- `NVFP4Stack` / `Int8Stack` / `W8A8Stack`: E matrices [E, N, K] stacked (routed experts), same packing per
+  matrix; NVFP4 keeps one global scale per expert per row segment, weight_scale_2 [E, S], so an expert's gate and up
+  halves may carry their own (ModelOpt stores them per projection). `dequantize(dtype)` gives [E, N, K], a few
+  experts at a time so the float32 temporaries stay small.
 The Triton kernels (quant/kernels/) implement the same functions behind the same modules: `forward` and
 `fused_experts` call them when `DGEMMA_KERNELS` selects Triton for the input's device and the kernel passed its
 first-use check on that GPU (kernels/probe.py), and the reference otherwise.
@@ -18,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import int8, nvfp4
+from . import int8, nvfp4, w8a8
 from .kernels import use_triton
 from .kernels.probe import family_ok
 
@@ -233,6 +235,97 @@ class Int8Stack(_Stack):
 
     def dequantize_experts(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
         return int8.dequantize_packed(self.weight[lo:hi], self.weight_scale[lo:hi], dtype)
+
+
+class W8A8Linear(nn.Module):
+    """8-bit weights per output channel, compressed-tensors' layout: weight float8_e4m3fn or int8 [N, K], weight_scale
+    float32 [N, 1] (bfloat16 on disk, widened exactly). With `act` (the checkpoint's activations are dynamic per
+    token) the product runs W8A8 where `w8a8.mode` says so; otherwise weight-only (dequantize, 16-bit activations)."""
+
+    def __init__(self, in_features: int, out_features: int, kind: str, act: bool = True, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.format, self.act = kind, act
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=w8a8.DTYPE[kind], device=device))
+        self.register_buffer("weight_scale", torch.empty(out_features, 1, dtype=torch.float32, device=device))
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """[N, K] in dtype."""
+        return w8a8.dequantize(self.weight, self.weight_scale, dtype)
+
+    def mode(self, device: torch.device) -> str:
+        return w8a8.mode(self.format, device) if self.act else "weights"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        how = self.mode(x.device)
+        if (how == "weights" and self.format == "int8" and use_triton(x.device)
+                and family_ok("int8_linear", x.device, x.dtype)):
+            from .kernels.int8_linear import int8_linear
+
+            return int8_linear(x, self.weight, self.weight_scale.view(-1))  # [N, 1] is [N] in memory
+        return w8a8.matmul(x, self.weight, self.weight_scale, self.format, how)
+
+
+class W8A8Stack(_Stack):
+    """E matrices [N, K] in W8A8Linear's layout: weight [E, N, K], weight_scale float32 [E, N, 1].
+
+    The routed experts run W8A8 only when DGEMMA_W8A8=on, through the float32 emulation (`experts_emulated`): no
+    fused kernel with an FP8/INT8 activation path exists yet, so on GPUs with the tensor cores the experts stay
+    weight-only (INT8 through the fused INT8 kernels, FP8 dequantized per layer) while the linears run W8A8."""
+
+    def __init__(self, num: int, out_features: int, in_features: int, kind: str, act: bool = True, device=None):
+        super().__init__()
+        self.shape = (num, out_features, in_features)
+        self.format, self.act = kind, act
+        self.register_buffer("weight", torch.empty(num, out_features, in_features, dtype=w8a8.DTYPE[kind],
+                                                   device=device))
+        self.register_buffer("weight_scale", torch.empty(num, out_features, 1, dtype=torch.float32, device=device))
+
+    def dequantize_experts(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        return w8a8.dequantize(self.weight[lo:hi], self.weight_scale[lo:hi], dtype)
+
+    def fused_experts(self, down: nn.Module, x, top_k_index, top_k_weights):
+        if self.act and w8a8.requested() == "on":
+            return experts_emulated(self, down, x, top_k_index, top_k_weights)
+        if self.format == "int8":  # weight-only: the fused INT8 kernels read [E, N] scales, the same memory
+            from types import SimpleNamespace
+
+            def view(stack):
+                E, N, _ = stack.shape
+                return SimpleNamespace(format="int8", shape=stack.shape, weight=stack.weight,
+                                       weight_scale=stack.weight_scale.view(E, N))
+
+            return fused_experts(view(self), view(down), x, top_k_index, top_k_weights)
+        return None
+
+
+def experts_emulated(gate_up: W8A8Stack, down: W8A8Stack, x: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The routed experts with W8A8 activations, in float32 PyTorch (x [T, H] -> [T, H] in x's dtype).
+
+    Each token's input is quantized once per token (every expert it visits multiplies the same codes), the gated
+    activation gelu_tanh(gate) * up once per (token, expert) row before the down projection; weights are the exact
+    dequantization. Rows are grouped by expert with one sort, each expert's rows are one matmul, and each token's K
+    weighted outputs are summed in float32 in slot order."""
+    T, K = top_k_index.shape
+    E = gate_up.shape[0]
+    kind = gate_up.format
+    flat = top_k_index.reshape(-1)  # [T*K], entry t*K + k
+    order = torch.sort(flat).indices
+    counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    xs = w8a8.fake_quantize_tokens(x, kind)[order // K]  # [T*K, H] float32, grouped by expert
+    ys = torch.empty(T * K, down.shape[1], dtype=torch.float32, device=x.device)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            rows = slice(start, start + n)
+            gate, up = F.linear(xs[rows], gate_up.dequantize_experts(e, e + 1, torch.float32)[0]).chunk(2, dim=-1)
+            h = w8a8.fake_quantize_tokens(F.gelu(gate, approximate="tanh") * up, kind)  # [n, I]
+            ys[rows] = F.linear(h, down.dequantize_experts(e, e + 1, torch.float32)[0])
+        start += n
+    y = torch.empty_like(ys)
+    y[order] = ys  # back to (token, slot) order
+    return (y * top_k_weights.reshape(-1, 1).float()).view(T, K, -1).sum(dim=1).to(x.dtype)
 
 
 LINEAR = {"nvfp4": NVFP4Linear, "int8": Int8Linear}
