@@ -450,6 +450,49 @@ def fim(
     sys.stdout.flush()
 
 
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # any other name may resolve to an outside address
+
+
+@app.command()
+def serve(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; one other than loopback needs "
+                             "--api-key."),
+    port: int = typer.Option(8000, "--port", help="TCP port (0: any free port, said on stderr)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DGEMMA_API_KEY", show_envvar=True,
+                                          help="Require 'Authorization: Bearer KEY' on /v1 routes."),
+    max_batch: int = typer.Option(8, "--max-batch", help="Requests generated together."),
+    max_queue: int = typer.Option(64, "--max-queue", help="Requests waiting for a slot; past it, 429."),
+    device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
+    dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto."),
+) -> None:
+    """An OpenAI-compatible HTTP server (chat, completions with suffix infill, models), batching requests."""
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port must be between 0 and 65535 (got {port})")
+    if max_batch < 1:
+        raise UsageError("--max-batch must be at least 1")
+    if max_queue < 0:
+        raise UsageError("--max-queue must be at least 0")
+    if api_key is not None and not api_key.strip():
+        raise UsageError("--api-key must not be empty")
+    if not _is_loopback(host) and not api_key:
+        raise UsageError(f"--host {host} can be reached from other machines: pass --api-key KEY (or set "
+                         "DGEMMA_API_KEY)")
+    _check_device_dtype(device, dtype)
+    from .serve import serve as run_server  # heavy: torch, starlette, uvicorn
+
+    raise typer.Exit(run_server(_model_dir(model), host=host, port=port, api_key=api_key, max_batch=max_batch,
+                                max_queue=max_queue, device=device, dtype=dtype, note=_note))
+
+
 # ----------------------------------------------------------------------------- weights: pull, store, quantize
 
 

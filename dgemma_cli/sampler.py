@@ -96,23 +96,54 @@ class SamplerBuffers:
         self.probs = self.logits if fused else torch.empty_like(self.logits)
         self.noise = None if fused else torch.empty_like(self.logits)
 
+    def head(self, rows: int) -> SamplerBuffers:
+        """The first `rows` rows of every buffer (views: no copy), for a batch that uses only part of them."""
+        view = object.__new__(SamplerBuffers)
+        view.fused = self.fused
+        view.logits = self.logits[:rows]
+        view.probs = view.logits if self.fused else self.probs[:rows]
+        view.noise = None if self.fused else self.noise[:rows]
+        return view
 
-def sample_step(buf: SamplerBuffers, temperature: torch.Tensor):
+
+def sample_step(buf: SamplerBuffers, temperature: torch.Tensor, generators: list[torch.Generator] | None = None):
     """Temperature, sample, argmax and entropy from the logits in `buf.logits` [N, V]; returns [N] tensors.
 
     Every value equals the reference's bit for bit and the random draws are the same, in the same order:
     `torch.multinomial(probs, 1)` is `argmax(probs / q)` with q ~ Exp(1) drawn over the whole [N, V] (spelled
     out here to reuse a buffer), and the entropy is computed as a Categorical distribution computes it.
+
+    temperature: float32, 0-dim (every row) or [N, 1] (per row). generators (None: torch's global generator): one per
+    block of N / len(generators) consecutive rows (a request's canvas), each block drawing from its own, so a block's
+    draws are those it would get alone after seeding torch with its generator's seed, whatever else is in the batch.
     """
+    N = buf.logits.shape[0]
+    if generators is not None and N % len(generators):
+        raise ValueError(f"{N} rows do not split into {len(generators)} equal blocks")
     if buf.fused:  # one kernel, one buffer; its own random stream (same distribution, other draws)
         from quant.kernels.sampler_epilogue import sampler_epilogue
 
-        seed = torch.randint(0, 2**62, (1,), device=buf.logits.device)  # from torch's generator: seeds repeat runs
-        return sampler_epilogue(buf.logits, temperature, seed)
+        if generators is None:
+            seed = torch.randint(0, 2**62, (1,), device=buf.logits.device)  # from torch's generator: seeds repeat runs
+            return sampler_epilogue(buf.logits, temperature, seed)
+        # The kernel keys its stream by (seed, row within the call): one call per block, each with its own seed and
+        # temperature, gives a block the draws it gets alone.
+        R = N // len(generators)
+        parts = []
+        for b, g in enumerate(generators):
+            seed = torch.randint(0, 2**62, (1,), device=buf.logits.device, generator=g)
+            t = temperature if temperature.dim() == 0 else temperature[b * R]
+            parts.append(sampler_epilogue(buf.logits[b * R : (b + 1) * R], t, seed))
+        return tuple(torch.cat(x) for x in zip(*parts))
     logits, probs, scratch = buf.logits, buf.probs, buf.noise
     logits.div_(temperature)  # processed logits
     torch.ops.aten._softmax.out(logits, -1, False, out=probs)  # = torch.softmax(logits, -1)
-    scratch.exponential_()
+    if generators is None:
+        scratch.exponential_()
+    else:
+        R = N // len(generators)
+        for b, g in enumerate(generators):
+            scratch[b * R : (b + 1) * R].exponential_(generator=g)
     torch.div(probs, scratch, out=scratch)
     sample = scratch.argmax(dim=-1)
     argmax = logits.argmax(dim=-1)

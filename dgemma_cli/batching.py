@@ -1,0 +1,423 @@
+"""One engine loop for many requests: rows join the batch at their first canvas and leave when they are done.
+
+The rule: this module knows token ids, the network and the sampler; nothing of HTTP or text. `serve.py` turns
+requests into `Job`s and the events delivered here into the API's chunks.
+
+How a row is what it would be alone (`Engine.events(prompt, seed=S)` on the CPU, token for token):
+- Each request has its own KV cache (`KVCache` of batch 1) and its own place in its canvases (prompt length, canvas
+  index, step, self-conditioning), so a request can start while others are mid-canvas. Its prompt and each of its
+  finished canvases are encoded alone, exactly as a single run encodes them.
+- The decoder forward of one step stacks the active rows' canvases [A, C] for everything that works token by token
+  (embeddings, norms, RoPE, the q/k/v/o and dense MLP projections, the router, the LM head); attention runs per row
+  over that row's own cache. On the CPU the routed experts run per row too: a grouped matmul's bits depend on which
+  other tokens share an expert's group (BLAS takes another path for groups of 1 to 3 rows), so mixing requests there
+  would change the result. On a GPU, where a single run's bits already depend on the batch shape (cuBLAS picks its
+  kernels by size), the experts take all rows at once: they are most of the weights a step reads.
+- Every random draw of a row (canvas init, the sample's exponential race, renoise) comes from the row's own
+  `torch.Generator` seeded with the request's seed; a generator seeded with S draws what torch's global generator
+  draws after `torch.manual_seed(S)`.
+That the stacked projections give each row the bits it gets alone is a property of the BLAS (on this CPU: float32
+matmuls with at least 4 rows); `tests/test_serve.py` checks the whole answer against the single run.
+
+Memory: the sampler's canvas x vocab float32 buffers are allocated once, for `max_batch` rows, whatever the queue
+holds; a queued request holds only its token ids. Rows stay packed at the front of the buffers (a row that leaves
+is replaced by the last one), so a step works on the first A canvases.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .config import GenerationSettings
+from .model import DiffusionGemma, attend
+from .sampler import SamplerBuffers, _stable, entropy_bound_accept, fused_sampler, sample_step
+
+
+# ----------------------------------------------------------------------------- what goes in and comes out
+
+
+@dataclass
+class Job:
+    """One request as the loop sees it."""
+
+    prompt: list[int]  # ids encoded before the first canvas (an infill's prefix, after <bos>)
+    settings: GenerationSettings
+    seed: int
+    capacity: int  # KV cache positions (Engine.check_context)
+    held: list[int] = field(default_factory=list)  # infill: ids held at the end of every canvas
+    want_steps: bool = False  # deliver a RowStep per denoising step
+
+
+@dataclass
+class RowStep:
+    canvas_index: int
+    step: int  # 1-based
+    max_steps: int
+    canvas: list[int]  # [C] accepted tokens and fresh noise: what the next step sees
+    accepted: list[bool]  # [C] accepted at this step
+    entropy: list[float]  # [C] of the temperature-scaled distribution
+
+
+@dataclass
+class RowCanvas:
+    canvas_index: int
+    tokens: list[int]  # the kept (argmax) canvas's free part, pad after the first end-of-sequence id
+    steps: int  # forward passes it took
+
+
+@dataclass
+class RowDone:
+    token_ids: list[int]  # generated ids, ending before the first end-of-sequence id (as sampler.Done's)
+    steps_per_canvas: list[int]
+    ended: bool  # an end-of-sequence id was generated (False: the length limit ended it)
+    seconds: float  # from admission to the end
+
+
+@dataclass
+class RowFailed:
+    message: str
+
+
+RowEvent = RowStep | RowCanvas | RowDone | RowFailed
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Closed(Exception):
+    pass
+
+
+class Ticket:
+    """The submitter's handle on a job: `cancel()` frees its slot at the next step (or drops it from the queue)."""
+
+    def __init__(self, job: Job, deliver: Callable[[RowEvent], None]):
+        self.job = job
+        self.deliver = deliver
+        self.cancelled = False
+        self.queued_at = time.monotonic()
+
+    def cancel(self) -> None:
+        self.cancelled = True  # read by the loop thread at its next step; a plain attribute write is atomic
+
+
+# ----------------------------------------------------------------------------- the batched decoder forward
+
+
+def denoise_rows(model: DiffusionGemma, rows: list[_Row], canvas: torch.Tensor, out: torch.Tensor,
+                 probs: torch.Tensor, experts_per_row: bool = True) -> None:
+    """One decoder forward for rows that each have their own cache and canvas position.
+
+    canvas [A, C] ids (row a is rows[a]); probs [A*C, V] float32: the previous step's softmax for the rows that
+    have one (`row.sc`), read as self-conditioning; out [A*C, V]: the soft-capped logits are written there.
+    Mirrors `DiffusionGemma.denoise` op for op, per row where a row's result would depend on the others
+    (`experts_per_row`: the routed experts too; see the module docstring).
+    """
+    A, C = canvas.shape
+    x = model.embed(canvas)  # [A, C, H]
+    sc = model.self_conditioning
+    with_sc = [a for a, r in enumerate(rows) if r.sc]
+    if with_sc:
+        # Consecutive runs of rows with self-conditioning: one soft-embedding matmul per run.
+        soft = torch.empty(len(with_sc), C, x.shape[-1], dtype=x.dtype, device=x.device)  # [S, C, H]
+        k = 0
+        while k < len(with_sc):
+            j = k
+            while j + 1 < len(with_sc) and with_sc[j + 1] == with_sc[j] + 1:
+                j += 1
+            lo, hi = with_sc[k], with_sc[j] + 1
+            soft[k : j + 1] = model.soft_embedding(probs[lo * C : hi * C]).view(hi - lo, C, -1)
+            k = j + 1
+        h = sc.pre_norm(soft)
+        idx = torch.tensor(with_sc, device=x.device)
+        x = x.index_put((idx,), x[idx] + sc.down_proj(torch.nn.functional.gelu(sc.gate_proj(h), approximate="tanh")
+                                                      * sc.up_proj(h)))
+    x = sc.post_norm(x)
+    for i, layer in enumerate(model.layers):
+        kind = layer.spec.kind
+        cos = torch.cat([r.ctx.cos[kind] for r in rows])  # [A, C, 1, D]: each row at its own positions
+        sin = torch.cat([r.ctx.sin[kind] for r in rows])
+        q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)  # q [A, Hq, C, D], k/v [A, Hkv, C, D]
+        heads = []
+        for a, r in enumerate(rows):
+            start, end = r.ctx.keys[kind]
+            ck, cv = r.cache.k[i], r.cache.v[i]
+            ck[:, :, end - C : end] = k[a : a + 1]  # the row's scratch slots: its cache is not advanced
+            cv[:, :, end - C : end] = v[a : a + 1]
+            heads.append(attend(q[a : a + 1], ck[:, :, start:end], cv[:, :, start:end], r.ctx.mask[kind]))
+        h = layer.self_attn.o_proj(torch.cat(heads))  # [A, C, H]
+        x = x + layer.post_attention_layernorm(h)
+        if experts_per_row:
+            x = _feed_forward_rows(layer, x, model.decoder_layer_scalar[i])
+        else:
+            x = layer.feed_forward(x, model.decoder_layer_scalar[i])
+    model.logits(model.norm(x), out)
+
+
+def _feed_forward_rows(layer, x: torch.Tensor, layer_scalar: torch.Tensor) -> torch.Tensor:
+    """`Layer.feed_forward` over [A, C, H] with the routed experts run per row (see the module docstring)."""
+    A, C, H = x.shape
+    dense = layer.post_feedforward_layernorm_1(layer.mlp(layer.pre_feedforward_layernorm(x)))
+    flat = x.reshape(-1, H)
+    weights, index = layer.router(flat)  # [A*C, K] each
+    normed = layer.pre_feedforward_layernorm_2(flat)
+    moe = torch.cat([layer.experts(normed[a * C : (a + 1) * C], index[a * C : (a + 1) * C],
+                                   weights[a * C : (a + 1) * C]) for a in range(A)]).reshape(x.shape)
+    moe = layer.post_feedforward_layernorm_2(moe)
+    x = x + layer.post_feedforward_layernorm(dense + moe)
+    return x * layer_scalar
+
+
+# ----------------------------------------------------------------------------- one request's state
+
+
+class _Row:
+    """A request being generated: its cache, its generator and where it is in its current canvas. The per-step
+    bookkeeping is `sampler.generate_events`' for a batch of one."""
+
+    def __init__(self, ticket: Ticket, model: DiffusionGemma):
+        job = ticket.job
+        self.ticket, self.job, self.model = ticket, job, model
+        s = self.settings = job.settings
+        dev = model.device
+        self.C, self.V = model.cfg.canvas_length, model.cfg.text.vocab_size
+        self.h = len(job.held)
+        self.free = self.C - self.h
+        self.held = torch.tensor([job.held], dtype=torch.long, device=dev) if self.h else None
+        ends = list(s.eos_token_ids) + ([s.pad_token_id] if self.h else [])  # an infill's middle may end at <pad>
+        self.eos = torch.tensor(ends, device=dev)
+        self.canvases_max = s.canvases_for(self.free)
+        self.gen = torch.Generator(device=dev)
+        self.gen.manual_seed(job.seed)
+        self.t0 = time.perf_counter()
+        self.cache = model.new_cache(1, job.capacity)
+        self.canvases: list[list[int]] = []
+        self.steps_per_canvas: list[int] = []
+        self.ended = False
+        self.ci = -1
+        model.encode(torch.tensor([job.prompt], dtype=torch.long, device=dev), self.cache)
+        self.start_canvas()
+
+    def start_canvas(self) -> None:
+        self.ci += 1
+        self.ctx = self.model.denoise_context(self.cache, 1)
+        canvas = torch.randint(0, self.V, (1, self.C), device=self.model.device, generator=self.gen)
+        if self.h:
+            canvas[:, self.free :] = self.held
+        self.canvas = self.argmax = canvas
+        self.sc = False  # the buffer holds no softmax of this row's yet
+        self.n = self.settings.max_denoising_steps  # counts down to 1
+        self.history: list[torch.Tensor] = []
+        self.steps = 0
+
+    def temperature(self) -> torch.Tensor:
+        """This step's temperature, computed as the single run computes it (a float32 tensor)."""
+        s = self.settings
+        frac = torch.tensor(self.n, dtype=torch.int32, device=self.model.device) / s.max_denoising_steps
+        return s.t_min + (s.t_max - s.t_min) * frac
+
+    def after_step(self, sample: torch.Tensor, argmax: torch.Tensor, entropy: torch.Tensor) -> bool:
+        """Accept, renoise and test for the canvas's end, from this row's [1, C] slices of the step's results;
+        returns True when the canvas is finished."""
+        s, free = self.settings, self.free
+        self.steps += 1
+        if self.h:  # held tokens: certain by definition
+            entropy[:, free:] = 0
+            sample[:, free:] = self.held
+            argmax[:, free:] = self.held
+        accepted = entropy_bound_accept(entropy, s.entropy_bound)
+        kept = torch.where(accepted, sample, self.canvas)
+        noise = torch.randint(0, self.V, (1, self.C), device=self.model.device, generator=self.gen)
+        self.canvas = torch.where(accepted, kept, noise)
+        stable = _stable(self.history, argmax, s.stability_threshold)
+        confident = entropy[:, :free].mean(dim=-1) < s.confidence_threshold
+        self.argmax = argmax
+        self.sc = True
+        if self.job.want_steps:
+            self.deliver(RowStep(self.ci, self.steps, s.max_denoising_steps, self.canvas[0].tolist(),
+                                 accepted[0].tolist(), entropy[0].tolist()))
+        self.n -= 1
+        return bool(stable & confident) or self.n == 0
+
+    def finish_canvas(self) -> bool:
+        """Keep the argmax canvas (pad after a first end id), report it; returns True when the row is done."""
+        s = self.settings
+        tokens = self.argmax[:, : self.free].clone()
+        is_eos = torch.isin(tokens, self.eos)
+        ended_here = bool(is_eos.any())
+        run = is_eos.cumsum(dim=-1)
+        tokens[(run > 0) & ~((run == 1) & is_eos)] = s.pad_token_id
+        ids = tokens[0].tolist()
+        self.canvases.append(ids)
+        self.steps_per_canvas.append(self.steps)
+        self.deliver(RowCanvas(self.ci, ids, self.steps))
+        if ended_here or self.ci + 1 >= self.canvases_max:
+            self.ended = ended_here
+            return True
+        self.model.encode(tokens, self.cache)
+        self.start_canvas()
+        return False
+
+    def done_event(self) -> RowDone:
+        row = [t for c in self.canvases for t in c]
+        ends = set(self.eos.tolist())
+        cut = next((i for i, t in enumerate(row) if t in ends), len(row))
+        ids = row[: min(cut, self.settings.max_new_tokens)]
+        ended = self.ended and cut < self.settings.max_new_tokens
+        return RowDone(ids, self.steps_per_canvas, ended, time.perf_counter() - self.t0)
+
+    def deliver(self, event: RowEvent) -> None:
+        _deliver(self.ticket, event)
+
+
+def _deliver(ticket: Ticket, event: RowEvent) -> None:
+    try:
+        ticket.deliver(event)
+    except Exception:  # a receiver that is gone (its event loop closed) must not stop the loop
+        ticket.cancelled = True
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+class BatchLoop:
+    """Runs every admitted request's steps in one thread, batching the active rows' decoder forwards.
+
+    `submit` queues a job (QueueFull past `max_batch + max_queue` requests in the system); the loop admits queued
+    jobs, oldest first, whenever a row is free, before each step. `close` stops admitting and, with drain=True,
+    returns once every admitted and queued job is done.
+    """
+
+    def __init__(self, model: DiffusionGemma, max_batch: int = 8, max_queue: int = 64):
+        if max_batch < 1 or max_queue < 0:
+            raise ValueError("max_batch must be >= 1 and max_queue >= 0")
+        self.model = model
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.C, self.V = model.cfg.canvas_length, model.cfg.text.vocab_size
+        self.fused = fused_sampler(model.device)
+        self.experts_per_row = model.device.type == "cpu"  # exactly the single run's bits (module docstring)
+        self.buf = SamplerBuffers(max_batch * self.C, self.V, model.device, fused=self.fused)
+        self.pending: deque[Ticket] = deque()
+        self.rows: list[_Row] = []
+        self.cond = threading.Condition()
+        self.closing = False
+        self.stopped = False
+        # Counters (read without the lock: ints, for /health and the tests).
+        self.forwards = 0  # batched decoder forwards
+        self.row_forwards = 0  # rows in them, summed: row_forwards / forwards is the mean batch
+        self.peak_batch = 0
+        self.completed = 0
+        self.failed = 0
+        self.thread = threading.Thread(target=self._run, name="dgemma-batch-loop", daemon=True)
+        self.thread.start()
+
+    @property
+    def buffer_bytes(self) -> int:
+        n = 1 if self.fused else 3
+        return n * self.buf.logits.numel() * self.buf.logits.element_size()
+
+    def load(self) -> tuple[int, int]:
+        """(active rows, queued requests)."""
+        return len(self.rows), len(self.pending)
+
+    def submit(self, job: Job, deliver: Callable[[RowEvent], None]) -> Ticket:
+        ticket = Ticket(job, deliver)
+        with self.cond:
+            if self.closing:
+                raise Closed("the server is shutting down")
+            live = sum(1 for r in self.rows if not r.ticket.cancelled) + len(self.pending)
+            if live >= self.max_batch + self.max_queue:
+                raise QueueFull(f"{live} requests are running or queued (--max-batch {self.max_batch}, "
+                                f"--max-queue {self.max_queue})")
+            self.pending.append(ticket)
+            self.cond.notify()
+        return ticket
+
+    def close(self, drain: bool = True, timeout: float | None = None) -> None:
+        with self.cond:
+            self.closing = True
+            if not drain:
+                for t in self.pending:
+                    t.cancelled = True
+                for r in self.rows:
+                    r.ticket.cancelled = True
+            self.cond.notify()
+        self.thread.join(timeout)
+
+    # ------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                admit: list[Ticket] = []
+                with self.cond:
+                    while not self.pending and not self.rows and not self.closing:
+                        self.cond.wait()
+                    while self.pending and self.pending[0].cancelled:
+                        self.pending.popleft()
+                    if self.closing and not self.rows and not self.pending:
+                        self.stopped = True
+                        return
+                    while self.pending and len(self.rows) + len(admit) < self.max_batch:
+                        t = self.pending.popleft()
+                        if not t.cancelled:
+                            admit.append(t)
+                for t in admit:
+                    try:
+                        self.rows.append(_Row(t, self.model))
+                    except Exception as e:  # noqa: BLE001 (one request's failure is that request's)
+                        self.failed += 1
+                        _deliver(t, RowFailed(_describe(e)))
+                if self.rows:
+                    try:
+                        self._step()
+                    except Exception as e:  # noqa: BLE001 (the forward failed: fail this batch, keep serving)
+                        for r in self.rows:
+                            self.failed += 1
+                            r.deliver(RowFailed(_describe(e)))
+                        self.rows = []
+
+    def _leave(self, gone: set[int]) -> None:
+        """Remove rows by index, packing the rest to the front of the buffers (their softmax moves with them)."""
+        if not gone:
+            return
+        C = self.C
+        kept = [a for a in range(len(self.rows)) if a not in gone]
+        for j, a in enumerate(kept):
+            if a != j and self.rows[a].sc:  # a > j always: a row only ever moves forward, over a freed slot
+                self.buf.probs[j * C : (j + 1) * C].copy_(self.buf.probs[a * C : (a + 1) * C])
+        self.rows = [self.rows[a] for a in kept]
+
+    def _step(self) -> None:
+        self._leave({a for a, r in enumerate(self.rows) if r.ticket.cancelled})
+        rows = self.rows
+        if not rows:
+            return
+        A, C = len(rows), self.C
+        buf = self.buf.head(A * C)
+        canvas = torch.cat([r.canvas for r in rows])  # [A, C]
+        denoise_rows(self.model, rows, canvas, buf.logits, self.buf.probs, self.experts_per_row)
+        self.forwards += 1
+        self.row_forwards += A
+        self.peak_batch = max(self.peak_batch, A)
+        temperature = torch.stack([r.temperature() for r in rows]).repeat_interleave(C)[:, None]  # [A*C, 1]
+        sample, argmax, entropy = (t.view(A, C) for t in sample_step(buf, temperature, [r.gen for r in rows]))
+        gone = set()
+        for a, r in enumerate(rows):
+            if r.after_step(sample[a : a + 1], argmax[a : a + 1], entropy[a : a + 1]) and r.finish_canvas():
+                gone.add(a)
+                self.completed += 1
+                r.deliver(r.done_event())
+        self._leave(gone)
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__

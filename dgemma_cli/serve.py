@@ -1,0 +1,689 @@
+"""`dgemma serve`: an OpenAI-compatible HTTP server over one batching engine loop (batching.py).
+
+The rule: this module knows HTTP, JSON and text; generation is the loop's. A request is parsed and checked here
+(every field the API defines is honoured, ignored as other local servers ignore it, or refused with a 400 where
+ignoring it would mislead), turned into a `batching.Job`, and the loop's events are turned into the API's
+responses: one chunk per finished canvas when streaming, and with `"stream_steps": true` one more chunk per
+denoising step carrying the canvas (`dgemma_step`), for pages that draw it sharpening.
+
+Routes: POST /v1/chat/completions, POST /v1/completions (`suffix`: infill with the held suffix, as `dgemma fim`),
+GET /v1/models, GET /v1/models/{id}, GET /health. Errors are JSON in the API's shape:
+{"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import secrets
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .batching import BatchLoop, Closed, Job, QueueFull, RowCanvas, RowDone, RowFailed, RowStep, Ticket
+from .errors import DgemmaError, ModelError, UsageError
+
+MAX_BODY = 1 << 20  # bytes of one request body
+MAX_STOP = 8  # stop strings per request
+MAX_STOP_CHARS = 256
+MAX_STEPS = 1024  # the `steps` extra field's ceiling
+
+
+class ApiError(Exception):
+    """An error answered as {"error": {...}} with an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 kind: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+# ----------------------------------------------------------------------------- state shared by the handlers
+
+
+@dataclass
+class Server:
+    engine: Any  # engine.Engine
+    loop: BatchLoop
+    model_id: str
+    api_key: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    seconds_per_request: float = 1.0  # moving average, for Retry-After
+
+    def authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        ok = hmac.compare_digest(token.strip().encode(), self.api_key.encode()) and scheme.lower() == "bearer"
+        if not ok:
+            raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')", code="invalid_api_key")
+
+    def retry_after(self) -> int:
+        active, queued = self.loop.load()
+        wait = self.seconds_per_request * (queued / self.loop.max_batch + 1)
+        return int(min(60, max(1, math.ceil(wait))))
+
+    def finished(self, seconds: float) -> None:
+        self.seconds_per_request = 0.8 * self.seconds_per_request + 0.2 * seconds
+
+
+# ----------------------------------------------------------------------------- reading a request
+
+
+async def read_json(request: Request) -> dict:
+    """The body as a JSON object; 413 past MAX_BODY (checked while reading, whatever Content-Length says)."""
+    size = request.headers.get("content-length", "")
+    if size.isdigit() and int(size) > MAX_BODY:
+        raise ApiError(413, f"request body over {MAX_BODY} bytes", code="request_too_large")
+    chunks, total = [], 0
+    try:
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > MAX_BODY:
+                raise ApiError(413, f"request body over {MAX_BODY} bytes", code="request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ApiError(400, "the client disconnected while sending the body", code="client_disconnected") from None
+    try:
+        body = json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _type_error(key: str, what: str, value: Any) -> ApiError:
+    return ApiError(400, f"'{key}' must be {what} (got {json.dumps(value)[:80]})", param=key, code="invalid_type")
+
+
+def get_int(body: dict, key: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _type_error(key, "an integer", v)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        span = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
+        raise ApiError(400, f"'{key}' must be {span} (got {v})", param=key, code="invalid_value")
+    return v
+
+
+def get_float(body: dict, key: str) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise _type_error(key, "a number", v)
+    return float(v)
+
+
+def get_bool(body: dict, key: str) -> bool | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise _type_error(key, "true or false", v)
+    return v
+
+
+def refuse(key: str, why: str) -> ApiError:
+    return ApiError(400, f"'{key}' is not supported: {why}", param=key, code="unsupported_parameter")
+
+
+@dataclass
+class Prepared:
+    """A checked request: the job for the loop and how to answer."""
+
+    kind: str  # "chat" or "completion"
+    job: Job
+    stream: bool
+    stream_steps: bool
+    include_usage: bool
+    stops: list[str]
+    infill: bool
+
+
+def prepare(server: Server, body: dict, kind: str) -> Prepared:
+    engine = server.engine
+    tok = engine.tokenizer
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "'model' is required (GET /v1/models lists it)", param="model", code="invalid_type")
+    if model != server.model_id:
+        raise ApiError(404, f"the model '{model[:100]}' does not exist; this server serves '{server.model_id}'",
+                       param="model", code="model_not_found")
+
+    # Fields dgemma cannot honour, where ignoring them would give the client something other than it asked for.
+    if get_int(body, "n", 1) not in (None, 1):
+        raise refuse("n", "one choice per request (send several requests; they are batched)")
+    if body.get("logprobs") not in (None, False, 0):
+        raise refuse("logprobs", "the sampler keeps no per-token log-probabilities")
+    if body.get("top_logprobs") not in (None, 0):
+        raise refuse("top_logprobs", "the sampler keeps no per-token log-probabilities")
+    if body.get("logit_bias") not in (None, {}):
+        raise refuse("logit_bias", "not applied by the diffusion sampler")
+    if body.get("tools") not in (None, []) or body.get("functions") not in (None, []):
+        raise refuse("tools", "no tool calling yet")
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise refuse("tool_choice", "no tool calling yet")
+    fmt = body.get("response_format")
+    if fmt not in (None, {}) and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise refuse("response_format", "no structured output yet (only {'type': 'text'})")
+    if body.get("echo") not in (None, False):
+        raise refuse("echo", "the prompt is not returned")
+    if get_int(body, "best_of", 1) not in (None, 1):
+        raise refuse("best_of", "one candidate per request")
+    # Accepted and ignored, as other local servers do: top_p, presence_penalty, frequency_penalty, user, metadata,
+    # store, parallel_tool_calls, service_tier, and any unknown field.
+
+    overrides: dict[str, Any] = {}
+    max_tokens = get_int(body, "max_completion_tokens", 1)
+    max_tokens = get_int(body, "max_tokens", 1) if max_tokens is None else max_tokens
+    overrides["max_new_tokens"] = max_tokens
+    overrides["max_denoising_steps"] = get_int(body, "steps", 1, MAX_STEPS)
+    bound = get_float(body, "entropy_bound")
+    if bound is not None and not bound > 0:
+        raise ApiError(400, "'entropy_bound' must be > 0", param="entropy_bound", code="invalid_value")
+    overrides["entropy_bound"] = bound
+    temperature = get_float(body, "temperature")
+    base = engine.settings
+    if temperature is not None:
+        # The sampler's temperature falls from t_max to t_min over a canvas's steps: the API's temperature scales
+        # that schedule (1, the API's default, keeps the checkpoint's). Greedy decoding has no meaning here.
+        if not 0 < temperature <= 2:
+            raise ApiError(400, "'temperature' must be in (0, 2]: it scales the sampler's schedule (1 keeps the "
+                           "checkpoint's); send a seed for repeatable answers", param="temperature",
+                           code="invalid_value")
+        overrides["t_min"], overrides["t_max"] = base.t_min * temperature, base.t_max * temperature
+    seed = get_int(body, "seed", -(2**63), 2**64 - 1)
+    stream = bool(get_bool(body, "stream"))
+    stream_steps = bool(get_bool(body, "stream_steps"))
+    if stream_steps and not stream:
+        raise ApiError(400, "'stream_steps' needs 'stream': true", param="stream_steps", code="invalid_value")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _type_error("stream_options", "an object", options)
+    include_usage = bool(get_bool(options or {}, "include_usage"))
+    stops = body.get("stop")
+    stops = [stops] if isinstance(stops, str) else (stops or [])
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise _type_error("stop", "a string or a list of non-empty strings", body.get("stop"))
+    if len(stops) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ApiError(400, f"'stop' takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters",
+                       param="stop", code="invalid_value")
+
+    try:
+        settings = base.override(**overrides)
+    except UsageError as e:
+        raise ApiError(400, str(e).replace("--", "")) from None
+
+    held: list[int] = []
+    infill = False
+    if kind == "chat":
+        thinking = get_bool(body, "thinking")
+        kwargs = body.get("chat_template_kwargs")
+        if isinstance(kwargs, dict) and thinking is None:
+            thinking = get_bool(kwargs, "enable_thinking")
+        prompt = tok_chat(tok, body.get("messages"), bool(thinking))
+    else:
+        prompt_field = body.get("prompt")
+        suffix = body.get("suffix")
+        if suffix is not None and not isinstance(suffix, str):
+            raise _type_error("suffix", "a string", suffix)
+        text, ids = completion_prompt(prompt_field)
+        if suffix is not None:  # infill: <bos> + prefix through the encoder, the suffix's first tokens held
+            if text is None:
+                raise ApiError(400, "'suffix' needs a text prompt", param="suffix", code="invalid_value")
+            infill = True
+            C = engine.config.canvas_length
+            n_held = get_int(body, "held_tokens", 0, C - 1)
+            held = tok.encode(suffix)[: 8 if n_held is None else n_held]
+            prompt = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(text)
+        else:  # as `dgemma run --raw`: the text exactly as given, no special tokens added
+            prompt = tok.encode(text) if text is not None else ids
+            if not prompt:
+                raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_value")
+    V = engine.config.text.vocab_size
+    if min(prompt) < 0 or max(prompt) >= V:
+        raise ApiError(400, f"the prompt has a token id outside the vocabulary of {V}", param="prompt",
+                       code="invalid_value")
+    try:
+        capacity = engine.check_context(len(prompt), settings, held=len(held))
+    except UsageError as e:
+        raise ApiError(400, str(e).replace("new tokens", "new tokens (max_tokens)"),
+                       param="messages" if kind == "chat" else "prompt", code="context_length_exceeded") from None
+    if seed is None:
+        seed = secrets.randbits(63)
+    job = Job(prompt, settings, seed, capacity, held, want_steps=stream_steps)
+    return Prepared(kind, job, stream, stream_steps, include_usage, stops, infill)
+
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def tok_chat(tok, messages: Any, thinking: bool) -> list[int]:
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list", param="messages", code="invalid_type")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _type_error(where, "an object", m)
+        role = m.get("role")
+        if role not in ROLES:
+            raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)} (got {json.dumps(role)[:40]})",
+                           param=f"{where}.role", code="invalid_value")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(400, f"{where}.content: only text parts are supported", param=f"{where}.content",
+                                   code="unsupported_parameter")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise _type_error(f"{where}.content", "a string or a list of text parts", content)
+        out.append({"role": ROLES[role], "content": content})
+    try:
+        return tok.encode_chat(out, enable_thinking=thinking)
+    except UsageError as e:
+        raise ApiError(400, str(e), param="messages", code="invalid_value") from None
+
+
+def completion_prompt(value: Any) -> tuple[str | None, list[int] | None]:
+    """(text, None) or (None, token ids): a string, a list of token ids, or a one-element list of either."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_value")
+        return value, None
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return None, list(value)
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, (str, list)) for p in value):
+        raise ApiError(400, "one prompt per request (send several requests; they are batched)", param="prompt",
+                       code="unsupported_parameter")
+    raise _type_error("prompt", "a string or a list of token ids", value)
+
+
+# ----------------------------------------------------------------------------- text as the canvases finish
+
+
+class AnswerText:
+    """The answer of a row's finished canvases, handed out as deltas that only ever append.
+
+    Chat answers are decoded as `dgemma run` decodes them (thought channel apart, special tokens removed, stripped);
+    completions as `dgemma run --raw` and `dgemma fim` do. Text a later canvas may still change waits: trailing
+    whitespace (chat), an incomplete character, and the start of a possible stop string.
+    """
+
+    def __init__(self, tok, prep: Prepared):
+        self.tok, self.chat, self.stops = tok, prep.kind == "chat", prep.stops
+        s = prep.job.settings
+        self.ends = set(s.eos_token_ids) | ({s.pad_token_id} if prep.job.held else set())
+        self.limit = s.max_new_tokens
+        self.ids: list[int] = []
+        self.sent, self.sent_thought = "", ""
+        self.stopped = False
+
+    def texts(self, ids: list[int], final: bool) -> tuple[str, str]:
+        cut = next((i for i, t in enumerate(ids) if t in self.ends), len(ids))
+        ids = ids[: min(cut, self.limit)]
+        thought, answer = self.tok.decode_answer(ids) if self.chat else ("", self.tok.decode(ids))
+        hits = [i for i in (answer.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            return thought, answer[: min(hits)]
+        if not final:
+            answer = answer.rstrip("\ufffd")
+            for s in self.stops:  # the longest end of the text that could begin a stop string
+                for k in range(min(len(s) - 1, len(answer)), 0, -1):
+                    if answer.endswith(s[:k]):
+                        answer = answer[:-k]
+                        break
+            thought = thought.rstrip("\ufffd")
+        return thought, answer
+
+    def add(self, canvas: list[int]) -> tuple[str, str]:
+        self.ids += canvas
+        return self._delta(*self.texts(self.ids, final=False))
+
+    def finish(self, token_ids: list[int]) -> tuple[str, str]:
+        return self._delta(*self.texts(token_ids, final=True))
+
+    def _delta(self, thought: str, answer: str) -> tuple[str, str]:
+        da = answer[len(self.sent) :] if answer.startswith(self.sent) else ""
+        dt = thought[len(self.sent_thought) :] if thought.startswith(self.sent_thought) else ""
+        self.sent += da
+        self.sent_thought += dt
+        return da, dt
+
+
+# ----------------------------------------------------------------------------- answering
+
+
+def submit(server: Server, prep: Prepared) -> tuple[asyncio.Queue, Ticket]:
+    aloop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+
+    def deliver(ev) -> None:  # called in the loop's thread
+        aloop.call_soon_threadsafe(events.put_nowait, ev)
+
+    try:
+        ticket = server.loop.submit(prep.job, deliver)
+    except QueueFull as e:
+        raise ApiError(429, f"the server is busy: {e}; retry later", kind="rate_limit_error", code="queue_full",
+                       headers={"Retry-After": str(server.retry_after())}) from None
+    except Closed as e:
+        raise ApiError(503, str(e), code="shutting_down") from None
+    return events, ticket
+
+
+async def next_event(events: asyncio.Queue):
+    ev = await events.get()
+    if isinstance(ev, RowFailed):
+        raise ApiError(500, f"generation failed: {ev.message}", code="generation_failed")
+    return ev
+
+
+def usage(prep: Prepared, completion: int) -> dict:
+    p = len(prep.job.prompt)
+    return {"prompt_tokens": p, "completion_tokens": completion, "total_tokens": p + completion}
+
+
+def finish_reason(text: AnswerText, done: RowDone | None) -> str:
+    return "stop" if text.stopped or (done is not None and done.ended) else "length"
+
+
+async def answer_whole(server: Server, request: Request, prep: Prepared) -> Response:
+    events, ticket = submit(server, prep)
+    text = AnswerText(server.engine.tokenizer, prep)
+
+    async def collect() -> tuple[RowDone | None, list[int]]:
+        while True:
+            ev = await next_event(events)
+            if isinstance(ev, RowCanvas):
+                text.add(ev.tokens)
+                if text.stopped:  # a stop string: the rest is not needed, the row leaves at the next step
+                    ticket.cancel()
+                    return None, text.ids
+            elif isinstance(ev, RowDone):
+                return ev, ev.token_ids
+
+    work = asyncio.ensure_future(collect())
+    gone = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        ticket.cancel()  # no-op for a finished row; frees the slot of a client that left
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+    if not work.done():
+        return Response(status_code=499)  # nobody is listening
+    done, ids = work.result()
+    if done is not None:
+        server.finished(done.seconds)
+    if not text.stopped:
+        text.finish(ids)
+    answer, thought = text.sent, text.sent_thought  # what a stream would have sent, in one piece
+    reason = finish_reason(text, done)
+    completion = len(done.token_ids) if done is not None else len(ids)
+    extra = {"seed": prep.job.seed, "steps_per_canvas": done.steps_per_canvas if done else []}
+    base = {"id": new_id(prep), "created": int(time.time()), "model": server.model_id}
+    if prep.kind == "chat":
+        message = {"role": "assistant", "content": answer}
+        if thought:
+            message["reasoning_content"] = thought
+        body = {**base, "object": "chat.completion",
+                "choices": [{"index": 0, "message": message, "finish_reason": reason, "logprobs": None}]}
+    else:
+        body = {**base, "object": "text_completion",
+                "choices": [{"index": 0, "text": answer, "finish_reason": reason, "logprobs": None}]}
+    body["usage"] = usage(prep, completion)
+    body["dgemma"] = extra
+    return JSONResponse(body)
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Returns when the client has gone (the body is already read, so the next message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def new_id(prep: Prepared) -> str:
+    return ("chatcmpl-" if prep.kind == "chat" else "cmpl-") + secrets.token_hex(12)
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class EventStream(StreamingResponse):
+    """Server-Sent Events; the row is cancelled when the response ends for any reason (a client that drops the
+    connection included: the loop frees its slot at its next step)."""
+
+    def __init__(self, content: AsyncIterator[str], ticket: Ticket):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.ticket = ticket
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.ticket.cancel()
+
+
+async def answer_stream(server: Server, prep: Prepared) -> Response:
+    events, ticket = submit(server, prep)
+    tok = server.engine.tokenizer
+    text = AnswerText(tok, prep)
+    chat = prep.kind == "chat"
+    base = {"id": new_id(prep), "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()), "model": server.model_id}
+
+    def chunk(delta: str = "", thought: str = "", reason: str | None = None, first: bool = False) -> dict:
+        if chat:
+            d: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            if delta:
+                d["content"] = delta
+            if thought:
+                d["reasoning_content"] = thought
+            choice = {"index": 0, "delta": d, "finish_reason": reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": delta, "finish_reason": reason, "logprobs": None}
+        return {**base, "choices": [choice]}
+
+    def step_chunk(ev: RowStep) -> dict:
+        return {**base, "choices": [], "dgemma_step": {
+            "canvas": ev.canvas_index, "step": ev.step, "max_steps": ev.max_steps, "tokens": ev.canvas,
+            "pieces": [tok.decode([t], skip_special_tokens=False) for t in ev.canvas],
+            "accepted": ev.accepted, "confidence": [round(math.exp(-h), 4) for h in ev.entropy]}}
+
+    async def body() -> AsyncIterator[str]:
+        if chat:
+            yield sse(chunk(first=True))
+        done = None
+        try:
+            while True:
+                ev = await next_event(events)
+                if isinstance(ev, RowStep):
+                    yield sse(step_chunk(ev))
+                elif isinstance(ev, RowCanvas):
+                    delta, thought = text.add(ev.tokens)
+                    if delta or thought:
+                        yield sse(chunk(delta, thought))
+                    if text.stopped:
+                        ticket.cancel()
+                        break
+                elif isinstance(ev, RowDone):
+                    done = ev
+                    server.finished(ev.seconds)
+                    delta, thought = text.finish(ev.token_ids)
+                    if delta or thought:
+                        yield sse(chunk(delta, thought))
+                    break
+        except ApiError as e:
+            yield sse(e.body())
+            yield "data: [DONE]\n\n"
+            return
+        yield sse(chunk(reason=finish_reason(text, done)))
+        if prep.include_usage:
+            completion = len(done.token_ids) if done is not None else len(text.ids)
+            yield sse({**base, "choices": [], "usage": usage(prep, completion)})
+        yield "data: [DONE]\n\n"
+
+    return EventStream(body(), ticket)
+
+
+# ----------------------------------------------------------------------------- routes
+
+
+def build_app(server: Server) -> Starlette:
+    async def generate(request: Request, kind: str) -> Response:
+        server.authorize(request)
+        body = await read_json(request)
+        prep = prepare(server, body, kind)
+        if prep.stream:
+            return await answer_stream(server, prep)
+        return await answer_whole(server, request, prep)
+
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, "chat")
+
+    async def completions(request: Request) -> Response:
+        return await generate(request, "completion")
+
+    def model_card() -> dict:
+        cfg = server.engine.config
+        return {"id": server.model_id, "object": "model", "created": server.created, "owned_by": "dgemma",
+                "max_model_len": cfg.text.max_position_embeddings, "canvas_length": cfg.canvas_length}
+
+    async def models(request: Request) -> Response:
+        server.authorize(request)
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def model(request: Request) -> Response:
+        server.authorize(request)
+        if request.path_params["name"] != server.model_id:
+            raise ApiError(404, f"the model '{request.path_params['name'][:100]}' does not exist", param="model",
+                           code="model_not_found")
+        return JSONResponse(model_card())
+
+    async def health(request: Request) -> Response:
+        loop = server.loop
+        active, queued = loop.load()
+        return JSONResponse({
+            "status": "draining" if loop.closing else "ok", "model": server.model_id, "active": active,
+            "queued": queued, "max_batch": loop.max_batch, "max_queue": loop.max_queue, "completed": loop.completed,
+            "failed": loop.failed, "forwards": loop.forwards, "row_forwards": loop.row_forwards,
+            "peak_batch": loop.peak_batch, "sampler_buffer_bytes": loop.buffer_bytes})
+
+    async def api_error(request: Request, exc: ApiError) -> Response:
+        return exc.response()
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code).response()
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        line = (str(exc).strip().splitlines() or [""])[0][:300]
+        sys.stderr.write(f"dgemma: internal error on {request.method} {request.url.path}: "
+                         f"{type(exc).__name__}: {line}\n")
+        return ApiError(500, f"internal error: {type(exc).__name__}", code="internal_error").response()
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{name:path}", model, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error,
+                                                       Exception: internal_error})
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket, bound before the model loads so that a taken port fails at once."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except (OSError, UnicodeError) as e:
+        raise DgemmaError(f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}") from None
+    sock.setblocking(False)
+    return sock
+
+
+def model_id(model: str) -> str:
+    """The name clients send: 'demo', a store name as given, or a directory's own name."""
+    from pathlib import Path
+
+    from .names import resolve_model
+
+    path = resolve_model(model)
+    return model if model == "demo" or not Path(model).expanduser().is_dir() else path.resolve().name
+
+
+def serve(model: str, *, host: str, port: int, api_key: str | None, max_batch: int, max_queue: int,
+          device: str, dtype: str, note) -> int:
+    """Bind, load, serve until SIGTERM or Ctrl-C, then finish every request in flight and return 0."""
+    import signal
+
+    import uvicorn
+
+    from .engine import load
+
+    sock = listen(host, port)
+    engine = load(model, device=device, dtype=dtype)
+    if engine.tokenizer is None:
+        raise ModelError(f"{engine.path}: no tokenizer.json: the server needs one to read text")
+    loop = BatchLoop(engine.model, max_batch=max_batch, max_queue=max_queue)
+    server = Server(engine, loop, model_id(model), api_key)
+    config = uvicorn.Config(build_app(server), log_level="warning", access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=None, server_header=False)
+    http = uvicorn.Server(config)
+    # uvicorn catches SIGINT/SIGTERM itself, drains, restores these handlers and raises the signal again: these
+    # handlers make that a no-op, so a drained server exits 0.
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    bound = sock.getsockname()
+    shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+    note(f"serving {server.model_id} at http://{shown}:{bound[1]}/v1 (batch {max_batch}, queue {max_queue}"
+         f"{', API key required' if api_key else ''}); SIGTERM or Ctrl-C stops after the requests in flight")
+    try:
+        asyncio.run(http.serve(sockets=[sock]))
+    finally:
+        loop.close(drain=False, timeout=30)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    note(f"stopped after {loop.completed} requests")
+    return 0
