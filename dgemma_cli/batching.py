@@ -30,7 +30,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -52,6 +52,7 @@ class Job:
     capacity: int  # KV cache positions (Engine.check_context)
     held: list[int] = field(default_factory=list)  # infill: ids held at the end of every canvas
     want_steps: bool = False  # deliver a RowStep per denoising step
+    image_features: Any = None  # soft tokens [N, H] of the prompt's images, placed at its image tokens (or None)
 
 
 @dataclass
@@ -202,7 +203,8 @@ class _Row:
         self.steps_per_canvas: list[int] = []
         self.ended = False
         self.ci = -1
-        model.encode(torch.tensor([job.prompt], dtype=torch.long, device=dev), self.cache)
+        model.encode(torch.tensor([job.prompt], dtype=torch.long, device=dev), self.cache,
+                     image_features=job.image_features)
         self.start_canvas()
 
     def start_canvas(self) -> None:

@@ -5,7 +5,8 @@ what is new since the last one: the end of the previous answer (its last canvas 
 generation, and its pad tokens are dropped), then the user's turn rendered by the chat template, then the model's
 generation prompt. When the stream would outgrow the context, the oldest turns are dropped and the rest is encoded
 again (said in a notice). Cancelling a turn, /retry, /system and /think rebuild the cache from the kept turns on
-the next turn (the sliding layers' windows cannot be rolled back).
+the next turn (the sliding layers' windows cannot be rolled back). Images attached with /image go with the next
+message; their soft tokens are kept with the turn, so a rebuild encodes them again without the vision tower.
 
 `run_chat` is the terminal: a prompt_toolkit session (history file, multi-line input: Enter sends, Alt-Enter or
 Ctrl-J adds a line), slash commands, the live canvas view. Ctrl-C cancels the answer in progress and keeps the
@@ -23,7 +24,7 @@ from typing import Iterator
 
 import torch
 
-from .errors import UsageError
+from .errors import DgemmaError, UsageError
 from .sampler import CanvasDone, Done, Event, Step
 
 HELP = """\
@@ -35,6 +36,7 @@ HELP = """\
 /set NAME VALUE    change a sampler setting (names as /settings shows them), e.g. /set t-max 0.9
 /think on|off      let the model think first (its thoughts show dimmed, apart from the answer)
 /retry             answer the last message again
+/image PATH        attach an image (PNG, JPEG, WebP, GIF) to the next message; repeat for several
 /save FILE         write the conversation as Markdown
 /view live|plain|none   how generation is shown
 /exit              leave (Ctrl-D also); Ctrl-C cancels an answer in progress
@@ -48,6 +50,8 @@ class Turn:
     answer: str = ""
     thought: str = ""
     answer_ids: list[int] = field(default_factory=list)  # generated, through the end-of-turn token, no pads
+    images: list = field(default_factory=list)  # image.Patches sent with the message
+    features: torch.Tensor | None = None  # their soft tokens [N, H], kept to encode the turn again on a rebuild
 
 
 @dataclass
@@ -76,6 +80,9 @@ class Conversation:
         self.stale = True  # the cache must be rebuilt from the turns before the next one
         self.notices: list[str] = []
         self.cancelled: str | None = None  # the message of a cancelled turn, for /retry
+        self.attached: list = []  # image.Patches for the next message (/image)
+        self.cancelled_images: list = []  # the cancelled message's images, for /retry
+        self.image_tokens: int | None = None  # soft tokens per image (None: the model's default)
 
     # -- token stream -----------------------------------------------------------------------------------
 
@@ -84,10 +91,20 @@ class Conversation:
         messages = [{"role": "system", "content": self.system}] if self.system else []
         return self.tok.encode_chat(messages, add_generation_prompt=False, enable_thinking=self.enable_thinking)
 
-    def user_turn_ids(self, text: str, first: bool) -> list[int]:
+    def attach_image(self, source) -> int:
+        """Attach an image (a path or the file's bytes) to the next message; returns its soft-token count."""
+        patches = self.engine.image_patches([source], self.image_tokens)[0]
+        self.attached.append(patches)
+        return patches.soft_tokens
+
+    def user_turn_ids(self, text: str, first: bool, images: list = ()) -> list[int]:
         """The template's rendering of one user turn and the generation prompt, without <bos> (the stream has
-        it); after an answer, the newline the template puts after every turn comes first."""
-        ids = self.tok.encode_chat([{"role": "user", "content": text}], add_generation_prompt=True)
+        it); after an answer, the newline the template puts after every turn comes first. Images go before the
+        text, each as begin-of-image, its image tokens, end-of-image."""
+        content = self.engine.image_placeholder() * len(images) + text if images else text
+        ids = self.tok.encode_chat([{"role": "user", "content": content}], add_generation_prompt=True)
+        if images:
+            ids = self.engine.with_images(ids, images)
         if ids and ids[0] == self.tok.bos_id:
             ids = ids[1:]
         return ids if first else self.tok.encode("\n") + ids
@@ -108,13 +125,13 @@ class Conversation:
         C = self.engine.config.canvas_length
         return settings.canvases_for(C) * C
 
-    def _rebuild(self, text: str, settings) -> tuple[list[int], list[int], int]:
+    def _rebuild(self, text: str, settings, images: list = ()) -> tuple[list[int], list[int], int]:
         """(ids to encode from an empty cache, the new user turn's ids, turns dropped): the oldest turns go while
         the stream and a full answer do not fit the context."""
         kept = list(self.turns)  # worked out on a copy: a message that cannot fit leaves the conversation alone
         first_ids = None
         while True:
-            user_ids = self.user_turn_ids(text, first=not kept)
+            user_ids = self.user_turn_ids(text, first=not kept, images=images)
             stream = self.head_ids()
             for i, t in enumerate(kept):
                 stream += (first_ids if i == 0 and first_ids is not None else t.user_ids) + t.answer_ids
@@ -123,7 +140,7 @@ class Conversation:
                 break
             kept.pop(0)
             if kept:  # the first kept turn now follows the head directly
-                first_ids = self.user_turn_ids(kept[0].user, first=True)
+                first_ids = self.user_turn_ids(kept[0].user, first=True, images=kept[0].images)
         if len(ids) + self._reserve(settings) > self.context:
             raise UsageError(f"this message needs {len(ids) + self._reserve(settings)} positions with a full answer; "
                              f"the chat context is {self.context}" +
@@ -142,14 +159,16 @@ class Conversation:
         from .sampler import generate_events
 
         t0 = time.perf_counter()
+        images = self.attached
+        features = self.engine.image_features(images) if images else None
         reuse = not self.stale and self.denoiser is not None and self.turns
         if reuse:
-            user_ids = self.user_turn_ids(text, first=False)
+            user_ids = self.user_turn_ids(text, first=False, images=images)
             new = self.pending + user_ids
             reuse = len(self.cached) + len(new) + self._reserve(settings) <= self.context
         dropped = 0
         if not reuse:
-            new, user_ids, dropped = self._rebuild(text, settings)
+            new, user_ids, dropped = self._rebuild(text, settings, images)
             if dropped:
                 self.notices.append(f"the conversation outgrew the {self.context}-token context: dropped the "
                                     f"oldest {dropped} turn{'s' if dropped > 1 else ''}")
@@ -158,7 +177,12 @@ class Conversation:
         self.pending = []
         self.stale = True  # until the answer is complete
         self.cancelled = None
-        self.turns.append(Turn(text, user_ids))
+        self.attached = []
+        self.turns.append(Turn(text, user_ids, images=images, features=features))
+        # The images in the encoded ids: this turn's, or after a rebuild every kept turn's, in order.
+        sent = [features] if reuse else [t.features for t in self.turns]
+        sent = [f for f in sent if f is not None]
+        self.denoiser.image_features = torch.cat(sent) if sent else None
         if seed is not None:
             torch.manual_seed(seed)
         prompt = torch.tensor([new], dtype=torch.long, device=self.engine.model.device)
@@ -198,7 +222,8 @@ class Conversation:
     def cancel(self) -> None:
         """Forget the turn in progress (its tokens may be half in the cache: rebuild next time)."""
         if self.turns and self.stale:
-            self.cancelled = self.turns.pop().user
+            turn = self.turns.pop()
+            self.cancelled, self.cancelled_images = turn.user, turn.images
         self.pending = []
         self.stale = True
 
@@ -206,12 +231,14 @@ class Conversation:
         """The message to send again: a cancelled one, else the last turn's (that turn is dropped)."""
         if self.cancelled is not None:
             text, self.cancelled = self.cancelled, None
+            self.attached = list(self.cancelled_images)
             return text
         if not self.turns:
             return None
         last = self.turns.pop()
         self.pending = []
         self.stale = True
+        self.attached = list(last.images)  # the images go again with the message
         return last.user
 
     def markdown(self) -> str:
@@ -365,6 +392,15 @@ def run_chat(engine, *, system: str | None, settings, think: bool, view: str, co
                 resend = conv.retry()
                 if resend is None:
                     err.write("(nothing to retry)\n")
+            elif cmd == "/image":
+                if not arg:
+                    err.write("usage: /image PATH\n")
+                else:
+                    try:
+                        n = conv.attach_image(arg)
+                        err.write(f"(image attached to the next message: {n} image tokens)\n")
+                    except DgemmaError as e:
+                        err.write(f"dgemma: {e}\n")
             elif cmd == "/save":
                 if not arg:
                     err.write("usage: /save FILE\n")

@@ -132,6 +132,15 @@ def run(
     raw: bool = typer.Option(False, "--raw", help="No chat template: tokenize the text exactly as given."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt (chat mode)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the answer."),
+    image: Optional[List[str]] = typer.Option(
+        None, "--image", metavar="PATH", help="An image the prompt is about: PNG, JPEG, WebP or GIF (first frame). "
+        "Repeat for several; '-' reads one from stdin (then PROMPT must be an argument)."),
+    image_tokens: Optional[int] = typer.Option(
+        None, "--image-tokens", help="Soft tokens per image: 70, 140, 280, 560 or 1120 (default: the model's, "
+        "280). More tokens see finer detail and cost more time.", show_default=False),
+    view_delay: float = typer.Option(0.0, "--view-delay", metavar="SECONDS",
+                                     help="Pause the live view this long after each step it draws (every step is "
+                                     "then drawn), to follow a fast model by eye. Live view only; 0: no pause."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
     dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto."),
     view: Optional[str] = typer.Option(None, "--view", help="live, plain or none (not with --each-line). "
@@ -155,6 +164,11 @@ def run(
         raise UsageError(f"--view must be live, plain or none (got {view!r})")
     if quiet and view in ("live", "plain"):
         raise UsageError(f"--quiet and --view {view} exclude each other")
+    if not (0 <= view_delay <= 60):  # NaN fails too
+        raise UsageError(f"--view-delay must be between 0 and 60 seconds (got {view_delay:g})")
+    if view_delay and (quiet or each_line or view in ("plain", "none")):
+        raise UsageError("--view-delay paces the live view; it cannot be combined with "
+                         + ("--quiet" if quiet else "--each-line" if each_line else f"--view {view}"))
     if each_line and view in ("live", "plain"):
         raise UsageError(f"--view {view} draws one prompt's canvas; it cannot be combined with --each-line")
     if batch_size is not None and not each_line:
@@ -169,6 +183,7 @@ def run(
 
         warnings.simplefilter("ignore")  # a library's warning is a notice too
     joined = _prompt_words(prompt)
+    _check_images(image or [], image_tokens, stdin_prompt=joined is None, each_line=each_line)
     text = _read_prompt(joined)
     if joined is None and not raw and not each_line:
         text = text.rstrip("\r\n")  # `echo ... |` adds a newline the user did not mean as part of the prompt
@@ -185,8 +200,12 @@ def run(
 
     from .engine import load  # heavy: torch
 
-    engine = load(_model_dir(model, quiet), device=device, dtype=dtype)
+    model_dir = _model_dir(model, quiet)
+    images = _read_images(image or [], model_dir)  # bad images fail here, before the model loads
+    engine = load(model_dir, device=device, dtype=dtype)
     kwargs = dict(raw=raw, system=system, seed=seed, **sampler)
+    if images:
+        kwargs.update(images=images, image_tokens=image_tokens)
     from .answer import FinishedCanvases
 
     def write(piece: str) -> None:
@@ -222,7 +241,8 @@ def run(
             result = engine.generate(text, on_event=keep, **kwargs)
     except KeyboardInterrupt:  # print what was finished (the answer, or its JSON object), then exit 130
         if finished is not None and finished.tokens:
-            part = _partial_answer(engine, text, finished, time.perf_counter() - t0, raw=raw, system=system)
+            part = _partial_answer(engine, text, finished, time.perf_counter() - t0, raw=raw, system=system,
+                                   images=engine.image_patches(images, image_tokens))
             if as_json:
                 write(json.dumps(part, ensure_ascii=False) + "\n")
             elif streaming:
@@ -239,14 +259,51 @@ def run(
         _note(notice)
 
 
-def _partial_answer(engine, text: str, finished, seconds: float, *, raw: bool, system: Optional[str]) -> dict:
+def _check_images(paths: List[str], image_tokens: Optional[int], *, stdin_prompt: bool, each_line: bool) -> None:
+    """--image / --image-tokens combinations, checked before anything is read."""
+    from .config import IMAGE_TOKEN_BUDGETS
+
+    if image_tokens is not None and image_tokens not in IMAGE_TOKEN_BUDGETS:
+        raise UsageError(f"--image-tokens must be one of {', '.join(map(str, IMAGE_TOKEN_BUDGETS))} "
+                         f"(got {image_tokens})")
+    if image_tokens is not None and not paths:
+        raise UsageError("--image-tokens needs --image")
+    if paths and each_line:
+        raise UsageError("--image goes with a single prompt; it cannot be combined with --each-line")
+    if paths.count("-") > 1:
+        raise UsageError("stdin holds one image: '-' may be given to --image once")
+    if "-" in paths and stdin_prompt:
+        raise UsageError("stdin cannot hold both the prompt and an image: pass PROMPT as an argument")
+
+
+def _read_images(paths: List[str], model_dir: str) -> list:
+    """Decoded images for --image (one line on bad input), after checking that the model has a vision tower."""
+    if not paths:
+        return []
+    from .config import ModelConfig
+    from .errors import ModelError
+    from .names import resolve_model
+
+    directory = resolve_model(model_dir)
+    if (directory / "config.json").is_file() and ModelConfig.from_dir(directory).vision is None:
+        raise ModelError(f"{directory}: this model has no vision tower, so it cannot read images")
+    from .image import open_image
+
+    if "-" in paths and (sys.stdin is None or sys.stdin.isatty()):
+        raise UsageError("--image -: pipe the image on stdin")
+    return [open_image(sys.stdin.buffer.read(), name="stdin") if p == "-" else open_image(p) for p in paths]
+
+
+def _partial_answer(engine, text: str, finished, seconds: float, *, raw: bool, system: Optional[str],
+                    images: list = ()) -> dict:
     """The JSON object of an interrupted run: its finished canvases (answer.FinishedCanvases), cut and counted as
     a whole answer's are, with "interrupted": true."""
     from .sampler import tokens_per_forward
 
     thought, answer = finished.thought_and_answer()
     return {"text": answer, "thought": thought, "token_ids": finished.ids,
-            "prompt_token_ids": engine.prompt_ids(text, raw=raw, system=system), "canvases": finished.steps,
+            "prompt_token_ids": engine.prompt_ids(text, raw=raw, system=system, images=images),
+            "canvases": finished.steps,
             "tokens_per_forward": tokens_per_forward(finished.kept_tokens, sum(finished.steps)),
             "seconds": round(seconds, 4), "interrupted": True}
 
@@ -508,14 +565,16 @@ def _gb(n: int) -> str:
 @app.command()
 def pull(
     repo: str = typer.Argument("google/diffusiongemma-26B-A4B-it", help="Hub repository id (OWNER/NAME)."),
-    quant: str = typer.Option("auto", "--quant", help="auto (from free GPU memory), bf16, int8 or nvfp4."),
+    quant: str = typer.Option("auto", "--quant", help="auto (from free GPU memory), bf16, fp8, int8 or nvfp4."),
     revision: Optional[str] = typer.Option(None, "--revision",
                                            help="Branch, tag or commit (default: main). An entry already stored "
                                                 "from another commit is not replaced: it says how."),
-    policy: str = typer.Option("experts", "--policy",
-                               help="What int8/nvfp4 quantize: experts (default) or all (+ attention, dense MLP)."),
+    policy: Optional[str] = typer.Option(None, "--policy",
+                                         help="What fp8/int8/nvfp4 quantize: experts or all (+ attention, dense MLP); "
+                                              "default as published: all for fp8/int8, experts for nvfp4."),
 ) -> None:
-    """Download a model from the Hub and quantize it into the store. HF_TOKEN, HF_HOME and HF_HUB_OFFLINE apply."""
+    """Download a model from the Hub into the store: a published quantized release as published, an unquantized one
+    quantized to --quant (on the GPU when there is one). HF_TOKEN, HF_HOME and HF_HUB_OFFLINE apply."""
     from .errors import Interrupted
     from .store import pull as do_pull
 
@@ -567,13 +626,15 @@ def info(
         sys.stdout.write(json.dumps(d) + "\n")
         return
     src = d["source"]
-    fmt = d["format"] + (f" (policy {d['policy']})" if d["policy"] != "none" else f" ({d['dtype_on_disk']} on disk)")
-    rows = [("path", d["path"]), ("format", fmt),
+    fmt = d["format"] + (f" ({', '.join(d['quantized'])} quantized)" if d["quantized"] else
+                         f" ({d['dtype_on_disk']} on disk)")
+    rows = [("path", d["path"]), ("format", fmt)] + ([("scheme", d["scheme"])] if d["scheme"] else []) + [
             ("size on disk", _gb(d["size_on_disk"])), ("weights in memory", _gb(d["weights_in_memory"])),
             ("GPU memory, 8k context", f"{_gb(d['gpu_memory_estimate_8k'])} (estimate)"),
             ("shape", f"{d['layers']} layers, {d['experts']} experts, vocabulary {d['vocab']}")]
     if src:
-        rows.append(("source", f"{src.get('repo')} @ {str(src.get('revision'))[:12]}"))
+        rows.append(("source", f"{src.get('repo')} @ {str(src.get('revision'))[:12]}"
+                               + (" (as published)" if src.get("published") else "")))
     for k, v in rows:
         sys.stdout.write(f"{k + ':':<24}{v}\n")
 
@@ -587,9 +648,11 @@ def rm(
     from .store import find, remove, store_root
 
     found = find(model)
-    if model == "demo":  # as everywhere a model is named, 'demo' is the bundled one, never a store entry
+    from .names import BUNDLED
+
+    if model in BUNDLED:  # as everywhere a model is named, 'demo' is the bundled one, never a store entry
         same = f"; to remove the store's {', '.join(e.name for e in found)}, give its full name" if found else ""
-        raise UsageError(f"demo is the bundled demo model, part of dgemma itself: it cannot be removed{same}")
+        raise UsageError(f"{model} is a bundled demo model, part of dgemma itself: it cannot be removed{same}")
     if not found:
         raise UsageError(f"{model}: not in the store ({store_root()}); `dgemma list` shows what is there")
     if len(found) > 1:
@@ -610,9 +673,11 @@ def rm(
 @app.command()
 def quantize(
     src: str = typer.Argument(..., help="An unquantized checkpoint: a directory or a store name."),
-    quant: str = typer.Option(..., "--quant", help="nvfp4 or int8."),
+    quant: str = typer.Option(..., "--quant", help="nvfp4 (ModelOpt), fp8 or int8 (compressed-tensors W8A8)."),
     out: str = typer.Option(..., "--out", help="The new directory to write (must not exist)."),
-    policy: str = typer.Option("experts", "--policy", help="experts (default) or all (+ attention, dense MLP)."),
+    policy: Optional[str] = typer.Option(None, "--policy",
+                                         help="experts or all (+ attention, dense MLP); default as published: all "
+                                              "for fp8/int8, experts for nvfp4."),
     scales: str = typer.Option("auto", "--scales", help="auto, absmax or search (block scales chosen by error)."),
     device: str = typer.Option("auto", "--device", help="Where to compute: cpu, cuda or auto."),
 ) -> None:
@@ -634,7 +699,7 @@ def quantize(
                                        progress=sys.stderr.isatty(), note=_note)
     except KeyboardInterrupt:
         raise Interrupted("interrupted; run the same command again to continue where it stopped") from None
-    _note(f"wrote {out} ({quant}, policy {policy}, {_gb(manifest['total_bytes'])})")
+    _note(f"wrote {out} ({quant}, policy {manifest['quantize']['policy']}, {_gb(manifest['total_bytes'])})")
 
 
 @app.command()

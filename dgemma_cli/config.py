@@ -138,6 +138,69 @@ class TextConfig:
         return next(s.head_dim for s in self.layers if s.kind == kind)
 
 
+# The image soft-token budgets the Gemma 4 image processor accepts (patches per image = budget x pooling^2).
+IMAGE_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
+
+
+@dataclass
+class VisionConfig:
+    """The `gemma4_vision` tower (config.json's vision_config) plus the image token ids from the top level.
+
+    An image becomes `boi_token_id`, N x `image_token_id`, `eoi_token_id` in the prompt; the tower's N projected
+    soft tokens replace the image-token embeddings (encoder only).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    patch_size: int = 16
+    pooling_kernel_size: int = 3
+    position_embedding_size: int = 10 * 1024
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 100.0
+    hidden_activation: str = "gelu_pytorch_tanh"
+    standardize: bool = False
+    use_clipped_linears: bool = False
+    image_token_id: int = 258_880
+    boi_token_id: int = 255_999
+    eoi_token_id: int = 258_882
+    default_soft_tokens: int = 280
+
+    @classmethod
+    def from_model_dict(cls, raw: dict[str, Any], source: str = "config.json") -> VisionConfig | None:
+        """The vision config of a model's config.json, or None when it has no vision tower."""
+        v = raw.get("vision_config")
+        if not isinstance(v, dict):
+            return None
+        missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+                   if k not in v]
+        if missing:
+            raise ModelError(f"{source}: vision_config is missing {', '.join(missing)}")
+        known = {f.name for f in fields(cls)}
+        kw = {k: v[k] for k in known if v.get(k) is not None}
+        kw.setdefault("num_key_value_heads", v["num_attention_heads"])
+        kw.setdefault("head_dim", v["hidden_size"] // v["num_attention_heads"])
+        rope = v.get("rope_parameters") or {}
+        if rope.get("rope_theta") is not None:
+            kw["rope_theta"] = float(rope["rope_theta"])
+        for key in ("image_token_id", "boi_token_id", "eoi_token_id"):
+            if raw.get(key) is not None:
+                kw[key] = int(raw[key])
+        if raw.get("vision_soft_tokens_per_image") in IMAGE_TOKEN_BUDGETS:
+            kw["default_soft_tokens"] = int(raw["vision_soft_tokens_per_image"])
+        cfg = cls(**kw)
+        if cfg.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ModelError(f"{source}: unsupported vision hidden_activation {cfg.hidden_activation!r}")
+        if cfg.use_clipped_linears:
+            raise ModelError(f"{source}: a vision tower with clipped linears is not supported")
+        if cfg.num_attention_heads % cfg.num_key_value_heads or cfg.head_dim % 4:
+            raise ModelError(f"{source}: vision_config has an unsupported head geometry")
+        return cfg
+
+
 @dataclass
 class ModelConfig:
     text: TextConfig
@@ -168,6 +231,11 @@ class ModelConfig:
         if not cfg_path.is_file():
             raise ModelError(f"{path}: no config.json (is this a model directory?)")
         return cls.from_dict(read_json_object(cfg_path), source=str(cfg_path))
+
+    @property
+    def vision(self) -> VisionConfig | None:
+        """The vision tower's config, None for a text-only config.json."""
+        return VisionConfig.from_model_dict(self.raw, self.source or "config.json")
 
 
 def read_json_object(path: Path) -> dict[str, Any]:

@@ -59,9 +59,12 @@ class ModelDenoiser:
         self.vocab_size = model.cfg.text.vocab_size
         self.canvas_length = model.cfg.canvas_length
         self.ctx = None
+        # Soft tokens [N, H] of the images in the next encoded chunk (the prompt): used once, then dropped.
+        self.image_features: torch.Tensor | None = None
 
     def encode(self, ids: torch.Tensor, valid: torch.Tensor | None) -> None:
-        self.model.encode(ids, self.cache, valid)
+        features, self.image_features = self.image_features, None
+        self.model.encode(ids, self.cache, valid, image_features=features)
 
     def start_canvas(self) -> None:
         self.ctx = self.model.denoise_context(self.cache, self.batch)
@@ -149,16 +152,35 @@ class Engine:
         self.tokenizer = tokenizer
         self.settings = settings  # the checkpoint's defaults; per-call overrides never mutate them
         self.path = path
+        self._vision = None  # the vision tower, read from the checkpoint at the first image
 
     @property
     def config(self) -> ModelConfig:
         return self.model.cfg
 
+    @property
+    def view_hints(self) -> dict:
+        """How a live view may draw this model's canvas: the checkpoint's `dgemma_view.json` (e.g.
+        `{"board": {"rows": 4, "cols": 4, "box": [2, 2], "row_stride": 5}}`), {} when there is none or it is not a
+        JSON object. A file of its own: the reference refuses unknown keys in generation_config.json. A hint only
+        lays the canvas out; it never changes generation."""
+        import json
+
+        try:
+            hints = json.loads((Path(self.path) / "dgemma_view.json").read_text())
+        except (OSError, TypeError, ValueError):
+            return {}
+        return hints if isinstance(hints, dict) else {}
+
     # ------------------------------------------------------------------ prompts
 
     def prompt_ids(self, prompt: str | Sequence[int], raw: bool = False, system: str | None = None,
-                   enable_thinking: bool = False) -> list[int]:
-        """Text -> ids: through the chat template, or (raw) exactly as given with no special tokens added."""
+                   enable_thinking: bool = False, images: Sequence = ()) -> list[int]:
+        """Text -> ids: through the chat template, or (raw) exactly as given with no special tokens added.
+
+        With `images` (`image.Patches`), the chat message starts with one image placeholder per image; raw text
+        and token ids must hold the placeholders themselves. Each placeholder becomes begin-of-image, N image
+        tokens, end-of-image (`with_images`)."""
         if not isinstance(prompt, str):
             ids = [int(t) for t in prompt]
         else:
@@ -169,11 +191,14 @@ class Engine:
             if raw:
                 ids = self.tokenizer.encode(prompt)
             else:
+                content = self.image_placeholder() * len(images) + prompt if images else prompt
                 messages = ([{"role": "system", "content": system}] if system else [])
-                messages.append({"role": "user", "content": prompt})
+                messages.append({"role": "user", "content": content})
                 ids = self.tokenizer.encode_chat(messages, enable_thinking=enable_thinking)
         if not ids:
             raise UsageError("empty prompt")
+        if images:
+            ids = self.with_images(ids, images)
         V = self.config.text.vocab_size
         if min(ids) < 0 or max(ids) >= V:
             raise UsageError(f"prompt has a token id outside the vocabulary of {V}")
@@ -191,17 +216,92 @@ class Engine:
                              f"{need} positions but the model's context is {ctx}")
         return need - C
 
+    # ------------------------------------------------------------------ images
+
+    def image_patches(self, images: Sequence | None, image_tokens: int | None = None) -> list:
+        """Image files (paths or bytes), `PIL.Image`s or ready `image.Patches` -> `image.Patches`, all at one budget
+        of soft tokens (default: the checkpoint's, 280)."""
+        if not images:
+            return []
+        vision = self.config.vision
+        if vision is None:
+            raise ModelError(f"{self.path}: this model has no vision tower, so it cannot read images")
+        from .image import Patches, load_patches, patchify
+
+        budget = image_tokens or vision.default_soft_tokens
+        geometry = (budget, vision.patch_size, vision.pooling_kernel_size)
+        out = []
+        for im in images:
+            if isinstance(im, Patches):
+                out.append(im)
+            elif isinstance(im, (str, Path, bytes, bytearray)):
+                out.append(load_patches(im, *geometry))
+            else:
+                out.append(patchify(im, *geometry))
+        if len({tuple(p.pixel_values.shape) for p in out}) > 1:
+            raise UsageError("the images of one prompt must share one --image-tokens budget")
+        return out
+
+    def image_placeholder(self) -> str:
+        """The text the chat template carries for one image (Gemma 4: `<|image|>`), from the tokenizer."""
+        token_id = self.config.vision.image_token_id
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        if not text or self.tokenizer.encode(text) != [token_id]:
+            raise ModelError(f"{self.path}: the tokenizer has no image token (id {token_id})")
+        return text
+
+    def with_images(self, ids: list[int], images: Sequence) -> list[int]:
+        """ids with each image placeholder (a lone image token) expanded to begin-of-image, N image tokens,
+        end-of-image, N the image's soft tokens. Ids already expanded for these images are returned as they are."""
+        v = self.config.vision
+        runs = []  # (start, length) of each run of image tokens
+        for i, t in enumerate(ids):
+            if t == v.image_token_id:
+                if runs and runs[-1][0] + runs[-1][1] == i:
+                    runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+                else:
+                    runs.append((i, 1))
+        wanted = [p.soft_tokens for p in images]
+        if [n for _, n in runs] == wanted and all(s > 0 and ids[s - 1] == v.boi_token_id for s, _ in runs):
+            return list(ids)  # already expanded
+        at = [i for i, t in enumerate(ids) if t == v.image_token_id]  # each one a placeholder
+        if len(at) != len(images):
+            raise UsageError(f"the prompt has {len(at)} image placeholders for {len(images)} images")
+        out, last = [], 0
+        for start, n in zip(at, wanted):
+            out += ids[last:start] + [v.boi_token_id] + [v.image_token_id] * n + [v.eoi_token_id]
+            last = start + 1
+        return out + ids[last:]
+
+    def vision_tower(self):
+        """The vision tower, read on first use in the text model's device and dtype."""
+        if self._vision is None:
+            from .vision import load_vision
+
+            self._vision = load_vision(self.path, self.config.vision, self.config.text.hidden_size,
+                                       device=self.model.device, dtype=self.model.dtype)
+        return self._vision
+
+    def image_features(self, images: Sequence) -> torch.Tensor:
+        """`image.Patches` -> their soft tokens [sum of soft_tokens, H], image after image."""
+        from .vision import encode_images
+
+        return encode_images(self.vision_tower(), list(images))
+
     # ------------------------------------------------------------------ generation
 
     def events(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], *, raw: bool = False,
                system: str | None = None, seed: int | None = None, enable_thinking: bool = False,
-               settings: GenerationSettings | None = None, **overrides) -> Iterator[Event]:
+               settings: GenerationSettings | None = None, images: Sequence | None = None,
+               image_tokens: int | None = None, **overrides) -> Iterator[Event]:
         """Yield sampler events for one prompt or a batch (strings, or lists of token ids).
 
         Overrides are GenerationSettings fields (max_new_tokens, max_denoising_steps, ...). With `seed`, torch's
         global generator is seeded first, as `torch.manual_seed(seed)` before the reference's generate.
+        `images` (files, PIL images or `image.Patches`) go with a single prompt, at `image_tokens` soft tokens each.
         """
-        ids = self.batch_ids(prompts, raw=raw, system=system, enable_thinking=enable_thinking)
+        patches = self.image_patches(images, image_tokens)
+        ids = self.batch_ids(prompts, raw=raw, system=system, enable_thinking=enable_thinking, images=patches)
         settings = (settings or self.settings).override(**overrides)
         T = max(len(x) for x in ids)
         capacity = self.check_context(T, settings)
@@ -215,6 +315,8 @@ class Engine:
         if seed is not None:
             torch.manual_seed(seed)
         denoiser = make_denoiser(self.model, len(ids), capacity)
+        if patches:
+            denoiser.image_features = self.image_features(patches)
         yield from _in_inference_mode(generate_events(denoiser, batch, settings, valid), denoiser)
 
     def infill_events(self, prefix: str, suffix: str, *, held_tokens: int = 8, seed: int | None = None,
@@ -251,20 +353,24 @@ class Engine:
         return self.tokenizer.decode(done.token_ids[0])
 
     def batch_ids(self, prompts, raw: bool = False, system: str | None = None,
-                  enable_thinking: bool = False) -> list[list[int]]:
+                  enable_thinking: bool = False, images: Sequence = ()) -> list[list[int]]:
         if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not len(prompts):
             raise UsageError("no prompts")
-        return [self.prompt_ids(p, raw=raw, system=system, enable_thinking=enable_thinking) for p in prompts]
+        if images and len(prompts) > 1:
+            raise UsageError("images go with a single prompt, not a batch")
+        return [self.prompt_ids(p, raw=raw, system=system, enable_thinking=enable_thinking, images=images)
+                for p in prompts]
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], *, raw: bool = False,
                  system: str | None = None, enable_thinking: bool = False,
                  on_event: Callable[[Event], None] | None = None, **kwargs) -> Result:
         """Run to completion and decode; `on_event` sees every event. Other kwargs as for `events`."""
-        ids = self.batch_ids(prompts, raw=raw, system=system, enable_thinking=enable_thinking)
+        patches = self.image_patches(kwargs.pop("images", None), kwargs.pop("image_tokens", None))
+        ids = self.batch_ids(prompts, raw=raw, system=system, enable_thinking=enable_thinking, images=patches)
         done = None
-        for ev in self.events(ids, **kwargs):
+        for ev in self.events(ids, images=patches, **kwargs):
             if on_event is not None:
                 on_event(ev)
             if isinstance(ev, Done):

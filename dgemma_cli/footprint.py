@@ -12,7 +12,11 @@ import torch
 
 from .config import ModelConfig
 
-FORMATS = ("bf16", "int8", "nvfp4")
+FORMATS = ("bf16", "fp8", "int8", "nvfp4")  # least lossy first (FP8 and INT8 are the same size)
+# What each format quantizes by default, as its published releases do: NVFP4 the routed experts (NVIDIA's export),
+# FP8 and INT8 also attention and the dense MLP (the compressed-tensors W8A8 releases).
+DEFAULT_POLICY = {"bf16": "experts", "nvfp4": "experts", "fp8": "all", "int8": "all"}
+FP8_CAPABILITY = (8, 9)  # FP8 tensor cores from Ada (sm_89)
 DENSE = ("self_attn", "mlp")
 RUNTIME_SLACK = 512 << 20  # CUDA context, allocator slack, small activations (a guess, not measured)
 
@@ -20,18 +24,19 @@ RUNTIME_SLACK = 512 << 20  # CUDA context, allocator slack, small activations (a
 def packed_bytes(fmt: str, n: int, k: int) -> int:
     """Bytes of one [N, K] matrix in a format."""
     if fmt == "nvfp4":
-        return n * k // 2 + n * k // 16 + 4  # codes, e4m3 block scales, global scale
-    if fmt == "int8":
-        return n * k + 4 * n  # codes, float32 row scales
+        return n * k // 2 + n * k // 16 + 8  # codes, e4m3 block scales, global scale, input scale
+    if fmt in ("int8", "fp8"):
+        return n * k + 2 * n  # codes, bfloat16 row scales (dgemma's INT8 v1 had float32 ones: 2n more)
     return 2 * n * k
 
 
-def weight_bytes(cfg: ModelConfig, fmt: str, policy: str = "experts") -> dict[str, int]:
+def weight_bytes(cfg: ModelConfig, fmt: str, policy: str | None = None) -> dict[str, int]:
     """Bytes by part: experts, dense (attention + dense MLP), embedding, other (router, norms, self-conditioning)."""
     from .model import DiffusionGemma, Experts
 
     with torch.device("meta"):
         model = DiffusionGemma(cfg)
+    policy = policy or DEFAULT_POLICY[fmt]
     parts = {"experts": 0, "dense": 0, "embedding": 0, "other": 0}
     counted = set()
     for path, mod in model.named_modules():
@@ -60,7 +65,7 @@ def kv_cache_bytes(cfg: ModelConfig, context: int, batch: int = 1) -> int:
     return total
 
 
-def runtime_bytes(cfg: ModelConfig, fmt: str, policy: str = "experts", context: int = 8192, batch: int = 1) -> int:
+def runtime_bytes(cfg: ModelConfig, fmt: str, policy: str | None = None, context: int = 8192, batch: int = 1) -> int:
     t, C = cfg.text, cfg.canvas_length
     weights = sum(weight_bytes(cfg, fmt, policy).values())
     canvas = 4 * batch * C * t.vocab_size * 4  # three sampler buffers and the logits, float32
@@ -68,11 +73,29 @@ def runtime_bytes(cfg: ModelConfig, fmt: str, policy: str = "experts", context: 
     return weights + kv_cache_bytes(cfg, context, batch) + canvas + unpacked + RUNTIME_SLACK
 
 
-def choose_format(cfg: ModelConfig, free: int, context: int = 8192) -> str | None:
-    """The least lossy format whose estimate at `context` fits in `free` bytes, or None when none does."""
-    for fmt in FORMATS:
+def candidates(capability: tuple[int, int] | None) -> list[str]:
+    """The formats `--quant auto` weighs, in order of preference, on a GPU of `capability` (None: no GPU). FP8 only
+    where the GPU has FP8 tensor cores (its activations then run 8-bit there); it is preferred to INT8 of the same
+    size there, since FP8's relative steps keep a token's small activations beside its outliers, which INT8's uniform
+    per-token steps round away."""
+    fp8 = capability is not None and tuple(capability) >= FP8_CAPABILITY
+    return [f for f in FORMATS if f != "fp8" or fp8]
+
+
+def choose_format(cfg: ModelConfig, free: int, context: int = 8192,
+                  capability: tuple[int, int] | None = None) -> str | None:
+    """The first of `candidates(capability)` whose estimate at `context` (each format with its default policy) fits
+    in `free` bytes, or None when none does."""
+    for fmt in candidates(capability):
         if runtime_bytes(cfg, fmt, context=context) <= free:
             return fmt
+    return None
+
+
+def capability() -> tuple[int, int] | None:
+    """The first CUDA device's compute capability, None without one."""
+    if torch.cuda.is_available():
+        return tuple(torch.cuda.get_device_capability(0))
     return None
 
 

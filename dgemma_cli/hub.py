@@ -109,6 +109,8 @@ def _download(repo_id: str, revision: str | None, bars, on_config=None) -> Path:
                 raise
             unreachable = e
 
+    if listing is not None:
+        _refuse_gguf(repo_id, listing)
     snapshot: Path | None = None
 
     def fetch(name: str, required: bool = True, shown: str | None = None) -> Path | None:
@@ -148,6 +150,23 @@ def _download(repo_id: str, revision: str | None, bars, on_config=None) -> Path:
         fetch(shard, shown=shard if index is not None else f"{SINGLE_FILE} (or {INDEX_FILE})")
     assert snapshot is not None
     return snapshot
+
+
+# What dgemma reads instead of GGUF, with a published repository of each (one line, for a GGUF-only repository).
+READS = ("safetensors checkpoints: bf16 (google/diffusiongemma-26B-A4B-it), ModelOpt NVFP4 "
+         "(nvidia/diffusiongemma-26B-A4B-it-NVFP4) and compressed-tensors FP8/INT8 W8A8 "
+         "(RedHatAI/diffusiongemma-26B-A4B-it-FP8-dynamic)")
+
+
+def _refuse_gguf(repo_id: str, listing: set[str]) -> None:
+    """A repository of GGUF files only (llama.cpp's format) is refused before anything is fetched, saying what to
+    pull instead."""
+    if SINGLE_FILE in listing or INDEX_FILE in listing:
+        return
+    gguf = sorted(n for n in listing if n.lower().endswith(".gguf"))
+    if gguf:
+        raise DgemmaError(f"{repo_id} holds GGUF files ({len(gguf)}, e.g. {gguf[0]}), llama.cpp's format, which "
+                          f"dgemma does not read; dgemma reads {READS}")
 
 
 def _text_shards(index: Path, repo_id: str) -> list[str]:

@@ -1,6 +1,7 @@
 """The DiffusionGemma text network: one set of weights, two modes.
 
-- `encode(ids)`: causal; appends the prompt (or a finished canvas) to a preallocated static KV cache.
+- `encode(ids)`: causal; appends the prompt (or a finished canvas) to a preallocated static KV cache. Images
+  come in here only: their soft tokens (vision.py) replace the image-token embeddings.
 - `denoise(canvas, sc_logits)`: bidirectional over cached prefix + canvas; never advances the cache.
 
 Rules this file keeps: it knows tensors, not tokens or text; every projection is a module called as
@@ -460,10 +461,13 @@ class DiffusionGemma(nn.Module):
     # ------------------------------------------------------------------ encoder (causal, writes the cache)
 
     def encode(self, ids: torch.Tensor, cache: KVCache, valid: torch.Tensor | None = None,
-               return_hidden: bool = False) -> torch.Tensor | None:
+               return_hidden: bool = False, image_features: torch.Tensor | None = None) -> torch.Tensor | None:
         """Append ids [B, T] to the cache (positions length .. length+T-1).
 
         valid [B, T] marks real tokens (False = left padding, masked as a key everywhere).
+        image_features [N, H] (the vision tower's soft tokens, row after row) replace the embeddings of the N image
+        tokens in ids; when the config says `use_bidirectional_attention: vision`, each run of image tokens (one
+        image) also attends to itself in both directions, in every layer.
         Returns the final-normed hidden states [B, T, H] only if asked (the sampler never needs them).
         """
         B, T = ids.shape
@@ -479,15 +483,22 @@ class DiffusionGemma(nn.Module):
         padded = not bool(valid.all()) or not bool(cache.valid[:, :L0].all())
         self_key = torch.eye(T, dtype=torch.bool, device=dev)  # a padding query still sees itself (no NaN rows)
 
+        x = self.embed(ids)
+        blocks = None  # bool [B, T, T]: query and key in the same image
+        if image_features is not None:
+            x, blocks = self.place_images(ids, x, image_features)
+
         def mask_for(kpos: torch.Tensor, kvalid: torch.Tensor, window: int | None) -> torch.Tensor | None:
             """bool [B, 1, T, S] over keys at absolute positions kpos [S]; None when plain causal suffices."""
-            if L0 == 0 and not padded and (window is None or T < window):
+            if L0 == 0 and not padded and blocks is None and (window is None or T < window):
                 return None  # keys are exactly the queries: SDPA's causal flag (as the reference does)
             ok = kpos[None, :] <= qpos[:, None]
             if window is not None:
                 ok = ok & (qpos[:, None] - kpos[None, :] < window)
             m = ok[None] & kvalid[:, None, :]
             m[:, :, -T:] |= self_key
+            if blocks is not None:  # the last T keys are this chunk's own tokens
+                m[:, :, -T:] |= blocks
             return m[:, None]
 
         masks = {
@@ -496,7 +507,6 @@ class DiffusionGemma(nn.Module):
                               torch.cat([cache.window_valid(), valid], dim=1), W),
         }
 
-        x = self.embed(ids)
         rope = {k: rope_cos_sin(f, qpos[None], x.dtype) for k, f in self.inv_freq.items()}
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
@@ -521,6 +531,25 @@ class DiffusionGemma(nn.Module):
             x = layer.feed_forward(x, self.encoder_layer_scalar[i])
         cache.length = L0 + T
         return self.norm(x) if return_hidden else None
+
+    def place_images(self, ids: torch.Tensor, x: torch.Tensor, features: torch.Tensor):
+        """Put soft tokens features [N, H] at the N image tokens of ids [B, T] in the embeddings x [B, T, H].
+
+        Returns (x, blocks): blocks bool [B, T, T] is True where query and key lie in the same run of image tokens
+        (None when the config keeps image tokens causal).
+        """
+        vision = self.cfg.vision
+        if vision is None:
+            raise ModelError("this checkpoint has no vision tower: it cannot read images")
+        at = ids == vision.image_token_id  # [B, T]
+        if int(at.sum()) != features.shape[0]:
+            raise ValueError(f"{int(at.sum())} image tokens for {features.shape[0]} image soft tokens")
+        x = x.masked_scatter(at[..., None], features.to(x.dtype))
+        if self.cfg.text.use_bidirectional_attention != "vision":
+            return x, None
+        starts = at & ~F.pad(at[:, :-1], (1, 0), value=False)  # first token of each run
+        run = torch.where(at, torch.cumsum(starts.int(), dim=1), 0)  # [B, T]: 1, 2, ... per image; 0 for text
+        return x, (run[:, :, None] == run[:, None, :]) & at[:, :, None]
 
     # ------------------------------------------------------------------ decoder (bidirectional, read-only)
 

@@ -7,7 +7,7 @@
 Imports nothing of dgemma_cli but errors, and no torch.
 
 A `--model` value is, in this order:
-1. `demo`: the bundled demo model;
+1. `demo`: the bundled demo model (upper-casing); `demo-sudoku`: the bundled 4x4 sudoku solver;
 2. a directory: any value that is an existing directory, or starts with `/`, `.` or `~`;
 3. a store name `[OWNER/]NAME[:QUANT]`, e.g. `google/diffusiongemma-26B-A4B-it:nvfp4`, or just
    `diffusiongemma-26B-A4B-it` when one entry matches. A repository id that is not in the store is an error that
@@ -40,9 +40,11 @@ def text_shards(weight_map: dict[str, str]) -> list[str]:
 # ----------------------------------------------------------------------------- models and the store
 
 DEMO_MODEL = Path(__file__).resolve().parent / "demo_model"
+DEMO_SUDOKU = Path(__file__).resolve().parent / "demo_sudoku"
+BUNDLED = {"demo": DEMO_MODEL, "demo-sudoku": DEMO_SUDOKU}  # names of the models that ship inside dgemma
 
 MANIFEST = "dgemma-manifest.json"  # the same name quant.convert writes
-QUANTS = ("bf16", "int8", "nvfp4")
+QUANTS = ("bf16", "fp8", "int8", "nvfp4")
 STORE_NAME = re.compile(r"^(?:(?P<owner>[A-Za-z0-9][A-Za-z0-9._-]*)/)?(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)"
                         r"(?::(?P<quant>[a-z0-9]+))?$")
 
@@ -115,6 +117,8 @@ def resolve(ref: str, demo: Path) -> Path:
     """A `--model` value -> a model directory (see the module docstring for the syntax)."""
     if ref == "demo":
         return demo
+    if ref in BUNDLED:
+        return BUNDLED[ref]
     if looks_like_path(ref):
         return Path(ref).expanduser()
     m = STORE_NAME.match(ref)

@@ -1,18 +1,26 @@
-"""`dgemma quantize`: turn an unquantized checkpoint into NVFP4 (ModelOpt layout) or dgemma INT8, streaming.
+"""`dgemma quantize`: turn an unquantized checkpoint into a published format, streaming: ModelOpt NVFP4 or
+compressed-tensors W8A8 (FP8 or INT8), the layouts serving engines (vLLM, TensorRT-LLM, SGLang) read.
 
 This module knows which tensors exist and what each becomes (the policy); `quant.convert` does the streaming,
-resumable, verified writing, and `quant.nvfp4` / `quant.int8` the numbers.
+resumable, verified writing; the format modules under `quant/formats/` know each layout (how a weight is quantized,
+what the description says) and `quant.nvfp4` the NVFP4 numbers.
 
-Policies (written into the checkpoint's quantization_config, never inferred later from names):
-- `experts` (default, as NVIDIA's export): only the routed experts;
-- `all`: the routed experts, attention (q, k, v, o) and the dense MLP.
+Policies (written into the checkpoint's own description, its ignore list, never inferred later from names):
+- `experts` (NVFP4's default, as NVIDIA's export): only the routed experts;
+- `all` (FP8's and INT8's default, as the published W8A8 releases): the routed experts, attention (q, k, v, o) and
+  the dense MLP.
 The router, embeddings (tied with the LM head), norms, layer scalars and self-conditioning always stay as they are.
 
 Output layout: one shard per layer plus one for the rest, the source's tensor names (text stack only; the vision
-tower is not carried over). NVFP4 experts are written per expert as ModelOpt does
-(`...experts.E.{gate,up,down}_proj.{weight,weight_scale,weight_scale_2}`, gate and up sharing weight_scale_2);
-INT8 experts stay fused (`...experts.gate_up_proj.weight` int8 [E, 2I, H], `.weight_scale` float32 [E, 2I]).
-No `input_scale` is written: dgemma computes with 16-bit activations and calibrates nothing.
+tower is not carried over), routed experts split per expert as the releases store them:
+- nvfp4 (ModelOpt): `...experts.E.{gate,up,down}_proj.{weight [N, K/2] uint8, weight_scale [N, K/16] e4m3,
+  weight_scale_2 [] float32, input_scale [] float32}`, gate and up sharing weight_scale_2; `input_scale` comes from a
+  calibration pass (`calibrate`) over CALIBRATION_PROMPTS through the float model; config.json's quantization_config
+  and hf_quant_config.json in ModelOpt's form (quant/formats/modelopt.py).
+- fp8 / int8 (compressed-tensors): `...experts.E.{gate,up,down}_proj.{weight [N, K] e4m3 or int8, weight_scale
+  [N, 1] bfloat16}` and the same per quantized linear; activations are quantized per token at run time, so nothing
+  is calibrated (quant/formats/compressed_tensors.py).
+dgemma's own INT8 layout of earlier versions (quant/formats/dgemma_int8.py) is still read, no longer written.
 """
 
 from __future__ import annotations
@@ -24,27 +32,44 @@ from pathlib import Path
 
 import torch
 
-from quant import int8, nvfp4
+from quant import nvfp4
 from quant.convert import ConvertError, Group, OutTensor, Shard, write_checkpoint
+from quant.formats import compressed_tensors as ct_format
+from quant.formats import modelopt as modelopt_format
 
 from . import __version__
 from .config import ModelConfig
 from .device import resolve_device
 from .errors import ModelError, UsageError
+from .footprint import DEFAULT_POLICY  # per format, as its published releases: NVFP4 experts, FP8 and INT8 all
 from .weights import (
-    DGEMMA_INT8_VERSION, TensorRecord, checked_record, checkpoint_files, checkpoint_name, expected_tensors,
-    expert_base, index_checkpoint, read_converted, read_quant_format, text_prefix,
+    TensorRecord, checked_record, checkpoint_files, checkpoint_name, expected_tensors, expert_base, index_checkpoint,
+    read_converted, read_quant_format, text_prefix,
 )
 
 POLICIES = ("experts", "all")
-FORMATS = ("nvfp4", "int8")
+FORMATS = ("nvfp4", "fp8", "int8")
 # Per format: whether scales are searched (measured in BENCHMARKS.md: it lowers NVFP4's error, not INT8's).
-DEFAULT_SEARCH = {"nvfp4": True, "int8": False}
+DEFAULT_SEARCH = {"nvfp4": True, "fp8": False, "int8": False}
 SMALL_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                "special_tokens_map.json")
 COPY_CHUNK = 64 << 20  # bytes per piece when a tensor is copied unchanged
 DENSE_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+W8_DTYPE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
+# NVFP4's static activation scales are set from what these reach in the float model: a few short conversations of
+# different kinds (code, prose, numbers, other languages), encoded as chat prompts, and one denoising step each.
+CALIBRATION_PROMPTS = (
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+    "Explain in two paragraphs why the sky is blue.",
+    "What is 17 * 23 + 4096 / 8? Show the steps.",
+    "Traduis en français : the weather is nice today and we are going to the sea.",
+    "List five uses of a binary search tree and their time complexity.",
+    "Summarize the plot of a detective story set in a lighthouse, in 3 sentences.",
+    "SELECT name, COUNT(*) FROM orders GROUP BY name HAVING COUNT(*) > 3; -- explain this query",
+    "Give me a JSON object describing a cat with name, age and favourite toys.",
+)
+CALIBRATION_SEED = 0
 
 
 def rows(rec: TensorRecord, lo: int, hi: int) -> TensorRecord:
@@ -71,89 +96,151 @@ def copy_group(name: str, rec: TensorRecord) -> Group:
     return Group([OutTensor(name, rec.dtype, rec.shape)], produce)
 
 
-def _nvfp4_outputs(name: str, n: int, k: int) -> list[OutTensor]:
-    return [OutTensor(f"{name}.weight", torch.uint8, (n, k // 2)),
-            OutTensor(f"{name}.weight_scale", torch.float8_e4m3fn, (n, k // nvfp4.BLOCK)),
-            OutTensor(f"{name}.weight_scale_2", torch.float32, ())]
+def outputs_of(fmt: str, name: str, n: int, k: int) -> list[OutTensor]:
+    """The tensors one quantized [N, K] projection `name` (a module name, no `.weight`) becomes."""
+    if fmt == "nvfp4":
+        return [OutTensor(f"{name}.weight", torch.uint8, (n, k // 2)),
+                OutTensor(f"{name}.weight_scale", torch.float8_e4m3fn, (n, k // nvfp4.BLOCK)),
+                OutTensor(f"{name}.weight_scale_2", torch.float32, ()),
+                OutTensor(f"{name}.input_scale", torch.float32, ())]
+    return [OutTensor(f"{name}.weight", W8_DTYPE[fmt], (n, k)),
+            OutTensor(f"{name}.weight_scale", torch.bfloat16, (n, 1))]
 
 
-def _nvfp4_pieces(q: nvfp4.NVFP4Weight) -> list[torch.Tensor]:
-    return [q.weight, q.weight_scale, q.weight_scale_2.reshape(())]
+def pieces_of(fmt: str, w: torch.Tensor, search: bool, scale_2: torch.Tensor | None = None,
+              amax: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """One projection W [N, K] (float32) quantized, in `outputs_of`'s order. NVFP4: `scale_2` the global scale it
+    shares (gate with up), `amax` the calibrated input amax its input_scale comes from."""
+    if fmt == "nvfp4":
+        q = nvfp4.quantize(w, scale_2, search)
+        return [q.weight, q.weight_scale, q.weight_scale_2.reshape(()), modelopt_format.input_scale(amax).cpu()]
+    return list(ct_format.quantize(w, fmt, search))
 
 
-def linear_group(fmt: str, base: str, rec: TensorRecord, search: bool, device) -> Group:
+def linear_group(fmt: str, base: str, rec: TensorRecord, search: bool, device,
+                 amax: torch.Tensor | None = None) -> Group:
     """One dense projection W [N, K] quantized whole (the largest is a few tens of MB)."""
     n, k = rec.shape
-    if fmt == "nvfp4":
-        outputs = _nvfp4_outputs(base, n, k)
-        produce = lambda: _nvfp4_pieces(nvfp4.quantize(read_converted(rec, torch.float32, device), search=search))
-    else:
-        outputs = [OutTensor(f"{base}.weight", torch.int8, (n, k)),
-                   OutTensor(f"{base}.weight_scale", torch.float32, (n,))]
-
-        def produce():
-            q = int8.quantize(read_converted(rec, torch.float32, device), search=search)
-            return [q.weight, q.weight_scale]
-    return Group(outputs, produce)
+    return Group(outputs_of(fmt, base, n, k),
+                 lambda: pieces_of(fmt, read_converted(rec, torch.float32, device), search, amax=amax))
 
 
-def expert_groups(fmt: str, base: str, gate_up: TensorRecord, down: TensorRecord, search: bool, device) -> list[Group]:
-    """The routed experts of one layer, read and quantized one expert at a time."""
+def expert_groups(fmt: str, base: str, gate_up: TensorRecord, down: TensorRecord, search: bool, device,
+                  amax: dict | None = None) -> list[Group]:
+    """The routed experts of one layer, read and quantized one expert at a time, written per expert
+    (`base.E.{gate,up,down}_proj.*`). NVFP4: `amax` {"gate_up": [], "down": []}, the layer's calibrated inputs."""
     E, two_i, H = gate_up.shape
     I = two_i // 2
-    if fmt == "nvfp4":
-        outputs = []
+    outputs = []
+    for e in range(E):
+        outputs += outputs_of(fmt, f"{base}.{e}.gate_proj", I, H)
+        outputs += outputs_of(fmt, f"{base}.{e}.up_proj", I, H)
+        outputs += outputs_of(fmt, f"{base}.{e}.down_proj", H, I)
+    a_in, a_down = (amax["gate_up"], amax["down"]) if amax else (None, None)
+
+    def produce():
         for e in range(E):
-            outputs += _nvfp4_outputs(f"{base}.{e}.gate_proj", I, H)
-            outputs += _nvfp4_outputs(f"{base}.{e}.up_proj", I, H)
-            outputs += _nvfp4_outputs(f"{base}.{e}.down_proj", H, I)
+            gu = read_rows(gate_up, e, e + 1, device)[0]  # [2I, H]
+            # gate and up share one global scale, as ModelOpt exports (vLLM fuses them with one scale)
+            shared = nvfp4.global_scale(gu) if fmt == "nvfp4" else None
+            yield from pieces_of(fmt, gu[:I], search, shared, a_in)
+            yield from pieces_of(fmt, gu[I:], search, shared, a_in)
+            yield from pieces_of(fmt, read_rows(down, e, e + 1, device)[0], search, amax=a_down)
 
-        def produce():
-            for e in range(E):
-                gu = read_rows(gate_up, e, e + 1, device)[0]  # [2I, H]
-                shared = nvfp4.global_scale(gu)  # gate and up share one global scale, as ModelOpt exports
-                yield from _nvfp4_pieces(nvfp4.quantize(gu[:I], shared, search))
-                yield from _nvfp4_pieces(nvfp4.quantize(gu[I:], shared, search))
-                yield from _nvfp4_pieces(nvfp4.quantize(read_rows(down, e, e + 1, device)[0], search=search))
-
-        return [Group(outputs, produce)]
-
-    def stacked(rec: TensorRecord, name: str) -> Group:
-        E_, N, K = rec.shape
-        outputs = [OutTensor(f"{name}.weight", torch.int8, (E_, N, K)),
-                   OutTensor(f"{name}.weight_scale", torch.float32, (E_, N))]
-
-        def produce():
-            scales = []
-            for e in range(E_):
-                q = int8.quantize(read_rows(rec, e, e + 1, device)[0], search=search)
-                scales.append(q.weight_scale.cpu())
-                yield q.weight
-            yield torch.stack(scales)
-
-        return Group(outputs, produce)
-
-    return [stacked(gate_up, f"{base}.gate_up_proj"), stacked(down, f"{base}.down_proj")]
+    return [Group(outputs, produce)]
 
 
-def quantization_config(fmt: str, policy: str, prefix: str, search: bool) -> dict:
-    """What goes into config.json (and, for NVFP4, hf_quant_config.json): the format and what it covers."""
-    keep = [f"{prefix}layers.*.router.*", f"{prefix}embed_tokens", "model.decoder.self_conditioning.*", "lm_head"]
-    if policy == "experts":
-        keep += [f"{prefix}layers.*.self_attn.*", f"{prefix}layers.*.mlp.*"]
-    extra = {"policy": policy, "scales": "search" if search else "absmax"}
+def quantization_config(fmt: str, policy: str) -> dict:
+    """config.json's `quantization_config`: the format's own description of what it covers."""
     if fmt == "nvfp4":
-        return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
-                "exclude_modules": keep, "producer": {"name": "dgemma", "version": __version__}, "dgemma": extra}
-    return {"quant_method": "dgemma", "format": "int8", "format_version": DGEMMA_INT8_VERSION,
-            "weights": "int8 symmetric, one float32 scale per output channel: value = weight * weight_scale[..., None]",
-            "quantized": [f"{prefix}layers.*.experts"] + ([f"{prefix}layers.*.{m}" for m in DENSE_LINEARS]
-                                                          if policy == "all" else []),
-            "not_quantized": keep, "producer": {"name": "dgemma", "version": __version__}, "dgemma": extra}
+        return modelopt_format.quantization_config(policy == "all", {"name": "dgemma", "version": __version__})
+    return ct_format.quantization_config(fmt, policy == "all")
 
 
-def plan(src: Path, fmt: str, policy: str, search: bool, device) -> tuple[list[Shard], dict[str, bytes], dict]:
-    """Check the source completely and describe the output: (shards, small files, job description)."""
+# ----------------------------------------------------------------------------- calibration (NVFP4's input scales)
+
+
+def calibration_ids(src: Path, vocab: int) -> tuple[list[list[int]], str]:
+    """(token ids per prompt, what they are): CALIBRATION_PROMPTS in the checkpoint's chat format, or seeded random
+    ids when the checkpoint has no tokenizer."""
+    from .tokenizer import Tokenizer
+
+    try:
+        tok = Tokenizer.from_dir(src)
+        ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in CALIBRATION_PROMPTS]
+        if all(0 <= i < vocab for p in ids for i in p):
+            return ids, f"{len(ids)} built-in chat prompts"
+    except Exception:  # no tokenizer (or one that does not fit the vocabulary): the fallback below
+        pass
+    g = torch.Generator().manual_seed(CALIBRATION_SEED)
+    return [torch.randint(0, vocab, (48,), generator=g).tolist() for _ in CALIBRATION_PROMPTS], "random token ids"
+
+
+def calibrate(src: Path, quantize_dense: bool, note: Callable[[str], None] = lambda s: None) -> tuple[dict, str]:
+    """Run the float model over the calibration prompts (encode, then one denoising step on a seeded random canvas)
+    and record the largest |input| of every projection NVFP4 quantizes. Returns ({model path: float32 []}, what was
+    run), paths `layers.L.experts.gate_up` (every expert's gate and up input: the layer's expert input),
+    `layers.L.experts.down` (every expert's gelu(gate) * up) and, with `quantize_dense`, `layers.L.self_attn.q_proj`,
+    ... The model is memory-mapped on the CPU in the checkpoint's dtype (no copy of the weights)."""
+    from .model import Experts, gelu_tanh
+    from .weights import load_model
+
+    model, cfg = load_model(src, device="cpu")
+    ids, what = calibration_ids(src, cfg.text.vocab_size)
+    note(f"calibrating NVFP4 input scales on {what}")
+    amax: dict[str, torch.Tensor] = {}
+
+    def record(key: str, value: torch.Tensor) -> None:
+        m = value.detach().abs().max().float() if value.numel() else torch.zeros(())
+        amax[key] = torch.maximum(amax[key], m) if key in amax else m
+
+    def expert_hook(path: str):
+        def hook(mod, args):
+            x, top_k_index, _ = args  # x [T, H], top_k_index [T, K]
+            record(f"{path}.gate_up", x)
+            gate_up, down = mod.weights(torch.float32)
+            for e in top_k_index.unique().tolist():
+                rows_e = (top_k_index == e).any(-1)
+                gate, up = torch.nn.functional.linear(x[rows_e].float(), gate_up[e].float()).chunk(2, dim=-1)
+                record(f"{path}.down", gelu_tanh(gate) * up)  # [n, I]: what the down projection reads
+        return hook
+
+    handles = []
+    for path, mod in model.named_modules():
+        if isinstance(mod, Experts):
+            handles.append(mod.register_forward_pre_hook(expert_hook(path)))
+        elif quantize_dense and path.split(".", 2)[-1] in DENSE_LINEARS:
+            handles.append(mod.register_forward_pre_hook(lambda m, args, p=path: record(p, args[0])))
+    try:
+        T = max(map(len, ids))
+        batch = torch.tensor([[0] * (T - len(p)) + p for p in ids])  # left-padded
+        valid = torch.tensor([[False] * (T - len(p)) + [True] * len(p) for p in ids])
+        C = cfg.canvas_length
+        with torch.no_grad():
+            cache = model.new_cache(len(ids), T + C)
+            model.encode(batch, cache, valid)
+            g = torch.Generator().manual_seed(CALIBRATION_SEED)
+            canvas = torch.randint(0, cfg.text.vocab_size, (len(ids), C), generator=g)
+            model.denoise(canvas, cache, model.denoise_context(cache, len(ids)))
+    finally:
+        for h in handles:
+            h.remove()
+    # An input no calibration token reached (or that was all zeros) takes the largest of its kind, so every scale is
+    # positive (ModelOpt's export refuses a zero scale).
+    kind = lambda key: key.split(".", 2)[2]  # layers.L.experts.down -> experts.down
+    top = {}
+    for k, v in amax.items():
+        top[kind(k)] = torch.maximum(top.get(kind(k), v), v)
+    for k, v in amax.items():
+        if v <= 0:
+            amax[k] = top[kind(k)]
+    return amax, what
+
+
+def plan(src: Path, fmt: str, policy: str, search: bool, device,
+         note: Callable[[str], None] = lambda s: None) -> tuple[list[Shard], dict[str, bytes], dict, dict]:
+    """Check the source completely and describe the output: (shards, small files, job description, facts for the
+    manifest)."""
     from .model import DiffusionGemma, Experts
 
     if fmt not in FORMATS:
@@ -188,6 +275,12 @@ def plan(src: Path, fmt: str, policy: str, search: bool, device) -> tuple[list[S
         bad = [d for d in dims if d % nvfp4.BLOCK]
         if bad:
             raise UsageError(f"NVFP4 needs input dimensions that are multiples of 16; this model has {bad[0]}")
+    for name in expected:  # every tensor present and of the right shape before any work (calibration included)
+        source(name)
+    facts: dict = {}
+    amax: dict = {}
+    if fmt == "nvfp4":
+        amax, facts["calibration"] = calibrate(src, policy == "all", note)
 
     quantized_linears = {f"layers.{i}.{m}" for i in range(cfg.text.num_hidden_layers) for m in DENSE_LINEARS} \
         if policy == "all" else set()
@@ -207,12 +300,13 @@ def plan(src: Path, fmt: str, policy: str, search: bool, device) -> tuple[list[S
             layer = int(path.split(".")[1])
             _, gu = source(f"{path}.gate_up_proj")
             _, dn = source(f"{path}.down_proj")
+            layer_amax = {"gate_up": amax[f"{path}.gate_up"], "down": amax[f"{path}.down"]} if amax else None
             by_shard.setdefault(shard_of(path), []).extend(
-                expert_groups(fmt, expert_base(layer, prefix), gu, dn, search, device))
+                expert_groups(fmt, expert_base(layer, prefix), gu, dn, search, device, layer_amax))
             written.update({f"{path}.gate_up_proj", f"{path}.down_proj"})
         elif path in quantized_linears and getattr(mod, "weight", None) is not None:
             ck, rec = source(f"{path}.weight")
-            group = linear_group(fmt, ck[: -len(".weight")], rec, search, device)
+            group = linear_group(fmt, ck[: -len(".weight")], rec, search, device, amax.get(path))
             by_shard.setdefault(shard_of(path), []).append(group)
             written.add(f"{path}.weight")
     seen = set()
@@ -228,44 +322,48 @@ def plan(src: Path, fmt: str, policy: str, search: bool, device) -> tuple[list[S
     n = len(keys)
     shards = [Shard(f"model-{i + 1:05d}-of-{n:05d}.safetensors", by_shard[k]) for i, k in enumerate(keys)]
 
-    qc = quantization_config(fmt, policy, prefix, search)
+    qc = quantization_config(fmt, policy)
     config = dict(raw_config, quantization_config=qc)
     files = {"config.json": json.dumps(config, indent=2).encode()}
     if fmt == "nvfp4":
-        hf = {"producer": qc["producer"], "quantization": {k: qc[k] for k in
-                                                           ("quant_algo", "group_size", "kv_cache_quant_algo",
-                                                            "exclude_modules")}}
-        files["hf_quant_config.json"] = json.dumps(hf, indent=2).encode()
+        files["hf_quant_config.json"] = json.dumps(modelopt_format.hf_quant_config(qc), indent=4).encode()
     for name in SMALL_FILES:
         if (src / name).is_file():
             files[name] = (src / name).read_bytes()
     fingerprint = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in checkpoint_files(src)]
     job = {"source": str(src.resolve()), "source_files": fingerprint, "format": fmt, "policy": policy,
            "search": search, "writer": __version__, "device": str(torch.device(device).type)}
-    return shards, files, job
+    if amax:  # the scales are part of what is written: a different calibration is a different job
+        job["input_amax"] = {k: float(v) for k, v in sorted(amax.items())}
+    facts.update(policy=policy, scales="search" if search else "absmax")
+    return shards, files, job, facts
 
 
-def quantize_checkpoint(src: Path, out: Path, fmt: str, policy: str = "experts", search: bool | None = None,
+def quantize_checkpoint(src: Path, out: Path, fmt: str, policy: str | None = None, search: bool | None = None,
                         device: str = "cpu", store_meta: dict | None = None, progress: bool = False,
                         note: Callable[[str], None] = lambda s: None) -> dict:
     """Quantize `src` into the new directory `out` (resumable; see quant.convert). Returns the manifest.
 
-    device: where the quantization arithmetic runs ('auto': CUDA when present); progress: a bar on stderr.
+    policy: None for the format's default (DEFAULT_POLICY); device: where the quantization arithmetic runs ('auto':
+    CUDA when present; NVFP4's calibration pass always runs on the CPU from the memory-mapped checkpoint);
+    progress: a bar on stderr.
     """
     out = Path(out)
     if out.exists():
         raise UsageError(f"{out} already exists; remove it or choose another --out")
     device = str(resolve_device(device))
     search = DEFAULT_SEARCH.get(fmt, False) if search is None else search
-    shards, files, job = plan(src, fmt, policy, search, device)
+    policy = DEFAULT_POLICY.get(fmt, "experts") if policy is None else policy
+    shards, files, job, facts = plan(src, fmt, policy, search, device, note)
     from tqdm import tqdm
 
+    extra = {"quantize": facts}
+    if store_meta:
+        extra["store"] = store_meta
     total = sum(s.nbytes for s in shards)
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"quantizing to {fmt}", disable=not progress,
               file=sys.stderr, dynamic_ncols=True) as bar:
         try:
-            return write_checkpoint(out, shards, files, job, bar.update, note,
-                                    manifest_extra={"store": store_meta} if store_meta else None)
+            return write_checkpoint(out, shards, files, job, bar.update, note, manifest_extra=extra)
         except ConvertError as e:
             raise ModelError(str(e)) from None
-

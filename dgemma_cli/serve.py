@@ -14,6 +14,8 @@ GET /v1/models, GET /v1/models/{id}, GET /health. Errors are JSON in the API's s
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import hmac
 import json
 import math
@@ -33,7 +35,7 @@ from starlette.routing import Route
 from .batching import BatchLoop, Closed, Job, QueueFull, RowCanvas, RowDone, RowFailed, RowStep, Ticket
 from .errors import DgemmaError, ModelError, UsageError
 
-MAX_BODY = 1 << 20  # bytes of one request body
+MAX_BODY = 20 << 20  # bytes of one request body: room for a few photos as base64 data: URLs
 MAX_STOP = 8  # stop strings per request
 MAX_STOP_CHARS = 256
 MAX_STEPS = 1024  # the `steps` extra field's ceiling
@@ -238,12 +240,23 @@ def prepare(server: Server, body: dict, kind: str) -> Prepared:
 
     held: list[int] = []
     infill = False
+    image_features = None
     if kind == "chat":
         thinking = get_bool(body, "thinking")
         kwargs = body.get("chat_template_kwargs")
         if isinstance(kwargs, dict) and thinking is None:
             thinking = get_bool(kwargs, "enable_thinking")
-        prompt = tok_chat(tok, body.get("messages"), bool(thinking))
+        vision = engine.config.vision is not None
+        prompt, images = tok_chat(tok, body.get("messages"), bool(thinking),
+                                  engine.image_placeholder() if vision else None)
+        if images:  # the tower runs here, in the request's worker thread, not in the batch loop
+            budget = get_int(body, "image_tokens")
+            try:
+                patches = engine.image_patches(images, budget)
+                prompt = engine.with_images(prompt, patches)
+                image_features = engine.image_features(patches)
+            except DgemmaError as e:
+                raise ApiError(400, str(e), param="messages", code="invalid_image") from None
     else:
         prompt_field = body.get("prompt")
         suffix = body.get("suffix")
@@ -273,17 +286,38 @@ def prepare(server: Server, body: dict, kind: str) -> Prepared:
                        param="messages" if kind == "chat" else "prompt", code="context_length_exceeded") from None
     if seed is None:
         seed = secrets.randbits(63)
-    job = Job(prompt, settings, seed, capacity, held, want_steps=stream_steps)
+    job = Job(prompt, settings, seed, capacity, held, want_steps=stream_steps, image_features=image_features)
     return Prepared(kind, job, stream, stream_steps, include_usage, stops, infill)
 
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
-def tok_chat(tok, messages: Any, thinking: bool) -> list[int]:
+def image_bytes(part: dict, where: str) -> bytes:
+    """An `image_url` content part's image: a data: URL (`data:image/png;base64,...`), as OpenAI's clients send a
+    local file. The server fetches nothing from the network, so any other URL is refused."""
+    ref = part.get("image_url")
+    url = ref.get("url") if isinstance(ref, dict) else ref
+    if not isinstance(url, str):
+        raise _type_error(f"{where}.image_url", "an object with a 'url' string", ref)
+    head, comma, data = url.partition(",")
+    if not (url.startswith("data:") and comma and head.endswith(";base64")):
+        raise ApiError(400, f"{where}.image_url: only base64 data: URLs are read (the server fetches nothing); got "
+                       f"{url[:40]!r}", param=f"{where}.image_url", code="invalid_image_url")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (ValueError, binascii.Error):
+        raise ApiError(400, f"{where}.image_url: the data: URL is not valid base64", param=f"{where}.image_url",
+                       code="invalid_image_url") from None
+
+
+def tok_chat(tok, messages: Any, thinking: bool, placeholder: str | None = None) -> tuple[list[int], list[bytes]]:
+    """(the conversation's ids through the chat template, the images of its `image_url` parts in order). Each image
+    stands in its message as `placeholder` (the tokenizer's image token, expanded later to the image's soft tokens);
+    None: the model reads no images."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages", code="invalid_type")
-    out = []
+    out, images = [], []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -293,19 +327,27 @@ def tok_chat(tok, messages: Any, thinking: bool) -> list[int]:
             raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)} (got {json.dumps(role)[:40]})",
                            param=f"{where}.role", code="invalid_value")
         content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
+        if isinstance(content, list):  # content parts: text, and images as data: URLs
             texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError(400, f"{where}.content: only text parts are supported", param=f"{where}.content",
-                                   code="unsupported_parameter")
-                texts.append(part["text"])
+            for k, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text" and isinstance(part.get("text"), str):
+                    texts.append(part["text"])
+                elif kind == "image_url":
+                    if placeholder is None:
+                        raise ApiError(400, f"{where}.content[{k}]: this model has no vision tower, so it reads no "
+                                       "images", param=f"{where}.content", code="unsupported_parameter")
+                    images.append(image_bytes(part, f"{where}.content[{k}]"))
+                    texts.append(placeholder)
+                else:
+                    raise ApiError(400, f"{where}.content[{k}]: only text and image_url parts are supported",
+                                   param=f"{where}.content", code="unsupported_parameter")
             content = "".join(texts)
         if not isinstance(content, str):
-            raise _type_error(f"{where}.content", "a string or a list of text parts", content)
+            raise _type_error(f"{where}.content", "a string or a list of text and image_url parts", content)
         out.append({"role": ROLES[role], "content": content})
     try:
-        return tok.encode_chat(out, enable_thinking=thinking)
+        return tok.encode_chat(out, enable_thinking=thinking), images
     except UsageError as e:
         raise ApiError(400, str(e), param="messages", code="invalid_value") from None
 
@@ -566,7 +608,7 @@ def build_app(server: Server) -> Starlette:
     async def generate(request: Request, kind: str) -> Response:
         server.authorize(request)
         body = await read_json(request)
-        prep = prepare(server, body, kind)
+        prep = await asyncio.to_thread(prepare, server, body, kind)  # tokenizing, and an image's vision tower
         if prep.stream:
             return await answer_stream(server, prep)
         return await answer_whole(server, request, prep)

@@ -30,28 +30,39 @@ REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 def describe(path: Path) -> dict:
-    """What `dgemma info` prints about a model directory: format, policy, sizes, source."""
+    """What `dgemma info` prints about a model directory: format and scheme, what is quantized, sizes, source.
+
+    What is quantized is read from the checkpoint itself (a projection is quantized when its scale tensor is
+    stored): `policy` is `all` when attention and the dense MLP are, `experts` when only the routed experts are."""
+    from quant.formats import Format
+
     from .config import ModelConfig
     from .footprint import runtime_bytes, weight_bytes
-    from .weights import checkpoint_files, index_checkpoint, read_quant_format, text_prefix
+    from .weights import checkpoint_files, checkpoint_name, expert_base, index_checkpoint, read_format, text_prefix
 
     cfg = ModelConfig.from_dir(path)
-    quantized = read_quant_format(path, cfg.raw)
-    qc = cfg.raw.get("quantization_config") or {}
-    policy = (qc.get("dgemma") or {}).get("policy") or ("experts" if quantized else "none")
-    fmt = quantized or "bf16"  # sizes in memory: unquantized weights are held in bf16 on a GPU
-    sized_as = policy if policy == "all" else "experts"
+    fmt = read_format(path, cfg.raw)
     records = index_checkpoint(path)
-    stored = str(records[text_prefix(records) + "embed_tokens.weight"].dtype).replace("torch.", "")
+    prefix = text_prefix(records)
+    probe = fmt or Format()
+    experts = probe.expert_layout(expert_base(0, prefix), records) is not None
+    dense = probe.quantized_linear(checkpoint_name("layers.0.mlp.up_proj.weight", prefix)[: -len(".weight")], records)
+    policy = "all" if dense else "experts" if experts else "none"
+    label = fmt.label if fmt else None
+    sized = label or "bf16"  # sizes in memory: unquantized weights are held in bf16 on a GPU
+    sized_as = "all" if dense else "experts"
+    stored = str(records[prefix + "embed_tokens.weight"].dtype).replace("torch.", "")
     try:
-        source = json.loads((path / MANIFEST).read_text()).get("store", {})
+        manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError):
-        source = {}
-    return {"path": str(path), "format": quantized or "unquantized", "dtype_on_disk": stored, "policy": policy,
+        manifest = {}
+    quantized = [p for p, yes in (("routed experts", experts), ("attention", dense), ("dense MLP", dense)) if yes]
+    return {"path": str(path), "format": label or "unquantized", "scheme": fmt.scheme if fmt else None,
+            "quantized": quantized, "dtype_on_disk": stored, "policy": policy,
             "size_on_disk": sum(f.stat().st_size for f in path.iterdir() if f.is_file()),
             "weights_on_disk": sum(f.stat().st_size for f in checkpoint_files(path)),
-            "weights_in_memory": sum(weight_bytes(cfg, fmt, sized_as).values()),
-            "gpu_memory_estimate_8k": runtime_bytes(cfg, fmt, sized_as), "source": source,
+            "weights_in_memory": sum(weight_bytes(cfg, sized, sized_as).values()),
+            "gpu_memory_estimate_8k": runtime_bytes(cfg, sized, sized_as), "source": manifest.get("store", {}),
             "layers": cfg.text.num_hidden_layers, "experts": cfg.text.num_experts, "vocab": cfg.text.vocab_size}
 
 
@@ -118,13 +129,13 @@ def _check_stored_revision(e: Entry, revision: str, resolve_commit, note) -> Non
                      f"--revision {revision}`")
 
 
-def pull(repo: str, quant: str = "auto", revision: str | None = None, policy: str = "experts",
+def pull(repo: str, quant: str = "auto", revision: str | None = None, policy: str | None = None,
          progress: bool = True, note=lambda s: sys.stderr.write(f"dgemma: {s}\n")) -> Entry | None:
     """Download `repo` and make its store entry in the requested format. Returns the entry (None when it was
     already there: that is said, and nothing else is done)."""
     from . import hub
     from .config import ModelConfig
-    from .footprint import choose_format, free_memory, runtime_bytes
+    from .footprint import DEFAULT_POLICY, candidates, capability, choose_format, free_memory, runtime_bytes
     from .quantize import quantize_checkpoint
     from .weights import read_quant_format
 
@@ -134,7 +145,7 @@ def pull(repo: str, quant: str = "auto", revision: str | None = None, policy: st
         raise UsageError(f"{repo!r} is not a repository id (OWNER/NAME, e.g. {DEFAULT_REPO})")
     if quant not in QUANTS + ("auto",):
         raise UsageError(f"--quant must be auto, {', '.join(QUANTS)} (got {quant!r})")
-    if policy not in POLICIES:
+    if policy is not None and policy not in POLICIES:
         raise UsageError(f"--policy must be one of {', '.join(POLICIES)} (got {policy!r})")
     present = [e for e in entries() if e.repo.lower() == repo.lower() and quant in ("auto", e.quant)]
     if present:
@@ -159,10 +170,12 @@ def pull(repo: str, quant: str = "auto", revision: str | None = None, policy: st
             fmt = published
         elif quant == "auto":
             free, where = free_memory()
-            fmt = choose_format(cfg, free) or "nvfp4"
+            cap = capability()
+            fmt = choose_format(cfg, free, capability=cap) or "nvfp4"
             need = runtime_bytes(cfg, fmt)
             fits = "fits" if need <= free else "may not fit"
-            note(f"--quant auto: {fmt} ({need / 1e9:.1f} GB estimated at an 8k context {fits} the "
+            weighed = "/".join(candidates(cap))
+            note(f"--quant auto: {fmt} of {weighed} ({need / 1e9:.1f} GB estimated at an 8k context {fits} the "
                  f"{free / 1e9:.1f} GB free in {where})")
         out = entry_dir(repo, fmt)
         if out.exists():  # entries() found no manifest there, so it is not a complete entry of ours
@@ -173,11 +186,23 @@ def pull(repo: str, quant: str = "auto", revision: str | None = None, policy: st
     snapshot = hub.download(repo, revision, progress=progress, on_config=decide)
     quant, published, out = decided["quant"], decided["published"], decided["out"]
     commit = snapshot.name
-    meta = {"repo": repo, "quant": quant, "revision": commit, "policy": policy if quant in ("int8", "nvfp4") else None,
+    as_is = quant == "bf16" or published is not None
+    policy = policy or DEFAULT_POLICY[quant]
+    meta = {"repo": repo, "quant": quant, "revision": commit, "policy": None if as_is else policy,
             "published": published is not None, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    if quant == "bf16" or published is not None:
+    if as_is:
         manifest = _store_as_is(snapshot, out, meta, note)
     else:
-        note(f"quantizing to {quant} (policy {policy}) into {out}")
-        manifest = quantize_checkpoint(snapshot, out, quant, policy, store_meta=meta, progress=progress, note=note)
+        device = quantize_device()
+        note(f"quantizing to {quant} (policy {policy}) on the {'GPU' if device == 'cuda' else 'CPU'} into {out}")
+        manifest = quantize_checkpoint(snapshot, out, quant, policy, device=device, store_meta=meta, progress=progress,
+                                       note=note)
     return Entry(repo, quant, out, manifest)
+
+
+def quantize_device() -> str:
+    """Where a pull quantizes: the GPU when there is one (the arithmetic is a few seconds per layer there, minutes
+    on a CPU), else the CPU."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -20,7 +20,8 @@ cfg = ModelConfig.from_dict(DIFFUSIONGEMMA_26B_A4B)
 GB = 1e9
 print("| format | policy | experts | attention + dense MLP | embedding | other | weights | GPU @2k | GPU @8k | GPU @32k |")
 print("|---|---|---|---|---|---|---|---|---|---|")
-for fmt, policy in (("bf16", "-"), ("int8", "experts"), ("int8", "all"), ("nvfp4", "experts"), ("nvfp4", "all")):
+for fmt, policy in (("bf16", "-"), ("fp8", "all"), ("int8", "all"), ("int8", "experts"), ("nvfp4", "experts"),
+                    ("nvfp4", "all")):
     pol = "experts" if policy == "-" else policy
     w = weight_bytes(cfg, fmt, pol)
     gpu = [runtime_bytes(cfg, fmt, pol, context=c) / GB for c in (2048, 8192, 32768)]

@@ -50,9 +50,26 @@ SPECS = {
 }
 
 
+# A checkpoint that reads images: the real vision layout at a tiny size (grouped kv heads, standardized output, a
+# position table big enough for a 3:1 image at 280 soft tokens), image tokens bidirectional in the encoder as in
+# the published config, and the image token ids moved into the tiny vocabulary (onto unused placeholders).
+VISION_SPEC = dict(
+    text=dict(SPECS["five_to_one"]["text"], use_bidirectional_attention="vision"),
+    canvas_length=16,
+    vision=dict(model_type="gemma4_vision", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, position_embedding_size=1024,
+                standardize=True),
+    top=dict(boi_token_id=70, image_token_id=71, eoi_token_id=72),
+)
+
+
 def build_checkpoint(directory: Path, spec: dict, seed: int = 0, max_position_embeddings: int | None = None,
                      tweak=None) -> Path:
-    """Write a random checkpoint. `tweak(model)` may edit weights before saving (e.g. to make it confident)."""
+    """Write a random checkpoint. `tweak(model)` may edit weights before saving (e.g. to make it confident).
+
+    A spec with a "vision" entry gets that vision tower, with its position table and standardization randomized
+    (the reference initializes them to constants, which would hide a wrong wiring); "top" holds top-level config
+    keys (the image token ids)."""
     import torch
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
@@ -60,7 +77,8 @@ def build_checkpoint(directory: Path, spec: dict, seed: int = 0, max_position_em
     text = dict(spec["text"])
     if max_position_embeddings is not None:
         text["max_position_embeddings"] = max_position_embeddings
-    cfg = DiffusionGemmaConfig(text_config=text, vision_config=TINY_VISION, canvas_length=spec["canvas_length"])
+    cfg = DiffusionGemmaConfig(text_config=text, vision_config=spec.get("vision", TINY_VISION),
+                               canvas_length=spec["canvas_length"], **spec.get("top", {}))
     torch.manual_seed(seed)
     model = DiffusionGemmaForBlockDiffusion(cfg).eval()
     with torch.no_grad():
@@ -72,6 +90,12 @@ def build_checkpoint(directory: Path, spec: dict, seed: int = 0, max_position_em
             layer.layer_scalar.fill_(1.0 - 0.05 * i)
         for i, layer in enumerate(model.model.encoder.language_model.layers):
             layer.layer_scalar.fill_(1.0 - 0.03 * i)  # differs from the decoder's: each mode reads its own
+        if "vision" in spec:
+            tower = model.model.encoder.vision_tower
+            table = tower.patch_embedder.position_embedding_table
+            table.copy_(torch.randn_like(table) * 0.5)
+            tower.std_bias.copy_(torch.randn_like(tower.std_bias) * 0.1)
+            tower.std_scale.copy_(1.0 + torch.randn_like(tower.std_scale) * 0.1)
         if tweak is not None:
             tweak(model)
     model.save_pretrained(directory)

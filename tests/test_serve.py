@@ -24,6 +24,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from dgemma_cli.engine import load  # noqa: E402
+from dgemma_cli.serve import MAX_BODY  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ["hello diffusions", "abc def 12 ghijk", "the quick brown ", "lorem ipsum dolo", "zz top rocks 123",
@@ -245,7 +246,9 @@ def test_bad_requests_get_json_errors_and_the_server_keeps_answering(server):
         ({**ok, "model": "gpt-4"}, 404, "model_not_found", "model"),
         ({**ok, "messages": [{"role": "user", "content": "x" * 5000}]}, 400, "context_length_exceeded", "messages"),
         ({**ok, "max_tokens": 10**6}, 400, "context_length_exceeded", "messages"),
-        (b"{" + b" " * (2 << 20) + b"}", 413, "request_too_large", None),
+        (b"{" + b" " * MAX_BODY + b"}", 413, "request_too_large", None),
+        ({**ok, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]},
+         400, "unsupported_parameter", "messages[0].content"),  # the demo model has no vision tower
     ]
     for body, status, code, param in cases:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()

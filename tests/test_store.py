@@ -25,11 +25,14 @@ REPO = "acme/tiny-dgemma"
 
 
 def one_error_line(capsys) -> str:
+    """The one error line on stderr (progress notes may come before it, never after)."""
     cap = capsys.readouterr()
     lines = cap.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("dgemma: error: "), cap.err
+    errors = [line for line in lines if line.startswith("dgemma: error: ")]
+    assert len(errors) == 1 and lines[-1] == errors[0], cap.err
+    assert all(line.startswith("dgemma: ") for line in lines), cap.err
     assert "Traceback" not in cap.err
-    return lines[0]
+    return errors[0]
 
 
 def sharded_with_vision(src: Path, out: Path) -> Path:
@@ -95,20 +98,59 @@ def test_pull_bf16_links_the_download_and_loads(served, capsys):
                      "--device", "cpu", "--view", "none", "hi"]) == 0
 
 
-def test_pull_auto_picks_by_free_memory(served, monkeypatch, capsys, checkpoints):
+def test_auto_weighs_fp8_where_the_gpu_has_fp8_units():
+    """`--quant auto` on the real 26B-A4B's shapes, with fake GPU facts: the least lossy format that fits, FP8 before
+    INT8 (the same size) only from sm_89 on."""
+    from dgemma_cli.config import DIFFUSIONGEMMA_26B_A4B
+
+    cfg = ModelConfig.from_dict(DIFFUSIONGEMMA_26B_A4B)
+    need = {f: footprint.runtime_bytes(cfg, f) for f in footprint.FORMATS}
+    assert need["nvfp4"] < need["int8"] == need["fp8"] < need["bf16"]
+    ada, hopper, ampere = (8, 9), (9, 0), (8, 0)
+    for cap in (None, ampere, ada, hopper):
+        assert footprint.choose_format(cfg, need["bf16"], capability=cap) == "bf16"
+        eight = "fp8" if cap in (ada, hopper) else "int8"
+        assert footprint.choose_format(cfg, need["bf16"] - 1, capability=cap) == eight
+        assert footprint.choose_format(cfg, need["int8"], capability=cap) == eight
+        assert footprint.choose_format(cfg, need["int8"] - 1, capability=cap) == "nvfp4"
+        assert footprint.choose_format(cfg, need["nvfp4"] - 1, capability=cap) is None
+    assert footprint.candidates(ampere) == ["bf16", "int8", "nvfp4"]
+    assert footprint.candidates(hopper) == ["bf16", "fp8", "int8", "nvfp4"]
+
+
+@pytest.mark.parametrize("cap,want", [((8, 9), "fp8"), ((8, 6), "int8")])
+def test_pull_auto_picks_by_free_memory(served, monkeypatch, capsys, checkpoints, cap, want):
     cfg = ModelConfig.from_dir(checkpoints["five_to_one"])
     need = {f: footprint.runtime_bytes(cfg, f) for f in footprint.FORMATS}
-    assert need["nvfp4"] < need["int8"] < need["bf16"]
-    assert footprint.choose_format(cfg, need["bf16"]) == "bf16"
-    assert footprint.choose_format(cfg, need["bf16"] - 1) == "int8"
-    assert footprint.choose_format(cfg, need["int8"] - 1) == "nvfp4"
-    assert footprint.choose_format(cfg, need["nvfp4"] - 1) is None
     monkeypatch.setattr(footprint, "free_memory", lambda: (need["int8"] + 1, "a test GPU"))
+    monkeypatch.setattr(footprint, "capability", lambda: cap)
     assert run_main(["pull", REPO]) == 0
-    assert "--quant auto: int8" in capsys.readouterr().err
-    assert [e.quant for e in store.entries()] == ["int8"]
+    assert f"--quant auto: {want}" in capsys.readouterr().err
+    assert [e.quant for e in store.entries()] == [want]
     assert run_main(["pull", REPO]) == 0  # auto and an entry of this repo present: nothing to do
     assert "already in the store" in capsys.readouterr().err
+
+
+def test_pull_quantizes_on_the_gpu_when_there_is_one(served, monkeypatch, capsys):
+    """The device a pull quantizes on, with a fake GPU: the arithmetic is asked for on CUDA (the fake stops it
+    there), and on the CPU without one."""
+    import dgemma_cli.quantize as quantize_mod
+
+    asked = []
+
+    def fake_quantize(src, out, fmt, policy, device="cpu", **kw):
+        asked.append(device)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(quantize_mod, "quantize_checkpoint", fake_quantize)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert store.quantize_device() == "cuda"
+    assert run_main(["pull", REPO, "--quant", "int8"]) == 130
+    assert "on the GPU" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert run_main(["pull", REPO, "--quant", "int8"]) == 130
+    assert "on the CPU" in capsys.readouterr().err
+    assert asked == ["cuda", "cpu"]
 
 
 def test_pull_revision_of_an_entry_already_there_is_never_ignored(served, tmp_path, capsys):
@@ -183,8 +225,8 @@ def test_interrupted_pull_keeps_finished_files(fake_hub, checkpoints, tmp_path, 
 def test_pull_errors_are_one_line(fake_hub, served, monkeypatch, capsys):  # noqa: F811
     assert run_main(["pull", "not a repo"]) == 2
     assert "not a repository id" in one_error_line(capsys)
-    assert run_main(["pull", REPO, "--quant", "fp8"]) == 2
-    one_error_line(capsys)
+    assert run_main(["pull", REPO, "--quant", "fp4"]) == 2
+    assert "--quant must be auto, bf16, fp8, int8, nvfp4" in one_error_line(capsys)
     assert run_main(["pull", "acme/missing"]) == 1
     assert "no such model" in one_error_line(capsys)
     from fake_hub import set_offline

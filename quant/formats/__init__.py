@@ -40,12 +40,13 @@ def per_expert_name(base: str, expert: int, proj: str, part: str) -> str:
 class Format:
     """What the loader asks of a checkpoint's format. Subclasses set `label` and the module factories.
 
-    label: the short name users and the model store see ("nvfp4", "int8", "fp8").
+    label: the short name users and the model store see ("nvfp4", "int8", "fp8"); scheme: the format in words.
     expert_layouts: which expert layouts the format stores: "per_expert" (`experts.E.{gate,up,down}_proj.*`,
     stacked into [E, ...] buffers on load) and/or "fused" (`experts.gate_up_proj.*`, `experts.down_proj.*`).
     """
 
     label = "?"
+    scheme = "?"  # one line for `dgemma info`: what is quantized how
     expert_layouts: tuple[str, ...] = ("fused",)
     # Buffers stored once per expert projection rather than per row (ModelOpt's weight_scale_2): [E, segments].
     per_projection_parts: tuple[str, ...] = ()

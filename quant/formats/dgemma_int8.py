@@ -4,6 +4,9 @@ Description: config.json's `quantization_config` {quant_method: dgemma, format: 
 Tensors per quantized linear (quant/int8.py): `weight` int8 [N, K], `weight_scale` float32 [N]. Experts fused:
 `experts.gate_up_proj.{weight [E, 2I, H], weight_scale [E, 2I]}`, `experts.down_proj.{weight, weight_scale}`.
 Which modules are quantized: exactly those whose `weight_scale` is stored.
+
+dgemma no longer writes this layout (`dgemma quantize --quant int8` writes compressed-tensors W8A8, which serving
+engines read too); entries and directories made by earlier versions keep loading through this module.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ VERSION = 1
 
 class DgemmaInt8(Format):
     label = "int8"
+    scheme = "dgemma INT8 v1: int8 weights, one float32 scale per output channel, 16-bit activations"
     expert_layouts = ("fused",)
 
     def make_linear(self, in_features: int, out_features: int, device=None):
