@@ -93,6 +93,10 @@ class Conversation:
 
     def attach_image(self, source) -> int:
         """Attach an image (a path or the file's bytes) to the next message; returns its soft-token count."""
+        from .store import check_images
+
+        if self.engine.path is not None:
+            check_images(self.engine.path)  # a store entry holding only the text model: the line naming a re-pull
         patches = self.engine.image_patches([source], self.image_tokens)[0]
         self.attached.append(patches)
         return patches.soft_tokens

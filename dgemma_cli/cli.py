@@ -287,6 +287,9 @@ def _read_images(paths: List[str], model_dir: str) -> list:
     directory = resolve_model(model_dir)
     if (directory / "config.json").is_file() and ModelConfig.from_dir(directory).vision is None:
         raise ModelError(f"{directory}: this model has no vision tower, so it cannot read images")
+    from .store import check_images
+
+    check_images(directory)  # a store entry holding only the text model: how to replace it, in one line
     from .image import open_image
 
     if "-" in paths and (sys.stdin is None or sys.stdin.isatty()):

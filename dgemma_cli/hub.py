@@ -1,9 +1,10 @@
 """The download side of `dgemma pull`: fetch a DiffusionGemma checkpoint from the Hugging Face Hub.
 
-Only what the text model needs is fetched: the small files (config, generation config, tokenizer files, chat
+Only what the model needs is fetched: the small files (config, generation config, tokenizer files, chat
 template, quantization config; each only if the repo has it), then either the safetensors shards that hold at
-least one text-stack tensor (per `model.safetensors.index.json`; shards with only vision-tower tensors are
-skipped, which saves their size on disk and on the wire) or the single `model.safetensors`.
+least one text-stack or vision-tower tensor (per `model.safetensors.index.json`; the vision tower, about 1.15 GB
+in bf16 for the 26B-A4B, is fetched so that images work; a shard holding anything else, an audio tower say, is
+skipped) or the single `model.safetensors`.
 
 Everything goes through huggingface_hub into its own cache, so HF_HOME / HF_HUB_CACHE, HF_TOKEN, HF_ENDPOINT,
 HF_HUB_OFFLINE and its progress bars apply, and the files are shared with every other tool using that cache.
@@ -43,7 +44,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import tqdm as hf_tqdm
 
 from .errors import DgemmaError
-from .names import INDEX_FILE, SINGLE_FILE, TEXT_PREFIXES, text_shards
+from .names import INDEX_FILE, SINGLE_FILE, TEXT_PREFIXES, model_shards, text_shards
 
 CONFIG_FILE = "config.json"
 SMALL_FILES = (
@@ -67,7 +68,8 @@ class _NoBars(hf_tqdm):
 
 def download(repo_id: str, revision: str | None = None, *, progress: bool = True,
              on_config: Callable[[Path], None] | None = None) -> Path:
-    """Fetch what the text model needs from the Hub into huggingface_hub's own cache; return the snapshot dir.
+    """Fetch the model (text stack and vision tower) from the Hub into huggingface_hub's own cache; return the
+    snapshot dir.
 
     on_config(snapshot dir) runs once the small files (config.json first) are there and before any weights are
     fetched: a caller can refuse the model there without downloading gigabytes.
@@ -138,7 +140,7 @@ def _download(repo_id: str, revision: str | None, bars, on_config=None) -> Path:
         on_config(snapshot)
     index = fetch(INDEX_FILE, required=False) if has(INDEX_FILE) else None
     if index is not None:
-        shards = _text_shards(index, repo_id)
+        shards = _model_shards(index, repo_id)
         if listing is not None and (absent := [s for s in shards if s not in listing]):
             raise DgemmaError(f"{repo_id}: {INDEX_FILE} lists {absent[0]}, which is not in the repo")
     elif has(SINGLE_FILE):
@@ -169,14 +171,15 @@ def _refuse_gguf(repo_id: str, listing: set[str]) -> None:
                           f"dgemma does not read; dgemma reads {READS}")
 
 
-def _text_shards(index: Path, repo_id: str) -> list[str]:
-    """The shards of an index that hold at least one text-stack tensor, in index order."""
+def _model_shards(index: Path, repo_id: str) -> list[str]:
+    """The shards of an index that hold at least one text-stack or vision-tower tensor, in index order."""
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
-        shards = text_shards(weight_map)
+        shards = model_shards(weight_map)
+        text = text_shards(weight_map)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise DgemmaError(f"{repo_id}: {INDEX_FILE} is not a valid safetensors index") from None
-    if not shards:
+    if not text:
         raise DgemmaError(f"{repo_id}: {INDEX_FILE} lists no text-model tensors (names starting with "
                           f"{' or '.join(TEXT_PREFIXES)}); is this a DiffusionGemma checkpoint?")
     return shards

@@ -31,10 +31,31 @@ INDEX_FILE = "model.safetensors.index.json"
 TEXT_PREFIXES = ("model.decoder.", "model.encoder.language_model.", "model.language_model.")
 
 
+# The vision tower and its projection into the text model, in every layout vision.py reads (DiffusionGemma's
+# `model.encoder.*` first, then Gemma 4's `model.*`).
+# The vision tower's tensors: under the encoder (DiffusionGemma's layout) or the model (Gemma 4's), the tower itself and
+# its projection into the text model; vision.py reads them under these names.
+VISION_ROOTS = ("model.encoder.", "model.")
+VISION_TOWER, VISION_EMBED = "vision_tower.", "embed_vision."
+VISION_TENSOR_PREFIXES = tuple(root + part for root in VISION_ROOTS for part in (VISION_TOWER, VISION_EMBED))
+
+
 def text_shards(weight_map: dict[str, str]) -> list[str]:
-    """The shards of an index that hold at least one text-stack tensor, in index order (the others hold only the
-    vision tower, which dgemma never reads, so they need not be downloaded or present)."""
+    """The shards of an index that hold at least one text-stack tensor, in index order: what the text model loads
+    (a shard holding only the vision tower is read only for images, so it need not be present for text)."""
     return list(dict.fromkeys(f for n, f in weight_map.items() if n.startswith(TEXT_PREFIXES)))
+
+
+def vision_names(weight_map: dict[str, str]) -> dict[str, str]:
+    """{tensor name: shard} of the index's vision-tower tensors (empty for a checkpoint without one)."""
+    return {n: f for n, f in weight_map.items() if n.startswith(VISION_TENSOR_PREFIXES)}
+
+
+def model_shards(weight_map: dict[str, str]) -> list[str]:
+    """The shards of an index that hold at least one text-stack or vision-tower tensor, in index order: what
+    `dgemma pull` fetches and stores (a shard of anything else, an audio tower say, is left out)."""
+    wanted = TEXT_PREFIXES + VISION_TENSOR_PREFIXES
+    return list(dict.fromkeys(f for n, f in weight_map.items() if n.startswith(wanted)))
 
 
 # ----------------------------------------------------------------------------- models and the store

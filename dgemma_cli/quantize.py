@@ -11,8 +11,10 @@ Policies (written into the checkpoint's own description, its ignore list, never 
   the dense MLP.
 The router, embeddings (tied with the LM head), norms, layer scalars and self-conditioning always stay as they are.
 
-Output layout: one shard per layer plus one for the rest, the source's tensor names (text stack only; the vision
-tower is not carried over), routed experts split per expert as the releases store them:
+Output layout: one shard per layer plus one for the rest, the source's tensor names, routed experts split per
+expert as the releases store them; then, when the source has one, one shard holding the vision tower (`vision_sources`:
+every `...vision_tower.*` / `...embed_vision.*` tensor, its name, dtype and bytes as in the source, never quantized,
+and named in both formats' ignore lists as the releases do):
 - nvfp4 (ModelOpt): `...experts.E.{gate,up,down}_proj.{weight [N, K/2] uint8, weight_scale [N, K/16] e4m3,
   weight_scale_2 [] float32, input_scale [] float32}`, gate and up sharing weight_scale_2; `input_scale` comes from a
   calibration pass (`calibrate`) over CALIBRATION_PROMPTS through the float model; config.json's quantization_config
@@ -44,7 +46,7 @@ from .errors import ModelError, UsageError
 from .footprint import DEFAULT_POLICY  # per format, as its published releases: NVFP4 experts, FP8 and INT8 all
 from .weights import (
     TensorRecord, checked_record, checkpoint_files, checkpoint_name, expected_tensors, expert_base, index_checkpoint,
-    read_converted, read_quant_format, text_prefix,
+    read_converted, read_header, read_quant_format, text_prefix,
 )
 
 POLICIES = ("experts", "all")
@@ -237,6 +239,34 @@ def calibrate(src: Path, quantize_dense: bool, note: Callable[[str], None] = lam
     return amax, what
 
 
+def vision_sources(src: Path, records: dict[str, TensorRecord],
+                   note: Callable[[str], None] = lambda s: None) -> dict[str, TensorRecord]:
+    """The source's vision-tower tensors {checkpoint name: record}, in the source's order, to carry over unchanged.
+    `records`: the text model's (index_checkpoint); a single-file source has the tower among them, a sharded one
+    in the shards its index names for it. Empty when the source has no tower, or when its shards are not here (a
+    download of the text shards only): the output then reads text only, and says so when given an image."""
+    from .names import INDEX_FILE, VISION_TENSOR_PREFIXES, vision_names
+
+    index = src / INDEX_FILE
+    if not index.is_file():
+        return {n: r for n, r in records.items() if n.startswith(VISION_TENSOR_PREFIXES)}
+    try:
+        names = vision_names(json.loads(index.read_text())["weight_map"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise ModelError(f"{index}: not a valid safetensors index") from None
+    files = list(dict.fromkeys(names.values()))
+    if missing := [f for f in files if not (src / f).is_file()]:
+        note(f"{src}: {missing[0]} (the vision tower) is not here; the output will read text only")
+        return {}
+    headers = {f: read_header(src / f) for f in files}
+    out = {}
+    for name, f in names.items():
+        if name not in headers[f]:
+            raise ModelError(f"{src / f}: {INDEX_FILE} lists {name} in this shard, which does not hold it")
+        out[name] = headers[f][name]
+    return out
+
+
 def plan(src: Path, fmt: str, policy: str, search: bool, device,
          note: Callable[[str], None] = lambda s: None) -> tuple[list[Shard], dict[str, bytes], dict, dict]:
     """Check the source completely and describe the output: (shards, small files, job description, facts for the
@@ -277,6 +307,7 @@ def plan(src: Path, fmt: str, policy: str, search: bool, device,
             raise UsageError(f"NVFP4 needs input dimensions that are multiples of 16; this model has {bad[0]}")
     for name in expected:  # every tensor present and of the right shape before any work (calibration included)
         source(name)
+    vision = vision_sources(src, records, note)
     facts: dict = {}
     amax: dict = {}
     if fmt == "nvfp4":
@@ -318,7 +349,9 @@ def plan(src: Path, fmt: str, policy: str, search: bool, device,
             seen.add(ck)
             by_shard.setdefault(shard_of(name), []).append(copy_group(ck, rec))
 
-    keys = sorted(k for k in by_shard if k != "rest") + ["rest"]
+    if vision:  # carried over as stored: [shape] in the source's dtype (bf16 in the releases), in a shard of its own
+        by_shard["vision"] = [copy_group(name, rec) for name, rec in vision.items()]
+    keys = sorted(k for k in by_shard if k not in ("rest", "vision")) + ["rest"] + (["vision"] if vision else [])
     n = len(keys)
     shards = [Shard(f"model-{i + 1:05d}-of-{n:05d}.safetensors", by_shard[k]) for i, k in enumerate(keys)]
 
@@ -330,12 +363,13 @@ def plan(src: Path, fmt: str, policy: str, search: bool, device,
     for name in SMALL_FILES:
         if (src / name).is_file():
             files[name] = (src / name).read_bytes()
-    fingerprint = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in checkpoint_files(src)]
+    read = dict.fromkeys([*checkpoint_files(src), *(rec.file for rec in vision.values())])  # every file read
+    fingerprint = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in read]
     job = {"source": str(src.resolve()), "source_files": fingerprint, "format": fmt, "policy": policy,
            "search": search, "writer": __version__, "device": str(torch.device(device).type)}
     if amax:  # the scales are part of what is written: a different calibration is a different job
         job["input_amax"] = {k: float(v) for k, v in sorted(amax.items())}
-    facts.update(policy=policy, scales="search" if search else "absmax")
+    facts.update(policy=policy, scales="search" if search else "absmax", vision_tensors=len(vision))
     return shards, files, job, facts
 
 

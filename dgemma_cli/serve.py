@@ -34,6 +34,7 @@ from starlette.routing import Route
 
 from .batching import BatchLoop, Closed, Job, QueueFull, RowCanvas, RowDone, RowFailed, RowStep, Ticket
 from .errors import DgemmaError, ModelError, UsageError
+from .store import check_images
 
 MAX_BODY = 20 << 20  # bytes of one request body: room for a few photos as base64 data: URLs
 MAX_STOP = 8  # stop strings per request
@@ -252,6 +253,8 @@ def prepare(server: Server, body: dict, kind: str) -> Prepared:
         if images:  # the tower runs here, in the request's worker thread, not in the batch loop
             budget = get_int(body, "image_tokens")
             try:
+                if engine.path is not None:
+                    check_images(engine.path)  # a store entry holding only the text model: how to re-pull it
                 patches = engine.image_patches(images, budget)
                 prompt = engine.with_images(prompt, patches)
                 image_features = engine.image_features(patches)

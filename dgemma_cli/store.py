@@ -8,6 +8,9 @@ always whole; `.partial` directories (an interrupted pull) are never listed and 
 
 How a `--model` value names a model, and the store's location and listing (`entries`, `find`,
 `resolve`), live in names.py, below the engine; they are imported here too.
+
+An entry holds the text stack and the vision tower (when the source has one). Entries made before dgemma kept the
+tower hold only the text model: `check_images` says, in one line, how to replace one when it is given an image.
 """
 
 from __future__ import annotations
@@ -86,28 +89,62 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 def _store_as_is(snapshot: Path, out: Path, store_meta: dict, note) -> dict:
     """An entry that is the downloaded checkpoint itself (bf16, or quantized as published): hard links where the
-    file system allows, an index reduced to the shards that were fetched, and a manifest."""
+    file system allows, an index reduced to the shards that were fetched (text stack and vision tower, as
+    `names.model_shards` chooses them), and a manifest."""
     from quant.convert import partial_dir, write_manifest
 
-    from .names import INDEX_FILE
-    from .weights import checkpoint_files
+    from .names import INDEX_FILE, SINGLE_FILE, model_shards
 
     work = partial_dir(out)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    shards = checkpoint_files(snapshot)
+    index = json.loads((snapshot / INDEX_FILE).read_text()) if (snapshot / INDEX_FILE).is_file() else None
+    shards = set(model_shards(index["weight_map"])) if index is not None else {SINGLE_FILE}
     for f in snapshot.iterdir():
         if f.name == INDEX_FILE:
-            index = json.loads(f.read_text())
-            names = {s.name for s in shards}
-            index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v in names}
+            index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v in shards}
             (work / INDEX_FILE).write_text(json.dumps(index, indent=1))
-        elif f.is_file() and (f.suffix != ".safetensors" or f in shards):
+        elif f.is_file() and (f.suffix != ".safetensors" or f.name in shards):
             _link_or_copy(f, work / f.name)
+    if missing := sorted(shards - {f.name for f in work.iterdir()}):
+        shutil.rmtree(work, ignore_errors=True)
+        raise ModelError(f"{snapshot}: {missing[0]} was not downloaded; run the command again")
     note("checking the files (sha256)")
     manifest = write_manifest(work, {"store": store_meta})
     os.rename(work, out)
     return manifest
+
+
+def check_images(directory: Path) -> None:
+    """Before images are read with `directory`: ModelError (one line) when it is a store entry that holds only the
+    text model, saying how to get the vision tower. Anything else (not an entry, a whole entry, a damaged index) is
+    left to the loader, whose messages speak of files."""
+    from .names import INDEX_FILE, vision_names
+
+    d = Path(directory)
+    try:
+        meta = json.loads((d / MANIFEST).read_text())["store"]
+        repo, quant = str(meta["repo"]), str(meta["quant"])
+        names = vision_names(json.loads((d / INDEX_FILE).read_text())["weight_map"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return  # not an entry, or a single-file one (stored whole, as published)
+    if names and all((d / f).is_file() for f in set(names.values())):
+        return
+    name = f"{repo}:{quant}"
+    if meta.get("vision_tower") is False:  # recorded by pull: the source itself has no tower
+        raise ModelError(f"{name}: {repo} publishes no vision tower weights, so this model cannot read images")
+    raise ModelError(f"{name} holds only the text model (made before dgemma kept the vision tower); to read "
+                     f"images: dgemma rm {name} && dgemma pull {repo} --quant {quant}")
+
+
+def _has_vision(snapshot: Path) -> bool:
+    """Whether a downloaded checkpoint holds a vision tower (per its index, or its single file's header)."""
+    from .names import INDEX_FILE, SINGLE_FILE, VISION_TENSOR_PREFIXES, vision_names
+    from .weights import read_header
+
+    if (snapshot / INDEX_FILE).is_file():
+        return bool(vision_names(json.loads((snapshot / INDEX_FILE).read_text())["weight_map"]))
+    return any(n.startswith(VISION_TENSOR_PREFIXES) for n in read_header(snapshot / SINGLE_FILE))
 
 
 def _check_stored_revision(e: Entry, revision: str, resolve_commit, note) -> None:
@@ -189,7 +226,8 @@ def pull(repo: str, quant: str = "auto", revision: str | None = None, policy: st
     as_is = quant == "bf16" or published is not None
     policy = policy or DEFAULT_POLICY[quant]
     meta = {"repo": repo, "quant": quant, "revision": commit, "policy": None if as_is else policy,
-            "published": published is not None, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "published": published is not None, "vision_tower": _has_vision(snapshot),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if as_is:
         manifest = _store_as_is(snapshot, out, meta, note)
     else:

@@ -26,11 +26,11 @@ import torch.nn.functional as F
 from .config import VisionConfig
 from .errors import ModelError
 from .model import MLP, RMSNorm, apply_rope, attend
-from .names import INDEX_FILE, SINGLE_FILE
+from .names import INDEX_FILE, SINGLE_FILE, VISION_EMBED, VISION_ROOTS, VISION_TOWER
 
 # Where a checkpoint keeps the tower and its projection (DiffusionGemma first, then the Gemma 4 layout).
-VISION_PREFIXES = ("model.encoder.", "model.")
-TOWER, EMBED = "vision_tower.", "embed_vision."
+VISION_PREFIXES = VISION_ROOTS  # where the tower may sit, preferred first (names.py)
+TOWER, EMBED = VISION_TOWER, VISION_EMBED
 
 
 def vision_inv_freq(cfg: VisionConfig) -> torch.Tensor:

@@ -302,11 +302,14 @@ def serve_directory(hub: FakeHub, repo_id: str, path: Path | str, **kwargs) -> F
 
 TEXT_SHARD = "model-00001-of-00002.safetensors"
 VISION_SHARD = "model-00002-of-00002.safetensors"
+AUDIO_SHARD = "model-audio.safetensors"
 
 
-def diffusion_gemma_files(text_floats: int = 32_768) -> dict[str, bytes]:
+def diffusion_gemma_files(text_floats: int = 32_768, audio: bool = False) -> dict[str, bytes]:
     """A DiffusionGemma-like repo: config, tokenizer placeholders, and a 2-shard safetensors index where the
-    second shard holds only `model.encoder.vision_tower.*` tensors. The text shard is about 4*text_floats bytes."""
+    second shard holds only `model.encoder.vision_tower.*` / `model.encoder.embed_vision.*` tensors (with `audio`,
+    a third shard, AUDIO_SHARD, holds only `model.audio_tower.*` ones). The text shard is about 4*text_floats
+    bytes."""
     import numpy as np
     from safetensors.numpy import save
 
@@ -319,10 +322,16 @@ def diffusion_gemma_files(text_floats: int = 32_768) -> dict[str, bytes]:
     vision = {
         "model.encoder.vision_tower.patch_embed.weight": rng.standard_normal((64, 16), dtype=np.float32),
         "model.encoder.vision_tower.norm.weight": np.ones(16, dtype=np.float32),
+        "model.encoder.embed_vision.embedding_projection.weight": rng.standard_normal((64, 16), dtype=np.float32),
     }
     text_bytes, vision_bytes = save(text), save(vision)
     weight_map = {**{k: TEXT_SHARD for k in text}, **{k: VISION_SHARD for k in vision}}
-    index = {"metadata": {"total_size": len(text_bytes) + len(vision_bytes)}, "weight_map": weight_map}
+    extra = {}
+    if audio:
+        extra[AUDIO_SHARD] = save({"model.audio_tower.conv.weight": np.ones((8, 8), dtype=np.float32)})
+        weight_map["model.audio_tower.conv.weight"] = AUDIO_SHARD
+    total = len(text_bytes) + len(vision_bytes) + sum(map(len, extra.values()))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     config = {"model_type": "diffusion_gemma", "architectures": ["DiffusionGemmaForBlockDiffusion"]}
     return {
         "config.json": json.dumps(config).encode(),
@@ -332,6 +341,7 @@ def diffusion_gemma_files(text_floats: int = 32_768) -> dict[str, bytes]:
         "model.safetensors.index.json": json.dumps(index).encode(),
         TEXT_SHARD: text_bytes,
         VISION_SHARD: vision_bytes,
+        **extra,
     }
 
 

@@ -187,7 +187,7 @@ def dgemma_nvfp4(tmp_path_factory):
 
 def test_dgemma_nvfp4_has_every_tensor_and_field_modelopt_exports(dgemma_nvfp4):
     _, out = dgemma_nvfp4
-    theirs = {k: v for k, v in tensors_of(MODELOPT).items() if "vision" not in k}  # dgemma writes the text stack
+    theirs = tensors_of(MODELOPT)  # the vision tower included: dgemma carries it over unquantized, as ModelOpt
     ours = tensors_of(out)
     assert set(ours) == set(theirs)
     for name, t in theirs.items():
@@ -417,6 +417,9 @@ def test_pull_stores_a_published_release_as_published(repo, fake_hub, capsys):  
     assert len(published) >= 2
     for f in published:
         assert (entry.path / f.name).read_bytes() == f.read_bytes(), f.name
+    from dgemma_cli.vision import vision_records
+
+    assert len(vision_records(entry.path)[0]) > 10  # the vision tower came with it, whichever shard holds it
     assert run_main(["info", f"{repo}:{label}"]) == 0
     info = capsys.readouterr().out
     assert f"format:                 {label} (" in info and scheme in info and "(as published)" in info

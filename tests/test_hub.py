@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from fake_hub import (
+    AUDIO_SHARD,
     TEXT_SHARD,
     VISION_SHARD,
     closed_endpoint,
@@ -25,6 +26,7 @@ from dgemma_cli.hub import download
 
 REPO = "acme/diffusion-gemma-tiny"
 TEXT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json", TEXT_SHARD)
+MODEL_FILES = TEXT_FILES + (VISION_SHARD,)  # the text model's files and the vision tower's shard
 
 
 def fails(*args, **kwargs) -> str:
@@ -36,19 +38,21 @@ def fails(*args, **kwargs) -> str:
     return message
 
 
-def test_fetches_text_files_only(fake_hub):
-    files = diffusion_gemma_files()
+def test_fetches_the_text_model_and_the_vision_tower_only(fake_hub):
+    files = diffusion_gemma_files(audio=True)
     repo = fake_hub.add_repo(REPO, files)
     snap = download(REPO, progress=False)
 
     assert snap.is_dir() and snap.name == repo.sha
     assert snap.parent.parent.name == "models--acme--diffusion-gemma-tiny"
     assert Path(os.environ["HF_HOME"]) / "hub" in snap.parents
-    for name in TEXT_FILES:
+    for name in MODEL_FILES:
         assert (snap / name).read_bytes() == files[name], name
-    assert not (snap / VISION_SHARD).exists() and not (snap / "README.md").exists()
-    assert fake_hub.file_requests(VISION_SHARD) == [] and fake_hub.file_requests("README.md") == []
+    # what is neither text stack nor vision tower (an audio tower's shard, a README) is not fetched
+    assert not (snap / AUDIO_SHARD).exists() and not (snap / "README.md").exists()
+    assert fake_hub.file_requests(AUDIO_SHARD) == [] and fake_hub.file_requests("README.md") == []
     assert len(fake_hub.file_requests(TEXT_SHARD, "GET")) == 1
+    assert len(fake_hub.file_requests(VISION_SHARD, "GET")) == 1
     # Every file is fetched at the resolved commit, not at the moving branch.
     assert all(f"/resolve/{repo.sha}/" in r.path for r in fake_hub.requests if "/resolve/" in r.path)
 

@@ -99,7 +99,11 @@ def test_converter_output_is_complete_and_verified(quantized, checkpoints, fmt, 
     tensors = {}
     for shard in out.glob("*.safetensors"):
         tensors.update(load_file(shard))
-    assert not any("vision" in k for k in tensors)
+    # the vision tower is carried over as it is stored in the source: same names, dtypes and values
+    source = load_file(checkpoints["five_to_one"] / "model.safetensors")
+    vision = {k for k in source if ".vision_tower." in k or ".embed_vision." in k}
+    assert vision and vision == {k for k in tensors if "vision" in k}
+    assert all(torch.equal(tensors[k], source[k]) and tensors[k].dtype == source[k].dtype for k in vision)
     base = "model.decoder.layers.0.experts"
     if fmt == "nvfp4":
         E = 8

@@ -63,9 +63,11 @@ def test_pull_quantizes_into_the_store_and_the_name_runs(served, capsys):
     assert run_main(["pull", REPO, "--quant", "int8"]) == 0
     out = capsys.readouterr()
     assert out.out.strip() == f"{REPO}:int8"
-    assert not served.file_requests("model-00002-of-00002.safetensors")  # the vision shard is never fetched
+    assert len(served.file_requests("model-00002-of-00002.safetensors", "GET")) == 1  # the vision tower's shard
     (entry,) = store.entries()
     assert entry.quant == "int8" and entry.path == store.entry_dir(REPO, "int8")
+    index = json.loads((entry.path / "model.safetensors.index.json").read_text())
+    assert any(".vision_tower." in k for k in index["weight_map"])  # carried into the entry
     assert convert.verify(entry.path)["store"]["repo"] == REPO
 
     assert run_main(["list"]) == 0
@@ -91,9 +93,10 @@ def test_pull_bf16_links_the_download_and_loads(served, capsys):
     assert run_main(["pull", REPO, "--quant", "bf16"]) == 0
     (entry,) = store.entries()
     names = {p.name for p in entry.path.iterdir()}
-    assert "model-00001-of-00002.safetensors" in names and "model-00002-of-00002.safetensors" not in names
+    assert {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"} <= names  # text and vision
     index = json.loads((entry.path / "model.safetensors.index.json").read_text())
-    assert set(index["weight_map"].values()) == {"model-00001-of-00002.safetensors"}
+    assert index == json.loads((served.repos[REPO].files["model.safetensors.index.json"]))
+    assert entry.manifest["store"]["vision_tower"] is True
     assert run_main(["run", "--model", f"{REPO}:bf16", "--raw", "--seed", "1", "--max-new-tokens", "4",
                      "--device", "cpu", "--view", "none", "hi"]) == 0
 
@@ -219,7 +222,8 @@ def test_interrupted_pull_keeps_finished_files(fake_hub, checkpoints, tmp_path, 
     fake_hub.clear()
     assert run_main(["pull", REPO, "--quant", "bf16"]) == 0
     fetched = [r.path.rsplit("/", 1)[-1] for r in fake_hub.requests if r.method == "GET" and "/resolve/" in r.path]
-    assert fetched == ["model-00001-of-00002.safetensors"]  # config, tokenizer, index: kept from the first run
+    # config, tokenizer, index: kept from the first run; the text shard, then the vision tower's
+    assert fetched == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
 
 
 def test_pull_errors_are_one_line(fake_hub, served, monkeypatch, capsys):  # noqa: F811

@@ -313,3 +313,139 @@ def test_server_image_parts_answer_as_the_engine(engine):
                 assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text
     finally:
         loop.close()
+
+
+# ------------------------------------------------------------------ images from `dgemma pull`'s store entries
+
+from fake_hub import fake_hub  # noqa: E402,F401  (the fixture)
+
+VISION_REPO = "acme/tiny-vision"
+VISION_SHARD = "model-00002-of-00002.safetensors"
+
+
+@pytest.fixture
+def served_vision(fake_hub, vision_ckpt, tmp_path):  # noqa: F811
+    """The vision checkpoint on the fake Hub, sharded as published: the vision tower in a shard of its own."""
+    from fake_hub import serve_directory
+    from test_store import sharded_with_vision
+
+    repo = sharded_with_vision(vision_ckpt, tmp_path / "repo")
+    assert set(json.loads((repo / "model.safetensors.index.json").read_text())["weight_map"].values()) == {
+        "model-00001-of-00002.safetensors", VISION_SHARD}
+    serve_directory(fake_hub, VISION_REPO, repo)
+    return fake_hub
+
+
+def vision_tensors(directory) -> dict[str, tuple]:
+    """{name: (dtype, shape, raw bytes)} of every vision-tower tensor a checkpoint directory's index lists."""
+    from safetensors import safe_open
+
+    weight_map = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
+    out = {}
+    for name, f in weight_map.items():
+        if ".vision_tower." in name or ".embed_vision." in name:
+            with safe_open(directory / f, "pt") as st:
+                t = st.get_tensor(name)
+            out[name] = (t.dtype, tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return out
+
+
+@pytest.mark.parametrize("quant", ["bf16", "int8", "nvfp4"])
+def test_pulled_entries_read_images(served_vision, vision_ckpt, engine, quant, tmp_path, capsys):
+    """`dgemma pull` fetches the vision tower's shard and the entry holds it: bf16 answers with an image exactly as
+    the source checkpoint does; a quantized entry holds the tower byte for byte as the source stores it, in a shard
+    of its own its quantization config leaves alone, and gives the source's soft tokens."""
+    import fnmatch
+    import re
+
+    from dgemma_cli import store
+    from dgemma_cli.engine import load
+
+    assert run_main(["pull", VISION_REPO, "--quant", quant]) == 0
+    assert len(served_vision.file_requests(VISION_SHARD, "GET")) == 1
+    (entry,) = store.entries()
+    source = vision_tensors(tmp_path / "repo")
+    assert len(source) > 10 and vision_tensors(entry.path) == source
+    assert entry.manifest["store"]["vision_tower"] is True
+    stored = load(entry.path, device="cpu", dtype="float32")
+    kw = dict(max_new_tokens=32, max_denoising_steps=8)
+    images = [IMAGES[0]]
+    if quant == "bf16":
+        for seed in (0, 3):
+            ours = stored.generate(PROMPT, images=images, image_tokens=70, seed=seed, **kw)
+            assert ours.token_ids == engine.generate(PROMPT, images=images, image_tokens=70, seed=seed, **kw).token_ids
+        return
+    weight_map = json.loads((entry.path / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = {weight_map[n] for n in source}
+    assert len(shards) == 1 and not {f for n, f in weight_map.items() if n not in source} & shards  # its own shard
+    ignore = json.loads((entry.path / "config.json").read_text())["quantization_config"]["ignore"]
+    for name in source:  # every vision module is in the ignore list, in the format's own syntax
+        module = name.rsplit(".", 1)[0]
+        if quant == "nvfp4":
+            assert any(fnmatch.fnmatch(module, g) for g in ignore), module
+        else:
+            assert any(re.match(e[3:], module) if e.startswith("re:") else e == module for e in ignore), module
+    patches = engine.image_patches(images, 70)
+    assert torch.equal(stored.image_features(patches), engine.image_features(patches))
+    assert run_main(["run", PROMPT, "--model", f"{VISION_REPO}:{quant}", "--image", str(write_images(tmp_path)[0]),
+                     "--image-tokens", "70", "--device", "cpu", "--max-new-tokens", "16", "--steps", "2",
+                     "--view", "none", "--seed", "0"]) == 0
+
+
+def test_text_only_entry_says_how_to_fetch_the_tower(served_vision, tmp_path, capsys):
+    """An entry made before dgemma kept the vision tower (simulated: its vision shard, index lines and manifest
+    lines removed), given an image: one line naming the commands; running them gives an entry that reads images."""
+    from dgemma_cli import store
+
+    assert run_main(["pull", VISION_REPO, "--quant", "int8"]) == 0
+    (entry,) = store.entries()
+    index_path = entry.path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    (shard,) = {f for n, f in index["weight_map"].items() if "vision" in n}
+    (entry.path / shard).unlink()
+    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if f != shard}
+    index_path.write_text(json.dumps(index))
+    manifest = json.loads((entry.path / store.MANIFEST).read_text())
+    del manifest["files"][shard], manifest["store"]["vision_tower"]
+    (entry.path / store.MANIFEST).write_text(json.dumps(manifest))
+    capsys.readouterr()
+
+    img = str(write_images(tmp_path)[0])
+    args = ["run", PROMPT, "--model", "tiny-vision", "--image", img, "--device", "cpu", "--max-new-tokens", "16",
+            "--steps", "2", "--view", "none", "--seed", "0"]
+    name = f"{VISION_REPO}:int8"
+    assert run_fails(args, capsys, 1) == (
+        f"dgemma: error: {name} holds only the text model (made before dgemma kept the vision tower); to read "
+        f"images: dgemma rm {name} && dgemma pull {VISION_REPO} --quant int8")
+    # a copy of it outside the store (no manifest) keeps the loader's message, which speaks of files
+    plain = tmp_path / "plain"
+    shutil.copytree(entry.path, plain)
+    (plain / store.MANIFEST).unlink()
+    line = run_fails(args[:3] + [str(plain)] + args[4:], capsys, 1)
+    assert "no vision tower tensors" in line and "dgemma rm" not in line
+    # a source that publishes no tower: said as such, without commands that would not help
+    manifest["store"]["vision_tower"] = False
+    (entry.path / store.MANIFEST).write_text(json.dumps(manifest))
+    assert run_fails(args, capsys, 1) == (
+        f"dgemma: error: {name}: {VISION_REPO} publishes no vision tower weights, so this model cannot read images")
+    # text still runs on the text-only entry, and the commands the line names give an entry that reads images
+    assert run_main(args[:4] + args[6:]) == 0
+    assert run_main(["rm", name, "--yes"]) == 0
+    assert run_main(["pull", VISION_REPO, "--quant", "int8"]) == 0
+    capsys.readouterr()
+    assert run_main(args) == 0
+
+
+def test_quantize_of_a_text_only_download_says_so(vision_ckpt, tmp_path, capsys):
+    """`dgemma quantize` of a download whose vision shard is missing: a text-only output, said on stderr, and the
+    loader's one line when it is given an image."""
+    _, partial = text_only_copies(vision_ckpt, tmp_path)
+    out = tmp_path / "q"
+    assert run_main(["quantize", str(partial), "--quant", "int8", "--out", str(out)]) == 0
+    assert "model-00002-of-00002.safetensors (the vision tower) is not here" in capsys.readouterr().err
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert not [n for n in weight_map if "vision" in n]
+    line = run_fails(["run", PROMPT, "--model", str(out), "--device", "cpu", "--image",
+                      str(write_images(tmp_path)[0]), "--max-new-tokens", "16", "--steps", "2", "--view", "none"],
+                     capsys, 1)
+    assert "no vision tower tensors" in line

@@ -179,8 +179,8 @@ def claim(config: dict, directory: Path) -> Format | None:
 # llmcompressor's preset names, which the releases carry as their group's name.
 SCHEME_NAMES = {"fp8": "FP8_DYNAMIC", "int8": "W8A8"}
 FORMAT_OF = {"fp8": "float-quantized", "int8": "int-quantized"}
-# What the releases leave in 16 bits, in compressed-tensors' syntax (dgemma writes the text stack only; the vision
-# entries stay, as published, for a reader that pairs the file with the original tower).
+# What the releases leave in 16 bits, in compressed-tensors' syntax. The vision tower and its projection are carried
+# over unquantized (as in the releases), so they must be ignored: a reader would otherwise expect them quantized.
 IGNORE = ["lm_head", "re:.*embed_tokens$", "re:.*router.*", "re:.*vision_tower.*", "re:.*embed_vision.*",
           "re:.*self_conditioning.*"]
 # Added by dgemma's `experts` policy: attention and the dense MLP stay 16-bit too.

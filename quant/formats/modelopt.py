@@ -105,7 +105,8 @@ def _check_groups(groups) -> None:
 # ------------------------------------------------------------------- writing (`dgemma quantize --quant nvfp4`)
 
 E4M3_MAX, E2M1_MAX = 448.0, 6.0
-# The published release's exclude globs (fnmatch over module names), and what the experts-only policy adds.
+# The published release's exclude globs (fnmatch over module names), and what the experts-only policy adds. The
+# vision tower and its projection are carried over unquantized, so they are excluded, as in the release.
 IGNORE = ["lm_head", "*router*", "*self_conditioning*", "*vision_tower*", "*embed_vision*"]
 IGNORE_DENSE = ["*mlp*", "*self_attn*"]
 KV_CACHE_SCHEME = {"dynamic": False, "num_bits": 8, "type": "float"}  # the recipe's FP8 KV cache cast (no scales)
