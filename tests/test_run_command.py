@@ -59,7 +59,9 @@ def test_each_line_writes_each_batch_when_done_and_ctrl_c_keeps_them(as_json):
     """A real process in a pipe: the first batch's answers arrive while later batches are still being generated
     (the process is still running); Ctrl-C (SIGINT to its process group, as a terminal sends it) then ends it
     with 130 and one line on stderr, and every answer written so far is there, whole and in input order."""
-    repeats = 500  # 500 batches of 3 prompts (about 15 ms each on an idle CPU): seconds of work after the first
+    # 5000 batches of 3 prompts (about 15 ms each on an idle CPU): over a minute of work after the first, so that on
+    # a loaded machine too the run is still going when Ctrl-C comes (it comes right after the first batch)
+    repeats = 5000
     stdin = "\n".join(LINES * repeats) + "\n"
     args = [sys.executable, "-m", "dgemma_cli", "run", "--each-line", *DEMO, "--batch-size", "3"]
     args += ["--json"] if as_json else []
