@@ -269,9 +269,10 @@ class W8A8Linear(nn.Module):
 class W8A8Stack(_Stack):
     """E matrices [N, K] in W8A8Linear's layout: weight [E, N, K], weight_scale float32 [E, N, 1].
 
-    The routed experts run W8A8 only when DGEMMA_W8A8=on, through the float32 emulation (`experts_emulated`): no
-    fused kernel with an FP8/INT8 activation path exists yet, so on GPUs with the tensor cores the experts stay
-    weight-only (INT8 through the fused INT8 kernels, FP8 dequantized per layer) while the linears run W8A8."""
+    The routed experts run W8A8 through the fused 8-bit kernels (kernels/moe_w8a8.py) where `w8a8_experts` says so
+    (INT8 on sm_80+, FP8 on sm_89+, unless DGEMMA_W8A8=off); elsewhere DGEMMA_W8A8=on runs the float32 emulation of
+    the same activation quantization (`experts_emulated`), and otherwise they are weight-only (INT8 through the fused
+    weight-only INT8 kernels on a GPU, FP8 dequantized per layer)."""
 
     def __init__(self, num: int, out_features: int, in_features: int, kind: str, act: bool = True, device=None):
         super().__init__()
@@ -281,10 +282,26 @@ class W8A8Stack(_Stack):
                                                    device=device))
         self.register_buffer("weight_scale", torch.empty(num, out_features, 1, dtype=torch.float32, device=device))
 
+    @classmethod
+    def from_weights(cls, w: torch.Tensor, kind: str) -> W8A8Stack:
+        """Quantize float weights [E, N, K] as compressed-tensors stores them: per output channel, the scale rounded
+        up to bfloat16 (quant/formats/compressed_tensors.quantize)."""
+        from .formats.compressed_tensors import quantize
+
+        E, N, K = w.shape
+        stack = cls(E, N, K, kind)
+        for e in range(E):
+            q, scale = quantize(w[e], kind)
+            stack.weight[e], stack.weight_scale[e] = q, scale.float()
+        return stack
+
     def dequantize_experts(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
         return w8a8.dequantize(self.weight[lo:hi], self.weight_scale[lo:hi], dtype)
 
     def fused_experts(self, down: nn.Module, x, top_k_index, top_k_weights):
+        if (self.act and w8a8_experts(self.format, x.device)
+                and family_ok("moe_w8a8_" + self.format, x.device, x.dtype)):
+            return fused_experts_w8a8(self, down, x, top_k_index, top_k_weights)
         if self.act and w8a8.requested() == "on":
             return experts_emulated(self, down, x, top_k_index, top_k_weights)
         if self.format == "int8":  # weight-only: the fused INT8 kernels read [E, N] scales, the same memory
@@ -297,6 +314,35 @@ class W8A8Stack(_Stack):
 
             return fused_experts(view(self), view(down), x, top_k_index, top_k_weights)
         return None
+
+
+def w8a8_experts(kind: str, device: torch.device) -> bool:
+    """Whether W8A8 experts of `kind` multiply 8-bit activations in the fused kernels on `device`: DGEMMA_KERNELS
+    selects Triton there, DGEMMA_W8A8 is not off, and the GPU has the tensor cores (INT8 sm_80+, FP8 sm_89+)."""
+    from .kernels.moe_w8a8 import supported
+
+    return use_triton(device) and w8a8.requested() != "off" and supported(kind, device)
+
+
+def fused_experts_w8a8(gate_up: W8A8Stack, down: W8A8Stack, x: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor) -> torch.Tensor:
+    """W8A8 experts with 8-bit activations quantized per token (kernels/moe_w8a8.py); launch settings, rows per
+    block among them, tuned on first use per GPU like the other fused experts."""
+    from .kernels import m_bucket, tuning
+    from .kernels.moe_w8a8 import candidates, moe_w8a8
+    from .kernels.routing import moe_blocks
+
+    T, K = top_k_index.shape
+    E, two_i, H = gate_up.shape
+    weights = top_k_weights.reshape(-1)
+
+    def launch(cfg: dict) -> torch.Tensor:
+        ids, block_expert = moe_blocks(top_k_index, E, cfg["BLOCK_M"])
+        return moe_w8a8(x, ids, block_expert, gate_up, down, weights, T, K, cfg)
+
+    cfg = tuning.choose("moe_w8a8_" + gate_up.format, (m_bucket(T * K), E, H, two_i // 2, str(x.dtype)),
+                        candidates(T * K / E, H, two_i // 2, x.device), launch, x.device)
+    return launch(cfg)
 
 
 def experts_emulated(gate_up: W8A8Stack, down: W8A8Stack, x: torch.Tensor, top_k_index: torch.Tensor,

@@ -18,7 +18,8 @@ from quant.kernels import aot, roofline
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILIES = {"NVFP4 linear", "INT8 linear", "MoE gate-up (NVFP4)", "MoE down (NVFP4)", "MoE gate-up (INT8)",
-            "MoE down (INT8)", "sampler epilogue"}
+            "MoE down (INT8)", "MoE gate-up (W8A8-INT8)", "MoE down (W8A8-INT8)", "sampler epilogue"}
+FP8_FAMILIES = {"MoE gate-up (W8A8-FP8)", "MoE down (W8A8-FP8)"}  # FP8 tensor cores: sm_89 and later
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +43,10 @@ def test_every_kernel_compiles_for_every_target(report):
     """Each target compiles every launch its wrappers make there (settings, and paths such as W4A4, differ)."""
     targets = set(roofline.GPUS)
     assert {(s["cc"], s["family"]) for s in report["steps"]} >= {(cc, f) for cc in targets for f in FAMILIES}
+    fp8 = {(s["cc"], s["family"]) for s in report["steps"] if s["family"] in FP8_FAMILIES}
+    assert fp8 == {(cc, f) for cc in targets if cc >= 89 for f in FP8_FAMILIES}
+    w8a8 = {(r["cc"], r["kernel"]) for r in report["compiled"] if "w8a8" in r["kernel"]}
+    assert w8a8 == {(cc, k) for cc in targets for k in ("moe_gate_up_w8a8_kernel", "moe_down_w8a8_kernel")}
     assert {r["cc"] for r in report["launches"]} == targets
     assert {r["tag"] for r in report["launches"]} == {r["tag"] for r in report["compiled"]}
     assert not report["compile_errors"], "\n".join(report["compile_errors"])

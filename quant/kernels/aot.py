@@ -1,12 +1,12 @@
 """Ahead-of-time compilation of dgemma's Triton kernels for real NVIDIA targets, on a machine without a GPU.
 
 1. Capture (`record`, `real_shape_work`): the public entry points, `NVFP4Linear` / `Int8Linear` `.forward`,
-   `fused_experts` and `sampler_epilogue`, are called at the real 26B-A4B shapes on CPU tensors whose data the
-   kernels never read, with `JITFunction.run` replaced by a recorder and the kernels' `arch` answering the target's
-   compute capability: every launch a call makes is kept with the arguments, grid, block sizes, warps and stages
-   its wrapper would choose on that GPU (the first of its launch candidates: what runs before any tuning). The
-   torch ops between launches run on the CPU and are metered (bytes read and written), so a call's estimated
-   traffic includes its glue.
+   the expert stacks' `fused_experts` (W8A8 ones with 8-bit activations) and `sampler_epilogue`, are called at the
+   real 26B-A4B shapes on CPU tensors whose data the kernels never read, with `JITFunction.run` replaced by a
+   recorder and the kernels' `arch` answering the target's compute capability: every launch a call makes is kept
+   with the arguments, grid, block sizes, warps and stages its wrapper would choose on that GPU (the first of its
+   launch candidates: what runs before any tuning). The torch ops between launches run on the CPU and are metered
+   (bytes read and written), so a call's estimated traffic includes its glue.
 2. Specialise (`specialise`): per target, the launcher's own binder and `_pack_args` (pointers and ints divisible
    by 16, ints equal to 1 become constexprs), so each job is what a launch on that GPU would compile.
 3. Compile (`compile_all`): `triton.compile(ASTSource, target=GPUTarget("cuda", cc, 32))` with Triton's bundled
@@ -23,6 +23,7 @@ the tests start that script in a subprocess. Importing this module does not impo
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import io
 import multiprocessing
@@ -227,9 +228,9 @@ def _linear_work(cc: int, batch: int, dtype: torch.dtype) -> list[Work]:
 
 def _expert_work(cc: int, batch: int, dtype: torch.dtype, stacks: dict, top_i: torch.Tensor,
                  top_w: torch.Tensor) -> list[Work]:
-    """fused_experts' launches in two stages: up to and including the kernel named *gate_up*, the gate-up stage;
-    the launches after it (the down product, the sum over the top-k), the down stage."""
-    from quant.modules import fused_experts
+    """The stacks' fused_experts launches in two stages: up to and including the kernel named *gate_up*, the gate-up
+    stage; the launches after it (the down product, the sum over the top-k), the down stage. W8A8 stacks: the 8-bit
+    activation kernels (a quantizer before each product, in its stage)."""
 
     rows, es = batch * CANVAS, dtype.itemsize
     assigned = rows * TOP_K
@@ -238,7 +239,7 @@ def _expert_work(cc: int, batch: int, dtype: torch.dtype, stacks: dict, top_i: t
     out = []
     for fmt, (gate_up, down) in stacks.items():
         what = f"fused_experts ({fmt})"
-        launches = record(lambda: fused_experts(gate_up, down, x, top_i, top_w), what, cc)
+        launches = record(lambda: gate_up.fused_experts(down, x, top_i, top_w), what, cc)
         split = [i for i, launch in enumerate(launches) if "gate_up" in launch.kernel]
         if len(split) != 1 or split[0] == len(launches) - 1:
             raise CaptureError(f"{what} launched {[launch.kernel for launch in launches]}: expected one *gate_up* "
@@ -269,14 +270,29 @@ def _sampler_work(cc: int, batch: int) -> Work:
                 launches)
 
 
+@functools.lru_cache(maxsize=1)
+def _expert_stacks() -> dict:
+    """The expert stacks at the real shapes (about 3 GB, never written: the kernels' data is not read), made once and
+    shared by every target, whose recorded launches keep them alive until the report is written."""
+    from quant.modules import Int8Stack, NVFP4Stack, W8A8Stack
+
+    stacks = {"nvfp4": (NVFP4Stack(EXPERTS, 2 * EXPERT, HIDDEN, segments=2), NVFP4Stack(EXPERTS, HIDDEN, EXPERT)),
+              "int8": (Int8Stack(EXPERTS, 2 * EXPERT, HIDDEN), Int8Stack(EXPERTS, HIDDEN, EXPERT))}
+    for kind in ("int8", "fp8"):
+        stacks[f"w8a8-{kind}"] = (W8A8Stack(EXPERTS, 2 * EXPERT, HIDDEN, kind),
+                                  W8A8Stack(EXPERTS, HIDDEN, EXPERT, kind))
+    return stacks
+
+
 def real_shape_work(cc: int) -> list[Work]:
     """Every entry point at the real shapes, batch 1 and 4, bf16 and fp16, as launched on a GPU of compute
     capability `cc`; routing is a seeded random top-8 of 128 per token (about uniform load, as a trained router's
     is on average)."""
-    from quant.modules import Int8Stack, NVFP4Stack
+    from quant.kernels.moe_w8a8 import MIN_ARCH
 
-    stacks = {"nvfp4": (NVFP4Stack(EXPERTS, 2 * EXPERT, HIDDEN, segments=2), NVFP4Stack(EXPERTS, HIDDEN, EXPERT)),
-              "int8": (Int8Stack(EXPERTS, 2 * EXPERT, HIDDEN), Int8Stack(EXPERTS, HIDDEN, EXPERT))}
+    # compressed-tensors W8A8 experts where the target has the 8-bit tensor cores
+    stacks = {fmt: pair for fmt, pair in _expert_stacks().items()
+              if not fmt.startswith("w8a8-") or cc >= MIN_ARCH[fmt[5:]]}
     work = []
     for batch in BATCHES:
         rows = batch * CANVAS

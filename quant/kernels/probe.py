@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 FAMILIES = ("nvfp4_linear", "nvfp4_w4a4", "int8_linear", "moe_nvfp4", "moe_nvfp4_w4a4", "moe_int8",
-            "sampler_epilogue")
+            "moe_w8a8_int8", "moe_w8a8_fp8", "sampler_epilogue")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 2e-3}  # max |kernel - ref| / max |ref|
 
 _ok: dict[tuple[str, int, torch.dtype], bool] = {}  # (family, device index, dtype) -> verdict, this process
@@ -222,6 +222,49 @@ def _moe_w4a4(device: torch.device, dtype: torch.dtype) -> str | None:
     return _rel_error(got.cpu(), reference(x, gu, dn, index, weights), dtype)
 
 
+def _moe_w8a8(kind: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """17 tokens, 6 experts (one never routed to), top-2, hidden 64, width 48 (partial tiles), W8A8 experts with
+    8-bit activations, against the PyTorch emulation of the same quantization (moe_w8a8.reference_*), stage by stage
+    so that one activation code flipped by a last-bit difference in gelu cannot fail it: the token codes and scales
+    equal; h within float32 rounding; the down outputs from the kernel's own h, and the whole path's output with the
+    same launch settings, within the kernel tests' tolerance."""
+    from ..modules import W8A8Stack
+    from .. import w8a8
+    from .moe_w8a8 import (candidates, down_w8a8, gate_up_w8a8, moe_w8a8, quantize_rows, reference_down,
+                           reference_gate_up)
+    from .routing import moe_blocks
+
+    g = torch.Generator().manual_seed(0)
+    T, E, H, I, top = 17, 6, 64, 48, 2
+    gu = W8A8Stack.from_weights(torch.randn(E, 2 * I, H, generator=g) * 0.1, kind)
+    dn = W8A8Stack.from_weights(torch.randn(E, H, I, generator=g) * 0.1, kind)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    index = torch.stack([torch.randperm(E - 1, generator=g)[:top] for _ in range(T)])
+    weights = torch.rand(T, top, generator=g)
+    gu_d, dn_d = gu.to(device), dn.to(device)
+    xq, xs = quantize_rows(x.to(device), kind)
+    ref_q, ref_s = w8a8.quantize_tokens(x, kind)
+    if not (torch.equal(xq.cpu(), ref_q.view(xq.dtype)) and torch.equal(xs.cpu(), ref_s[:, 0])):
+        return "activation codes or scales differ"
+    cfg = candidates(T * top / E, H, I, device)[0]
+    ids, block_expert = moe_blocks(index.to(device), E, cfg["BLOCK_M"])
+    h = gate_up_w8a8(xq, xs, ids, block_expert, gu_d, top, cfg)
+    live = (ids >= 0).cpu()
+    h_tk = torch.empty(T * top, I)
+    h_tk[ids.cpu()[live].long()] = h.cpu()[live]  # back to assignment order
+    err = _rel_error(h_tk, reference_gate_up(x, gu, index).reshape(T * top, I), torch.float32)
+    if err is not None:
+        return f"gate-up: {err}"
+    hq, hs = quantize_rows(h, kind, ids)
+    ys = down_w8a8(hq, hs, ids, block_expert, dn_d, T, top, cfg)
+    ref_ys, ref_y = reference_down(h_tk.view(T, top, I), dn, index, weights, dtype)
+    err = _rel_error(ys.cpu(), ref_ys.reshape(T * top, H), torch.float32)
+    if err is not None:
+        return f"down: {err}"
+    got = moe_w8a8(x.to(device), ids, block_expert, gu_d, dn_d, weights.reshape(-1).to(device), T, top, cfg)
+    return _rel_error(got.cpu(), ref_y, dtype)
+
+
 PROBES = {
     "nvfp4_linear": lambda device, dtype: _linear("nvfp4", device, dtype),
     "moe_nvfp4_w4a4": _moe_w4a4,
@@ -229,5 +272,7 @@ PROBES = {
     "int8_linear": lambda device, dtype: _linear("int8", device, dtype),
     "moe_nvfp4": lambda device, dtype: _moe("nvfp4", device, dtype),
     "moe_int8": lambda device, dtype: _moe("int8", device, dtype),
+    "moe_w8a8_int8": lambda device, dtype: _moe_w8a8("int8", device, dtype),
+    "moe_w8a8_fp8": lambda device, dtype: _moe_w8a8("fp8", device, dtype),
     "sampler_epilogue": _sampler,
 }

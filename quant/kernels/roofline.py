@@ -127,6 +127,14 @@ KERNELS = {
                                      elems=lambda a: 2 * a["BLOCK_N"] * a["H"], ctas=_live_blocks),
     "moe_down_w4a4_kernel": Loops(trips=lambda a: [_cdiv(a["I"], a["BLOCK_K"])],
                                   elems=lambda a: a["BLOCK_N"] * a["I"], ctas=_live_blocks),
+    # W8A8 experts: for k0 in range(0, H or I, BLOCK_K), int8 x int8 or e4m3 x e4m3 (gate and up each iteration)
+    "moe_gate_up_w8a8_kernel": Loops(trips=lambda a: [_cdiv(a["H"], a["BLOCK_K"])],
+                                     elems=lambda a: 2 * a["BLOCK_N"] * a["H"], ctas=_live_blocks),
+    "moe_down_w8a8_kernel": Loops(trips=lambda a: [_cdiv(a["I"], a["BLOCK_K"])],
+                                  elems=lambda a: a["BLOCK_N"] * a["I"], ctas=_live_blocks),
+    # activations to INT8 / e4m3 per row, one row per CTA: a sweep for the amax, a second quantizing (x read twice)
+    "quantize_rows_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])] * 2, elems=lambda a: a["K"],
+                                  passes={"x_ptr": 2}, ctas=_live_rows),
     # activations to NVFP4, one row per CTA: a sweep for the row's amax, a second quantizing (x read twice)
     "quantize_act_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])] * 2, elems=lambda a: a["K"],
                                  passes={"x_ptr": 2}, ctas=_live_rows),
