@@ -11,7 +11,8 @@ weight_scale[n].
 
 Two implementations of the same function:
 - `matmul_hw`: torch's FP8 and INT8 matmuls (`torch._scaled_mm`, sm_89+; `torch._int_mm`, sm_80+), on CUDA;
-- `matmul_emulated`: plain float32 PyTorch: the fake-quantized activations (xq * scale, exact in float32) times the
+- `matmul_emulated`: plain float32 PyTorch: the fake-quantized activations (xq * scale, one float32 rounding: exact
+  for FP8 codes, not always for INT8 ones, whose 7 bits times a 24-bit scale can need more) times the
   exactly dequantized weights, i.e. a float model fed both. The reference, run on the CPU and wherever the GPU lacks
   the units; it equals the hardware product up to float32 rounding (the hardware scales after summing: INT8's
   integer sums are exact, FP8's are float32 sums in the hardware's order).
