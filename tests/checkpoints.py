@@ -115,3 +115,50 @@ def make_confident(model) -> None:
     emb[:, 0] = 0.0
     emb[1, 0] = 1.0  # <eos>
     emb[300, 0] = -1.0
+
+
+# ----------------------------------------------------------------------------- quantized checkpoints as float ones
+
+
+def checkpoint_tensors(directory: Path) -> dict:
+    """Every tensor of a checkpoint's weight files (model*.safetensors), by name."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(Path(directory).glob("model*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def write_float_copy(src: Path, out: Path, deq: dict, drop=(".input_scale",)) -> None:
+    """`src` (a quantized checkpoint) rewritten as a plain float32 one: each quantized weight replaced by its
+    dequantization `deq[name]`, scales dropped, per-expert projections (`experts.E.{gate,up,down}_proj`) stacked back
+    into the fused layout (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]), no quantization
+    description. The engine loading it computes what the format's dequantization, evaluated exactly, gives."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    plain, experts = {}, {}
+    for name, t in checkpoint_tensors(src).items():
+        if name.endswith((".weight_scale", ".weight_scale_2") + tuple(drop)):
+            continue
+        value = deq.get(name, t.float() if t.is_floating_point() else t)
+        parts = name.split(".")
+        if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
+            i = parts.index("experts")
+            experts.setdefault(".".join(parts[: i + 1]), {})[(int(parts[i + 1]), parts[i + 2])] = value
+            continue
+        plain[name] = value
+    for base, by in experts.items():
+        E = 1 + max(e for e, _ in by)
+        plain[base + ".gate_up_proj"] = torch.stack([torch.cat([by[(e, "gate_proj")], by[(e, "up_proj")]])
+                                                     for e in range(E)])
+        plain[base + ".down_proj"] = torch.stack([by[(e, "down_proj")] for e in range(E)])
+    out.mkdir()
+    save_file({k: v.contiguous() for k, v in plain.items()}, out / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config))
+    shutil.copyfile(src / "generation_config.json", out / "generation_config.json")

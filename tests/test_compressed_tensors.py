@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from checkpoints import checkpoint_tensors, write_float_copy
 from cli_helpers import run_main
 from dgemma_cli.engine import Engine, load
 from dgemma_cli.errors import ModelError
@@ -37,46 +38,16 @@ CASES = {"ct_fp8_dynamic": ("fp8", torch.float8_e4m3fn), "ct_int8_dynamic": ("in
 PROMPTS = [[2, 200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210, 211], [2, 300, 301, 302]]
 
 
-def fixture_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(directory.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
 def dequantize_checkpoint(src: Path, out: Path) -> dict[str, torch.Tensor]:
     """Write `src` as a plain float32 checkpoint: every quantized weight replaced by weight x weight_scale (float32),
     per-expert projections stacked back into the fused layout. Returns the dequantized 2-D weights by name."""
-    tensors = fixture_tensors(src)
+    tensors = checkpoint_tensors(src)
     deq = {}
     for name in list(tensors):
         if name.endswith(".weight_scale"):
             w = name[: -len("_scale")]
             deq[w] = tensors[w].float() * tensors[name].float()  # [N, K] * [N, 1]
-    plain = {}
-    experts: dict[str, dict] = {}
-    for name, t in tensors.items():
-        if name.endswith(".weight_scale"):
-            continue
-        value = deq.get(name, t.float() if t.is_floating_point() else t)
-        parts = name.split(".")
-        if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
-            i = parts.index("experts")
-            base, e, proj = ".".join(parts[: i + 1]), int(parts[i + 1]), parts[i + 2]
-            experts.setdefault(base, {})[(e, proj)] = value
-            continue
-        plain[name] = value
-    for base, by in experts.items():
-        E = 1 + max(e for e, _ in by)
-        plain[base + ".gate_up_proj"] = torch.stack([torch.cat([by[(e, "gate_proj")], by[(e, "up_proj")]])
-                                                     for e in range(E)])
-        plain[base + ".down_proj"] = torch.stack([by[(e, "down_proj")] for e in range(E)])
-    out.mkdir()
-    save_file({k: v.contiguous() for k, v in plain.items()}, out / "model.safetensors")
-    config = json.loads((src / "config.json").read_text())
-    del config["quantization_config"]
-    (out / "config.json").write_text(json.dumps(config))
-    shutil.copyfile(src / "generation_config.json", out / "generation_config.json")
+    write_float_copy(src, out, deq)
     return deq
 
 
@@ -122,7 +93,7 @@ def test_fixture_is_the_producers_layout(name):
     qc = config["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors"
     assert qc["format"] == {"fp8": "float-quantized", "int8": "int-quantized"}[kind]
-    tensors = fixture_tensors(FIXTURES / name)
+    tensors = checkpoint_tensors(FIXTURES / name)
     base = "model.decoder.layers.0"
     assert tensors[f"{base}.experts.3.up_proj.weight"].dtype == dtype  # split per expert by the producer
     assert tensors[f"{base}.experts.3.up_proj.weight_scale"].dtype == torch.bfloat16
@@ -168,7 +139,7 @@ def test_producers_dequantizer_agrees_within_its_rounding(name, dequantized):
     qc = QuantizationConfig.model_validate(json.loads((FIXTURES / name / "config.json").read_text())
                                            ["quantization_config"])
     scheme = next(iter(qc.config_groups.values()))
-    tensors = fixture_tensors(FIXTURES / name)
+    tensors = checkpoint_tensors(FIXTURES / name)
     _, deq = dequantized[name]
     assert len(deq) > 50
     for w, exact in deq.items():
@@ -182,7 +153,7 @@ def test_fused_experts_and_a_single_file_read_the_same(tmp_path):
     """The same FP8 checkpoint with the experts stored fused ([E, 2I, H], scales [E, 2I, 1]) in one file without an
     index: the same model, the same tokens."""
     src = FIXTURES / "ct_fp8_dynamic"
-    tensors = fixture_tensors(src)
+    tensors = checkpoint_tensors(src)
     fused = {}
     groups: dict[str, dict] = {}
     for name, t in tensors.items():

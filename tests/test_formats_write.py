@@ -27,6 +27,7 @@ import torch
 from fake_hub import fake_hub, serve_directory  # noqa: F401  (the fixture)
 from safetensors.torch import load_file, save_file
 
+from checkpoints import checkpoint_tensors, write_float_copy
 from cli_helpers import run_main
 from dgemma_cli import store
 from dgemma_cli.engine import Engine, load
@@ -38,13 +39,6 @@ FIXTURES = Path(__file__).parent / "fixtures"
 MODELOPT = FIXTURES / "modelopt_nvfp4"
 PROMPTS = [[2, 200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210, 211], [2, 300, 301, 302]]
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
-
-
-def tensors_of(directory: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(directory.glob("model*.safetensors")):
-        out.update(load_file(f))
-    return out
 
 
 def one_error_line(capsys) -> str:
@@ -76,34 +70,6 @@ def generate(engine: Engine):
     return engine.generate(PROMPTS, raw=True, max_new_tokens=3 * C, max_denoising_steps=6, seed=5).token_ids
 
 
-def write_float(src: Path, out: Path, deq: dict[str, torch.Tensor], drop=(".input_scale",)) -> None:
-    """`src` rewritten as a plain float32 checkpoint: each quantized weight replaced by `deq[name]`, scales dropped,
-    per-expert projections stacked into the fused layout, no quantization description."""
-    tensors = tensors_of(src)
-    plain, experts = {}, {}
-    for name, t in tensors.items():
-        if name.endswith((".weight_scale", ".weight_scale_2") + tuple(drop)):
-            continue
-        value = deq.get(name, t.float() if t.is_floating_point() else t)
-        parts = name.split(".")
-        if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
-            i = parts.index("experts")
-            experts.setdefault(".".join(parts[: i + 1]), {})[(int(parts[i + 1]), parts[i + 2])] = value
-            continue
-        plain[name] = value
-    for base, by in experts.items():
-        E = 1 + max(e for e, _ in by)
-        plain[base + ".gate_up_proj"] = torch.stack([torch.cat([by[(e, "gate_proj")], by[(e, "up_proj")]])
-                                                     for e in range(E)])
-        plain[base + ".down_proj"] = torch.stack([by[(e, "down_proj")] for e in range(E)])
-    out.mkdir()
-    save_file({k: v.contiguous() for k, v in plain.items()}, out / "model.safetensors")
-    config = json.loads((src / "config.json").read_text())
-    config.pop("quantization_config", None)
-    (out / "config.json").write_text(json.dumps(config))
-    shutil.copyfile(src / "generation_config.json", out / "generation_config.json")
-
-
 # ----------------------------------------------------------------------------- ModelOpt NVFP4, written by ModelOpt
 
 
@@ -119,11 +85,11 @@ def nvfp4_exact(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor
 
 @pytest.fixture(scope="module")
 def modelopt_float(tmp_path_factory):
-    tensors = tensors_of(MODELOPT)
+    tensors = checkpoint_tensors(MODELOPT)
     deq = {n[: -len("_scale")]: nvfp4_exact(tensors[n[: -len("_scale")]], t, tensors[n + "_2"])
            for n, t in tensors.items() if n.endswith(".weight_scale")}
     out = tmp_path_factory.mktemp("modelopt") / "float"
-    write_float(MODELOPT, out, deq)
+    write_float_copy(MODELOPT, out, deq)
     return out, deq
 
 
@@ -132,7 +98,7 @@ def test_modelopt_fixture_is_the_producers_layout():
     assert producer["recipe"] == "huggingface/diffusion_gemma/ptq/nvfp4_experts_only"
     qc = json.loads((MODELOPT / "config.json").read_text())["quantization_config"]
     assert (qc["quant_method"], qc["quant_algo"], qc["producer"]["name"]) == ("modelopt", "NVFP4", "modelopt")
-    tensors = tensors_of(MODELOPT)
+    tensors = checkpoint_tensors(MODELOPT)
     base = "model.decoder.layers.1.experts.2"
     assert tensors[f"{base}.gate_proj.weight"].dtype == torch.uint8
     assert tensors[f"{base}.gate_proj.weight_scale"].dtype == torch.float8_e4m3fn
@@ -187,8 +153,8 @@ def dgemma_nvfp4(tmp_path_factory):
 
 def test_dgemma_nvfp4_has_every_tensor_and_field_modelopt_exports(dgemma_nvfp4):
     _, out = dgemma_nvfp4
-    theirs = tensors_of(MODELOPT)  # the vision tower included: dgemma carries it over unquantized, as ModelOpt
-    ours = tensors_of(out)
+    theirs = checkpoint_tensors(MODELOPT)  # the vision tower included: dgemma carries it over unquantized, as ModelOpt
+    ours = checkpoint_tensors(out)
     assert set(ours) == set(theirs)
     for name, t in theirs.items():
         assert (ours[name].dtype, ours[name].shape) == (t.dtype, t.shape), name
@@ -220,8 +186,8 @@ def test_dgemma_nvfp4_input_scales_follow_modelopts_rule(dgemma_nvfp4):
     from dgemma_cli.quantize import calibrate
 
     src, out = dgemma_nvfp4
-    tensors = tensors_of(out)
-    theirs = tensors_of(MODELOPT)
+    tensors = checkpoint_tensors(out)
+    theirs = checkpoint_tensors(MODELOPT)
     amax, _ = calibrate(src, False)
     model, _ = load_model(src)
     layers = [p for p, m in model.named_modules() if isinstance(m, Experts)]
@@ -300,7 +266,7 @@ def test_compressed_tensors_decompresses_dgemmas_files_to_dgemmas_weights(dgemma
     assert ModelCompressor.from_compression_config(CompressedTensorsConfig.from_dict(raw)) is not None
     scheme = next(iter(qc.config_groups.values()))
     compressor = BaseCompressor.load_from_registry(qc.format)
-    tensors = tensors_of(out)
+    tensors = checkpoint_tensors(out)
     linear = torch.nn.Linear(1, 1)
     checked = 0
     for name, t in tensors.items():
@@ -328,10 +294,10 @@ def test_compressed_tensors_decompresses_dgemmas_files_to_dgemmas_weights(dgemma
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 def test_dgemmas_w8a8_runs_as_its_exact_dequantization(dgemma_w8a8, fmt, tmp_path):
     out = dgemma_w8a8[fmt]
-    tensors = tensors_of(out)
+    tensors = checkpoint_tensors(out)
     deq = {n[: -len("_scale")]: tensors[n[: -len("_scale")]].float() * t.float()
            for n, t in tensors.items() if n.endswith(".weight_scale")}
-    write_float(out, tmp_path / "float", deq)
+    write_float_copy(out, tmp_path / "float", deq)
     q_engine = load(out, device="cpu", dtype="float32")
     f_model = float_model(tmp_path / "float")
     assert generate(q_engine) == generate(Engine(f_model, None, q_engine.settings))
@@ -341,7 +307,7 @@ def test_dgemmas_w8a8_runs_as_its_exact_dequantization(dgemma_w8a8, fmt, tmp_pat
 def test_experts_policy_ignores_attention_and_mlp(checkpoints, tmp_path, capsys):
     out = tmp_path / "fp8-experts"
     quantize_checkpoint(checkpoints["five_to_one"], out, "fp8", "experts")
-    tensors = tensors_of(out)
+    tensors = checkpoint_tensors(out)
     assert tensors["model.decoder.layers.0.self_attn.q_proj.weight"].dtype == torch.float32
     assert tensors["model.decoder.layers.0.experts.0.gate_proj.weight"].dtype == torch.float8_e4m3fn
     assert run_main(["info", str(out)]) == 0
