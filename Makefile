@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test bench bench-gpu kernel-report demo venv clean
+.PHONY: test bench bench-gpu kernel-report demo demo-picture venv clean
 
 venv: $(STAMP)
 
@@ -40,6 +40,16 @@ kernel-report: $(STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
 
-# The main job on the bundled demo model: offline, on the CPU, with the live canvas view on a terminal.
+# The main job on a bundled demo model: offline, on the CPU, with the live canvas view on a terminal. A 4x4 sudoku
+# (dgemma_cli/demo_sudoku, trained by scripts/train_sudoku.py) solved step by step: the view draws the canvas as the
+# board and highlights the cells each step settles, anywhere on it, paced by --view-delay so that a person can follow
+# the real steps. The puzzle is held out (scripts/eval_sudoku.py): neither it nor its solution was trained on; it is
+# the first held-out puzzle on which this run takes 7 steps or more (5 on average: BENCHMARKS.md), as
+# `scripts/eval_sudoku.py --first-taking 7` finds it.
+DEMO_PROMPT ?= sudoku: ..4./..../.2.1/3...
 demo: $(STAMP)
-	$(VENV)/bin/dgemma run --model demo --device cpu "upper: hello diffusions"
+	$(VENV)/bin/dgemma run --model demo-sudoku --device cpu --seed 0 --view-delay 0.7 "$(DEMO_PROMPT)"
+
+# docs/demo.svg, the README's picture: every step of `make demo`'s run as the live view draws it, recorded by Rich.
+demo-picture: $(STAMP)
+	$(PY) scripts/render_demo_svg.py --prompt "$(DEMO_PROMPT)" --seed 0 --out docs/demo.svg

@@ -227,9 +227,10 @@ def run(
     t0 = time.perf_counter()
     try:
         if view == "live" and engine.tokenizer is not None:
-            from .view import view_for
+            from .view import Board, view_for
 
-            canvas_view = view_for(engine.tokenizer)
+            board = Board.from_hint(engine.view_hints.get("board"), engine.config.canvas_length)
+            canvas_view = view_for(engine.tokenizer, board=board, delay=view_delay)
             with canvas_view:
                 result = engine.generate(text, on_event=lambda e: (keep(e), canvas_view(e)), **kwargs)
         elif view != "none":  # plain (or live without a tokenizer to show tokens with)

@@ -14,20 +14,28 @@ Layout (redrawn in place on a terminal, gone when generation ends):
   last one shown equals `Done.tokens_per_forward` (and `--json`'s);
 - the canvas being denoised, every position in order: the positions accepted this step show their token,
   coloured by confidence (entropy: green sure, yellow, red unsure); the others are still noise and show as one dim
-  scrambled glyph each, a different one every step.
+  scrambled glyph each, a different one every step. With a board layout (`Board`, from a hint a checkpoint gives in
+  its `dgemma_view.json`, `{"board": {...}}`, which the caller reads), the cells are drawn as a grid instead, one
+  fixed-width cell per position, boxes ruled, and the cells accepted at this step and not at the one before are
+  highlighted (reverse video): the order in which the model settles cells shows, anywhere on the board.
 Redraws are throttled (`max_fps`); between redraws a step event costs a counter increment and keeping a reference
 to its `accepted` tensor (to tell what is new at the next redraw); no tensor is read, so a GPU is never synchronised
-for the view. The width follows the terminal at every redraw. When the terminal gets narrower, terminals that
-re-wrap what they show (most do) turn each row of the last frame into several; the region (`_Region`) counts the
-rows the last frame takes at the new width and erases them all before drawing, so no stale header is left behind.
+for the view. With a delay (`--view-delay`) every step is drawn and the view then pauses: generation waits for it, so
+a fast model's real steps can be followed by eye (the time paused is left out of the tokens per second).
+The width follows the terminal at every redraw. When the terminal gets narrower, terminals that re-wrap what they
+show (most do) turn each row of the last frame into several; the region (`_Region`) counts the rows the last frame
+takes at the new width and erases them all before drawing, so no stale header is left behind.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import time
+from dataclasses import dataclass
 from typing import Callable, TextIO
 
+from rich.cells import set_cell_size
 from rich.console import Console, Group
 from rich.control import Control
 from rich.live import Live
@@ -130,6 +138,54 @@ class _Region(LiveRender):
         return Control() if self._shape is None else self._erase(self.rows_on_screen())
 
 
+@dataclass(frozen=True)
+class Board:
+    """Where a board's cells sit in the canvas: row r, column c is canvas position `r * row_stride + c`.
+
+    rows x cols cells, ruled into boxes of box[0] x box[1] cells (a sudoku's); each cell is `cell_width` terminal
+    cells wide, so every cell lines up whatever token it shows. Positions outside the board (separators, the end
+    token, padding) are not drawn, but count in the header as every position does.
+    """
+
+    rows: int
+    cols: int
+    box: tuple[int, int]  # (box rows, box columns); the whole board is one box when the hint gives none
+    row_stride: int
+    cell_width: int = 1
+
+    @classmethod
+    def from_hint(cls, hint, canvas_length: int) -> Board | None:
+        """A checkpoint's `board` hint (a dict) -> a Board, or None when there is none or it does not describe a
+        board that fits the canvas (the view then draws the canvas as text: a bad hint never stops generation)."""
+        if not isinstance(hint, dict):
+            return None
+        try:
+            rows, cols = int(hint["rows"]), int(hint["cols"])
+            box = tuple(int(x) for x in hint.get("box", (rows, cols)))
+            stride = int(hint.get("row_stride", cols))
+            width = int(hint.get("cell_width", 1))
+        except (KeyError, TypeError, ValueError):
+            return None
+        if rows < 1 or cols < 1 or stride < cols or not 1 <= width <= 8 or len(box) != 2:
+            return None
+        if min(box) < 1 or rows % box[0] or cols % box[1]:
+            return None
+        if (rows - 1) * stride + cols > canvas_length:
+            return None
+        return cls(rows, cols, box, stride, width)
+
+    def position(self, r: int, c: int) -> int:
+        return r * self.row_stride + c
+
+    def rule(self, left: str, mid: str, right: str) -> str:
+        """A horizontal rule, `┌─────┬─────┐` for 2 x 2 boxes: a box is a space before each cell, and one after."""
+        span = "─" * (self.box[1] * (self.cell_width + 1) + 1)
+        return left + mid.join([span] * (self.cols // self.box[1])) + right
+
+
+NEW_STYLE = "reverse bold"  # a cell accepted at this step and not at the one before
+
+
 def confidence_style(entropy: float) -> str:
     if entropy < 0.05:
         return "green"
@@ -143,8 +199,14 @@ class CanvasView:
 
     def __init__(self, piece: Callable[[int], str], console: Console | None = None, max_fps: float = DEFAULT_FPS,
                  skip_ids: set[int] | None = None, decode: Callable[[list[int]], str] | None = None,
-                 strip: Callable[[str], str] | None = None, pad_id: int | None = None):
+                 strip: Callable[[str], str] | None = None, pad_id: int | None = None, board: Board | None = None,
+                 delay: float = 0.0):
+        if not (math.isfinite(delay) and delay >= 0):
+            raise ValueError(f"the view's delay must be a finite number of seconds >= 0 (got {delay})")
         self.piece = piece  # one token -> text, for the canvas being denoised
+        self.board = board  # draw the canvas as this board (None: as text, every position in order)
+        self.delay = delay  # seconds to pause after drawing each step (0: none, and redraws are throttled)
+        self.paused = 0.0  # seconds paused so far, left out of the tokens per second
         self.decode = decode or (lambda ids: "".join(piece(t) for t in ids))  # finished canvases, decoded whole
         self.strip = strip or (lambda s: s)  # removes special-token strings from finished text
         self.console = console or Console(stderr=True)
@@ -201,7 +263,7 @@ class CanvasView:
 
     def rates(self, kept: int, forwards: int) -> str:
         """Tokens per forward pass (the sampler's definition) and per second, for `kept` tokens so far."""
-        per_second = kept / max(time.perf_counter() - self.started, 1e-9)
+        per_second = kept / max(time.perf_counter() - self.started - self.paused, 1e-9)
         return f"{tokens_per_forward(kept, forwards):.1f} tok/forward · {per_second:,.0f} tok/s"
 
     def header(self, ev: Step, counts: tuple[int, int, int]) -> Text:
@@ -216,26 +278,56 @@ class CanvasView:
         return Text(f"canvas {ev.canvas_index + 1} done in {ev.steps[0]} steps · "
                     f"{self.rates(self.kept, self.forwards_done)}", style="bold")
 
-    def canvas_text(self, ev: Step) -> tuple[Text, tuple[int, int, int]]:
-        """(the canvas as text, (positions newly accepted at this step, accepted in all, accepted non-pad))."""
+    def cells(self, ev: Step) -> tuple[list[tuple[str, str, bool]], tuple[int, int, int]]:
+        """Per canvas position (text, style, accepted at this step and not at the one before), and the counts
+        (positions newly accepted at this step, accepted in all, accepted non-pad)."""
         canvas = ev.canvas[0].tolist()
         accepted, entropy = ev.accepted[0].tolist(), ev.entropy[0].tolist()
         before = self._before[0].tolist() if self._before is not None else [False] * len(accepted)
-        runs: list[tuple[str, str]] = []  # (text, style), neighbours of one style merged: fewer spans to lay out
+        out: list[tuple[str, str, bool]] = []
         new = n = kept = 0
         for i, (token, ok, was, h) in enumerate(zip(canvas, accepted, before, entropy)):
             if ok:
                 n += 1
                 new += not was
                 kept += token != self.pad_id
-                text, style = self.token_text(token), confidence_style(h)
+                out.append((self.token_text(token), confidence_style(h), not was))
             else:  # still noise: one scrambled glyph
-                text, style = NOISE_GLYPHS[(i * 7 + ev.step * 13) % len(NOISE_GLYPHS)], "dim"
+                out.append((NOISE_GLYPHS[(i * 7 + ev.step * 13) % len(NOISE_GLYPHS)], "dim", False))
+        return out, (new, n, kept)
+
+    def canvas_text(self, ev: Step) -> tuple[Text, tuple[int, int, int]]:
+        """(the canvas as text, or as the board when there is one; the counts, as `cells` gives them)."""
+        cells, counts = self.cells(ev)
+        if self.board is not None:
+            return self.board_text(cells), counts
+        runs: list[tuple[str, str]] = []  # (text, style), neighbours of one style merged: fewer spans to lay out
+        for text, style, _ in cells:
             if runs and runs[-1][1] == style:
                 runs[-1] = (runs[-1][0] + text, style)
             else:
                 runs.append((text, style))
-        return Text.assemble(*runs), (new, n, kept)
+        return Text.assemble(*runs), counts
+
+    def board_text(self, cells: list[tuple[str, str, bool]]) -> Text:
+        """The board's cells as a ruled grid, each cell `cell_width` wide; new cells highlighted (NEW_STYLE)."""
+        b = self.board
+        lines = [Text(b.rule("┌", "┬", "┐"), style="dim")]
+        for r in range(b.rows):
+            if r and r % b.box[0] == 0:
+                lines.append(Text(b.rule("├", "┼", "┤"), style="dim"))
+            line = Text()  # no base style: a cell's style is its own
+            line.append("│", style="dim")
+            for c in range(b.cols):
+                if c and c % b.box[1] == 0:
+                    line.append(" │", style="dim")
+                text, style, new = cells[b.position(r, c)]
+                line.append(" ")
+                line.append(set_cell_size(text, b.cell_width), style=f"{style} {NEW_STYLE}" if new else style)
+            line.append(" │", style="dim")
+            lines.append(line)
+        lines.append(Text(b.rule("└", "┴", "┘"), style="dim"))
+        return Text("\n").join(lines)
 
     def token_text(self, token: int) -> str:
         """How one accepted token shows (cached: the same ids come back every step)."""
@@ -257,12 +349,15 @@ class CanvasView:
             self.forwards += 1
             self._before, self._accepted = (self._accepted if ev.step > 1 else None), ev.accepted
             now = time.perf_counter()
-            if now - self.last_draw < self.min_interval:
+            if not self.delay and now - self.last_draw < self.min_interval:
                 return
             self.live.update(self.render(ev), refresh=True)
             self.last_draw = time.perf_counter()
             self.draws += 1
             self.draw_seconds += self.last_draw - now
+            if self.delay:  # generation waits here: the real steps, at a pace a person can follow
+                time.sleep(self.delay)
+                self.paused += time.perf_counter() - self.last_draw
         elif isinstance(ev, CanvasDone):
             t = time.perf_counter()
             self.finished_ids += [int(x) for x in ev.tokens[0].tolist() if int(x) not in self.skip_ids]
@@ -275,10 +370,12 @@ class CanvasView:
             self.live.update(Text(""), refresh=True)
 
 
-def view_for(tok, console: Console | None = None, max_fps: float = DEFAULT_FPS) -> CanvasView:
+def view_for(tok, console: Console | None = None, max_fps: float = DEFAULT_FPS, board: Board | None = None,
+             delay: float = 0.0) -> CanvasView:
     """The view for a tokenizer (dgemma_cli.tokenizer.Tokenizer): pad, end-of-sequence and end-of-turn tokens are
-    not shown, special-token strings are stripped from finished text."""
+    not shown, special-token strings are stripped from finished text. board: the canvas's layout (Board.from_hint
+    on the checkpoint's hint), delay: seconds to pause after each step drawn."""
     skip = {i for i in (tok.pad_id, tok.eos_id, tok.end_of_turn_id) if i is not None}
     return CanvasView(lambda t: tok.decode([t], skip_special_tokens=False), console=console, max_fps=max_fps,
                       skip_ids=skip, decode=lambda ids: tok.decode(ids, skip_special_tokens=False),
-                      strip=tok.strip_special, pad_id=tok.pad_id)
+                      strip=tok.strip_special, pad_id=tok.pad_id, board=board, delay=delay)

@@ -168,9 +168,9 @@ def make_batch(rng: random.Random, size: int):
 # ----------------------------------------------------------------------------- model
 
 
-def build_model(seed: int) -> tuple[DiffusionGemma, dict]:
+def build_model(seed: int, canvas: int = CANVAS, text_config: dict = TEXT_CONFIG) -> tuple[DiffusionGemma, dict]:
     config = {"architectures": ["DiffusionGemmaForBlockDiffusion"], "model_type": "diffusion_gemma",
-              "canvas_length": CANVAS, "text_config": TEXT_CONFIG, "tie_word_embeddings": True,
+              "canvas_length": canvas, "text_config": text_config, "tie_word_embeddings": True,
               "boi_token_id": 255999, "eoi_token_id": 258882, "image_token_id": 258880,
               "initializer_range": 0.02, "dtype": "float32"}
     torch.manual_seed(seed)
@@ -185,26 +185,26 @@ def build_model(seed: int) -> tuple[DiffusionGemma, dict]:
 
 
 def loss_on(model: DiffusionGemma, prompt, valid, canvas, held, rng: torch.Generator, self_condition: bool):
-    B = canvas.shape[0]
+    B, C = canvas.shape
     V = model.cfg.text.vocab_size
-    cache = model.new_cache(B, prompt.shape[1] + CANVAS)
+    cache = model.new_cache(B, prompt.shape[1] + C)
     model.encode(prompt, cache, valid)
     t = torch.rand(B, 1, generator=rng)
-    noisy = torch.where((torch.rand(B, CANVAS, generator=rng) < t) & ~held,
-                        torch.randint(0, V, (B, CANVAS), generator=rng), canvas)
+    noisy = torch.where((torch.rand(B, C, generator=rng) < t) & ~held,
+                        torch.randint(0, V, (B, C), generator=rng), canvas)
     ctx = model.denoise_context(cache, B)
     sc_probs = None
     if self_condition:
         with torch.no_grad():
             first = model.denoise(noisy, cache.clone(), ctx)
             temp = 0.4 + 0.4 * torch.rand(B, 1, 1, generator=rng)
-            sc_probs = torch.softmax(first / temp, dim=-1).view(B * CANVAS, V)
+            sc_probs = torch.softmax(first / temp, dim=-1).view(B * C, V)
     logits = model.denoise(noisy, cache.clone(), ctx, sc_probs=sc_probs)
-    ce = F.cross_entropy(logits.reshape(-1, V), canvas.reshape(-1), reduction="none").view(B, CANVAS)
+    ce = F.cross_entropy(logits.reshape(-1, V), canvas.reshape(-1), reduction="none").view(B, C)
     return (ce * ~held).sum() / (~held).sum()
 
 
-def save(model: DiffusionGemma, config: dict, out: Path) -> None:
+def save(model: DiffusionGemma, config: dict, out: Path, generation_config: dict = GENERATION_CONFIG) -> None:
     """Write the checkpoint in the published layout: text stack under model.decoder.*, encoder scalars apart."""
     from safetensors.torch import save_file
 
@@ -222,7 +222,7 @@ def save(model: DiffusionGemma, config: dict, out: Path) -> None:
         tensors[checkpoint_name(name, "model.decoder.")] = value.detach().contiguous().clone()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
     write_tokenizer(out)
 
 
