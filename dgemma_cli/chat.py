@@ -483,11 +483,13 @@ def _answer_turn(conv: Conversation, text: str, settings, view: str, seed: int |
     for note in conv.notices:
         err.write(f"({note})\n")
     conv.notices.clear()
-    from .view import PlainProgress, choose_view, view_for
+    from .view import Board, PlainProgress, choose_view, view_for
 
     # /view live on a terminal that cannot move the cursor (TERM=dumb) shows plain lines, as `dgemma run` does
     view = choose_view(view, stdout_tty=True, stderr_tty=err.isatty(), term=os.environ.get("TERM"))
-    show = view_for(conv.tok) if view == "live" else PlainProgress(err) if view == "plain" else None
+    engine = conv.engine
+    board = Board.from_hint(engine.view_hints.get("board"), engine.config.canvas_length)  # the checkpoint's layout
+    show = view_for(conv.tok, board=board) if view == "live" else PlainProgress(err) if view == "plain" else None
     try:
         if view == "live":
             with show:
