@@ -1,7 +1,7 @@
 """The package's modules depend one way (../shared/DESIGN.md, section 9): no import circle, even through imports
 inside functions, and the helpers at the bottom (errors, names, device) import nothing above them.
 
-Issue 12, item 12: engine -> store (model names) -> quantize -> engine (device choice) was a circle; the model-name
+engine -> store (model names) -> quantize -> engine (device choice) was once a circle; the model-name
 helpers now live in names.py and the device helpers in device.py, below all three.
 """
 

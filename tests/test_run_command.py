@@ -1,4 +1,4 @@
-"""`dgemma run` as a new user meets it (issue 12): finished work survives Ctrl-C and arrives as it is done, an
+"""`dgemma run` as a new user meets it: finished work survives Ctrl-C and arrives as it is done, an
 empty answer is said, no flag is silently ignored, cheap flags fail before torch loads, and what people coming
 from ollama, llm or llama.cpp type works (-h, unquoted words, --quiet).
 
