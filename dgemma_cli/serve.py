@@ -690,13 +690,14 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def model_id(model: str) -> str:
-    """The name clients send: 'demo', a store name as given, or a directory's own name."""
+    """The name clients send: a bundled model's ('demo', 'demo-sudoku'), a store name as given, or a directory's own
+    name."""
     from pathlib import Path
 
-    from .names import resolve_model
+    from .names import BUNDLED, resolve_model
 
     path = resolve_model(model)
-    return model if model == "demo" or not Path(model).expanduser().is_dir() else path.resolve().name
+    return model if model in BUNDLED or not Path(model).expanduser().is_dir() else path.resolve().name
 
 
 def serve(model: str, *, host: str, port: int, api_key: str | None, max_batch: int, max_queue: int,
