@@ -332,14 +332,19 @@ def prompt_session(history: Path | None):
                          prompt_continuation=lambda width, line, wrap: "." * (width - 1) + " ")
 
 
-def run_chat(engine, *, system: str | None, settings, think: bool, view: str, context: int,
+DEFAULT_CONTEXT = 8192  # tokens of conversation kept when --context is not given (capped at the model's context)
+
+
+def run_chat(engine, *, system: str | None, settings, think: bool, view: str, context: int | None,
              seed: int | None, out=None, err=None) -> int:
-    """The interactive loop; returns the exit status. `settings`: the sampler's (GenerationSettings)."""
+    """The interactive loop; returns the exit status. `settings`: the sampler's (GenerationSettings); `context`:
+    --context, None when not given."""
     out, err = out or sys.stdout, err or sys.stderr
+    asked, context = context is not None, context or DEFAULT_CONTEXT
     conv = Conversation(engine, context, system, think)
     session = prompt_session(history_file())
     err.write("dgemma chat: /help for commands, Ctrl-D to leave\n")
-    if conv.context < context:
+    if asked and conv.context < context:  # said only for a --context the user gave
         err.write(f"(--context {context} is more than this model's {conv.context} positions: the chat keeps "
                   f"{conv.context})\n")
     err.flush()

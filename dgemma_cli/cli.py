@@ -429,7 +429,9 @@ def chat(
     stability_threshold: Optional[int] = _sampler_option("stability-threshold"),
     think: bool = typer.Option(False, "--think", help="Let the model think before answering."),
     view: str = typer.Option("live", "--view", help="live, plain or none."),
-    context: int = typer.Option(8192, "--context", help="Tokens of conversation kept (oldest turns drop)."),
+    context: Optional[int] = typer.Option(None, "--context", show_default=False,
+                                          help="Tokens of conversation kept (oldest turns drop). Default: 8192, or "
+                                               "the model's context if smaller."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed each turn's generation."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
     dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto."),
@@ -444,7 +446,7 @@ def chat(
     _check_device_dtype(device, dtype)
     if view not in ("live", "plain", "none"):
         raise UsageError(f"--view must be live, plain or none (got {view!r})")
-    if context < 64:
+    if context is not None and context < 64:
         raise UsageError("--context must be at least 64")
     if not sys.stdin.isatty():
         raise UsageError("dgemma chat needs a terminal; for pipes use `dgemma run` (--each-line for many prompts)")
