@@ -11,6 +11,7 @@ The engine joins the pieces (weights, network, tokenizer, sampler) and owns noth
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -153,6 +154,7 @@ class Engine:
         self.settings = settings  # the checkpoint's defaults; per-call overrides never mutate them
         self.path = path
         self._vision = None  # the vision tower, read from the checkpoint at the first image
+        self._vision_lock = threading.Lock()  # the server's request threads may ask for it at once: read it once
 
     @property
     def config(self) -> ModelConfig:
@@ -275,11 +277,12 @@ class Engine:
 
     def vision_tower(self):
         """The vision tower, read on first use in the text model's device and dtype."""
-        if self._vision is None:
-            from .vision import load_vision
+        with self._vision_lock:
+            if self._vision is None:
+                from .vision import load_vision
 
-            self._vision = load_vision(self.path, self.config.vision, self.config.text.hidden_size,
-                                       device=self.model.device, dtype=self.model.dtype)
+                self._vision = load_vision(self.path, self.config.vision, self.config.text.hidden_size,
+                                           device=self.model.device, dtype=self.model.dtype)
         return self._vision
 
     def image_features(self, images: Sequence) -> torch.Tensor:
