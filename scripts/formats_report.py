@@ -35,16 +35,9 @@ CASES = {"ct_fp8_dynamic": ("fp8", "llmcompressor FP8_DYNAMIC", CT["ct_fp8_dynam
 
 
 def log_probs(path: Path, prompts) -> torch.Tensor:
+    """log softmax of the first step [B, C, V] of the checkpoint at `path` (checkpoints.first_step_logits)."""
     m = load(path, device="cpu", dtype="float32").model
-    C = m.cfg.canvas_length
-    out = []
-    with torch.no_grad():
-        for ids in prompts:
-            cache = m.new_cache(1, len(ids) + C)
-            m.encode(torch.tensor([ids]), cache)
-            canvas = torch.randint(0, m.cfg.text.vocab_size, (1, C), generator=torch.Generator().manual_seed(1))
-            out.append(torch.log_softmax(m.denoise(canvas, cache, m.denoise_context(cache, 1)), -1))
-    return torch.cat(out)
+    return torch.cat([torch.log_softmax(checkpoints.first_step_logits(m, ids), -1) for ids in prompts])
 
 
 def main() -> int:

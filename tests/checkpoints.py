@@ -162,3 +162,16 @@ def write_float_copy(src: Path, out: Path, deq: dict, drop=(".input_scale",)) ->
     config.pop("quantization_config", None)
     (out / "config.json").write_text(json.dumps(config))
     shutil.copyfile(src / "generation_config.json", out / "generation_config.json")
+
+
+def first_step_logits(model, ids: list[int]):
+    """The decoder's first-step logits [1, C, V] for one prompt's ids on a fixed random canvas (seed 1): what the
+    format tests compare between a quantized checkpoint and its float twin."""
+    import torch
+
+    C = model.cfg.canvas_length
+    with torch.no_grad():
+        cache = model.new_cache(1, len(ids) + C)
+        model.encode(torch.tensor([ids]), cache)
+        canvas = torch.randint(0, model.cfg.text.vocab_size, (1, C), generator=torch.Generator().manual_seed(1))
+        return model.denoise(canvas, cache, model.denoise_context(cache, 1))

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from checkpoints import checkpoint_tensors, write_float_copy
+from checkpoints import checkpoint_tensors, first_step_logits, write_float_copy
 from cli_helpers import run_main
 from dgemma_cli.engine import Engine, load
 from dgemma_cli.errors import ModelError
@@ -65,15 +65,6 @@ def float_model(path: Path):
     for p in model.parameters():
         p.data = p.data.clone()
     return model
-
-
-def first_step_logits(model, ids: list[int]) -> torch.Tensor:
-    C = model.cfg.canvas_length
-    with torch.no_grad():
-        cache = model.new_cache(1, len(ids) + C)
-        model.encode(torch.tensor([ids]), cache)
-        canvas = torch.randint(0, model.cfg.text.vocab_size, (1, C), generator=torch.Generator().manual_seed(1))
-        return model.denoise(canvas, cache, model.denoise_context(cache, 1))
 
 
 def generate(engine: Engine, **kw) -> list[list[int]]:

@@ -27,7 +27,7 @@ import torch
 from fake_hub import fake_hub, serve_directory  # noqa: F401  (the fixture)
 from safetensors.torch import load_file, save_file
 
-from checkpoints import checkpoint_tensors, write_float_copy
+from checkpoints import checkpoint_tensors, first_step_logits, write_float_copy
 from cli_helpers import run_main
 from dgemma_cli import store
 from dgemma_cli.engine import Engine, load
@@ -54,15 +54,6 @@ def float_model(path: Path):
     for p in model.parameters():
         p.data = p.data.clone()
     return model
-
-
-def first_step_logits(model, ids):
-    C = model.cfg.canvas_length
-    with torch.no_grad():
-        cache = model.new_cache(1, len(ids) + C)
-        model.encode(torch.tensor([ids]), cache)
-        canvas = torch.randint(0, model.cfg.text.vocab_size, (1, C), generator=torch.Generator().manual_seed(1))
-        return model.denoise(canvas, cache, model.denoise_context(cache, 1))
 
 
 def generate(engine: Engine):

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from checkpoints import first_step_logits
 from cli_helpers import run_main
 from dgemma_cli.engine import Engine, load
 from dgemma_cli.model import QuantizedExperts
@@ -252,16 +253,7 @@ def test_unsupported_quantization_is_refused_by_name(checkpoints, tmp_path, caps
 
 def first_step_log_probs(engine, prompts):
     """log softmax of the decoder's first step on a fixed random canvas [B, C, V] (float32)."""
-    m = engine.model
-    C = m.cfg.canvas_length
-    out = []
-    with torch.no_grad():
-        for ids in prompts:
-            cache = m.new_cache(1, len(ids) + C)
-            m.encode(torch.tensor([ids]), cache)
-            canvas = torch.randint(0, m.cfg.text.vocab_size, (1, C), generator=torch.Generator().manual_seed(1))
-            out.append(torch.log_softmax(m.denoise(canvas, cache, m.denoise_context(cache, 1)), -1))
-    return torch.cat(out)
+    return torch.cat([torch.log_softmax(first_step_logits(engine.model, ids), -1) for ids in prompts])
 
 
 def test_kl_and_agreement_against_the_unquantized_model(checkpoints, quantized):
