@@ -177,3 +177,14 @@ def store_rounded(ptr, value, mask, EMULATE: tl.constexpr):
         if ptr.dtype.element_ty == tl.bfloat16:
             value = round_bf16(value)
     tl.store(ptr, value.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def row_absmax(base, K, BLOCK_K: tl.constexpr):
+    """max |x| over one row of K elements at `base` (any float dtype), in float32: the first sweep of the per-row
+    activation quantizers."""
+    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        amax = tl.maximum(amax, tl.abs(tl.load(base + cols, mask=cols < K, other=0.0).to(tl.float32)))
+    return tl.max(amax, axis=0)

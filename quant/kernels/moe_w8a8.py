@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .common import block_rows, gelu_tanh
+from .common import block_rows, gelu_tanh, row_absmax
 from .nvfp4_act import e4m3_bits, round_e4m3
 
 QMAX = {"int8": 127.0, "fp8": 448.0}
@@ -54,11 +54,7 @@ def quantize_rows_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, K, QMAX: tl.constexpr, FP
         if tl.load(ids_ptr + row) < 0:
             return
     base = x_ptr + row * K
-    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        amax = tl.maximum(amax, tl.abs(tl.load(base + cols, mask=cols < K, other=0.0).to(tl.float32)))
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), QMAX), 1.1754943508222875e-38)  # at least tiny
+    scale = tl.maximum(tl.math.div_rn(row_absmax(base, K, BLOCK_K), QMAX), 1.1754943508222875e-38)  # at least tiny
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import row_absmax
+
 
 @triton.jit
 def round_e4m3(s):
@@ -54,11 +56,7 @@ def quantize_act_kernel(x_ptr, q_ptr, s_ptr, g_ptr, ids_ptr, K, BLOCK_K: tl.cons
         if tl.load(ids_ptr + row) < 0:
             return
     base = x_ptr + row * K
-    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        amax = tl.maximum(amax, tl.abs(tl.load(base + cols, mask=cols < K, other=0.0).to(tl.float32)))
-    g = tl.maximum(tl.max(amax, axis=0) / 2688.0, 1.1754943508222875e-38)  # amax / (6 * 448), at least tiny
+    g = tl.maximum(row_absmax(base, K, BLOCK_K) / 2688.0, 1.1754943508222875e-38)  # amax / (6 * 448), at least tiny
     tl.store(g_ptr + row, g)
     for k0 in range(0, K, BLOCK_K):
         blk = k0 // 16 + tl.arange(0, BLOCK_K // 16)
