@@ -48,21 +48,22 @@ def e2m1_pair(w, q: tl.constexpr):
 
 
 @triton.jit
-def scaled_pair(r, scale, EMULATE: tl.constexpr):
-    """A decoded pair (bfloat16 a * 2^-126 in each half of r [BN, W]) times the bfloat16 scale s * 2^64 [BN, W] ->
-    [BN, W, 2] bfloat16 a * s * 2^-62 (low half, high half), exact. The halves are joined before the multiply, high
-    first and flipped after: built that way the compiler keeps r as the one register it is and multiplies both
-    halves with one instruction (joined low first, it swaps the halves before and after the multiply: two byte
-    permutes per pair). The code for 0.5 is a bfloat16 subnormal here (2^-127), which the GPU's bfloat16 multiply
-    takes as it is; the interpreter flushes bfloat16 subnormals and its bfloat16 products are wrong, so EMULATE
-    reads each half as a float32 (2^-127 is exact there too) and multiplies in float32."""
-    bits = tl.join((r >> 16).to(tl.int16), r.to(tl.int16))  # [BN, W, 2]: (high half, low half)
+def scaled_pair(r, scale2, EMULATE: tl.constexpr):
+    """A decoded pair (bfloat16 a * 2^-126 in each half of r [BN, W] int32) times the scale (scale2 [BN, W] int32:
+    the bfloat16 bits of s * 2^64 in both halves) -> [BN, W, 2] bfloat16 a * s * 2^-62 (low half, high half), exact.
+    On a GPU one packed bfloat16x2 multiply-add per pair (-0 added, so every product keeps its sign), written as PTX:
+    a multiply of two 16-bit values each, as Triton would write it, leaves ptxas to repack the halves and costs a
+    register move per pair. The code for 0.5 is a bfloat16 subnormal here (2^-127), which the packed bfloat16 units
+    take as it is; the interpreter flushes bfloat16 subnormals, runs no PTX and its bfloat16 products are wrong, so
+    EMULATE reads each half as a float32 (2^-127 is exact there too) and multiplies in float32."""
     if EMULATE:
-        f = ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-        v = (f * scale.to(tl.float32)[:, :, None]).to(tl.bfloat16)
-    else:
-        v = bits.to(tl.bfloat16, bitcast=True) * scale[:, :, None]
-    return tl.flip(v, 2)
+        s = (scale2 & -65536).to(tl.float32, bitcast=True)
+        lo = ((r & 0xFFFF) << 16).to(tl.float32, bitcast=True) * s
+        hi = (r & -65536).to(tl.float32, bitcast=True) * s
+        return tl.join(lo, hi).to(tl.bfloat16)
+    p = tl.inline_asm_elementwise("{ .reg .b32 z; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, $1, $2, z; }",
+                                  "=r,r,r", [r, scale2], dtype=tl.int32, is_pure=True, pack=1)
+    return tl.join(p.to(tl.int16), (p >> 16).to(tl.int16)).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -72,7 +73,8 @@ def nvfp4_tile(w, sbits, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ORDER: 
     [BLOCK_N, BLOCK_K] bfloat16 of a * s * 2^-62. K_ORDER: columns in K order (a byte permute per pair, so the
     pairs a word yields become K-adjacent); otherwise in the decode's own order, each group of 8 inputs as
     k0 k4 k1 k5 k2 k6 k3 k7 (`pair_order`), for a caller whose other operand is laid out the same way."""
-    s = e4m3_shifted(sbits).to(tl.bfloat16)
+    s = e4m3_shifted(sbits).to(tl.int32, bitcast=True)  # a float32 with 3 significant bits: exact as a bfloat16
+    s = s | (s >> 16)  # its bfloat16 bits in both halves
     s = tl.join(s, s).reshape(BLOCK_N, BLOCK_K // 8)  # one scale per word (16 elements = 2 words)
     p0 = scaled_pair(e2m1_pair(w, 0), s, EMULATE)  # [BN, BK/8, 2 (half)]: elements (q, q + 4) of each word
     p1 = scaled_pair(e2m1_pair(w, 1), s, EMULATE)

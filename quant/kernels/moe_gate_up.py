@@ -10,8 +10,9 @@ Operands (E experts, hidden H, expert width I, T tokens, top-k K):
   rows 0..I-1 are the gate, I..2I-1 the up projection;
 - h            [max_blocks * BLOCK_M, I] compute dtype, in the plan's padded row order (padding rows untouched).
 A program takes one block (one expert) and BLOCK_N columns of I, gathers its BLOCK_M token rows of x, and walks H
-in BLOCK_K steps dequantizing the gate and up tiles in registers (as the reference rounds them: (code * scale) *
-scale_2 in float32, then the compute dtype); gate and up accumulate in float32 and are rounded to the compute dtype
+in BLOCK_K steps dequantizing its gate and up rows as one [2 * BLOCK_N, BLOCK_K] tile in registers (as the reference
+rounds them: (code * scale) * scale_2 in float32, then the compute dtype) for one dot as wide as both; gate and up
+accumulate in float32 and are rounded to the compute dtype
 before the activation, as the reference's two matmuls are, then the product is rounded once more.
 """
 
@@ -69,9 +70,12 @@ def moe_gate_up_kernel(x_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, h
     slots, ids, live = block_rows(ids_ptr, pid_b, BLOCK_M)
     tok = tl.where(live, ids // TOPK, 0)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of I
+    # gate rows cols and up rows I + cols as one tile of 2 * BLOCK_N rows: one dot per K step, as wide as both
+    # (half the tensor-core instructions, descriptors and loop bookkeeping of two BLOCK_N-wide dots)
+    both = tl.arange(0, 2 * BLOCK_N)
+    rows = pid_n * BLOCK_N + both % BLOCK_N + (both // BLOCK_N) * I
     dtype = h_ptr.dtype.element_ty
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         if EVEN:
@@ -79,12 +83,10 @@ def moe_gate_up_kernel(x_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, h
         else:
             x = tl.load(x_ptr + tok[:, None].to(tl.int64) * H + rk[None, :],
                         mask=live[:, None] & (rk[None, :] < H), other=0.0)
-        g = weight_tile(w_ptr, s_ptr, e, cols, k0, H, 2 * I, FORMAT, BLOCK_K, BLOCK_N, dtype, EVEN, EMULATE)
-        u = weight_tile(w_ptr, s_ptr, e, cols + I, k0, H, 2 * I, FORMAT, BLOCK_K, BLOCK_N, dtype, EVEN, EMULATE)
-        acc_g = dot_acc(acc_g, x, tl.trans(g), IEEE, EMULATE)
-        acc_u = dot_acc(acc_u, x, tl.trans(u), IEEE, EMULATE)
-    acc_g = acc_g * row_factor(s2_ptr, e, cols, 2 * I, SEG, FORMAT, dtype)[None, :]
-    acc_u = acc_u * row_factor(s2_ptr, e, cols + I, 2 * I, SEG, FORMAT, dtype)[None, :]
+        w = weight_tile(w_ptr, s_ptr, e, rows, k0, H, 2 * I, FORMAT, BLOCK_K, 2 * BLOCK_N, dtype, EVEN, EMULATE)
+        acc = dot_acc(acc, x, tl.trans(w), IEEE, EMULATE)
+    acc = acc * row_factor(s2_ptr, e, rows, 2 * I, SEG, FORMAT, dtype)[None, :]
+    acc_g, acc_u = tl.split(tl.permute(acc.reshape(BLOCK_M, 2, BLOCK_N), (0, 2, 1)))
     # the reference rounds both matmul outputs and the activation to the compute dtype
     gate = to_compute(acc_g, dtype, EMULATE).to(tl.float32)
     up = to_compute(acc_u, dtype, EMULATE).to(tl.float32)
