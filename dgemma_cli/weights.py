@@ -260,7 +260,10 @@ def swap_quantized_modules(model: torch.nn.Module, records: dict[str, TensorReco
             if quantized:
                 swapped[path] = "linear"
                 if fmt:
-                    _set_module(model, path, fmt.make_linear(mod.in_features, mod.out_features, "meta"))
+                    new = fmt.make_linear(mod.in_features, mod.out_features, "meta")
+                    if fmt.input_scales and base + ".input_scale" in records:
+                        new.expect_input_scale()
+                    _set_module(model, path, new)
         elif isinstance(mod, Experts):
             layer = int(path.split(".")[1])
             base = expert_base(layer, prefix)
@@ -279,6 +282,10 @@ def swap_quantized_modules(model: torch.nn.Module, records: dict[str, TensorReco
                     raise ModelError(f"{base}: the checkpoint stores these experts {how}, which its {fmt.label} "
                                      "format does not")
                 gate_up, down = fmt.make_experts(E, H, twoI // 2, layout, device="meta")
+                if fmt.input_scales and layout == "per_expert":  # fused stacks: no published layout stores them
+                    for stack, proj in ((gate_up, "gate_proj"), (down, "down_proj")):
+                        if qformats.per_expert_name(base, 0, proj, "input_scale") in records:
+                            stack.expect_input_scale()
                 _set_module(model, path, QuantizedExperts(E, gate_up, down))
     if swapped and fmt is None:
         first = next(iter(swapped))

@@ -1,13 +1,15 @@
 """Quantized modules: packed weights in memory, a plain PyTorch reference forward that dequantizes just before use.
 
 Buffers carry the names they have in a checkpoint, so a loader maps them one to one:
-- `NVFP4Linear`: weight uint8 [N, K/2], weight_scale float8_e4m3fn [N, K/16], weight_scale_2 float32 [] (ModelOpt).
+- `NVFP4Linear`: weight uint8 [N, K/2], weight_scale float8_e4m3fn [N, K/16], weight_scale_2 float32 [] (ModelOpt),
+  and, where the checkpoint has one, input_scale float32 [] (the calibrated activation scale W4A4 uses).
 - `Int8Linear`: weight int8 [N, K], weight_scale float32 [N] (dgemma's INT8).
 - `W8A8Linear`: weight float8_e4m3fn or int8 [N, K], weight_scale float32 [N, 1] (compressed-tensors' channel
   layout), with dynamic per-token 8-bit activations where the GPU has the tensor cores (w8a8.py).
 - `NVFP4Stack` / `Int8Stack` / `W8A8Stack`: E matrices [E, N, K] stacked (routed experts), same packing per
   matrix; NVFP4 keeps one global scale per expert per row segment, weight_scale_2 [E, S], so an expert's gate and up
-  halves may carry their own (ModelOpt stores them per projection). `dequantize(dtype)` gives [E, N, K], a few
+  halves may carry their own (ModelOpt stores them per projection), and input_scale [E, S] likewise where the
+  checkpoint has them. `dequantize(dtype)` gives [E, N, K], a few
   experts at a time so the float32 temporaries stay small.
 The Triton kernels (quant/kernels/) implement the same functions behind the same modules: `forward` and
 `fused_experts` call them when `DGEMMA_KERNELS` selects Triton for the input's device and the kernel passed its
@@ -26,7 +28,8 @@ from .kernels.probe import family_ok
 
 
 def w4a4(device: torch.device) -> bool:
-    """NVFP4 linears and experts multiply FP4 activations (W4A4, quantized per token on the fly) where the GPU has
+    """NVFP4 linears and experts multiply FP4 activations (W4A4, quantized on the fly with the checkpoint's
+    calibrated `input_scale`, or per token where it has none) where the GPU has
     FP4 tensor cores, sm_100 and sm_120, unless DGEMMA_W4A4=0; elsewhere (and on the CPU) 16-bit activations. W4A4
     trades accuracy for math throughput: see README, Speed, and BENCHMARKS.md."""
     import os
@@ -51,6 +54,11 @@ class NVFP4Linear(nn.Module):
         self.register_buffer("weight_scale", torch.empty(out_features, in_features // nvfp4.BLOCK,
                                                          dtype=torch.float8_e4m3fn, device=device))
         self.register_buffer("weight_scale_2", torch.empty((), dtype=torch.float32, device=device))
+        self.register_buffer("input_scale", None)  # a buffer once `expect_input_scale` says the checkpoint has one
+
+    def expect_input_scale(self) -> None:
+        """The checkpoint stores this module's calibrated activation scale: load it (W4A4 then uses it)."""
+        self.register_buffer("input_scale", torch.empty((), dtype=torch.float32, device=self.weight.device))
 
     @classmethod
     def from_weight(cls, q: nvfp4.NVFP4Weight) -> NVFP4Linear:
@@ -69,7 +77,8 @@ class NVFP4Linear(nn.Module):
                 and family_ok("nvfp4_w4a4", x.device, x.dtype)):
             from .kernels.nvfp4_w4a4 import nvfp4_w4a4
 
-            return nvfp4_w4a4(x, self.weight, self.weight_scale, self.weight_scale_2.expand(self.out_features))
+            return nvfp4_w4a4(x, self.weight, self.weight_scale, self.weight_scale_2.expand(self.out_features),
+                              self.input_scale)
         if use_triton(x.device) and family_ok("nvfp4_linear", x.device, x.dtype):
             from .kernels.nvfp4_linear import nvfp4_linear
 
@@ -149,7 +158,8 @@ def fused_experts_w4a4(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, top
     E, two_i, H = gate_up.shape
     block_m, warps = block_w4a4(T * K / E, H, two_i // 2, x.device)
     ids, block_expert = moe_blocks(top_k_index, E, block_m)
-    return moe_w4a4(x, ids, block_expert, gate_up, down, top_k_weights.reshape(-1), T, K, block_m, warps)
+    return moe_w4a4(x, ids, block_expert, gate_up, down, top_k_weights.reshape(-1), T, K, block_m, warps,
+                    gate_up.activation_scale(), down.activation_scale())
 
 
 class _Stack(nn.Module):
@@ -189,6 +199,21 @@ class NVFP4Stack(_Stack):
         self.register_buffer("weight_scale", torch.empty(num, out_features, in_features // nvfp4.BLOCK,
                                                          dtype=torch.float8_e4m3fn, device=device))
         self.register_buffer("weight_scale_2", torch.empty(num, segments, dtype=torch.float32, device=device))
+        self.register_buffer("input_scale", None)  # [E, S] once `expect_input_scale` says the checkpoint has them
+        self._activation_scale = None
+
+    def expect_input_scale(self) -> None:
+        """The checkpoint stores a calibrated activation scale per expert projection: load them (W4A4 uses them)."""
+        self.register_buffer("input_scale", torch.empty_like(self.weight_scale_2))
+
+    def activation_scale(self) -> torch.Tensor | None:
+        """One static scale for the activations of all the experts (float32 [1]), the largest of their calibrated
+        ones: a token's activations are quantized once for every expert it is routed to. None without them."""
+        if self.input_scale is None:
+            return None
+        if self._activation_scale is None or self._activation_scale.device != self.input_scale.device:
+            self._activation_scale = self.input_scale.amax().float().reshape(1)
+        return self._activation_scale
 
     @classmethod
     def from_weights(cls, w: torch.Tensor, segments: int = 1, search: bool = False) -> NVFP4Stack:

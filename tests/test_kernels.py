@@ -73,6 +73,25 @@ def test_activation_quantization_matches_emulation(dtype):
         assert (ref[1] < 8).any()  # a subnormal e4m3 scale was exercised
 
 
+def test_activation_quantization_with_a_static_scale_matches_emulation():
+    """With a checkpoint's calibrated scale (ModelOpt's input_scale) every row takes that global scale; rows whose
+    blocks exceed what it allows saturate (block scale 448, codes 6) exactly as nvfp4.quantize does with the same
+    scale_2, and a scale larger than needed leaves small values on subnormal block scales, also code for code."""
+    from quant.kernels.nvfp4_act import quantize_act, quantize_act_reference
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 80, generator=g) * torch.tensor([1.0, 10.0, 100.0, 1e-3])[:, None]
+    for saturates, scale in ((True, x[1].abs().max() / 2688), (False, x.abs().max() / 2688 * 4)):
+        scale = scale.reshape(1)
+        got = quantize_act(x.to(DEVICE), global_scale=scale.to(DEVICE))
+        ref = quantize_act_reference(x, scale)
+        for a, b in zip(got, ref):
+            assert torch.equal(a.cpu(), b)
+        assert torch.equal(got[2].cpu(), scale.expand(4))  # every row reports the static scale
+        row2 = nvfp4.dequantize_packed(ref[0][2:3], ref[1][2:3].view(torch.float8_e4m3fn), torch.ones(1))
+        assert bool(row2.abs().max() == 6 * 448) is saturates  # row 2 (100x row 1) clipped at the largest value
+
+
 @pytest.mark.parametrize("rows", [1, 17, 130])
 def test_w4a4_matches_emulation(rows):
     """FP4 x FP4 (W4A4) against the PyTorch emulation of the same quantization: float32 to summation order,
@@ -88,6 +107,12 @@ def test_w4a4_matches_emulation(rows):
         got = nvfp4_w4a4(x.to(DEVICE), *(a.to(DEVICE) for a in args))
         assert got.dtype == dtype and got.shape == (rows, N)
         assert rel(got.cpu(), reference(x, *args)) <= TOL[dtype]
+        # with a calibrated input scale (half the batch's amax: the largest blocks saturate)
+        static = (x.float().abs().max() / 2688 / 2).reshape(1)
+        got = nvfp4_w4a4(x.to(DEVICE), *(a.to(DEVICE) for a in args), static.to(DEVICE))
+        want = reference(x, *args, static)
+        assert rel(got.cpu(), want) <= TOL[dtype]
+        assert rows == 1 or rel(want, reference(x, *args)) > TOL[dtype]  # the scale changed the result
 
 
 def test_w4a4_is_chosen_on_fp4_gpus_only(monkeypatch):
@@ -122,6 +147,31 @@ def test_w4a4_experts_match_emulation(tokens, load, monkeypatch):
         got = fused_experts(gu, dn, x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE))
         assert got is not None and got.dtype == dtype and got.shape == (tokens, H)
         assert rel(got.cpu(), reference(x, gu.cpu(), dn.cpu(), index, weights)) <= moe_tolerance("nvfp4", dtype)
+
+
+@pytest.mark.parametrize("tokens", [1, 17])
+def test_w4a4_experts_use_the_calibrated_input_scales(tokens, monkeypatch):
+    """Stacks loaded with ModelOpt's input_scale per expert projection: the W4A4 experts quantize x with the largest
+    gate/up scale of the layer and h with the largest down scale (as serving engines read these checkpoints), equal
+    to the emulation given those two scales, and different from per-token scales."""
+    import quant.kernels as kernels
+    from quant.kernels.moe_w4a4 import reference
+
+    monkeypatch.setattr(kernels, "arch", lambda device: 120)
+    g = torch.Generator().manual_seed(tokens)
+    E, H, I, K = 6, 64, 64, 2
+    gu, dn = build_stacks("nvfp4", E, H, I, g)
+    for stack, amax in ((gu, 1.5), (dn, 0.05)):  # h is small here (weights * 0.1)
+        stack.expect_input_scale()
+        stack.input_scale.copy_(torch.rand(stack.input_scale.shape, generator=g) * amax / 2688)
+    x_scale, h_scale = gu.input_scale.amax().reshape(1), dn.input_scale.amax().reshape(1)
+    assert torch.equal(gu.activation_scale().cpu(), x_scale.cpu()) and dn.activation_scale().item() == h_scale.item()
+    x = torch.randn(tokens, H, generator=g)
+    index, weights = LOADS["uniform"](tokens, E, K, g), torch.rand(tokens, K, generator=g)
+    got = fused_experts(gu, dn, x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE)).cpu()
+    want = reference(x, gu.cpu(), dn.cpu(), index, weights, x_scale.cpu(), h_scale.cpu())
+    assert rel(got, want) <= TOL[torch.float32]
+    assert rel(want, reference(x, gu.cpu(), dn.cpu(), index, weights)) > 1e-3
 
 
 def build_stacks(fmt: str, E: int, H: int, I: int, g: torch.Generator):

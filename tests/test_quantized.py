@@ -58,6 +58,19 @@ def test_quantized_run_equals_dequantized_float32(checkpoints, quantized, fmt, p
     assert isinstance(layer.experts, QuantizedExperts)
     assert layer.experts.gate_up_proj.weight.dtype == (torch.uint8 if fmt == "nvfp4" else torch.int8)
     assert (type(layer.self_attn.q_proj).__name__ != "Linear") == (policy == "all")
+    if fmt == "nvfp4":  # the calibrated activation scales the converter wrote are loaded (W4A4 uses them)
+        stored = {}
+        for shard in quantized[(fmt, policy)].glob("*.safetensors"):
+            stored.update(load_file(shard))
+        scales = {k: v for k, v in stored.items() if k.endswith(".input_scale")}
+        modules = [m for m in [layer.self_attn.q_proj, layer.experts.gate_up_proj] if hasattr(m, "input_scale")]
+        assert len(modules) == (2 if policy == "all" else 1)
+        assert all(m.input_scale is not None and (m.input_scale > 0).all() for m in modules)
+        if policy == "all":
+            q_key = next(k for k in scales if k.endswith("layers.0.self_attn.q_proj.input_scale"))
+            assert torch.equal(layer.self_attn.q_proj.input_scale, scales[q_key])
+        up_key = next(k for k in scales if k.endswith("layers.0.experts.3.up_proj.input_scale"))
+        assert torch.equal(layer.experts.gate_up_proj.input_scale[3, 1], scales[up_key])
     # the quantization really changed the weights (else the comparison below proves nothing)
     original, _ = load_model(src, dtype=torch.float32)
     assert not torch.equal(original.layers[0].experts.gate_up_proj, f_model.layers[0].experts.gate_up_proj)
@@ -152,6 +165,12 @@ def modelopt_encode(w: torch.Tensor, scale_2: float):
     return packed, scale, deq.reshape(N, K)
 
 
+def input_scale_of(expert: int, proj: str) -> float:
+    """The calibrated activation scale write_modelopt_checkpoint stores for an expert projection: distinct for each,
+    so a test sees which lands where."""
+    return 0.001 * (1 + expert) * {"gate_proj": 1.0, "up_proj": 1.5, "down_proj": 0.25}[proj]
+
+
 def write_modelopt_checkpoint(src: Path, out: Path):
     """Rewrite a float checkpoint as ModelOpt exports NVFP4: experts per expert (gate and up with their *own*
     weight_scale_2 here, to exercise that), input_scale tensors, under the `model.language_model.` prefix, and only
@@ -183,7 +202,7 @@ def write_modelopt_checkpoint(src: Path, out: Path):
                     new[f"{key}.weight"] = packed
                     new[f"{key}.weight_scale"] = scale
                     new[f"{key}.weight_scale_2"] = torch.tensor(scale_2, dtype=torch.float32)
-                    new[f"{key}.input_scale"] = torch.tensor(1.0, dtype=torch.float32)
+                    new[f"{key}.input_scale"] = torch.tensor(input_scale_of(e, proj), dtype=torch.float32)
                     dequant[(name, e, proj)] = deq
             continue
         new[target] = t
@@ -208,6 +227,11 @@ def test_modelopt_layout_checkpoint_loads_and_runs(checkpoints, tmp_path):
     experts = q_engine.model.layers[2].experts
     assert isinstance(experts, QuantizedExperts)
     assert experts.gate_up_proj.weight_scale_2.shape == (8, 2)  # gate and up scales kept apart
+    # the calibrated activation scales, per expert and projection, for W4A4 (the largest of the layer's)
+    want = torch.tensor([[input_scale_of(e, p) for p in ("gate_proj", "up_proj")] for e in range(8)])
+    assert torch.equal(experts.gate_up_proj.input_scale, want)
+    assert torch.equal(experts.down_proj.input_scale, torch.tensor([[input_scale_of(e, "down_proj")] for e in range(8)]))
+    assert experts.gate_up_proj.activation_scale().item() == want.max().item()
 
     # the float32 model fed this file's own dequantization
     f_model, _ = load_model(src, dtype=torch.float32)

@@ -50,6 +50,9 @@ class Format:
     expert_layouts: tuple[str, ...] = ("fused",)
     # Buffers stored once per expert projection rather than per row (ModelOpt's weight_scale_2): [E, segments].
     per_projection_parts: tuple[str, ...] = ()
+    # Whether the format may store a calibrated activation scale per quantized module (`input_scale`), which the
+    # modules then load where the checkpoint has it (ModelOpt NVFP4: W4A4 quantizes activations with it).
+    input_scales = False
 
     def check_settings(self) -> None:
         """Raise ValueError (one line) when an environment switch this format reads has a bad value."""

@@ -3,7 +3,8 @@
 Description: config.json's `quantization_config` {quant_method: modelopt, quant_algo: NVFP4, group_size: 16}, or
 (older exports) only `hf_quant_config.json` {quantization: {quant_algo: NVFP4, ...}}.
 Tensors per quantized linear (quant/nvfp4.py): `weight` uint8 [N, K/2], `weight_scale` e4m3 [N, K/16],
-`weight_scale_2` float32 [] and `input_scale` float32 [] (static activation scale; not read). Routed experts per
+`weight_scale_2` float32 [] and `input_scale` float32 [] (the calibrated activation scale: read where present, used by
+W4A4). Routed experts per
 expert, `experts.E.{gate,up,down}_proj.*`, each projection with its own `weight_scale_2`: stacked on load into
 [E, 2I, ...] buffers that keep two global scales per expert (gate, up); dgemma's converter may also write fused
 stacks. Which modules are quantized: exactly those whose `weight_scale` is stored (the exclude list is globs over
@@ -40,7 +41,8 @@ class ModelOptNVFP4(Format):
     scheme = ("ModelOpt NVFP4: 4-bit e2m1 weights in groups of 16 with e4m3 scales and a global scale; FP4 activations "
               "(W4A4) where the GPU has FP4 tensor cores")
     expert_layouts = ("per_expert", "fused")
-    per_projection_parts = ("weight_scale_2",)
+    per_projection_parts = ("weight_scale_2", "input_scale")
+    input_scales = True
 
     def make_linear(self, in_features: int, out_features: int, device=None):
         return qmodules.NVFP4Linear(in_features, out_features, device=device)

@@ -2,8 +2,9 @@
 
 The same two stages as moe_gate_up.py / moe_down.py (the block plan of routing.py, one block of one expert per
 program, the down outputs stored at their assignment's row and summed in slot order by moe_down.moe_sum_kernel), with
-the activations in NVFP4 as nvfp4_act.quantize_act leaves them (per-row global scales: dgemma's files carry no
-calibrated `input_scale`):
+the activations in NVFP4 as nvfp4_act.quantize_act leaves them: with one static global scale per stage where the
+checkpoint has calibrated `input_scale`s (the largest over the layer's experts, gate and up: x is quantized once per
+token for all its experts, as serving engines do with ModelOpt's checkpoints), otherwise per-row scales:
 - gate-up: xq uint8 [T, H/2], xs e4m3 bits [T, H/16], xg float32 [T] (x quantized once per token, shared by its
   experts); weights uint8 [E, 2I, H/2], e4m3 bits [E, 2I, H/16], global scales float32 [E, S]; out h [P, I] in the
   compute dtype, as moe_gate_up_kernel rounds it (gate and up rounded, gelu_tanh(gate) rounded, times up);
@@ -115,9 +116,11 @@ def block_w4a4(rows_per_expert: float, H: int, I: int, device: torch.device) -> 
 
 
 def moe_w4a4(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor, gate_up, down,
-             top_k_weights: torch.Tensor, tokens: int, topk: int, block_m: int, warps: int = 4) -> torch.Tensor:
+             top_k_weights: torch.Tensor, tokens: int, topk: int, block_m: int, warps: int = 4,
+             x_scale: torch.Tensor | None = None, h_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H] -> [T, H] through both W4A4 stages and the slot-order sum; gate_up / down are quant.modules'
-    NVFP4Stack (their weight, weight_scale, weight_scale_2 buffers)."""
+    NVFP4Stack (their weight, weight_scale, weight_scale_2 buffers). x_scale, h_scale: static global scales (float32,
+    one element) for the activations of each stage, or None for per-row scales."""
     from .moe_down import moe_sum_kernel
     from .nvfp4_act import quantize_act
 
@@ -127,7 +130,7 @@ def moe_w4a4(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tens
     if H % 64 or I % 64:
         raise ValueError(f"W4A4 experts need hidden and expert widths that are multiples of 64 (got {H}, {I})")
     emulate = interpreting()
-    xq, xs, xg = quantize_act(x)
+    xq, xs, xg = quantize_act(x, global_scale=x_scale)
     P = sorted_ids.numel()
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)  # padding rows stay unwritten and unread
     block_n, block_k = 64, 128 if H % 128 == 0 else 64
@@ -135,7 +138,7 @@ def moe_w4a4(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tens
         xq, xs, xg, sorted_ids, block_expert, gate_up.weight, gate_up.weight_scale.view(torch.uint8),
         gate_up.weight_scale_2.float().contiguous(), h, T, H, I, E, topk, two_i // gate_up.weight_scale_2.shape[1],
         block_m, block_n, block_k, emulate, num_warps=warps)
-    hq, hs, hg = quantize_act(h, sorted_ids)  # the plan's padding rows are never read
+    hq, hs, hg = quantize_act(h, sorted_ids, h_scale)  # the plan's padding rows are never read
     ys = torch.empty(tokens * topk, H, dtype=x.dtype, device=x.device)
     moe_down_w4a4_kernel[(triton.cdiv(H, 128), block_expert.numel())](
         hq, hs, hg, sorted_ids, block_expert, down.weight, down.weight_scale.view(torch.uint8),
@@ -148,7 +151,8 @@ def moe_w4a4(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tens
     return y
 
 
-def reference(x: torch.Tensor, gate_up, down, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+def reference(x: torch.Tensor, gate_up, down, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+              x_scale: torch.Tensor | None = None, h_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The PyTorch emulation of moe_w4a4: per token x quantized (nvfp4_act's reference), exact a * s operands, float32
     products scaled by the two global scales and rounded to the compute dtype where the kernels round, h quantized
     per assignment, the down product, the float32 slot-order sum."""
@@ -157,8 +161,8 @@ def reference(x: torch.Tensor, gate_up, down, top_k_index: torch.Tensor, top_k_w
     from .. import nvfp4
     from .nvfp4_act import quantize_act_reference
 
-    def fp4_rows(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # -> (a * s float32 [R, K], g [R])
-        q, s, g = quantize_act_reference(a)
+    def fp4_rows(a: torch.Tensor, scale) -> tuple[torch.Tensor, torch.Tensor]:  # -> (a * s float32 [R, K], g [R])
+        q, s, g = quantize_act_reference(a, scale)
         return nvfp4.dequantize_packed(q, s.view(torch.float8_e4m3fn), torch.ones(a.shape[0]), torch.float32), g
 
     def weights(stack, e: int) -> tuple[torch.Tensor, torch.Tensor]:  # -> (a * s [N, K], global scale per row [N])
@@ -169,7 +173,7 @@ def reference(x: torch.Tensor, gate_up, down, top_k_index: torch.Tensor, top_k_w
     dtype = x.dtype
     T, K = top_k_index.shape
     I = gate_up.weight.shape[1] // 2
-    xa, xg = fp4_rows(x)
+    xa, xg = fp4_rows(x, x_scale)
     ys = torch.empty(T, K, x.shape[1], dtype=dtype)
     for t in range(T):
         for k in range(K):
@@ -178,7 +182,7 @@ def reference(x: torch.Tensor, gate_up, down, top_k_index: torch.Tensor, top_k_w
             gu = (xa[t] @ w.T) * xg[t] * s2  # [2I] float32
             gate, up = gu[:I].to(dtype).float(), gu[I:].to(dtype).float()
             h = (F.gelu(gate, approximate="tanh").to(dtype).float() * up).to(dtype)
-            ha, hg = fp4_rows(h[None])
+            ha, hg = fp4_rows(h[None], h_scale)
             w, s2 = weights(down, e)
             ys[t, k] = ((ha[0] @ w.T) * hg[0] * s2).to(dtype)
     return (ys.float() * top_k_weights.float()[..., None]).sum(dim=1).to(dtype)

@@ -2,12 +2,14 @@
 codes uint8 [M, K/2] (ModelOpt's packing, element 2i in the low nibble), block scales as e4m3 bits uint8 [M, K/16],
 and one float32 global scale per row [M].
 
-The global scale of a row is amax|x_row| / (6 * 448) (a per-token scale: dgemma's files carry no calibrated
-`input_scale`), and each row is quantized exactly as quant/nvfp4.quantize quantizes a matrix with that global
-scale: block scale = amax(block) / 6 / g rounded to e4m3 (to nearest, ties to even, at most 448), element =
+The global scale of a row is the checkpoint's calibrated one where it has one (ModelOpt's `input_scale`: amax / (6 *
+448) of the inputs calibration saw, a static scale, the same for every row), otherwise amax|x_row| / (6 * 448) (a
+per-token scale). Each row is quantized exactly as quant/nvfp4.quantize quantizes a matrix with that global scale: block scale = amax(block) / 6 / g rounded to e4m3 (to nearest, ties to even, at most 448), element =
 x / (scale * g) rounded to the nearest E2M1 value (ties to the even code, at most 6). So the PyTorch emulation is
-nvfp4.quantize row by row, and the two agree code for code (tests/test_kernels.py). One program per row: a first
-sweep for the row's amax, a second that quantizes BLOCK_K inputs at a time.
+nvfp4.quantize row by row, and the two agree code for code (tests/test_kernels.py). With a static scale a block
+whose amax / 6 / g passes 448 saturates (scale 448, codes at most 6), as the calibrated scale's users accept. One
+program per row: a sweep for the row's amax (per-token scales only), then one that quantizes BLOCK_K inputs at a
+time.
 """
 
 import torch
@@ -50,13 +52,17 @@ def e2m1_code(v):
 
 
 @triton.jit
-def quantize_act_kernel(x_ptr, q_ptr, s_ptr, g_ptr, ids_ptr, K, BLOCK_K: tl.constexpr, SKIP: tl.constexpr):
+def quantize_act_kernel(x_ptr, q_ptr, s_ptr, g_ptr, ids_ptr, gs_ptr, K, BLOCK_K: tl.constexpr, SKIP: tl.constexpr,
+                        STATIC: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if SKIP:  # rows whose id is negative (the MoE block plan's padding) are left unwritten: no one reads them
         if tl.load(ids_ptr + row) < 0:
             return
     base = x_ptr + row * K
-    g = tl.maximum(row_absmax(base, K, BLOCK_K) / 2688.0, 1.1754943508222875e-38)  # amax / (6 * 448), at least tiny
+    if STATIC:  # the checkpoint's calibrated scale
+        g = tl.load(gs_ptr)
+    else:
+        g = tl.maximum(row_absmax(base, K, BLOCK_K) / 2688.0, 1.1754943508222875e-38)  # amax / (6 * 448), >= tiny
     tl.store(g_ptr + row, g)
     for k0 in range(0, K, BLOCK_K):
         blk = k0 // 16 + tl.arange(0, BLOCK_K // 16)
@@ -72,23 +78,28 @@ def quantize_act_kernel(x_ptr, q_ptr, s_ptr, g_ptr, ids_ptr, K, BLOCK_K: tl.cons
         tl.store(s_ptr + row * (K // 16) + blk, e4m3_bits(scale).to(tl.uint8), mask=blk < K // 16)
 
 
-def quantize_act(x: torch.Tensor, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_act(x: torch.Tensor, ids: torch.Tensor | None = None, global_scale: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] (K a multiple of 16) -> (codes uint8 [M, K/2], scale bits uint8 [M, K/16], global float32 [M]).
-    With `ids` [M] int32, rows whose id is negative are skipped (their outputs left uninitialised)."""
+    With `ids` [M] int32, rows whose id is negative are skipped (their outputs left uninitialised). global_scale: a
+    calibrated static scale (float32, one element, on x's device) for every row; None: per-row scales."""
     M, K = x.shape
     q = torch.empty(M, K // 2, dtype=torch.uint8, device=x.device)
     s = torch.empty(M, K // 16, dtype=torch.uint8, device=x.device)
     g = torch.empty(M, dtype=torch.float32, device=x.device)
     block = 256 if K >= 256 else triton.next_power_of_2(max(16, K))
-    quantize_act_kernel[(M,)](x.contiguous(), q, s, g, ids if ids is not None else g, K, block, ids is not None)
+    static = global_scale is not None
+    quantize_act_kernel[(M,)](x.contiguous(), q, s, g, ids if ids is not None else g,
+                              global_scale.float().reshape(1) if static else g, K, block, ids is not None, static)
     return q, s, g
 
 
-def quantize_act_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The PyTorch emulation: quant/nvfp4.quantize row by row with the row's own global scale."""
+def quantize_act_reference(x: torch.Tensor, global_scale: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The PyTorch emulation: quant/nvfp4.quantize row by row with the row's own global scale, or `global_scale`."""
     from .. import nvfp4
 
-    rows = [nvfp4.quantize(r[None].float()) for r in x]
+    rows = [nvfp4.quantize(r[None].float(), scale_2=global_scale) for r in x]
     return (torch.cat([q.weight for q in rows]), torch.cat([q.weight_scale.view(torch.uint8) for q in rows]),
             torch.stack([q.weight_scale_2 for q in rows]))
 

@@ -61,9 +61,10 @@ def supported(device: torch.device) -> bool:
     return arch(device) in (100, 103, 120, 121)
 
 
-def nvfp4_w4a4(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               row_scale_2: torch.Tensor) -> torch.Tensor:
-    """x [..., K] -> [..., N]: x quantized to NVFP4 per token (nvfp4_act), then the FP4 x FP4 product."""
+def nvfp4_w4a4(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, row_scale_2: torch.Tensor,
+               input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] -> [..., N]: x quantized to NVFP4 (nvfp4_act: with the checkpoint's static `input_scale`, or per
+    token without one), then the FP4 x FP4 product."""
     from .nvfp4_act import quantize_act
 
     N, half = weight.shape
@@ -73,7 +74,7 @@ def nvfp4_w4a4(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
-    xq, xs, xg = quantize_act(x2)
+    xq, xs, xg = quantize_act(x2, global_scale=input_scale)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     # 128 x 128 tiles, 8 warps: the block-scaled FP4 MMA on both targets without spills (make kernel-report); 64
     # rows would fall back to 16-bit MMAs on sm_100
@@ -84,16 +85,16 @@ def nvfp4_w4a4(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     return y.reshape(*lead, N)
 
 
-def reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-              row_scale_2: torch.Tensor) -> torch.Tensor:
-    """The PyTorch emulation: x quantized per token as nvfp4_act's reference does, both operands dequantized without
+def reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, row_scale_2: torch.Tensor,
+              input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The PyTorch emulation: x quantized as nvfp4_act's reference does (input_scale or per token), both operands dequantized without
     their global scales (a * s, exact in float32), a float32 matmul, then g_x[row] * g_w[col], rounded once."""
     from .. import nvfp4
     from .nvfp4_act import quantize_act_reference
 
     N, half = weight.shape
     x2 = x.reshape(-1, 2 * half)
-    xq, xs, xg = quantize_act_reference(x2)
+    xq, xs, xg = quantize_act_reference(x2, input_scale)
     xa = nvfp4.dequantize_packed(xq, xs.view(torch.float8_e4m3fn), torch.ones(x2.shape[0]), torch.float32)
     wa = nvfp4.dequantize_packed(weight, weight_scale, torch.ones(N), torch.float32)
     y = (xa @ wa.T) * xg[:, None] * row_scale_2.float()[None, :]
