@@ -104,7 +104,8 @@ class Loops:
     trips: Callable[[dict], list[int]]  # iterations of each top-level loop, in address order ([]: loop-free)
     elems: Callable[[dict], int]  # weight (or logit, or summed) elements one CTA consumes
     ctas: Callable[[dict, tuple], int] = _all_ctas  # CTAs that run the loops
-    passes: dict[str, int] = field(default_factory=dict)  # tensors streamed more than once: reads + writes
+    # tensors streamed more than once: reads + writes (or a function of the launch's arguments giving that dict)
+    passes: dict[str, int] | Callable[[dict], dict[str, int]] = field(default_factory=dict)
 
 
 # Keyed by kernel function name. Update an entry with its kernel: the report fails when they disagree.
@@ -135,9 +136,11 @@ KERNELS = {
     # activations to INT8 / e4m3 per row, one row per CTA: a sweep for the amax, a second quantizing (x read twice)
     "quantize_rows_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])] * 2, elems=lambda a: a["K"],
                                   passes={"x_ptr": 2}, ctas=_live_rows),
-    # activations to NVFP4, one row per CTA: a sweep for the row's amax, a second quantizing (x read twice)
-    "quantize_act_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])] * 2, elems=lambda a: a["K"],
-                                 passes={"x_ptr": 2}, ctas=_live_rows),
+    # activations to NVFP4, one row per CTA: a sweep for the row's amax, a second quantizing (x read twice); with a
+    # calibrated static scale (STATIC) only the second
+    "quantize_act_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])] * (1 if a["STATIC"] else 2),
+                                 elems=lambda a: a["K"], passes=lambda a: {"x_ptr": 1 if a["STATIC"] else 2},
+                                 ctas=_live_rows),
     # no loop (the top-k rows unrolled): one CTA sums BLOCK columns of one token's TOPK rows
     "moe_sum_kernel": Loops(trips=lambda a: [], elems=lambda a: a["TOPK"] * a["BLOCK"]),
     # one row per CTA: a sweep over the whole BLOCK_V chunks for the max and sum, a second one writing the
@@ -181,7 +184,8 @@ def warp_instructions(kernel: str, decl: Loops, args: dict, grid: tuple, num_war
 def traffic(decl: Loops, args: dict) -> int:
     """A launch's estimated DRAM bytes: every tensor argument once (a re-read tile is an L2 hit), times its
     declared passes."""
-    return sum(min(v.numel() * v.element_size(), v.untyped_storage().nbytes()) * decl.passes.get(k, 1)
+    passes = decl.passes(args) if callable(decl.passes) else decl.passes
+    return sum(min(v.numel() * v.element_size(), v.untyped_storage().nbytes()) * passes.get(k, 1)
                for k, v in args.items() if isinstance(v, torch.Tensor))
 
 
