@@ -21,11 +21,11 @@ import triton.language as tl
 
 from . import interpreting
 from .common import block_rows, dot_acc, store_rounded
-from .moe_gate_up import row_factor, weight_tile
+from .moe_gate_up import half_factor, weight_tile
 
 
 @triton.jit
-def moe_down_kernel(h_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, ys_ptr, H, I, E, SEG,
+def moe_down_kernel(h_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, ys_ptr, H, I, E,
                     FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EVEN: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr):
     pid_n = tl.program_id(0)  # fastest: the programs of one block share its h rows (L2)
@@ -46,7 +46,7 @@ def moe_down_kernel(h_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, ys_p
                         mask=live[:, None] & (rk[None, :] < I), other=0.0)
         w = weight_tile(w_ptr, s_ptr, e, cols, k0, I, H, FORMAT, BLOCK_K, BLOCK_N, dtype, EVEN, EMULATE)
         acc = dot_acc(acc, h, tl.trans(w), IEEE, EMULATE)
-    acc = acc * row_factor(s2_ptr, e, cols, H, SEG, FORMAT, dtype)[None, :]
+    acc = acc * half_factor(s2_ptr, e, False, 1, FORMAT, dtype)  # one global scale per expert
     row = tl.where(live, ids, 0)
     store_rounded(ys_ptr + row[:, None].to(tl.int64) * H + cols[None, :], acc,
                   live[:, None] & (cols[None, :] < H), EMULATE)
@@ -73,12 +73,13 @@ def moe_down(h: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tens
     ys = torch.empty(tokens * topk, H, dtype=h.dtype, device=h.device)  # every row is written: one per assignment
     nvfp4 = fmt == "nvfp4"
     if nvfp4:
-        weight, scale = weight.contiguous().view(torch.int32), scale.view(torch.uint8)
-        s2, seg_rows = scale_2.float().contiguous(), H // scale_2.shape[1]
+        if scale_2.shape[1] != 1:  # the epilogue takes one global scale per expert
+            raise ValueError(f"NVFP4 down stacks have one global scale per expert (got {scale_2.shape[1]})")
+        weight, scale, s2 = weight.contiguous().view(torch.int32), scale.view(torch.uint8), scale_2.float().contiguous()
     else:
-        s2, seg_rows = scale, 1
+        s2 = scale  # unused
     grid = (triton.cdiv(H, cfg["DN_N"]), block_expert.numel())
-    moe_down_kernel[grid](h, sorted_ids, block_expert, weight, scale, s2, ys, H, I, E, seg_rows,
+    moe_down_kernel[grid](h, sorted_ids, block_expert, weight, scale, s2, ys, H, I, E,
                           0 if nvfp4 else 1, cfg["BLOCK_M"], cfg["DN_N"], cfg["DN_K"],
                           H % cfg["DN_N"] == 0 and I % cfg["DN_K"] == 0, h.dtype == torch.float32,
                           interpreting(), num_warps=cfg["DN_W"])

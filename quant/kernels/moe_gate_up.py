@@ -32,7 +32,7 @@ def weight_tile(w_ptr, s_ptr, e, rows, k0, H, NROWS, FORMAT: tl.constexpr, BLOCK
     """Expert e's rows `rows` at inputs k0..k0+BLOCK_K as the dot's operand [BLOCK_N, BLOCK_K] (rows of an
     [E, NROWS, H] stack). NVFP4: a * s * 2^-62 (bfloat16 / float32) or a * s (float16), common.nvfp4_operand, with
     the inputs of each group of 8 in the decode's own order (common.pair_order: the other operand comes in that
-    order too); the global scale is left to the epilogue (row_factor). INT8: q * row scale rounded to the compute
+    order too); the global scale is left to the epilogue (half_factor). INT8: q * row scale rounded to the compute
     dtype, as the reference dequantizes, in K order. EVEN: whole tiles (rows < NROWS, inputs < H): no masks."""
     base = e.to(tl.int64) * NROWS + rows
     if FORMAT == 0:
@@ -48,19 +48,21 @@ def weight_tile(w_ptr, s_ptr, e, rows, k0, H, NROWS, FORMAT: tl.constexpr, BLOCK
 
 
 @triton.jit
-def row_factor(s2_ptr, e, rows, NROWS, SEG, FORMAT: tl.constexpr, dtype: tl.constexpr):
-    """[BLOCK_N] float32 factor the accumulator of rows `rows` needs: NVFP4 2^62 (or 1) * the row's global scale
-    (SEG rows share one: gate and up keep their own); INT8 1 (its scale is in the operand)."""
+def half_factor(s2_ptr, e, UP: tl.constexpr, NSEG: tl.constexpr, FORMAT: tl.constexpr, dtype: tl.constexpr):
+    """The float32 factor the accumulator of expert e's gate rows (UP False) or up rows needs: NVFP4 2^62 (or 1,
+    common.nvfp4_operand) * their global scale, s2[e, :NSEG] holding NSEG = 2 (gate and up each their own, as
+    ModelOpt stores them) or 1 (one for all the rows, as the down projection has); INT8 1 (its scale is in the
+    operand). One scalar per program, so the epilogue keeps no per-column index alive across the K loop."""
     if FORMAT == 0:
         _, unshift = nvfp4_operand(tl.zeros((1, 1), dtype=tl.bfloat16), dtype)
-        return tl.load(s2_ptr + e * (NROWS // SEG) + rows // SEG, mask=rows < NROWS, other=0.0) * unshift
+        return tl.load(s2_ptr + e * NSEG + (NSEG - 1 if UP else 0)) * unshift
     else:
-        return tl.full(rows.shape, 1.0, tl.float32)
+        return 1.0
 
 
 @triton.jit
-def moe_gate_up_kernel(x_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, h_ptr, H, I, E, TOPK, SEG,
-                       FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def moe_gate_up_kernel(x_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, h_ptr, H, I, E, TOPK,
+                       NSEG: tl.constexpr, FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        EVEN: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr):
     pid_n = tl.program_id(0)  # fastest: the programs of one block share its gathered x rows (L2)
     pid_b = tl.program_id(1)
@@ -85,8 +87,9 @@ def moe_gate_up_kernel(x_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, h
                         mask=live[:, None] & (rk[None, :] < H), other=0.0)
         w = weight_tile(w_ptr, s_ptr, e, rows, k0, H, 2 * I, FORMAT, BLOCK_K, 2 * BLOCK_N, dtype, EVEN, EMULATE)
         acc = dot_acc(acc, x, tl.trans(w), IEEE, EMULATE)
-    acc = acc * row_factor(s2_ptr, e, rows, 2 * I, SEG, FORMAT, dtype)[None, :]
     acc_g, acc_u = tl.split(tl.permute(acc.reshape(BLOCK_M, 2, BLOCK_N), (0, 2, 1)))
+    acc_g = acc_g * half_factor(s2_ptr, e, False, NSEG, FORMAT, dtype)
+    acc_u = acc_u * half_factor(s2_ptr, e, True, NSEG, FORMAT, dtype)
     # the reference rounds both matmul outputs and the activation to the compute dtype
     gate = to_compute(acc_g, dtype, EMULATE).to(tl.float32)
     up = to_compute(acc_u, dtype, EMULATE).to(tl.float32)
@@ -136,14 +139,16 @@ def moe_gate_up(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.T
     nvfp4 = fmt == "nvfp4"
     if nvfp4:
         segments = scale_2.shape[1]
+        if segments not in (1, 2):  # the kernel's epilogue takes one global scale for the gate, one for the up rows
+            raise ValueError(f"NVFP4 gate-up stacks have one or two global scales per expert (got {segments})")
         weight, scale, s2 = weight.contiguous().view(torch.int32), scale.view(torch.uint8), scale_2.float().contiguous()
-        seg_rows = two_i // segments
     else:
-        s2, seg_rows = scale, 1  # unused
+        s2, segments = scale, 1  # unused
     grid = (triton.cdiv(I, cfg["GU_N"]), block_expert.numel())
     moe_gate_up_kernel[grid](x.contiguous(), sorted_ids, block_expert, weight, scale, s2, h, H, I, E, topk,
-                             seg_rows, 0 if nvfp4 else 1, cfg["BLOCK_M"], cfg["GU_N"], cfg["GU_K"],
-                             I % cfg["GU_N"] == 0 and H % cfg["GU_K"] == 0, x.dtype == torch.float32, interpreting(), num_warps=cfg["GU_W"])
+                             segments, 0 if nvfp4 else 1, cfg["BLOCK_M"], cfg["GU_N"], cfg["GU_K"],
+                             I % cfg["GU_N"] == 0 and H % cfg["GU_K"] == 0, x.dtype == torch.float32, interpreting(),
+                             num_warps=cfg["GU_W"])
     return h
 
 
