@@ -50,7 +50,7 @@ def fp4_product(acc, aq_ptr, as_ptr, a_rows, a_live, NA, w_ptr, ws_ptr, w_rows, 
 
 @triton.jit
 def moe_gate_up_w4a4_kernel(xq_ptr, xs_ptr, xg_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, h_ptr,
-                            T, H, I, E, TOPK, SEG, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            T, H, I, E, TOPK, NSEG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -60,21 +60,22 @@ def moe_gate_up_w4a4_kernel(xq_ptr, xs_ptr, xg_ptr, ids_ptr, block_expert_ptr, w
     slots, ids, live = block_rows(ids_ptr, pid_b, BLOCK_M)
     tok = tl.where(live, ids // TOPK, 0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of I
-    gate_rows = e.to(tl.int64) * 2 * I + cols
+    # gate rows cols and up rows I + cols as one weight tile: one FP4 product per K step, as wide as both (one
+    # accumulator, the activation tile read once)
+    both = tl.arange(0, 2 * BLOCK_N)
+    rows = e.to(tl.int64) * 2 * I + pid_n * BLOCK_N + both % BLOCK_N + (both // BLOCK_N) * I
     end = (e.to(tl.int64) + 1) * 2 * I
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        acc_g = fp4_product(acc_g, xq_ptr, xs_ptr, tok, live, T, w_ptr, s_ptr, gate_rows, end, k0, H, BLOCK_M,
-                            BLOCK_N, BLOCK_K, EMULATE)
-        acc_u = fp4_product(acc_u, xq_ptr, xs_ptr, tok, live, T, w_ptr, s_ptr, gate_rows + I, end, k0, H, BLOCK_M,
-                            BLOCK_N, BLOCK_K, EMULATE)
+        acc = fp4_product(acc, xq_ptr, xs_ptr, tok, live, T, w_ptr, s_ptr, rows, end, k0, H, BLOCK_M, 2 * BLOCK_N,
+                          BLOCK_K, EMULATE)
+    acc_g, acc_u = tl.split(tl.permute(acc.reshape(BLOCK_M, 2, BLOCK_N), (0, 2, 1)))
     xg = tl.load(xg_ptr + tok, mask=live, other=0.0)[:, None]
     dtype = h_ptr.dtype.element_ty
-    s2_g = tl.load(s2_ptr + e * (2 * I // SEG) + cols // SEG, mask=cols < I, other=0.0)
-    s2_u = tl.load(s2_ptr + e * (2 * I // SEG) + (cols + I) // SEG, mask=cols < I, other=0.0)
-    gate = to_compute(acc_g * xg * s2_g[None, :], dtype, EMULATE).to(tl.float32)
-    up = to_compute(acc_u * xg * s2_u[None, :], dtype, EMULATE).to(tl.float32)
+    s2_g = tl.load(s2_ptr + e * NSEG)  # gate and up: their own global scales (NSEG 2) or one for both
+    s2_u = tl.load(s2_ptr + e * NSEG + NSEG - 1)
+    gate = to_compute(acc_g * xg * s2_g, dtype, EMULATE).to(tl.float32)
+    up = to_compute(acc_u * xg * s2_u, dtype, EMULATE).to(tl.float32)
     act = to_compute(gelu_tanh(gate), dtype, EMULATE).to(tl.float32)
     store_rounded(h_ptr + slots[:, None].to(tl.int64) * I + cols[None, :], act * up,
                   live[:, None] & (cols[None, :] < I), EMULATE)
@@ -129,6 +130,9 @@ def moe_w4a4(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tens
     I = two_i // 2
     if H % 64 or I % 64:
         raise ValueError(f"W4A4 experts need hidden and expert widths that are multiples of 64 (got {H}, {I})")
+    segments = gate_up.weight_scale_2.shape[1]
+    if segments not in (1, 2):  # the epilogue takes one global scale for the gate rows, one for the up rows
+        raise ValueError(f"NVFP4 gate-up stacks have one or two global scales per expert (got {segments})")
     emulate = interpreting()
     xq, xs, xg = quantize_act(x, global_scale=x_scale)
     P = sorted_ids.numel()
@@ -136,8 +140,8 @@ def moe_w4a4(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tens
     block_n, block_k = 64, 128 if H % 128 == 0 else 64
     moe_gate_up_w4a4_kernel[(triton.cdiv(I, block_n), block_expert.numel())](
         xq, xs, xg, sorted_ids, block_expert, gate_up.weight, gate_up.weight_scale.view(torch.uint8),
-        gate_up.weight_scale_2.float().contiguous(), h, T, H, I, E, topk, two_i // gate_up.weight_scale_2.shape[1],
-        block_m, block_n, block_k, emulate, num_warps=warps)
+        gate_up.weight_scale_2.float().contiguous(), h, T, H, I, E, topk, segments, block_m, block_n, block_k, emulate,
+        num_warps=warps)
     hq, hs, hg = quantize_act(h, sorted_ids, h_scale)  # the plan's padding rows are never read
     ys = torch.empty(tokens * topk, H, dtype=x.dtype, device=x.device)
     moe_down_w4a4_kernel[(triton.cdiv(H, 128), block_expert.numel())](
