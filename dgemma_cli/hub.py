@@ -55,6 +55,8 @@ SMALL_FILES = (
     "chat_template.jinja",
     "special_tokens_map.json",
     "hf_quant_config.json",
+    "preprocessor_config.json",  # the image processor's settings: dgemma has its own, other runtimes read these
+    "processor_config.json",
 )
 
 

@@ -53,8 +53,10 @@ POLICIES = ("experts", "all")
 FORMATS = ("nvfp4", "fp8", "int8")
 # Per format: whether scales are searched (measured in BENCHMARKS.md: it lowers NVFP4's error, not INT8's).
 DEFAULT_SEARCH = {"nvfp4": True, "fp8": False, "int8": False}
+# carried over unchanged: the tokenizer and chat format, the image processor's settings (other runtimes read them),
+# and how dgemma's live view draws the canvas
 SMALL_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-               "special_tokens_map.json")
+               "special_tokens_map.json", "preprocessor_config.json", "processor_config.json", "dgemma_view.json")
 COPY_CHUNK = 64 << 20  # bytes per piece when a tensor is copied unchanged
 DENSE_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")

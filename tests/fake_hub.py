@@ -337,6 +337,7 @@ def diffusion_gemma_files(text_floats: int = 32_768, audio: bool = False) -> dic
         "config.json": json.dumps(config).encode(),
         "tokenizer.json": b'{"version": "1.0", "model": {"type": "placeholder"}}',
         "tokenizer_config.json": b'{"model_max_length": 1024}',
+        "processor_config.json": b'{"image_processor": {"max_soft_tokens": 280}}',
         "README.md": b"# fake model\n",
         "model.safetensors.index.json": json.dumps(index).encode(),
         TEXT_SHARD: text_bytes,

@@ -25,7 +25,8 @@ from dgemma_cli.errors import DgemmaError
 from dgemma_cli.hub import download
 
 REPO = "acme/diffusion-gemma-tiny"
-TEXT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json", TEXT_SHARD)
+TEXT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "processor_config.json",
+              "model.safetensors.index.json", TEXT_SHARD)
 MODEL_FILES = TEXT_FILES + (VISION_SHARD,)  # the text model's files and the vision tower's shard
 
 

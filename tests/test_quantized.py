@@ -165,6 +165,21 @@ def modelopt_encode(w: torch.Tensor, scale_2: float):
     return packed, scale, deq.reshape(N, K)
 
 
+def test_converter_carries_the_small_files_over(checkpoints, tmp_path):
+    """The processor's settings and the live view's board layout travel with the weights, byte for byte."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(checkpoints["five_to_one"], src)
+    extra = {"dgemma_view.json": b'{"board": {"rows": 4, "cols": 4, "row_stride": 5}}',
+             "preprocessor_config.json": b'{"image_processor_type": "Gemma4ImageProcessor"}'}
+    for name, data in extra.items():
+        (src / name).write_bytes(data)
+    quantize_checkpoint(src, tmp_path / "out", "int8", "experts")
+    for name, data in extra.items():
+        assert (tmp_path / "out" / name).read_bytes() == data
+
+
 def input_scale_of(expert: int, proj: str) -> float:
     """The calibrated activation scale write_modelopt_checkpoint stores for an expert projection: distinct for each,
     so a test sees which lands where."""
