@@ -637,7 +637,9 @@ def info(
     rows = [("path", d["path"]), ("format", fmt)] + ([("scheme", d["scheme"])] if d["scheme"] else []) + [
             ("size on disk", _gb(d["size_on_disk"])), ("weights in memory", _gb(d["weights_in_memory"])),
             ("GPU memory, 8k context", f"{_gb(d['gpu_memory_estimate_8k'])} (estimate)"),
-            ("shape", f"{d['layers']} layers, {d['experts']} experts, vocabulary {d['vocab']}")]
+            ("shape", f"{d['layers']} layers, {d['experts']} experts, vocabulary {d['vocab']}"),
+            ("images", f"yes (vision tower, {_gb(d['vision_tower_on_disk'])} on disk)" if d["images"]
+             else f"no ({d['no_images_because'].removeprefix(d['path'] + ': ')})")]
     if src:
         rows.append(("source", f"{src.get('repo')} @ {str(src.get('revision'))[:12]}"
                                + (" (as published)" if src.get("published") else "")))

@@ -40,7 +40,9 @@ def describe(path: Path) -> dict:
     from quant.formats import Format
 
     from .config import ModelConfig
+    from .errors import ModelError
     from .footprint import runtime_bytes, weight_bytes
+    from .vision import vision_records
     from .weights import checkpoint_files, checkpoint_name, expert_base, index_checkpoint, read_format, text_prefix
 
     cfg = ModelConfig.from_dir(path)
@@ -60,10 +62,16 @@ def describe(path: Path) -> dict:
     except (OSError, ValueError):
         manifest = {}
     quantized = [p for p, yes in (("routed experts", experts), ("attention", dense), ("dense MLP", dense)) if yes]
+    try:  # the vision tower: its weights' bytes here, or why it cannot read images
+        vision = sum(r.end - r.start for r in vision_records(path)[0].values())
+        images = None
+    except ModelError as e:
+        vision, images = 0, str(e)
     return {"path": str(path), "format": label or "unquantized", "scheme": fmt.scheme if fmt else None,
             "quantized": quantized, "dtype_on_disk": stored, "policy": policy,
             "size_on_disk": sum(f.stat().st_size for f in path.iterdir() if f.is_file()),
             "weights_on_disk": sum(f.stat().st_size for f in checkpoint_files(path)),
+            "vision_tower_on_disk": vision, "images": images is None, "no_images_because": images,
             "weights_in_memory": sum(weight_bytes(cfg, sized, sized_as).values()),
             "gpu_memory_estimate_8k": runtime_bytes(cfg, sized, sized_as), "source": manifest.get("store", {}),
             "layers": cfg.text.num_hidden_layers, "experts": cfg.text.num_experts, "vocab": cfg.text.vocab_size}

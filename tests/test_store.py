@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,7 @@ def test_pull_quantizes_into_the_store_and_the_name_runs(served, capsys):
     assert run_main(["info", "tiny-dgemma"]) == 0  # a short store name works when one entry matches
     info = capsys.readouterr().out
     assert "int8" in info and str(entry.path) in info and "GPU memory" in info
+    assert re.search(r"images: +yes \(vision tower, [0-9.]+ [MG]B on disk\)", info)
     for name in (f"{REPO}:int8", "tiny-dgemma:int8", str(entry.path)):
         assert run_main(["run", "--model", name, "--raw", "--seed", "1", "--max-new-tokens", "4", "--device", "cpu",
                          "--view", "none", "hi"]) == 0
@@ -257,7 +259,9 @@ def test_model_names_resolve_or_say_how(checkpoints, capsys):
     assert run_main(["info", "./no/such/dir"]) == 1
     assert "no such model directory" in one_error_line(capsys)
     assert run_main(["info", "demo"]) == 0
-    assert "unquantized (float32 on disk)" in capsys.readouterr().out
+    info = capsys.readouterr().out
+    assert "unquantized (float32 on disk)" in info
+    assert "images:                 no (the checkpoint holds no vision tower tensors)" in info
     assert run_main(["rm", str(checkpoints["five_to_one"]), "--yes"]) == 2  # never a directory outside the store
     assert "not in the store" in one_error_line(capsys)
     assert Path(checkpoints["five_to_one"], "config.json").is_file()
