@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test bench bench-gpu kernel-report demo demo-picture venv clean
+.PHONY: test bench bench-gpu kernel-report demo demo-picture demo-image venv clean
 
 venv: $(STAMP)
 
@@ -53,3 +53,15 @@ demo: $(STAMP)
 # docs/demo.svg, the README's picture: every step of `make demo`'s run as the live view draws it, recorded by Rich.
 demo-picture: $(STAMP)
 	$(PY) scripts/render_demo_svg.py --prompt "$(DEMO_PROMPT)" --seed 0 --out docs/demo.svg
+
+# The image demo on a bundled model: a held-out picture of one shape (scripts/make_shape_image.py prints what it
+# shows) and `dgemma run --image` asking the bundled shapes model (dgemma_cli/demo_shapes, trained by
+# scripts/train_shapes.py) what is in it, offline, on the CPU. SHAPE_ARGS picks another picture, e.g.
+# `make demo-image SHAPE_ARGS="--shape triangle --colour blue"`.
+DEMO_IMAGE ?= $(or $(TMPDIR),/tmp)/dgemma-demo-shape.png
+DEMO_QUESTION ?= What is in the picture?
+SHAPE_ARGS ?=
+demo-image: $(STAMP)
+	$(PY) scripts/make_shape_image.py --out "$(DEMO_IMAGE)" $(SHAPE_ARGS)
+	$(VENV)/bin/dgemma run --model demo-shapes --device cpu --seed 0 --view-delay 0.3 --image "$(DEMO_IMAGE)" \
+		"$(DEMO_QUESTION)"

@@ -7,7 +7,8 @@
 Imports nothing of dgemma_cli but errors, and no torch.
 
 A `--model` value is, in this order:
-1. `demo`: the bundled demo model (upper-casing); `demo-sudoku`: the bundled 4x4 sudoku solver;
+1. `demo`: the bundled demo model (upper-casing); `demo-sudoku`: the bundled 4x4 sudoku solver; `demo-shapes`: the
+   bundled model that names the shape and colour in a picture (`--image`);
 2. a directory: any value that is an existing directory, or starts with `/`, `.` or `~`;
 3. a store name `[OWNER/]NAME[:QUANT]`, e.g. `google/diffusiongemma-26B-A4B-it:nvfp4`, or just
    `diffusiongemma-26B-A4B-it` when one entry matches. A repository id that is not in the store is an error that
@@ -62,7 +63,9 @@ def model_shards(weight_map: dict[str, str]) -> list[str]:
 
 DEMO_MODEL = Path(__file__).resolve().parent / "demo_model"
 DEMO_SUDOKU = Path(__file__).resolve().parent / "demo_sudoku"
-BUNDLED = {"demo": DEMO_MODEL, "demo-sudoku": DEMO_SUDOKU}  # names of the models that ship inside dgemma
+DEMO_SHAPES = Path(__file__).resolve().parent / "demo_shapes"
+# names of the models that ship inside dgemma
+BUNDLED = {"demo": DEMO_MODEL, "demo-sudoku": DEMO_SUDOKU, "demo-shapes": DEMO_SHAPES}
 
 MANIFEST = "dgemma-manifest.json"  # the same name quant.convert writes
 QUANTS = ("bf16", "fp8", "int8", "nvfp4")
