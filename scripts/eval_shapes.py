@@ -75,11 +75,19 @@ def eval_reference(model_dir, specs: list[Spec], seed: int = 0) -> dict:
     from dgemma_cli.engine import resolve_model
     from dgemma_cli.tokenizer import Tokenizer
 
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()  # the load's progress bar, on stderr
     path = resolve_model(model_dir)
     tok = Tokenizer.from_dir(path)
-    ref = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype="float32").eval()
+    # quiet while loading (the load's progress bar and notices, on stderr), then as before: both switches are
+    # process-wide and reach huggingface_hub's own bars, which a caller in the same process may want
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        ref = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype="float32").eval()
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
     cfg = ref.config
     budget = json.loads((path / "config.json").read_text())["vision_soft_tokens_per_image"]
     processor = Gemma4ImageProcessorPil()
