@@ -245,7 +245,8 @@ def test_modelopt_layout_checkpoint_loads_and_runs(checkpoints, tmp_path):
     # the calibrated activation scales, per expert and projection, for W4A4 (the largest of the layer's)
     want = torch.tensor([[input_scale_of(e, p) for p in ("gate_proj", "up_proj")] for e in range(8)])
     assert torch.equal(experts.gate_up_proj.input_scale, want)
-    assert torch.equal(experts.down_proj.input_scale, torch.tensor([[input_scale_of(e, "down_proj")] for e in range(8)]))
+    down = torch.tensor([[input_scale_of(e, "down_proj")] for e in range(8)])
+    assert torch.equal(experts.down_proj.input_scale, down)
     assert experts.gate_up_proj.activation_scale().item() == want.max().item()
 
     # the float32 model fed this file's own dequantization

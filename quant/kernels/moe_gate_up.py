@@ -62,8 +62,8 @@ def half_factor(s2_ptr, e, UP: tl.constexpr, NSEG: tl.constexpr, FORMAT: tl.cons
 
 @triton.jit
 def moe_gate_up_kernel(x_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, h_ptr, H, I, E, TOPK,
-                       NSEG: tl.constexpr, FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       EVEN: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr):
+                       NSEG: tl.constexpr, FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr):
     pid_n = tl.program_id(0)  # fastest: the programs of one block share its gathered x rows (L2)
     pid_b = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_b)

@@ -4,8 +4,9 @@ and one float32 global scale per row [M].
 
 The global scale of a row is the checkpoint's calibrated one where it has one (ModelOpt's `input_scale`: amax / (6 *
 448) of the inputs calibration saw, a static scale, the same for every row), otherwise amax|x_row| / (6 * 448) (a
-per-token scale). Each row is quantized exactly as quant/nvfp4.quantize quantizes a matrix with that global scale: block scale = amax(block) / 6 / g rounded to e4m3 (to nearest, ties to even, at most 448), element =
-x / (scale * g) rounded to the nearest E2M1 value (ties to the even code, at most 6). So the PyTorch emulation is
+per-token scale). Each row is quantized exactly as quant/nvfp4.quantize quantizes a matrix with that global scale:
+block scale = amax(block) / 6 / g rounded to e4m3 (to nearest, ties to even, at most 448), element = x / (scale *
+g) rounded to the nearest E2M1 value (ties to the even code, at most 6). So the PyTorch emulation is
 nvfp4.quantize row by row, and the two agree code for code (tests/test_kernels.py). With a static scale a block
 whose amax / 6 / g passes 448 saturates (scale 448, codes at most 6), as the calibrated scale's users accept. One
 program per row: a sweep for the row's amax (per-token scales only), then one that quantizes BLOCK_K inputs at a

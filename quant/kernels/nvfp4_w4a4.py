@@ -87,8 +87,9 @@ def nvfp4_w4a4(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 def reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, row_scale_2: torch.Tensor,
               input_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The PyTorch emulation: x quantized as nvfp4_act's reference does (input_scale or per token), both operands dequantized without
-    their global scales (a * s, exact in float32), a float32 matmul, then g_x[row] * g_w[col], rounded once."""
+    """The PyTorch emulation: x quantized as nvfp4_act's reference does (input_scale or per token), both operands
+    dequantized without their global scales (a * s, exact in float32), a float32 matmul, then g_x[row] * g_w[col],
+    rounded once."""
     from .. import nvfp4
     from .nvfp4_act import quantize_act_reference
 
