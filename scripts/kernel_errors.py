@@ -5,7 +5,8 @@
 Max relative error max|kernel - reference| / max|reference| over the awkward row counts 1, 17, 33, 255, 256, for the
 NVFP4 and INT8 linear kernels ([80, 96] weights) and the fused MoE (6 experts, hidden 64, expert width 48, top-2,
 one expert never routed to), in float32 and bfloat16; W4A4 (NVFP4 activations x NVFP4 weights) against its PyTorch
-emulation, and what W4A4 costs: the emulation against the same weights with 16-bit activations.
+emulation, and what W4A4 costs: the emulation against the same weights with 16-bit activations; both with per-token
+activation scales and with a calibrated static one (ModelOpt's input_scale, here the batch's amax / (6 * 448)).
 """
 
 import os
@@ -53,6 +54,13 @@ def main() -> int:
             sixteen = (x.cpu().double() @ nvfp4.dequantize(qn).double().T)
             errors.setdefault(("W4A4 emulation vs 16-bit activations", "linear", dtype), []).append(
                 rel(emulated, sixteen))
+            # with a calibrated static scale (ModelOpt's input_scale), as a calibration on this batch would set it
+            static = (x.cpu().float().abs().max() / 2688).reshape(1)
+            emulated = w4a4_reference(x.cpu(), *args, static)
+            got = nvfp4_w4a4(x, *(a.to(DEVICE) for a in args), static.to(DEVICE))
+            errors.setdefault(("nvfp4 W4A4, input_scale", "linear", dtype), []).append(rel(got.cpu(), emulated))
+            errors.setdefault(("W4A4 (input_scale) emulation vs 16-bit activations", "linear", dtype), []).append(
+                rel(emulated, sixteen))
             xe = torch.randn(rows, H, generator=g).to(dtype).to(DEVICE)
             index = torch.stack([torch.randperm(E - 1, generator=g)[:TOPK] for _ in range(rows)]).to(DEVICE)
             weights = torch.rand(rows, TOPK, generator=g).to(DEVICE)
@@ -63,7 +71,9 @@ def main() -> int:
     print("| format | kernel | " + " | ".join(f"{r} rows, fp32" for r in ROWS) + " | max, bf16 |")
     print("|---|---|" + "---|" * (len(ROWS) + 1))
     for fmt, kernel in (("nvfp4", "linear"), ("nvfp4", "fused MoE"), ("int8", "linear"), ("int8", "fused MoE"),
-                        ("nvfp4 W4A4", "linear"), ("W4A4 emulation vs 16-bit activations", "linear")):
+                        ("nvfp4 W4A4", "linear"), ("W4A4 emulation vs 16-bit activations", "linear"),
+                        ("nvfp4 W4A4, input_scale", "linear"),
+                        ("W4A4 (input_scale) emulation vs 16-bit activations", "linear")):
         if True:
             f32 = errors[(fmt, kernel, torch.float32)]
             b16 = errors[(fmt, kernel, torch.bfloat16)]
