@@ -1,4 +1,4 @@
-"""Triton helpers shared by the kernels (device functions, not kernels): weight decoding and the activation.
+"""Triton helpers shared by the kernels (device functions, not kernels; and the one check their wrappers share):
 
 NVFP4 decoding, bit-parallel. A 32-bit word holds 8 E2M1 codes of one row, nibble i = element k0 + i (ModelOpt
 packs element 2j in the low nibble of byte j, so a little-endian word is exactly this). Codes i and i + 4 sit 16 bits
@@ -123,6 +123,38 @@ def nvfp4_operand(tile, dtype: tl.constexpr):
         return (tile.to(tl.float32) * UNSHIFT).to(tl.float16), 1.0
     else:  # (an else, so the compiler never sees both returns)
         return tile, UNSHIFT
+
+
+@triton.jit
+def gate_up_rows(pid_n, I, BLOCK_N: tl.constexpr):
+    """[2 * BLOCK_N] rows of one expert's [2I, K] gate-up weights for column block pid_n of I: the gate rows, then
+    the up rows I further, so one tile (and one product per K step, as wide as both) covers both projections; the
+    accumulator comes apart with `split_gate_up`."""
+    both = tl.arange(0, 2 * BLOCK_N)
+    return pid_n * BLOCK_N + both % BLOCK_N + (both // BLOCK_N) * I
+
+
+@triton.jit
+def split_gate_up(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The [BLOCK_M, 2 * BLOCK_N] accumulator of a `gate_up_rows` tile -> (gate, up), each [BLOCK_M, BLOCK_N]."""
+    return tl.split(tl.permute(acc.reshape(BLOCK_M, 2, BLOCK_N), (0, 2, 1)))
+
+
+@triton.jit
+def segment_scale(s2_ptr, e, UP: tl.constexpr, NSEG: tl.constexpr):
+    """Expert e's NVFP4 global scale (float32) for its gate rows (UP False) or up rows: s2[e, :NSEG] holds NSEG = 2
+    (gate and up each their own, as ModelOpt stores them) or 1 (one for all the rows). One scalar per program, so an
+    epilogue keeps no per-column index alive across the K loop."""
+    return tl.load(s2_ptr + e * NSEG + (NSEG - 1 if UP else 0))
+
+
+def global_segments(scale_2) -> int:
+    """The number of global scales per expert of a [E, S] weight_scale_2 stack, which the epilogues read as one for
+    the gate rows and one for the up rows (`segment_scale`): 1 or 2, anything else refused."""
+    segments = scale_2.shape[1]
+    if segments not in (1, 2):
+        raise ValueError(f"NVFP4 gate-up stacks have one or two global scales per expert (got {segments})")
+    return segments
 
 
 @triton.jit

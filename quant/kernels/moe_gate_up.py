@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from . import arch, interpreting, shared_b_operand
-from .common import (block_rows, dot_acc, gelu_tanh, load_nvfp4_tile, nvfp4_operand, pair_order, store_rounded,
-                     to_compute)
+from .common import (block_rows, dot_acc, gate_up_rows, gelu_tanh, global_segments, load_nvfp4_tile, nvfp4_operand,
+                     pair_order, segment_scale, split_gate_up, store_rounded, to_compute)
 from .routing import moe_blocks  # noqa: F401  (re-exported for callers)
 
 
@@ -50,12 +50,11 @@ def weight_tile(w_ptr, s_ptr, e, rows, k0, H, NROWS, FORMAT: tl.constexpr, BLOCK
 @triton.jit
 def half_factor(s2_ptr, e, UP: tl.constexpr, NSEG: tl.constexpr, FORMAT: tl.constexpr, dtype: tl.constexpr):
     """The float32 factor the accumulator of expert e's gate rows (UP False) or up rows needs: NVFP4 2^62 (or 1,
-    common.nvfp4_operand) * their global scale, s2[e, :NSEG] holding NSEG = 2 (gate and up each their own, as
-    ModelOpt stores them) or 1 (one for all the rows, as the down projection has); INT8 1 (its scale is in the
-    operand). One scalar per program, so the epilogue keeps no per-column index alive across the K loop."""
+    common.nvfp4_operand) * their global scale (common.segment_scale; NSEG 1 for the down projection); INT8 1 (its
+    scale is in the operand)."""
     if FORMAT == 0:
         _, unshift = nvfp4_operand(tl.zeros((1, 1), dtype=tl.bfloat16), dtype)
-        return tl.load(s2_ptr + e * NSEG + (NSEG - 1 if UP else 0)) * unshift
+        return segment_scale(s2_ptr, e, UP, NSEG) * unshift
     else:
         return 1.0
 
@@ -74,8 +73,7 @@ def moe_gate_up_kernel(x_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, h
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of I
     # gate rows cols and up rows I + cols as one tile of 2 * BLOCK_N rows: one dot per K step, as wide as both
     # (half the tensor-core instructions, descriptors and loop bookkeeping of two BLOCK_N-wide dots)
-    both = tl.arange(0, 2 * BLOCK_N)
-    rows = pid_n * BLOCK_N + both % BLOCK_N + (both // BLOCK_N) * I
+    rows = gate_up_rows(pid_n, I, BLOCK_N)
     dtype = h_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -87,7 +85,7 @@ def moe_gate_up_kernel(x_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, h
                         mask=live[:, None] & (rk[None, :] < H), other=0.0)
         w = weight_tile(w_ptr, s_ptr, e, rows, k0, H, 2 * I, FORMAT, BLOCK_K, 2 * BLOCK_N, dtype, EVEN, EMULATE)
         acc = dot_acc(acc, x, tl.trans(w), IEEE, EMULATE)
-    acc_g, acc_u = tl.split(tl.permute(acc.reshape(BLOCK_M, 2, BLOCK_N), (0, 2, 1)))
+    acc_g, acc_u = split_gate_up(acc, BLOCK_M, BLOCK_N)
     acc_g = acc_g * half_factor(s2_ptr, e, False, NSEG, FORMAT, dtype)
     acc_u = acc_u * half_factor(s2_ptr, e, True, NSEG, FORMAT, dtype)
     # the reference rounds both matmul outputs and the activation to the compute dtype
@@ -138,9 +136,7 @@ def moe_gate_up(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.T
     h = torch.zeros(sorted_ids.numel(), I, dtype=x.dtype, device=x.device)
     nvfp4 = fmt == "nvfp4"
     if nvfp4:
-        segments = scale_2.shape[1]
-        if segments not in (1, 2):  # the kernel's epilogue takes one global scale for the gate, one for the up rows
-            raise ValueError(f"NVFP4 gate-up stacks have one or two global scales per expert (got {segments})")
+        segments = global_segments(scale_2)
         weight, scale, s2 = weight.contiguous().view(torch.int32), scale.view(torch.uint8), scale_2.float().contiguous()
     else:
         s2, segments = scale, 1  # unused

@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .common import UNSHIFT, block_rows, gelu_tanh, load_nvfp4_tile, store_rounded, to_compute
+from .common import (UNSHIFT, block_rows, gate_up_rows, gelu_tanh, global_segments, load_nvfp4_tile, segment_scale,
+                     split_gate_up, store_rounded, to_compute)
 
 
 @triton.jit
@@ -62,18 +63,17 @@ def moe_gate_up_w4a4_kernel(xq_ptr, xs_ptr, xg_ptr, ids_ptr, block_expert_ptr, w
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of I
     # gate rows cols and up rows I + cols as one weight tile: one FP4 product per K step, as wide as both (one
     # accumulator, the activation tile read once)
-    both = tl.arange(0, 2 * BLOCK_N)
-    rows = e.to(tl.int64) * 2 * I + pid_n * BLOCK_N + both % BLOCK_N + (both // BLOCK_N) * I
+    rows = e.to(tl.int64) * 2 * I + gate_up_rows(pid_n, I, BLOCK_N)
     end = (e.to(tl.int64) + 1) * 2 * I
     acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         acc = fp4_product(acc, xq_ptr, xs_ptr, tok, live, T, w_ptr, s_ptr, rows, end, k0, H, BLOCK_M, 2 * BLOCK_N,
                           BLOCK_K, EMULATE)
-    acc_g, acc_u = tl.split(tl.permute(acc.reshape(BLOCK_M, 2, BLOCK_N), (0, 2, 1)))
+    acc_g, acc_u = split_gate_up(acc, BLOCK_M, BLOCK_N)
     xg = tl.load(xg_ptr + tok, mask=live, other=0.0)[:, None]
     dtype = h_ptr.dtype.element_ty
-    s2_g = tl.load(s2_ptr + e * NSEG)  # gate and up: their own global scales (NSEG 2) or one for both
-    s2_u = tl.load(s2_ptr + e * NSEG + NSEG - 1)
+    s2_g = segment_scale(s2_ptr, e, False, NSEG)
+    s2_u = segment_scale(s2_ptr, e, True, NSEG)
     gate = to_compute(acc_g * xg * s2_g, dtype, EMULATE).to(tl.float32)
     up = to_compute(acc_u * xg * s2_u, dtype, EMULATE).to(tl.float32)
     act = to_compute(gelu_tanh(gate), dtype, EMULATE).to(tl.float32)
@@ -130,9 +130,7 @@ def moe_w4a4(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tens
     I = two_i // 2
     if H % 64 or I % 64:
         raise ValueError(f"W4A4 experts need hidden and expert widths that are multiples of 64 (got {H}, {I})")
-    segments = gate_up.weight_scale_2.shape[1]
-    if segments not in (1, 2):  # the epilogue takes one global scale for the gate rows, one for the up rows
-        raise ValueError(f"NVFP4 gate-up stacks have one or two global scales per expert (got {segments})")
+    segments = global_segments(gate_up.weight_scale_2)
     emulate = interpreting()
     xq, xs, xg = quantize_act(x, global_scale=x_scale)
     P = sorted_ids.numel()
