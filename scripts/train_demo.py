@@ -204,6 +204,11 @@ def loss_on(model: DiffusionGemma, prompt, valid, canvas, held, rng: torch.Gener
     return (ce * ~held).sum() / (~held).sum()
 
 
+def learning_rate(step: int, base: float, warmup: int, steps: int) -> float:
+    """The demos' schedule at step 1..steps: a linear warm-up over `warmup` steps, then cosine decay to zero."""
+    return base * min(1.0, step / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / steps)))
+
+
 def save(model: DiffusionGemma, config: dict, out: Path, generation_config: dict = GENERATION_CONFIG) -> None:
     """Write the checkpoint in the published layout: text stack under model.decoder.*, encoder scalars apart."""
     from safetensors.torch import save_file
@@ -246,7 +251,7 @@ def main() -> int:
     start = time.time()
     avg = None
     for step in range(1, args.steps + 1):
-        lr = args.lr * min(1.0, step / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps)))
+        lr = learning_rate(step, args.lr, warmup, args.steps)
         for group in opt.param_groups:
             group["lr"] = lr
         prompt, valid, canvas, held = make_batch(rng, args.batch)

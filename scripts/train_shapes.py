@@ -46,8 +46,8 @@ import dgemma_cli  # noqa: E402,F401  (before torch: OpenMP threads sleep instea
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from train_demo import (GENERATION_CONFIG, TEXT_CONFIG, build_model, chat_prompt, encode, loss_on,  # noqa: E402
-                        save)
+from train_demo import (GENERATION_CONFIG, TEXT_CONFIG, build_model, chat_prompt, encode,  # noqa: E402
+                        learning_rate, loss_on, save)
 
 SHAPES = ("circle", "square", "triangle")
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (240, 200, 30)}
@@ -383,7 +383,7 @@ def main() -> int:
     warmup = 50
     avg = None
     for step in range(1, args.steps + 1):
-        lr = args.lr * min(1.0, step / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps)))
+        lr = learning_rate(step, args.lr, warmup, args.steps)
         for group in opt.param_groups:
             group["lr"] = lr * group["scale"]
         loss = train_step(model, tower, opt, make_batch(rng, args.batch), gen, self_condition=step % 2 == 0)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
 import time
@@ -37,7 +36,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import dgemma_cli  # noqa: E402,F401  (before torch: OpenMP threads sleep instead of spinning on a shared CPU)
 import torch  # noqa: E402
 
-from train_demo import TEXT_CONFIG, build_model, chat_prompt, encode, loss_on, save  # noqa: E402
+from train_demo import TEXT_CONFIG, build_model, chat_prompt, encode, learning_rate, loss_on, save  # noqa: E402
 
 N = 4  # board side
 BOX = (2, 2)  # box rows, box columns
@@ -220,7 +219,7 @@ def main() -> int:
     start = time.time()
     avg = None
     for step in range(1, args.steps + 1):
-        lr = args.lr * min(1.0, step / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps)))
+        lr = learning_rate(step, args.lr, warmup, args.steps)
         for group in opt.param_groups:
             group["lr"] = lr
         prompt, valid, canvas, held = make_batch(rng, train_grids, grids, args.batch)
