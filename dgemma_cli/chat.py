@@ -26,6 +26,7 @@ import torch
 
 from .errors import DgemmaError, UsageError
 from .sampler import CanvasDone, Done, Event, Step
+from .tokenizer import Control
 
 HELP = """\
 /help              this list
@@ -105,7 +106,7 @@ class Conversation:
         """The template's rendering of one user turn and the generation prompt, without <bos> (the stream has
         it); after an answer, the newline the template puts after every turn comes first. Images go before the
         text, each as begin-of-image, its image tokens, end-of-image."""
-        content = self.engine.image_placeholder() * len(images) + text if images else text
+        content = [Control(self.engine.image_placeholder())] * len(images) + [text] if images else text
         ids = self.tok.encode_chat([{"role": "user", "content": content}], add_generation_prompt=True)
         if images:
             ids = self.engine.with_images(ids, images)

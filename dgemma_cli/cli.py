@@ -15,6 +15,7 @@ from typing import List, Optional
 import typer
 
 from .errors import EXIT_INTERRUPTED, EXIT_USAGE, DgemmaError, UsageError
+from .guard import is_loopback
 
 app = typer.Typer(
     name="dgemma",
@@ -513,17 +514,6 @@ def fim(
     sys.stdout.flush()
 
 
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # any other name may resolve to an outside address
-
-
 @app.command()
 def serve(
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
@@ -536,6 +526,12 @@ def serve(
     max_queue: int = typer.Option(64, "--max-queue", help="Requests waiting for a slot; past it, 429."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
     dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto."),
+    allow_origin: Optional[List[str]] = typer.Option(
+        None, "--allow-origin", metavar="ORIGIN", help="A web page origin (scheme://host[:port]) whose pages may "
+        "call the server (CORS); repeatable; '*' for any. Default: none."),
+    allow_host: Optional[List[str]] = typer.Option(
+        None, "--allow-host", metavar="NAME", help="A name clients may reach the server by (its Host header), "
+        "besides the --host address and localhost; repeatable; '*' for any."),
 ) -> None:
     """An OpenAI-compatible HTTP server (chat, completions with suffix infill, models), batching requests."""
     if not 0 <= port <= 65535:
@@ -546,14 +542,15 @@ def serve(
         raise UsageError("--max-queue must be at least 0")
     if api_key is not None and not api_key.strip():
         raise UsageError("--api-key must not be empty")
-    if not _is_loopback(host) and not api_key:
+    if not is_loopback(host) and not api_key:
         raise UsageError(f"--host {host} can be reached from other machines: pass --api-key KEY (or set "
                          "DGEMMA_API_KEY)")
     _check_device_dtype(device, dtype)
     from .serve import serve as run_server  # heavy: torch, starlette, uvicorn
 
     raise typer.Exit(run_server(_model_dir(model), host=host, port=port, api_key=api_key, max_batch=max_batch,
-                                max_queue=max_queue, device=device, dtype=dtype, note=_note))
+                                max_queue=max_queue, device=device, dtype=dtype, note=_note,
+                                allow_hosts=tuple(allow_host or ()), allow_origins=tuple(allow_origin or ())))
 
 
 # ----------------------------------------------------------------------------- weights: pull, store, quantize

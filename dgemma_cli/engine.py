@@ -24,7 +24,7 @@ from .errors import ModelError, UsageError
 from .model import DiffusionGemma, KVCache
 from .names import DEMO_MODEL, resolve_model  # noqa: F401 (engine.DEMO_MODEL is part of the API)
 from .sampler import Done, Event, generate_events
-from .tokenizer import Tokenizer
+from .tokenizer import Control, Tokenizer
 from .weights import load_model
 
 def check_kernels(device: torch.device) -> None:
@@ -193,7 +193,7 @@ class Engine:
             if raw:
                 ids = self.tokenizer.encode(prompt)
             else:
-                content = self.image_placeholder() * len(images) + prompt if images else prompt
+                content = [Control(self.image_placeholder())] * len(images) + [prompt] if images else prompt
                 messages = ([{"role": "system", "content": system}] if system else [])
                 messages.append({"role": "user", "content": content})
                 ids = self.tokenizer.encode_chat(messages, enable_thinking=enable_thinking)
@@ -333,8 +333,8 @@ class Engine:
         if self.tokenizer is None:
             raise ModelError(f"{self.path}: no tokenizer.json, so text cannot be encoded")
         tok = self.tokenizer
-        prefix_ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(prefix)
-        held = tok.encode(suffix)[:held_tokens]
+        prefix_ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode_text(prefix)
+        held = tok.encode_text(suffix)[:held_tokens]
         settings = (settings or self.settings).override(**overrides)
         if len(held) >= self.config.canvas_length:
             raise UsageError(f"--held-tokens must leave room in a canvas of {self.config.canvas_length}")

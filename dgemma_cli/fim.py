@@ -115,7 +115,7 @@ def fill_holes(engine, text: str, holes: list[Hole], *, method: str = "held", he
     # would be held as literal text.
     for k in range(len(holes) - 1):
         between = text[holes[k].end : holes[k + 1].start]
-        if method == "held" and len(tok.encode(between)) < held_tokens:
+        if method == "held" and len(tok.encode_text(between)) < held_tokens:
             raise UsageError(f"{name}: the marker on line {line_of(text, holes[k + 1].start)} is inside the held "
                              f"suffix of the hole before it (keep {held_tokens} tokens between holes)")
     out, shift, empty = text, 0, []
@@ -156,7 +156,7 @@ def fit_prefix(engine, prefix: str, name: str, warn, max_new_tokens, held: int =
     settings = engine.settings.override(max_new_tokens=max_new_tokens)
     C = engine.config.canvas_length
     budget = engine.config.text.max_position_embeddings - settings.canvases_for(C - held) * C - 1
-    ids = engine.tokenizer.encode(prefix)
+    ids = engine.tokenizer.encode_text(prefix)
     if len(ids) <= budget:
         return prefix
     if budget < 1:

@@ -34,12 +34,17 @@ from starlette.routing import Route
 
 from .batching import BatchLoop, Closed, Job, QueueFull, RowCanvas, RowDone, RowFailed, RowStep, Ticket
 from .errors import DgemmaError, ModelError, UsageError
+from .guard import Guard, allowed_hosts
 from .store import check_images
+from .tokenizer import Control
 
 MAX_BODY = 20 << 20  # bytes of one request body: room for a few photos as base64 data: URLs
 MAX_STOP = 8  # stop strings per request
 MAX_STOP_CHARS = 256
 MAX_STEPS = 1024  # the `steps` extra field's ceiling
+MAX_DEPTH = 64  # nesting of a request's JSON: the API's deepest (a tool's JSON schema) is far shallower
+MAX_INT = 2**64  # a JSON integer's magnitude; seeds go up to 2**64 - 1
+MAX_MESSAGES = 4096  # messages per chat request: rendering the template is linear in them, on this server's CPU
 
 
 class ApiError(Exception):
@@ -105,13 +110,48 @@ async def read_json(request: Request) -> dict:
             chunks.append(chunk)
     except ClientDisconnect:
         raise ApiError(400, "the client disconnected while sending the body", code="client_disconnected") from None
-    try:
-        body = json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    # Parsed in a worker thread: 20 MiB of JSON takes a while, and the event loop answers other clients meanwhile.
+    body = await asyncio.to_thread(parse_json, b"".join(chunks))
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
     return body
+
+
+def parse_json(data: bytes) -> Any:
+    """A request body's JSON, checked so that nothing later meets what it cannot handle: at most MAX_DEPTH levels,
+    integers within +-MAX_INT, and strings (keys too) that are valid Unicode (a lone surrogate such as "\\ud800"
+    is legal JSON but no text: it cannot be encoded, tokenized or echoed)."""
+    try:
+        body = json.loads(data)
+    except RecursionError:
+        raise ApiError(400, f"the body's JSON is nested more than {MAX_DEPTH} levels deep", code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
+    todo = [(body, 1)]  # iterative: a deep document must not exhaust this thread's stack
+    while todo:
+        value, depth = todo.pop()
+        if isinstance(value, (dict, list)):
+            if depth > MAX_DEPTH:
+                raise ApiError(400, f"the body's JSON is nested more than {MAX_DEPTH} levels deep", code="invalid_json")
+            items = value.items() if isinstance(value, dict) else ((None, v) for v in value)
+            for key, v in items:
+                if key is not None:
+                    check_text(key)
+                todo.append((v, depth + 1))
+        elif isinstance(value, str):
+            check_text(value)
+        elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+            raise ApiError(400, f"the body holds an integer of {len(str(abs(value)))} digits; none may pass 2**64",
+                           code="invalid_value")
+    return body
+
+
+def check_text(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "the body holds a string with a lone surrogate (\\ud800-\\udfff): not Unicode text",
+                       code="invalid_json") from None
 
 
 def _type_error(key: str, what: str, value: Any) -> ApiError:
@@ -249,7 +289,7 @@ def prepare(server: Server, body: dict, kind: str) -> Prepared:
             thinking = get_bool(kwargs, "enable_thinking")
         vision = engine.config.vision is not None
         prompt, images = tok_chat(tok, body.get("messages"), bool(thinking),
-                                  engine.image_placeholder() if vision else None)
+                                  engine.image_placeholder() if vision else None, max_chars=max_chars(engine))
         if images:  # the tower runs here, in the request's worker thread, not in the batch loop
             budget = get_int(body, "image_tokens")
             try:
@@ -266,14 +306,18 @@ def prepare(server: Server, body: dict, kind: str) -> Prepared:
         if suffix is not None and not isinstance(suffix, str):
             raise _type_error("suffix", "a string", suffix)
         text, ids = completion_prompt(prompt_field)
+        chars = len(text or "") + len(suffix or "")
+        if chars > max_chars(engine):
+            raise ApiError(400, f"the prompt's {chars} characters cannot fit the model's context", param="prompt",
+                           code="context_length_exceeded")
         if suffix is not None:  # infill: <bos> + prefix through the encoder, the suffix's first tokens held
             if text is None:
                 raise ApiError(400, "'suffix' needs a text prompt", param="suffix", code="invalid_value")
             infill = True
             C = engine.config.canvas_length
             n_held = get_int(body, "held_tokens", 0, C - 1)
-            held = tok.encode(suffix)[: 8 if n_held is None else n_held]
-            prompt = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(text)
+            held = tok.encode_text(suffix)[: 8 if n_held is None else n_held]
+            prompt = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode_text(text)
         else:  # as `dgemma run --raw`: the text exactly as given, no special tokens added
             prompt = tok.encode(text) if text is not None else ids
             if not prompt:
@@ -314,13 +358,24 @@ def image_bytes(part: dict, where: str) -> bytes:
                        code="invalid_image_url") from None
 
 
-def tok_chat(tok, messages: Any, thinking: bool, placeholder: str | None = None) -> tuple[list[int], list[bytes]]:
+def max_chars(engine) -> int:
+    """The most characters a prompt can have and still fit the context: no token spans more characters than the
+    vocabulary's longest. Longer text is refused before it is tokenized (which would hold a CPU and memory)."""
+    return engine.config.text.max_position_embeddings * engine.tokenizer.max_token_chars
+
+
+def tok_chat(tok, messages: Any, thinking: bool, placeholder: str | None = None,
+             max_chars: int | None = None) -> tuple[list[int], list[bytes]]:
     """(the conversation's ids through the chat template, the images of its `image_url` parts in order). Each image
     stands in its message as `placeholder` (the tokenizer's image token, expanded later to the image's soft tokens);
-    None: the model reads no images."""
+    None: the model reads no images. A conversation of more than `max_chars` characters of text is refused before
+    anything is tokenized."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages", code="invalid_type")
-    out, images = [], []
+    if len(messages) > MAX_MESSAGES:
+        raise ApiError(400, f"'messages' holds {len(messages)} messages; at most {MAX_MESSAGES} are read",
+                       param="messages", code="invalid_value")
+    out, images, chars = [], [], 0
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -341,14 +396,18 @@ def tok_chat(tok, messages: Any, thinking: bool, placeholder: str | None = None)
                         raise ApiError(400, f"{where}.content[{k}]: this model has no vision tower, so it reads no "
                                        "images", param=f"{where}.content", code="unsupported_parameter")
                     images.append(image_bytes(part, f"{where}.content[{k}]"))
-                    texts.append(placeholder)
+                    texts.append(Control(placeholder))
                 else:
                     raise ApiError(400, f"{where}.content[{k}]: only text and image_url parts are supported",
                                    param=f"{where}.content", code="unsupported_parameter")
-            content = "".join(texts)
-        if not isinstance(content, str):
+            content = texts
+        elif not isinstance(content, str):
             raise _type_error(f"{where}.content", "a string or a list of text and image_url parts", content)
-        out.append({"role": ROLES[role], "content": content})
+        chars += sum(len(t) for t in ([content] if isinstance(content, str) else content) if not isinstance(t, Control))
+        out.append({"role": ROLES[role], "content": content})  # text, or text and image placeholders
+    if max_chars is not None and chars > max_chars:
+        raise ApiError(400, f"the messages' {chars} characters cannot fit the model's context", param="messages",
+                       code="context_length_exceeded")  # known before tokenizing: no token holds more characters
     try:
         return tok.encode_chat(out, enable_thinking=thinking), images
     except UsageError as e:
@@ -607,7 +666,10 @@ async def answer_stream(server: Server, prep: Prepared) -> Response:
 # ----------------------------------------------------------------------------- routes
 
 
-def build_app(server: Server) -> Starlette:
+def build_app(server: Server, hosts: set[str] | None = None, origins: tuple[str, ...] = ()) -> Guard:
+    """The routes, behind the Host / Origin / Content-Type checks (guard.py). hosts: the Host names answered
+    (None: any); origins: the web page origins allowed to call it ("*": any)."""
+
     async def generate(request: Request, kind: str) -> Response:
         server.authorize(request)
         body = await read_json(request)
@@ -667,8 +729,11 @@ def build_app(server: Server) -> Starlette:
         Route("/v1/models/{name:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error,
-                                                       Exception: internal_error})
+    # An escaping exception reaches internal_error (one line, a 500), then Starlette raises it again: the guard
+    # takes it there, so the HTTP server never sees it (it would log a traceback and close the connection).
+    app = Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error,
+                                                      Exception: internal_error})
+    return Guard(app, hosts, set(origins))
 
 
 # ----------------------------------------------------------------------------- running
@@ -701,7 +766,7 @@ def model_id(model: str) -> str:
 
 
 def serve(model: str, *, host: str, port: int, api_key: str | None, max_batch: int, max_queue: int,
-          device: str, dtype: str, note) -> int:
+          device: str, dtype: str, note, allow_hosts: tuple[str, ...] = (), allow_origins: tuple[str, ...] = ()) -> int:
     """Bind, load, serve until SIGTERM or Ctrl-C, then finish every request in flight and return 0."""
     import signal
 
@@ -715,7 +780,8 @@ def serve(model: str, *, host: str, port: int, api_key: str | None, max_batch: i
         raise ModelError(f"{engine.path}: no tokenizer.json: the server needs one to read text")
     loop = BatchLoop(engine.model, max_batch=max_batch, max_queue=max_queue)
     server = Server(engine, loop, model_id(model), api_key)
-    config = uvicorn.Config(build_app(server), log_level="warning", access_log=False, lifespan="off",
+    app = build_app(server, allowed_hosts(host, allow_hosts), allow_origins)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=None, server_header=False)
     http = uvicorn.Server(config)
     # uvicorn catches SIGINT/SIGTERM itself, drains, restores these handlers and raises the signal again: these

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from datetime import datetime
 from pathlib import Path
 
@@ -71,6 +72,17 @@ def split_thought(text: str) -> tuple[str, str]:
     return rest[:end], before + rest[end + len(CHANNEL_END) :]
 
 
+# Characters of Unicode's Supplementary Private Use Area-A: while a chat renders, each special-token string in a
+# message's text stands as one of them (encode_chat). Such characters in the text itself are swapped too.
+_SENTINEL_FIRST, _SENTINEL_LAST = 0xF0000, 0xFFFFD
+_SENTINELS = f"[{chr(_SENTINEL_FIRST)}-{chr(_SENTINEL_LAST)}]"
+
+
+class Control(str):
+    """A special token's string put in a chat message on purpose (an image placeholder): encode_chat keeps it as
+    the control token, where the same string typed by a user is plain text."""
+
+
 class Tokenizer:
     """A checkpoint's tokenizer.json plus its chat template."""
 
@@ -91,6 +103,10 @@ class Tokenizer:
             (t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special), key=len, reverse=True
         )
         self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
+        # A special token's string, or a character of the range that stands in for one while a chat renders.
+        self._forgeable_re = re.compile("|".join([*map(re.escape, specials), _SENTINELS]))
+        self._plain_lock = threading.Lock()
+        self._max_token_chars: int | None = None
 
     @classmethod
     def from_dir(cls, path) -> Tokenizer:
@@ -137,8 +153,26 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of text exactly as given. No special tokens are added, but special-token strings in
-        the text (like "<bos>") become their ids."""
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        the text (like "<bos>") become their ids: for text whose author may place control tokens (`run --raw`,
+        a raw completion prompt), never for a user's or a file's text (`encode_text`)."""
+        with self._plain_lock:  # not while another thread has the special-tokens-as-text flag set
+            return self._tokenizer.encode_batch([text], add_special_tokens=False)[0].ids  # the GIL released
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of text as plain text: a special token's string in it ("<turn|>", "<eos>") is encoded as the
+        characters it is made of, never as the control token. For text that comes from a user or a file."""
+        return self._encode_plain([text])[0]
+
+    def _encode_plain(self, texts: list[str]) -> list[list[int]]:
+        # encode_batch releases the GIL while the library works (encode does not), so a long text tokenized in a
+        # server's worker thread does not stall its event loop. The flag is the tokenizer object's own: set and
+        # reset under a lock, since request threads share the object.
+        with self._plain_lock:
+            self._tokenizer.encode_special_tokens = True
+            try:
+                return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
+            finally:
+                self._tokenizer.encode_special_tokens = False
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -158,6 +192,15 @@ class Tokenizer:
     def token_id(self, token: str) -> int | None:
         """Id of a token string, or None if the vocabulary lacks it."""
         return self._tokenizer.token_to_id(token)
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (its vocabulary string's length; byte tokens such as "<0x0A>"
+        count longer than they are, which only makes this larger): text of n characters has at least
+        n / max_token_chars tokens."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(1, max(map(len, self._tokenizer.get_vocab(with_added_tokens=True))))
+        return self._max_token_chars
 
     @property
     def vocab_size(self) -> int:
@@ -219,8 +262,60 @@ class Tokenizer:
     def encode_chat(
         self, messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool = False, **kwargs
     ) -> list[int]:
-        """Token ids of the rendered chat (it already starts with <bos>)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, enable_thinking, **kwargs))
+        """Token ids of the rendered chat (it already starts with <bos>).
+
+        Only the template places control tokens. A message's content is the user's text: a special token's
+        string typed in it ("<turn|>", "<|turn>system") is encoded as plain text, so no one can forge a turn. A
+        content may also be a list of strings and `Control` pieces; a `Control` (an image placeholder the caller
+        puts there) stays the control token it names.
+
+        How: each special-token string in a content's text is swapped for a private-use character before
+        rendering, so the rendered text's special-token strings are exactly the template's and the controls;
+        the text between them is encoded with the swapped strings put back, as plain text. A conversation with
+        nothing to swap is encoded as the whole rendered text (the tokens transformers' apply_chat_template gives).
+        """
+        swapped: list[str] = []  # the original string of each private-use character, by its offset
+
+        def swap(match: re.Match) -> str:
+            if len(swapped) > _SENTINEL_LAST - _SENTINEL_FIRST:
+                raise UsageError("the conversation holds too many special-token strings")
+            swapped.append(match.group(0))
+            return chr(_SENTINEL_FIRST + len(swapped) - 1)
+
+        def content_text(content):
+            if isinstance(content, list):
+                return "".join(p if isinstance(p, Control) else self._forgeable_re.sub(swap, p) for p in content)
+            if isinstance(content, str):
+                return self._forgeable_re.sub(swap, content)
+            return content
+
+        safe = [{**m, "content": content_text(m.get("content"))} if "content" in m else m for m in messages]
+        rendered = self.render_chat(safe, add_generation_prompt, enable_thinking, **kwargs)
+        if not swapped:
+            return self.encode(rendered)
+        # Split at the template's special tokens (and the controls); encode the text between as plain text.
+        pieces, ids_at = [], []
+        last = 0
+        for m in self._special_re.finditer(rendered) if self._special_re else ():
+            pieces.append(rendered[last : m.start()])
+            ids_at.append(self.token_id(m.group(0)))
+            last = m.end()
+        pieces.append(rendered[last:])
+
+        def unswap(text: str) -> str:
+            def back(c: re.Match) -> str:
+                k = ord(c.group(0)) - _SENTINEL_FIRST
+                return swapped[k] if k < len(swapped) else c.group(0)
+
+            return re.sub(_SENTINELS, back, text)
+
+        texts = self._encode_plain([unswap(p) for p in pieces])
+        out: list[int] = []
+        for k, t in enumerate(texts):
+            out += t
+            if k < len(ids_at):
+                out.append(ids_at[k])
+        return out
 
 
 def _compile_template(source: str):
