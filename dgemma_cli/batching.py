@@ -413,7 +413,8 @@ class BatchLoop:
         sample, argmax, entropy = (t.view(A, C) for t in sample_step(buf, temperature, [r.gen for r in rows]))
         gone = set()
         for a, r in enumerate(rows):
-            if r.after_step(sample[a : a + 1], argmax[a : a + 1], entropy[a : a + 1]) and r.finish_canvas():
+            drawn = argmax if r.job.settings.greedy else sample
+            if r.after_step(drawn[a : a + 1], argmax[a : a + 1], entropy[a : a + 1]) and r.finish_canvas():
                 gone.add(a)
                 self.completed += 1
                 r.deliver(r.done_event())

@@ -279,6 +279,9 @@ class GenerationSettings:
     confidence_threshold: float = 0.005
     eos_token_ids: tuple[int, ...] = (1,)
     pad_token_id: int = 0
+    # Greedy: each draw is the step's argmax instead of a sample; which positions a step accepts still follows the
+    # entropies at the temperature schedule (t_max -> t_min), so the canvas settles at the usual pace.
+    greedy: bool = False
 
     @classmethod
     def from_checkpoint(cls, path: Path | None, text: TextConfig | None = None) -> GenerationSettings:

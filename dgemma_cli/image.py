@@ -2,8 +2,13 @@
 
 The rule: this module knows pixels, nothing of the model. It reads PNG, JPEG, WebP and GIF (first frame) with
 Pillow and refuses anything else in one line: a missing or unreadable file, a file that is not an image, a
-truncated or corrupt one, and one whose header claims more than `MAX_PIXELS` (a decompression bomb: the size is
-checked from the header, before any pixel is decoded).
+truncated or corrupt one, and one whose decoding would cost more than a picture is worth (a decompression bomb).
+What a picture may cost is bounded from its header, before any pixel is decoded: each side (`MAX_SIDE`), its
+aspect ratio (`MAX_ASPECT`: past it the processor squeezes the long side anyway), its pixels (`MAX_PIXELS`), and
+the working memory decoding and converting it takes (`MAX_DECODE_BYTES`, counting the decoded mode's bytes and
+each conversion's copy). A JPEG far larger than any soft-token budget uses is decoded reduced (its DCT scaled by
+1/2, 1/4 or 1/8, to at least twice the largest budget's size). Decoding runs one picture at a time per process
+(`DECODE_SLOT`), so pictures sent together cost one picture's memory at a time.
 
 `patchify` follows transformers' Gemma 4 image processor (its Pillow backend) value for value:
 1. resize keeping the aspect ratio to the largest size with at most `budget * pool^2` patches whose sides are
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import io
 import math
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +35,11 @@ from .errors import UsageError
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 MAX_PIXELS = 64_000_000  # 64 megapixels: above any camera image people send a chat model; 192 MB decoded as RGB
+MAX_SIDE = 16_384  # pixels on either side
+MAX_ASPECT = max(IMAGE_TOKEN_BUDGETS)  # long side / short side: past one row of the largest budget, nothing is gained
+MAX_DECODE_BYTES = 768 << 20  # the working memory of decoding and converting one picture (decode_bytes)
 MAX_BYTES = 256 << 20  # a file (or data: URL) larger than this is refused before it is read
+DECODE_SLOT = threading.Lock()  # one picture decoded at a time in this process
 
 
 @dataclass
@@ -83,17 +93,50 @@ def open_image(source: str | Path | bytes, name: str | None = None):
         except Exception as e:  # a header Pillow cannot parse: its errors are of many types
             raise UsageError(f"{label}: truncated or corrupt image ({_reason(e)})") from None
         w, h = img.size
-        if w < 1 or h < 1 or w * h > MAX_PIXELS:
-            raise UsageError(f"{label}: the image claims {w} x {h} pixels (over {MAX_PIXELS // 1_000_000} "
-                             "megapixels); refused")
-        try:
-            img.load()  # the first frame of an animated GIF
-            img = ImageOps.exif_transpose(img)  # camera photos stored rotated show as taken
-            return to_rgb(img)
-        except MemoryError:
-            raise
-        except Exception as e:  # OSError("image file is truncated ..."), SyntaxError("broken PNG file"), ...
-            raise UsageError(f"{label}: truncated or corrupt image ({_reason(e)})") from None
+        check_size(label, w, h)
+        if img.format == "JPEG":
+            # Decode at the smallest DCT scale that keeps twice the largest budget's size: the same picture to the
+            # processor, a fraction of the memory and time for a large photo.
+            th, tw = target_size(h, w, max(IMAGE_TOKEN_BUDGETS))
+            img.draft(img.mode, (2 * tw, 2 * th))
+        cost = decode_bytes(img)
+        if cost > MAX_DECODE_BYTES:
+            raise UsageError(f"{label}: a {w} x {h} {img.mode} image takes {cost >> 20} MB to decode, over the "
+                             f"{MAX_DECODE_BYTES >> 20} MB dgemma allows a picture; send it smaller")
+        with DECODE_SLOT:
+            try:
+                img.load()  # the first frame of an animated GIF
+                ImageOps.exif_transpose(img, in_place=True)  # camera photos stored rotated show as taken
+                return to_rgb(img)
+            except MemoryError:
+                raise
+            except Exception as e:  # OSError("image file is truncated ..."), SyntaxError("broken PNG file"), ...
+                raise UsageError(f"{label}: truncated or corrupt image ({_reason(e)})") from None
+
+
+def check_size(label: str, w: int, h: int) -> None:
+    """Refuse, from the header's size, a picture no budget could use."""
+    if w < 1 or h < 1:
+        raise UsageError(f"{label}: the image claims {w} x {h} pixels; refused")
+    if max(w, h) > MAX_SIDE:
+        raise UsageError(f"{label}: the image claims {w} x {h} pixels; a side may have at most {MAX_SIDE}")
+    if max(w, h) > MAX_ASPECT * min(w, h):
+        raise UsageError(f"{label}: the image is {w} x {h} pixels, an aspect ratio over {MAX_ASPECT}:1 that the "
+                         "processor cannot use")
+    if w * h > MAX_PIXELS:
+        raise UsageError(f"{label}: the image claims {w} x {h} pixels (over {MAX_PIXELS // 1_000_000} "
+                         "megapixels); refused")
+
+
+def decode_bytes(img) -> int:
+    """The working memory of decoding `img` (header read, draft set) and making it 8-bit RGB: the decoded image,
+    the RGB copy when its mode is another, and with transparency the RGBA copy, the white background and the
+    composite (to_rgb). Bytes per pixel of the decoded mode count at least one (a 1-bit image is unpacked)."""
+    w, h = img.size
+    decoded = max(1, len(img.getbands())) * (4 if img.mode in ("I", "F", "I;16") else 1)
+    rgb = 0 if img.mode == "RGB" else 3
+    alpha = 12 if ("A" in img.getbands() or "transparency" in img.info) else 0
+    return w * h * (decoded + rgb + alpha)
 
 
 def _reason(e: Exception) -> str:

@@ -240,6 +240,8 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
             frac = torch.tensor(n, dtype=torch.int32, device=dev) / N
             temperature = settings.t_min + (settings.t_max - settings.t_min) * frac
             sample, new_argmax, entropy = (t.view(B, C) for t in sample_step(buf, temperature))
+            if settings.greedy:
+                sample = new_argmax.clone()
             if h:  # held tokens: certain by definition
                 entropy[:, free:] = 0
                 sample[:, free:] = held

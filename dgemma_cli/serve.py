@@ -23,6 +23,7 @@ import secrets
 import socket
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -33,6 +34,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .batching import BatchLoop, Closed, Job, QueueFull, RowCanvas, RowDone, RowFailed, RowStep, Ticket
+from .config import IMAGE_TOKEN_BUDGETS
 from .errors import DgemmaError, ModelError, UsageError
 from .guard import Guard, allowed_hosts
 from .store import check_images
@@ -73,6 +75,7 @@ class Server:
     model_id: str
     api_key: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    picture_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "dgemma-picture"))
     seconds_per_request: float = 1.0  # moving average, for Retry-After
 
     def authorize(self, request: Request) -> None:
@@ -251,13 +254,19 @@ def prepare(server: Server, body: dict, kind: str) -> Prepared:
     base = engine.settings
     if temperature is not None:
         # The sampler's temperature falls from t_max to t_min over a canvas's steps: the API's temperature scales
-        # that schedule (1, the API's default, keeps the checkpoint's). Greedy decoding has no meaning here.
-        if not 0 < temperature <= 2:
-            raise ApiError(400, "'temperature' must be in (0, 2]: it scales the sampler's schedule (1 keeps the "
-                           "checkpoint's); send a seed for repeatable answers", param="temperature",
-                           code="invalid_value")
-        overrides["t_min"], overrides["t_max"] = base.t_min * temperature, base.t_max * temperature
+        # that schedule (1, the API's default, keeps the checkpoint's). 0 is greedy: every draw is the argmax (the
+        # schedule still paces which positions a step accepts) and, with no seed sent, the starting noise is seed
+        # 0's, so the same request gives the same answer.
+        if not 0 <= temperature <= 2:
+            raise ApiError(400, "'temperature' must be in [0, 2]: it scales the sampler's schedule (1 keeps the "
+                           "checkpoint's, 0 is greedy)", param="temperature", code="invalid_value")
+        if temperature == 0:
+            overrides["greedy"] = True
+        else:
+            overrides["t_min"], overrides["t_max"] = base.t_min * temperature, base.t_max * temperature
     seed = get_int(body, "seed", -(2**63), 2**64 - 1)
+    if seed is None and temperature == 0:
+        seed = 0
     stream = bool(get_bool(body, "stream"))
     stream_steps = bool(get_bool(body, "stream_steps"))
     if stream_steps and not stream:
@@ -292,6 +301,9 @@ def prepare(server: Server, body: dict, kind: str) -> Prepared:
                                   engine.image_placeholder() if vision else None, max_chars=max_chars(engine))
         if images:  # the tower runs here, in the request's worker thread, not in the batch loop
             budget = get_int(body, "image_tokens")
+            if budget is not None and budget not in IMAGE_TOKEN_BUDGETS:
+                raise ApiError(400, f"'image_tokens' must be one of {', '.join(map(str, IMAGE_TOKEN_BUDGETS))} "
+                               f"(got {budget})", param="image_tokens", code="invalid_value")
             try:
                 if engine.path is not None:
                     check_images(engine.path)  # a store entry holding only the text model: how to re-pull it
@@ -338,6 +350,13 @@ def prepare(server: Server, body: dict, kind: str) -> Prepared:
 
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def has_images(body: dict) -> bool:
+    messages = body.get("messages")
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and p.get("type") == "image_url" for p in m["content"]) for m in messages)
 
 
 def image_bytes(part: dict, where: str) -> bytes:
@@ -453,7 +472,7 @@ class AnswerText:
     def texts(self, ids: list[int], final: bool) -> tuple[str, str]:
         cut = next((i for i, t in enumerate(ids) if t in self.ends), len(ids))
         ids = ids[: min(cut, self.limit)]
-        thought, answer = self.tok.decode_answer(ids) if self.chat else ("", self.tok.decode(ids))
+        thought, answer = self.texts_of(ids)
         hits = [i for i in (answer.find(s) for s in self.stops) if i >= 0]
         if hits:
             self.stopped = True
@@ -467,6 +486,27 @@ class AnswerText:
                         break
             thought = thought.rstrip("\ufffd")
         return thought, answer
+
+    def returned_tokens(self) -> int:
+        """Tokens behind the text returned: up to the end token or the limit, and after a stop string's cut only
+        those needed for the text before it (the fewest whose answer reaches its length)."""
+        cut = next((i for i, t in enumerate(self.ids) if t in self.ends), len(self.ids))
+        ids = self.ids[: min(cut, self.limit)]
+        if not self.stopped:
+            return len(ids)
+        want = len(self.sent) + len(self.sent_thought)
+        lo, hi = 0, len(ids)  # the answer's length grows with the tokens decoded: the first prefix long enough
+        while lo < hi:
+            mid = (lo + hi) // 2
+            thought, answer = self.texts_of(ids[:mid])
+            if len(thought) + len(answer) >= want:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def texts_of(self, ids: list[int]) -> tuple[str, str]:
+        return self.tok.decode_answer(ids) if self.chat else ("", self.tok.decode(ids))
 
     def add(self, canvas: list[int]) -> tuple[str, str]:
         self.ids += canvas
@@ -549,14 +589,15 @@ async def answer_whole(server: Server, request: Request, prep: Prepared) -> Resp
     if done is not None:
         server.finished(done.seconds)
     if not text.stopped:
+        text.ids = ids
         text.finish(ids)
     answer, thought = text.sent, text.sent_thought  # what a stream would have sent, in one piece
     reason = finish_reason(text, done)
-    completion = len(done.token_ids) if done is not None else len(ids)
+    completion = text.returned_tokens()
     extra = {"seed": prep.job.seed, "steps_per_canvas": done.steps_per_canvas if done else []}
     base = {"id": new_id(prep), "created": int(time.time()), "model": server.model_id}
     if prep.kind == "chat":
-        message = {"role": "assistant", "content": answer}
+        message = {"role": "assistant", "content": answer, "refusal": None}
         if thought:
             message["reasoning_content"] = thought
         body = {**base, "object": "chat.completion",
@@ -619,7 +660,8 @@ async def answer_stream(server: Server, prep: Prepared) -> Response:
             choice = {"index": 0, "delta": d, "finish_reason": reason, "logprobs": None}
         else:
             choice = {"index": 0, "text": delta, "finish_reason": reason, "logprobs": None}
-        return {**base, "choices": [choice]}
+        # With include_usage, every chunk but the last carries "usage": null, as the API sends it.
+        return {**base, "choices": [choice], **({"usage": None} if prep.include_usage else {})}
 
     def step_chunk(ev: RowStep) -> dict:
         return {**base, "choices": [], "dgemma_step": {
@@ -646,6 +688,7 @@ async def answer_stream(server: Server, prep: Prepared) -> Response:
                 elif isinstance(ev, RowDone):
                     done = ev
                     server.finished(ev.seconds)
+                    text.ids = ev.token_ids
                     delta, thought = text.finish(ev.token_ids)
                     if delta or thought:
                         yield sse(chunk(delta, thought))
@@ -656,8 +699,7 @@ async def answer_stream(server: Server, prep: Prepared) -> Response:
             return
         yield sse(chunk(reason=finish_reason(text, done)))
         if prep.include_usage:
-            completion = len(done.token_ids) if done is not None else len(text.ids)
-            yield sse({**base, "choices": [], "usage": usage(prep, completion)})
+            yield sse({**base, "choices": [], "usage": usage(prep, text.returned_tokens())})
         yield "data: [DONE]\n\n"
 
     return EventStream(body(), ticket)
@@ -673,7 +715,10 @@ def build_app(server: Server, hosts: set[str] | None = None, origins: tuple[str,
     async def generate(request: Request, kind: str) -> Response:
         server.authorize(request)
         body = await read_json(request)
-        prep = await asyncio.to_thread(prepare, server, body, kind)  # tokenizing, and an image's vision tower
+        # Tokenizing, and a picture's decoding and vision tower, in a worker thread. Requests with pictures queue
+        # for one thread of their own, so that however many arrive, text requests keep the other workers.
+        pool = server.picture_pool if has_images(body) else None
+        prep = await asyncio.get_running_loop().run_in_executor(pool, prepare, server, body, kind)
         if prep.stream:
             return await answer_stream(server, prep)
         return await answer_whole(server, request, prep)

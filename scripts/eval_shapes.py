@@ -73,7 +73,7 @@ def eval_reference(model_dir, specs: list[Spec], seed: int = 0) -> dict:
     from transformers.utils import logging
 
     from dgemma_cli.engine import resolve_model
-    from dgemma_cli.tokenizer import Tokenizer
+    from dgemma_cli.tokenizer import Control, Tokenizer
 
     path = resolve_model(model_dir)
     tok = Tokenizer.from_dir(path)
@@ -96,7 +96,7 @@ def eval_reference(model_dir, specs: list[Spec], seed: int = 0) -> dict:
     answers = []
     for spec in specs:
         px = processor(images=[draw(spec)], max_soft_tokens=budget, return_tensors="pt")
-        raw = tok.encode_chat([{"role": "user", "content": placeholder + QUESTION}])
+        raw = tok.encode_chat([{"role": "user", "content": [Control(placeholder), QUESTION]}])
         n = int(px["num_soft_tokens_per_image"][0])
         ids = []
         for t in raw:

@@ -12,6 +12,8 @@ import shutil
 import pytest
 import torch
 
+from dgemma_cli.tokenizer import Control
+
 from checkpoints import VISION_SPEC, build_checkpoint
 from cli_helpers import run_main
 from test_exactness import ref_generate
@@ -117,7 +119,7 @@ def test_encoder_outputs_with_images_match_reference(engine, ref_model, processo
 def test_generate_with_images_matches_reference(engine, ref_model, processor, which):
     images = [IMAGES[i] for i in which]
     placeholder = engine.image_placeholder()
-    raw = engine.tokenizer.encode_chat([{"role": "user", "content": placeholder * len(images) + PROMPT}])
+    raw = engine.tokenizer.encode_chat([{"role": "user", "content": [Control(placeholder)] * len(images) + [PROMPT]}])
     ids, extra = reference_inputs(ref_model, processor, raw, images, 70)
     C = engine.config.canvas_length
     kw = dict(max_new_tokens=3 * C, max_denoising_steps=10)
@@ -146,7 +148,7 @@ def test_cli_run_with_two_images_matches_reference(vision_ckpt, ref_model, proce
     paths = write_images(tmp_path)
     images = [open_image(p) for p in paths]  # what the files decode to
     placeholder = engine.image_placeholder()
-    raw = engine.tokenizer.encode_chat([{"role": "user", "content": placeholder * 2 + PROMPT}])
+    raw = engine.tokenizer.encode_chat([{"role": "user", "content": [Control(placeholder)] * 2 + [PROMPT]}])
     ids, extra = reference_inputs(ref_model, processor, raw, images, 140)
     expected, _ = ref_generate(ref_model, [ids], 7, max_new_tokens=32, max_denoising_steps=8, **extra)
     args = ["run", PROMPT, "--model", str(vision_ckpt), "--image", str(paths[0]), "--image", str(paths[1]),
