@@ -34,6 +34,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .batching import BatchLoop, Closed, Job, QueueFull, RowCanvas, RowDone, RowFailed, RowStep, Ticket
+from .body import BodyError
+from .body import parse as parse_body
 from .config import IMAGE_TOKEN_BUDGETS
 from .errors import DgemmaError, ModelError, UsageError
 from .guard import Guard, allowed_hosts
@@ -44,8 +46,6 @@ MAX_BODY = 20 << 20  # bytes of one request body: room for a few photos as base6
 MAX_STOP = 8  # stop strings per request
 MAX_STOP_CHARS = 256
 MAX_STEPS = 1024  # the `steps` extra field's ceiling
-MAX_DEPTH = 64  # nesting of a request's JSON: the API's deepest (a tool's JSON schema) is far shallower
-MAX_INT = 2**64  # a JSON integer's magnitude; seeds go up to 2**64 - 1
 MAX_MESSAGES = 4096  # messages per chat request: rendering the template is linear in them, on this server's CPU
 
 
@@ -113,48 +113,15 @@ async def read_json(request: Request) -> dict:
             chunks.append(chunk)
     except ClientDisconnect:
         raise ApiError(400, "the client disconnected while sending the body", code="client_disconnected") from None
-    # Parsed in a worker thread: 20 MiB of JSON takes a while, and the event loop answers other clients meanwhile.
-    body = await asyncio.to_thread(parse_json, b"".join(chunks))
+    # Parsed in a worker thread (20 MiB of JSON takes a while, and the event loop answers other clients meanwhile),
+    # and checked (body.py).
+    try:
+        body = await asyncio.to_thread(parse_body, b"".join(chunks))
+    except BodyError as e:
+        raise ApiError(e.status, e.message, code=e.code) from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
     return body
-
-
-def parse_json(data: bytes) -> Any:
-    """A request body's JSON, checked so that nothing later meets what it cannot handle: at most MAX_DEPTH levels,
-    integers within +-MAX_INT, and strings (keys too) that are valid Unicode (a lone surrogate such as "\\ud800"
-    is legal JSON but no text: it cannot be encoded, tokenized or echoed)."""
-    try:
-        body = json.loads(data)
-    except RecursionError:
-        raise ApiError(400, f"the body's JSON is nested more than {MAX_DEPTH} levels deep", code="invalid_json") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
-    todo = [(body, 1)]  # iterative: a deep document must not exhaust this thread's stack
-    while todo:
-        value, depth = todo.pop()
-        if isinstance(value, (dict, list)):
-            if depth > MAX_DEPTH:
-                raise ApiError(400, f"the body's JSON is nested more than {MAX_DEPTH} levels deep", code="invalid_json")
-            items = value.items() if isinstance(value, dict) else ((None, v) for v in value)
-            for key, v in items:
-                if key is not None:
-                    check_text(key)
-                todo.append((v, depth + 1))
-        elif isinstance(value, str):
-            check_text(value)
-        elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
-            raise ApiError(400, f"the body holds an integer of {len(str(abs(value)))} digits; none may pass 2**64",
-                           code="invalid_value")
-    return body
-
-
-def check_text(text: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ApiError(400, "the body holds a string with a lone surrogate (\\ud800-\\udfff): not Unicode text",
-                       code="invalid_json") from None
 
 
 def _type_error(key: str, what: str, value: Any) -> ApiError:
@@ -489,12 +456,13 @@ class AnswerText:
 
     def returned_tokens(self) -> int:
         """Tokens behind the text returned: up to the end token or the limit, and after a stop string's cut only
-        those needed for the text before it (the fewest whose answer reaches its length)."""
+        those needed for the text before it (the fewest whose answer reaches its length, trailing whitespace
+        aside: a decoded answer is stripped)."""
         cut = next((i for i, t in enumerate(self.ids) if t in self.ends), len(self.ids))
         ids = self.ids[: min(cut, self.limit)]
         if not self.stopped:
             return len(ids)
-        want = len(self.sent) + len(self.sent_thought)
+        want = len(self.sent.rstrip()) + len(self.sent_thought.rstrip())
         lo, hi = 0, len(ids)  # the answer's length grows with the tokens decoded: the first prefix long enough
         while lo < hi:
             mid = (lo + hi) // 2
