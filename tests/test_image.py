@@ -181,3 +181,46 @@ def test_bad_budget_refused():
     with pytest.raises(UsageError) as e:
         patchify(random_image(10, 10), 100)
     assert "70, 140, 280, 560, 1120" in one_line(e)
+
+
+@pytest.mark.parametrize("width, height, says", [
+    (63_000_000, 1, "a side may have at most"),
+    (16_385, 100, "a side may have at most"),
+    (12_000, 6, "aspect ratio"),
+    (6, 12_000, "aspect ratio"),
+    (9_000, 8_000, "megapixels"),
+])
+def test_costly_pictures_are_refused_from_the_header(width, height, says):
+    with pytest.raises(UsageError) as e:
+        open_image(png_claiming(width, height))
+    assert says in one_line(e)
+
+
+def test_the_decoding_budget_counts_conversions():
+    """RGB counts its own bytes; another mode adds the RGB copy; transparency the RGBA copies compositing makes."""
+    from dgemma_cli.image import MAX_DECODE_BYTES, decode_bytes
+
+    assert decode_bytes(Image.new("RGB", (100, 10))) == 100 * 10 * 3
+    assert decode_bytes(Image.new("L", (100, 10))) == 100 * 10 * (1 + 3)
+    assert decode_bytes(Image.new("RGBA", (100, 10))) == 100 * 10 * (4 + 3 + 12)
+    assert decode_bytes(Image.new("1", (100, 10))) == 100 * 10 * (1 + 3)
+    big = encoded(Image.new("RGBA", (7000, 7000)), "PNG")  # 49 MP: under the pixel cap, over the memory one
+    assert 7000 * 7000 * 19 > MAX_DECODE_BYTES
+    with pytest.raises(UsageError) as e:
+        open_image(big)
+    assert "MB to decode" in one_line(e)
+
+
+def test_a_large_jpeg_is_decoded_reduced_and_a_small_one_whole():
+    """A JPEG over four times the largest budget's size decodes at a DCT scale (nearly the same patches, a fraction
+    of the memory); one within it decodes whole, so small pictures give the reference's very pixels."""
+    small = random_image(640, 480)
+    data = encoded(small, "JPEG")
+    assert open_image(data).tobytes() == Image.open(io.BytesIO(data)).convert("RGB").tobytes()
+    grad = Image.linear_gradient("L").resize((8000, 6000)).convert("RGB")  # smooth: DCT scaling loses little
+    data = encoded(grad, "JPEG")
+    reduced = open_image(data)
+    assert reduced.size == (4000, 3000)  # scale 1/2: still over twice the 1120 budget's 1824 x 1344
+    a = patchify(reduced, 1120).pixel_values
+    b = patchify(Image.open(io.BytesIO(data)).convert("RGB"), 1120).pixel_values
+    assert (a - b).abs().max() < 0.03

@@ -34,10 +34,11 @@ WORDS = ["hello diffusions", "abc def 12 ghijk", "the quick brown ", "lorem ipsu
 class ServerProcess:
     """`dgemma serve` in a subprocess; stderr is read in a thread (it says the port, then errors, if any)."""
 
-    def __init__(self, home: Path, *args: str):
+    def __init__(self, home: Path, *args: str, model: str = "demo"):
         env = {**os.environ, "HOME": str(home), "DGEMMA_HOME": str(home / "dgemma"), "HF_HUB_OFFLINE": "1"}
         env.pop("DGEMMA_API_KEY", None)
-        cmd = [sys.executable, "-m", "dgemma_cli", "serve", "--model", "demo", "--device", "cpu", "--port", "0",
+        self.model = model
+        cmd = [sys.executable, "-m", "dgemma_cli", "serve", "--model", model, "--device", "cpu", "--port", "0",
                *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True)
@@ -47,14 +48,14 @@ class ServerProcess:
         if not self.ready.wait(90) or self.proc.poll() is not None:
             self.stop()
             raise AssertionError("the server did not start:\n" + "".join(self.lines))
-        line = next(x for x in self.lines if "serving demo at" in x)
+        line = next(x for x in self.lines if f"serving {self.model} at" in x)
         self.url = line.split(" at ")[1].split("/v1")[0]
         self.http = httpx.Client(base_url=self.url, timeout=60)
 
     def _read(self) -> None:
         for line in self.proc.stderr:
             self.lines.append(line)
-            if "serving demo at" in line:
+            if f"serving {self.model} at" in line:
                 self.ready.set()
         self.ready.set()
 

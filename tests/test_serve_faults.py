@@ -229,3 +229,57 @@ def test_an_internal_error_costs_one_line_not_the_connection(capfd):
     err = capfd.readouterr().err
     assert err.count("dgemma: internal error on GET /health: RuntimeError: the loop broke\n") == 3
     assert "Traceback" not in err and "second line" not in err
+
+
+# ----------------------------------------------------------------------------- pictures (the bundled image demo)
+
+
+def png(img) -> str:
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_picture_bombs_are_refused_before_decoding_and_the_server_goes_on(tmp_path):
+    """Pictures whose header promises a costly decode are refused from the header (400 invalid_image), fast and
+    without the memory their decoding would take; a real picture after them is still named right."""
+    from PIL import Image
+
+    from eval_shapes import held_out
+    from train_shapes import QUESTION, draw, parse_answer
+
+    bombs = {
+        "1 x 63,000,000 one-bit": Image.new("1", (63_000_000, 1)),  # 7.7 KB of PNG
+        "7,990 x 7,990 RGBA": Image.new("RGBA", (7990, 7990), (9, 9, 9, 128)),
+        "20,000 x 20 (a side over 16,384)": Image.new("RGB", (20_000, 20)),
+        "12,000 x 6 (aspect over 1120:1)": Image.new("L", (12_000, 6)),
+    }
+    urls = {name: png(img) for name, img in bombs.items()}
+    s = ServerProcess(tmp_path, model="demo-shapes")
+    try:
+        def ask(url: str) -> httpx.Response:
+            return s.http.post("/v1/chat/completions", json={"model": "demo-shapes", "seed": 0, "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": QUESTION}]}]})
+
+        rss = s.vm_hwm_kb()
+        for name, url in urls.items():
+            t = time.perf_counter()
+            r = ask(url)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_image", (name, r.text)
+            assert time.perf_counter() - t < 5, name  # the old server took 6 s on the first alone
+        assert s.vm_hwm_kb() - rss < 100_000  # decoding the first would have taken 2.7 GB
+        r = s.http.post("/v1/chat/completions", json={"model": "demo-shapes", "image_tokens": 100, "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": urls["20,000 x 20 (a side over "
+                                                                                         "16,384)"]}}]}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "image_tokens"
+        assert "--" not in r.json()["error"]["message"]
+        spec = held_out(1)[0]
+        r = ask(png(draw(spec)))
+        assert r.status_code == 200, r.text
+        assert parse_answer(r.json()["choices"][0]["message"]["content"]) == (spec.colour, spec.shape)
+    finally:
+        assert s.stop() == 0, "".join(s.lines)
