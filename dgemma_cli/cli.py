@@ -773,6 +773,13 @@ def main(argv: list[str] | None = None) -> None:
         _fail(e.format_message().replace("\n", " "), e.exit_code)
     except typer.Exit as e:
         raise SystemExit(e.exit_code) from None
+    except SystemExit as e:
+        # Click answers a write to a closed pipe (`dgemma run ... | head -n 1`) with exit 1 and nothing said, after
+        # wrapping stdout in its (_)PacifyFlushWrapper (the name depends on click's version): the reader left,
+        # which is no failure of ours.
+        if e.code == 1 and type(sys.stdout).__name__.lstrip("_") == "PacifyFlushWrapper":
+            raise SystemExit(0) from None
+        raise
     except typer.Abort:
         _fail("interrupted", EXIT_INTERRUPTED)
     except KeyboardInterrupt:

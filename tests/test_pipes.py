@@ -55,3 +55,25 @@ def test_ctrl_c_keeps_the_finished_canvases_and_exits_130(capsys, monkeypatch):
     assert code == 130
     assert out == "HELLO DIFFUSIONS\n"
     assert err.strip().splitlines()[-1] == "dgemma: error: interrupted"
+
+
+@pytest.mark.parametrize("args", [["--each-line", "--batch-size", "1"], ["--each-line", "--json"]])
+def test_a_reader_that_leaves_early_is_no_failure(args):
+    """`dgemma run --each-line ... | head -n 1`: once the reader has closed the pipe, the next write fails; that
+    ends the run with exit 0 and nothing on stderr (click alone would make it exit 1, silently)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    lines = "".join(f"upper: line {i}\n" for i in range(40))
+    proc = subprocess.Popen([sys.executable, "-m", "dgemma_cli", "run", "-q", "--model", "demo", "--device", "cpu",
+                             *args], cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc.stdin.write(lines.encode())
+    proc.stdin.close()
+    first = proc.stdout.readline()  # as head -n 1: one line, then the pipe is closed
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(120) == 0, err
+    assert first and err == ""
