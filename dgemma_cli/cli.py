@@ -492,7 +492,11 @@ def fim(
         raise UsageError("--held-tokens must be >= 0")
     if method not in F.METHODS:
         raise UsageError(f"--method must be one of {', '.join(F.METHODS)} (got {method!r})")
+    from pathlib import Path
+
     text = F.read_source(file)
+    if in_place:
+        F.check_writable(Path(file), backup=not no_backup)
     name = "stdin" if file == "-" else file
     holes = [F.lines_hole(text, lines, name)] if lines else F.marker_holes(text, marker, name)
     from .engine import load  # heavy: torch
@@ -502,8 +506,6 @@ def fim(
                        warn=lambda m: sys.stderr.write(m + "\n"), seed=seed, max_new_tokens=max_new_tokens,
                        max_denoising_steps=steps)
     if in_place:
-        from pathlib import Path
-
         kept = F.save_in_place(Path(file), text, new, backup=not no_backup)
         if kept is not None and kept.name != f"{Path(file).name}.orig":
             _note(f"{file}.orig holds an earlier original and is kept; this run's original is in {kept}")

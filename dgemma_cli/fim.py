@@ -24,16 +24,15 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import DgemmaError, UsageError
+from .errors import UsageError
 
 DEFAULT_MARKER = "<FILL>"
 METHODS = ("held", "prefix", "instruct")
 
 
-class FileError(DgemmaError):
-    """A file that cannot be filled (missing, binary, not UTF-8, no hole)."""
-
-    exit_code = 1
+class FileError(UsageError):
+    """A file that cannot be filled (missing, unreadable, binary, not UTF-8, no hole) or written back: bad input,
+    exit 2, as for every input file (`run --image` too)."""
 
 
 @dataclass
@@ -53,7 +52,10 @@ def read_source(path: str) -> str:
             raise FileError(f"{path}: no such file")
         if not p.is_file():
             raise FileError(f"{path}: not a regular file")
-        data = p.read_bytes()
+        try:
+            data = p.read_bytes()
+        except OSError as e:
+            raise FileError(f"{path}: cannot read ({e.strerror or e})") from None
         name = path
     if not data:
         raise FileError(f"{name}: empty file, nothing to fill")
@@ -206,13 +208,30 @@ def backup_path(path: Path) -> Path:
     return candidate
 
 
+def check_writable(path: Path, backup: bool) -> None:
+    """Before any model loads: can `--in-place` write beside `path` (its temporary file, the backup) and replace
+    it? Tried, not guessed from permission bits (which root ignores and a read-only mount overrides)."""
+    where = path.parent if str(path.parent) else Path(".")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=where)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        what = "the backup and the new file" if backup else "the new file"
+        raise FileError(f"{path}: --in-place cannot write {what} in {where} ({e.strerror or e})") from None
+
+
 def save_in_place(path: Path, old: str, new: str, backup: bool) -> Path | None:
     """Write `new` over `path` atomically, after keeping `old` in a new backup file (returned) unless told not to.
     The backup is complete before the file is replaced, so an interruption at any point loses neither."""
     mode = path.stat().st_mode & 0o7777
     kept = None
-    if backup:
-        kept = backup_path(path)
-        write_atomically(kept, old.encode("utf-8"), mode)
-    write_atomically(path, new.encode("utf-8"), mode)
+    try:
+        if backup:
+            kept = backup_path(path)
+            write_atomically(kept, old.encode("utf-8"), mode)
+        write_atomically(path, new.encode("utf-8"), mode)
+    except OSError as e:  # the directory changed under us since check_writable: the file itself is untouched
+        raise FileError(f"{path}: cannot write the filled file ({e.strerror or e}); {path} is unchanged"
+                        + (f", its backup is {kept}" if kept is not None and kept.exists() else "")) from None
     return kept

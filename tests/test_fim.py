@@ -16,6 +16,7 @@ import os
 import re
 import stat
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -516,12 +517,12 @@ def test_in_place_interrupted_while_writing(capsysbinary, tmp_path, monkeypatch,
 
 BAD = {
     # id: (file content or None, extra args, exit code, fragments)
-    "missing-file": (None, [], 1, ["no such file"]),
-    "binary": (b"upper: x\0y\nHELLO <FILL>\n", [], 1, ["binary"]),
-    "not-utf8": (b"\xff\xfeupper: hello\n<FILL>\n", [], 1, ["UTF-8"]),
-    "no-marker": (b"upper: hello diffusions\nHELLO DIFFUSIONS\n", [], 1, ["<FILL>", "marker"]),
-    "other-marker": (BLOCK, ["--marker", "@@HOLE@@"], 1, ["@@HOLE@@"]),
-    "empty-file": (b"", [], 1, ["empty"]),
+    "missing-file": (None, [], 2, ["no such file"]),
+    "binary": (b"upper: x\0y\nHELLO <FILL>\n", [], 2, ["binary"]),
+    "not-utf8": (b"\xff\xfeupper: hello\n<FILL>\n", [], 2, ["UTF-8"]),
+    "no-marker": (b"upper: hello diffusions\nHELLO DIFFUSIONS\n", [], 2, ["<FILL>", "marker"]),
+    "other-marker": (BLOCK, ["--marker", "@@HOLE@@"], 2, ["@@HOLE@@"]),
+    "empty-file": (b"", [], 2, ["empty"]),
     "marker-in-held-window": (b"upper: hello diffusions\nHELLO <FILL>US<FILL>IONS\n", [], 2,
                               ["held suffix", "line 2"]),
     "lines-past-end": (BLOCK, ["--lines", "2:3"], 2, ["--lines", "2 lines"]),
@@ -556,8 +557,8 @@ def test_bad_input_is_one_error_line(capsysbinary, tmp_path, content, extra, cod
 def test_directory_is_refused(capsysbinary, tmp_path):
     d = tmp_path / "dir"
     d.mkdir()
-    assert_error(fim(capsysbinary, d, "--in-place"), 1, "not a regular file")
-    assert_error(fim(capsysbinary, d), 1, "not a regular file")
+    assert_error(fim(capsysbinary, d, "--in-place"), 2, "not a regular file")
+    assert_error(fim(capsysbinary, d), 2, "not a regular file")
     assert list(d.iterdir()) == []
 
 
@@ -577,7 +578,7 @@ def test_in_place_with_stdout_is_refused(capsysbinary, tmp_path):
                          ids=["empty", "not-utf8", "no-marker"])
 def test_bad_stdin(capsysbinary, monkeypatch, data, fragment):
     _stdin(monkeypatch, data)
-    msg = assert_error(cli(capsysbinary, "fim", "-", *DEMO), 1, fragment)
+    msg = assert_error(cli(capsysbinary, "fim", "-", *DEMO), 2, fragment)
     assert msg.startswith("stdin:"), msg
 
 
@@ -605,3 +606,50 @@ def test_methods_run_and_produce_a_diff(capsysbinary, tmp_path, method):
     assert code == 0, err
     middles(content, out)
     assert f.read_bytes() == content
+
+
+def _as_another_user(cmd: list[str]) -> list[str]:
+    """Permissions bind only a user who is not root: as root, run the command as nobody (setpriv)."""
+    import os
+    import shutil
+
+    if os.geteuid() != 0:
+        return cmd
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: file permissions cannot be made to bind")
+    return ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", *cmd]
+
+
+@pytest.mark.parametrize("case", ["unreadable file", "read-only directory"])
+def test_permission_problems_are_one_line_before_any_model_loads(case):
+    """An unreadable file, or --in-place in a directory that cannot be written: one line, exit 2, checked before the
+    model is loaded (the model named here does not exist, so reaching the load would say so instead)."""
+    import os
+    import subprocess
+    import tempfile
+
+    root = Path(__file__).resolve().parent.parent
+    d = Path(tempfile.mkdtemp(prefix="dgemma-perm-"))
+    try:
+        f = d / "code.py"
+        f.write_bytes(BLOCK)
+        if case == "unreadable file":
+            f.chmod(0o000)
+        d.chmod(0o555 if case == "read-only directory" else 0o755)
+        cmd = _as_another_user([sys.executable, "-m", "dgemma_cli", "fim", str(f), "--in-place", "--model",
+                                str(d / "no-such-model"), "--device", "cpu"])
+        p = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "HOME": str(d), "HF_HUB_OFFLINE": "1"})
+        assert p.returncode == 2, p.stderr
+        assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr and "internal error" not in p.stderr
+        assert ("cannot read" if case == "unreadable file" else "--in-place cannot write") in p.stderr, p.stderr
+        assert "no-such-model" not in p.stderr
+        d.chmod(0o755)
+        f.chmod(0o644)
+        assert sorted(x.name for x in d.iterdir()) == ["code.py"] and f.read_bytes() == BLOCK
+    finally:
+        d.chmod(0o755)
+        for x in d.iterdir():
+            x.chmod(0o644)
+            x.unlink()
+        d.rmdir()
