@@ -54,6 +54,12 @@ def _sampler_option(flag: str):
     return typer.Option(None, f"--{flag}", help=SAMPLER_FLAGS[flag][2], show_default=False)
 
 
+TEMPERATURE_OPTION = typer.Option(
+    None, "--temperature", "--temp", show_default=False,
+    help="Scale the model's temperature schedule (--t-max to --t-min) by this: 1 keeps it, 0 is greedy (each draw "
+    "the most likely token), up to 2. Not with --t-max / --t-min.")
+
+
 def _sampler_settings(**given) -> dict:
     """Flag values -> GenerationSettings overrides, the flags that were not given left out (so the model's own
     values stay). Each value is range-checked here, before the model loads; combinations (--t-min above the
@@ -61,12 +67,7 @@ def _sampler_settings(**given) -> dict:
     from .config import GenerationSettings
 
     out = {k: v for k, v in given.items() if v is not None}
-    trial = dict(out)  # over the built-in defaults, a temperature given alone is paired with one it fits
-    if "t_min" in out and "t_max" not in out:
-        trial["t_max"] = max(out["t_min"], GenerationSettings.t_max, 1e-9)
-    if "t_max" in out and "t_min" not in out:
-        trial["t_min"] = min(out["t_max"], GenerationSettings.t_min)
-    GenerationSettings().override(**trial)
+    GenerationSettings().override(**out)  # a schedule end given alone moves the other as it will over the model's
     return out
 
 
@@ -126,6 +127,7 @@ def run(
     steps: Optional[int] = _sampler_option("steps"),
     t_max: Optional[float] = _sampler_option("t-max"),
     t_min: Optional[float] = _sampler_option("t-min"),
+    temperature: Optional[float] = TEMPERATURE_OPTION,
     entropy_bound: Optional[float] = _sampler_option("entropy-bound"),
     confidence_threshold: Optional[float] = _sampler_option("confidence-threshold"),
     stability_threshold: Optional[int] = _sampler_option("stability-threshold"),
@@ -177,8 +179,8 @@ def run(
     if batch_size is not None and batch_size < 1:
         raise UsageError("--batch-size must be at least 1")
     sampler = _sampler_settings(max_new_tokens=max_new_tokens, max_denoising_steps=steps, t_max=t_max,
-                                t_min=t_min, entropy_bound=entropy_bound, confidence_threshold=confidence_threshold,
-                                stability_threshold=stability_threshold)
+                                t_min=t_min, temperature=temperature, entropy_bound=entropy_bound,
+                                confidence_threshold=confidence_threshold, stability_threshold=stability_threshold)
     if quiet:
         import warnings
 
@@ -425,6 +427,7 @@ def chat(
     steps: Optional[int] = _sampler_option("steps"),
     t_max: Optional[float] = _sampler_option("t-max"),
     t_min: Optional[float] = _sampler_option("t-min"),
+    temperature: Optional[float] = TEMPERATURE_OPTION,
     entropy_bound: Optional[float] = _sampler_option("entropy-bound"),
     confidence_threshold: Optional[float] = _sampler_option("confidence-threshold"),
     stability_threshold: Optional[int] = _sampler_option("stability-threshold"),
@@ -442,8 +445,8 @@ def chat(
     The sampler's settings (--max-new-tokens to --stability-threshold) default to the model's
     generation_config.json; /settings shows them and /set changes them during the chat."""
     sampler = _sampler_settings(max_new_tokens=max_new_tokens, max_denoising_steps=steps, t_max=t_max,
-                                t_min=t_min, entropy_bound=entropy_bound, confidence_threshold=confidence_threshold,
-                                stability_threshold=stability_threshold)
+                                t_min=t_min, temperature=temperature, entropy_bound=entropy_bound,
+                                confidence_threshold=confidence_threshold, stability_threshold=stability_threshold)
     _check_device_dtype(device, dtype)
     if view not in ("live", "plain", "none"):
         raise UsageError(f"--view must be live, plain or none (got {view!r})")

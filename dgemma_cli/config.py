@@ -310,8 +310,28 @@ class GenerationSettings:
         return replace(s, **upd)
 
     def override(self, **kwargs: Any) -> GenerationSettings:
-        """Apply explicit overrides; `None` means "not given" and keeps the current value."""
-        s = replace(self, **{k: v for k, v in kwargs.items() if v is not None})
+        """Apply explicit overrides; `None` means "not given" and keeps the current value.
+
+        `temperature` (the API's, and `--temperature`) is not a field: it scales this schedule (t_min and t_max
+        times it; 1 keeps it), and 0 is greedy. A schedule end given alone moves the other end with it where the
+        schedule would otherwise run backwards (--t-max 0.1 under a model's t_min of 0.4 makes both 0.1)."""
+        given = {k: v for k, v in kwargs.items() if v is not None}
+        temperature = given.pop("temperature", None)
+        if temperature is not None:
+            if "t_min" in given or "t_max" in given:
+                raise UsageError("--temperature scales the model's schedule; give it, or --t-max / --t-min, not both")
+            if not 0 <= temperature <= 2:  # NaN fails too
+                raise UsageError(f"--temperature must be between 0 (greedy) and 2; 1 keeps the model's schedule "
+                                 f"(got {temperature:g})")
+            if temperature == 0:
+                given["greedy"] = True
+            else:
+                given["t_min"], given["t_max"] = self.t_min * temperature, self.t_max * temperature
+        elif "t_max" in given and "t_min" not in given and given["t_max"] < self.t_min:
+            given["t_min"] = given["t_max"]
+        elif "t_min" in given and "t_max" not in given and given["t_min"] > self.t_max:
+            given["t_max"] = given["t_min"]
+        s = replace(self, **given)
         s.validate()
         return s
 
@@ -321,9 +341,11 @@ class GenerationSettings:
             raise UsageError(f"--max-new-tokens must be at least 1 (got {self.max_new_tokens})")
         if self.max_denoising_steps < 1:
             raise UsageError(f"--steps must be at least 1 (got {self.max_denoising_steps})")
-        if not (0 <= self.t_min <= self.t_max and self.t_max > 0):
-            raise UsageError(f"the temperatures need 0 <= --t-min <= --t-max and --t-max > 0 "
-                             f"(got --t-min {self.t_min:g}, --t-max {self.t_max:g})")
+        if not self.t_max > 0:  # NaN fails too
+            raise UsageError(f"--t-max must be > 0 (got {self.t_max:g}); for greedy draws use --temperature 0")
+        if not 0 <= self.t_min <= self.t_max:
+            raise UsageError(f"--t-min must be between 0 and --t-max (got --t-min {self.t_min:g}, --t-max "
+                             f"{self.t_max:g})")
         if not self.entropy_bound > 0:
             raise UsageError(f"--entropy-bound must be > 0 (got {self.entropy_bound:g})")
         if not self.confidence_threshold >= 0:

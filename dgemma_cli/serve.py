@@ -228,10 +228,7 @@ def prepare(server: Server, body: dict, kind: str) -> Prepared:
         if not 0 <= temperature <= 2:
             raise ApiError(400, "'temperature' must be in [0, 2]: it scales the sampler's schedule (1 keeps the "
                            "checkpoint's, 0 is greedy)", param="temperature", code="invalid_value")
-        if temperature == 0:
-            overrides["greedy"] = True
-        else:
-            overrides["t_min"], overrides["t_max"] = base.t_min * temperature, base.t_max * temperature
+        overrides["temperature"] = temperature  # GenerationSettings.override scales the schedule
     seed = get_int(body, "seed", -(2**63), 2**64 - 1)
     if seed is None and temperature == 0:
         seed = 0

@@ -395,13 +395,47 @@ def test_sampler_flags_reach_the_sampler(capsys, monkeypatch):
     assert json.loads(out)["canvases"] == [7]
 
 
+UNSURE = "what is this? ~~"  # a prompt the demo is unsure of: it takes several steps, and the settings matter
+
+
+@pytest.fixture(scope="module")
+def demo_engine():
+    from dgemma_cli.engine import load
+
+    return load("demo", device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize("args,settings", [
+    (["--t-max", "2"], {"t_max": 2.0}),
+    (["--t-max", "0.1"], {"t_max": 0.1, "t_min": 0.1}),  # alone under the model's t_min: t_min moves with it
+    (["--t-min", "1.5"], {"t_min": 1.5, "t_max": 1.5}),  # alone over the model's t_max: t_max moves with it
+    (["--entropy-bound", "2"], {"entropy_bound": 2.0}),
+    (["--stability-threshold", "4"], {"stability_threshold": 4}),
+    (["--temperature", "1.8"], {"t_max": 0.8 * 1.8, "t_min": 0.4 * 1.8}),
+    (["--temp", "0"], {"greedy": True}),
+])
+def test_each_sampler_flag_changes_the_answer_as_the_engine_does(capsys, monkeypatch, demo_engine, args, settings):
+    """Each flag reaches the sampler: the run equals the engine's with that setting, and differs from the run
+    without it (in tokens or in steps), so a flag that were checked and then dropped would fail here."""
+    base = demo_engine.generate(UNSURE, seed=3, max_new_tokens=48)
+    want = demo_engine.generate(UNSURE, seed=3, max_new_tokens=48, **settings)
+    assert (want.token_ids, want.steps_per_canvas) != (base.token_ids, base.steps_per_canvas)
+    code, out, err = cli(capsys, monkeypatch, "run", UNSURE, *DEMO[:4], "--json", "--seed", "3", "--max-new-tokens",
+                         "48", *args)
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["token_ids"] == want.token_ids[0] and got["canvases"] == want.steps_per_canvas[0]
+
+
 @pytest.mark.parametrize("args,fragment", [
     (["--t-min", "-1"], "--t-min"),
-    (["--t-max", "0"], "--t-max"),
+    (["--t-max", "0"], "--t-max must be > 0"),
+    (["--temperature", "2.5"], "--temperature must be between 0"),
+    (["--temp", "0.5", "--t-max", "0.9"], "not both"),
     (["--entropy-bound", "0"], "--entropy-bound must be > 0"),
     (["--confidence-threshold", "-0.1"], "--confidence-threshold must be >= 0"),
     (["--stability-threshold", "-1"], "--stability-threshold must be >= 0"),
-    (["--t-min", "0.9", "--t-max", "0.5"], "--t-min <= --t-max"),
+    (["--t-min", "0.9", "--t-max", "0.5"], "--t-min must be between 0 and --t-max"),
 ])
 def test_sampler_flags_out_of_range_fail_before_the_model_loads(capsys, monkeypatch, args, fragment):
     import dgemma_cli.engine as engine_mod
