@@ -207,6 +207,7 @@ class ModelConfig:
     canvas_length: int = 256
     source: str = ""
     raw: dict[str, Any] = field(default_factory=dict, repr=False)  # config.json as read (quantization_config, ...)
+    processor_soft_tokens: int | None = None  # the image processor's max_soft_tokens (processor_soft_tokens)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -230,12 +231,40 @@ class ModelConfig:
         cfg_path = Path(path) / "config.json"
         if not cfg_path.is_file():
             raise ModelError(f"{path}: no config.json (is this a model directory?)")
-        return cls.from_dict(read_json_object(cfg_path), source=str(cfg_path))
+        cfg = cls.from_dict(read_json_object(cfg_path), source=str(cfg_path))
+        cfg.processor_soft_tokens = processor_soft_tokens(Path(path))
+        return cfg
 
     @property
     def vision(self) -> VisionConfig | None:
-        """The vision tower's config, None for a text-only config.json."""
-        return VisionConfig.from_model_dict(self.raw, self.source or "config.json")
+        """The vision tower's config, None for a text-only config.json. Its default soft tokens per image are the
+        image processor's (as transformers' processor would use), else config.json's, else 280."""
+        v = VisionConfig.from_model_dict(self.raw, self.source or "config.json")
+        if v is not None and self.processor_soft_tokens is not None:
+            v = replace(v, default_soft_tokens=self.processor_soft_tokens)
+        return v
+
+
+def processor_soft_tokens(path: Path) -> int | None:
+    """`max_soft_tokens` of the checkpoint's image processor, where transformers' AutoImageProcessor reads it:
+    preprocessor_config.json, else processor_config.json's "image_processor" (or its top level). A value that is
+    not a budget the processor supports is an error, as it is there."""
+    for name, keys in (("preprocessor_config.json", ()), ("processor_config.json", ("image_processor",)),
+                       ("processor_config.json", ())):
+        file = path / name
+        if not file.is_file():
+            continue
+        raw = read_json_object(file)
+        for key in keys:
+            raw = raw.get(key) if isinstance(raw.get(key), dict) else {}
+        value = raw.get("max_soft_tokens")
+        if value is None:
+            continue
+        if value not in IMAGE_TOKEN_BUDGETS or isinstance(value, bool):
+            raise ModelError(f"{file}: max_soft_tokens must be one of {', '.join(map(str, IMAGE_TOKEN_BUDGETS))} "
+                             f"(got {value!r})")
+        return int(value)
+    return None
 
 
 def read_json_object(path: Path) -> dict[str, Any]:

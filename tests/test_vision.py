@@ -451,3 +451,34 @@ def test_quantize_of_a_text_only_download_says_so(vision_ckpt, tmp_path, capsys)
                       str(write_images(tmp_path)[0]), "--max-new-tokens", "16", "--steps", "2", "--view", "none"],
                      capsys, 1)
     assert "no vision tower tensors" in line
+
+
+@pytest.mark.parametrize("where", ["preprocessor_config.json", "processor_config.json"])
+def test_the_processor_config_sets_the_default_budget(vision_ckpt, tmp_path, where):
+    """A checkpoint whose image processor asks for 70 soft tokens gets 70 by default, as transformers' processor
+    reading the same file does; a budget it does not support is refused in one line."""
+    from transformers import AutoImageProcessor
+
+    from dgemma_cli.config import ModelConfig
+    from dgemma_cli.engine import load
+    from dgemma_cli.errors import ModelError
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(vision_ckpt, ckpt)
+    processor = {"image_processor_type": "Gemma4ImageProcessor", "max_soft_tokens": 70, "patch_size": 16,
+                 "pooling_kernel_size": 3}
+    body = processor if where == "preprocessor_config.json" else {"image_processor": processor}
+    (ckpt / where).write_text(json.dumps(body))
+    assert AutoImageProcessor.from_pretrained(ckpt).max_soft_tokens == 70
+    assert ModelConfig.from_dir(vision_ckpt).vision.default_soft_tokens == 280  # config.json's, for comparison
+    assert ModelConfig.from_dir(ckpt).vision.default_soft_tokens == 70
+    e = load(ckpt, device="cpu", dtype="float32")
+    by_default = e.generate(PROMPT, images=[IMAGES[0]], seed=0, max_new_tokens=8).prompt_token_ids[0]
+    asked = e.generate(PROMPT, images=[IMAGES[0]], image_tokens=70, seed=0, max_new_tokens=8).prompt_token_ids[0]
+    assert by_default == asked
+    assert len(by_default) < len(e.generate(PROMPT, images=[IMAGES[0]], image_tokens=280, seed=0,
+                                            max_new_tokens=8).prompt_token_ids[0])
+    (ckpt / where).write_text(json.dumps({**body, "max_soft_tokens": 100} if where == "preprocessor_config.json"
+                                         else {"image_processor": {**processor, "max_soft_tokens": 100}}))
+    with pytest.raises(ModelError, match="max_soft_tokens must be one of"):
+        ModelConfig.from_dir(ckpt)
