@@ -211,9 +211,20 @@ def run(
         kwargs.update(images=images, image_tokens=image_tokens)
     from .answer import FinishedCanvases
 
+    # stdout and stderr on one screen: whether the answer's last piece left the cursor mid-line, where a progress
+    # line would join it (the progress then starts a line of its own; stdout's bytes are unchanged).
+    one_screen = sys.stdout.isatty() and sys.stderr.isatty()
+    screen = {"mid_line": False}
+
     def write(piece: str) -> None:
         sys.stdout.write(piece)
         sys.stdout.flush()
+        if piece:
+            screen["mid_line"] = one_screen and not piece.endswith("\n")
+
+    def mid_line() -> bool:
+        was, screen["mid_line"] = screen["mid_line"], False  # the progress line ends with its newline
+        return was
 
     # Each finished canvas's text goes to stdout as it settles (a pipe sees the answer grow), unless stdout gets
     # one JSON object or the live view shows the answer growing; Ctrl-C keeps every finished canvas either way.
@@ -239,7 +250,7 @@ def run(
         elif view != "none":  # plain (or live without a tokenizer to show tokens with)
             from .view import PlainProgress
 
-            progress = PlainProgress(sys.stderr)
+            progress = PlainProgress(sys.stderr, mid_line=mid_line)
             result = engine.generate(text, on_event=lambda e: (keep(e), progress(e)), **kwargs)
         else:
             result = engine.generate(text, on_event=keep, **kwargs)

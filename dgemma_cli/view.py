@@ -79,8 +79,11 @@ def choose_view(requested: str | None, *, stdout_tty: bool, stderr_tty: bool, te
 class PlainProgress:
     """--view plain: one line per finished canvas on `stream` (stderr), with the figures the live header gives."""
 
-    def __init__(self, stream: TextIO | None = None):
+    def __init__(self, stream: TextIO | None = None, mid_line: Callable[[], bool] | None = None):
+        """mid_line: whether the screen's cursor is in the middle of a line someone else wrote (the answer, on
+        the same terminal): a progress line then starts on a line of its own, never after the answer's text."""
         self.stream = stream
+        self.mid_line = mid_line
         self.started = time.perf_counter()
         self.kept = 0  # row 0's tokens kept so far (CanvasDone.kept summed)
         self.forwards = 0  # row 0's forward passes so far (CanvasDone.steps summed)
@@ -92,6 +95,8 @@ class PlainProgress:
         self.forwards += ev.steps[0]
         rate = self.kept / max(time.perf_counter() - self.started, 1e-9)
         stream = self.stream or sys.stderr
+        if self.mid_line is not None and self.mid_line():
+            stream.write("\n")
         stream.write(f"dgemma: canvas {ev.canvas_index + 1} done in {ev.steps[0]} steps "
                      f"({tokens_per_forward(self.kept, self.forwards):.1f} tok/forward, {rate:,.0f} tok/s)\n")
         stream.flush()

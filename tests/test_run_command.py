@@ -14,6 +14,7 @@ import queue
 import shutil
 import signal
 import subprocess
+from pathlib import Path
 import sys
 import threading
 
@@ -456,3 +457,34 @@ def test_sampler_flags_in_help():
     out = subprocess.run([sys.executable, "-m", "dgemma_cli", "bench", "-h"], capture_output=True, text=True,
                          env=dict(os.environ, COLUMNS="200")).stdout
     assert "at least 5" in out  # the minimum that `bench --steps 4` is refused by
+
+
+@pytest.mark.parametrize("how", [["--view", "plain"], []])  # asked for, and TERM=dumb's default
+def test_plain_progress_and_the_answer_never_share_a_line_on_a_terminal(how):
+    """stdout and stderr on one terminal: the answer's text streams to stdout as canvases finish, without a newline
+    until it ends; each progress line must start a line of its own, not follow the answer's partial line."""
+    import pty
+    import select
+
+    master, slave = pty.openpty()
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, "-m", "dgemma_cli", "run", *DEMO[:4], "--seed", "0", "--max-new-tokens",
+                             "64", "--raw", *how, "hello"], cwd=root, stdin=slave, stdout=slave, stderr=slave,
+                            env={**os.environ, "TERM": "dumb", "HF_HUB_OFFLINE": "1"})
+    os.close(slave)
+    data = b""
+    while True:
+        ready, _, _ = select.select([master], [], [], 120)
+        try:
+            chunk = os.read(master, 65536) if ready else b""
+        except OSError:  # the child closed the terminal
+            chunk = b""
+        if not chunk:
+            break
+        data += chunk
+    os.close(master)
+    assert proc.wait(30) == 0
+    lines = data.decode().replace("\r", "").split("\n")
+    progress = [line for line in lines if "dgemma: canvas" in line]
+    assert len(progress) >= 2, data  # several canvases, so the answer was mid-line when progress came
+    assert all(line.startswith("dgemma: canvas") for line in progress), lines
