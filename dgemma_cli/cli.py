@@ -96,24 +96,27 @@ def _check_device_dtype(device: str, dtype: str) -> None:
 
 
 def _model_dir(model: Optional[str], quiet: bool = False) -> str:
-    """--model, else $DGEMMA_MODEL (resolved here, so that an error names the variable), else the bundled demo
-    model (said on stderr unless quiet)."""
-    if not model and os.environ.get("DGEMMA_MODEL"):
-        model = os.environ["DGEMMA_MODEL"]
-        from .engine import resolve_model  # torch: the model is loaded next anyway
-        from .errors import ModelError
+    """--model, else $DGEMMA_MODEL (an error then names the variable), else the bundled demo model (said on stderr
+    unless quiet). Resolved and checked here, before anything imports torch: a missing model is said at once."""
+    from .errors import ModelError
+    from .names import resolve_model
 
-        try:
-            path = resolve_model(model)
-        except DgemmaError as e:
-            raise type(e)(f"$DGEMMA_MODEL: {e}") from None
-        if not path.is_dir():
-            raise ModelError(f"$DGEMMA_MODEL: {path}: no such model directory")
+    where = ""
+    if not model and os.environ.get("DGEMMA_MODEL"):
+        model, where = os.environ["DGEMMA_MODEL"], "$DGEMMA_MODEL: "
     if not model:
         if not quiet:
             sys.stderr.write("dgemma: using the bundled demo model, which only upper-cases 16-character text "
                              "(try \"upper: hello diffusions\"); pass --model NAME or DIR for a real model\n")
-        model = "demo"
+        return "demo"
+    try:
+        path = resolve_model(model)
+    except DgemmaError as e:
+        raise type(e)(f"{where}{e}") from None
+    if not path.exists():
+        raise ModelError(f"{where}{path}: no such model directory")
+    if not path.is_dir():
+        raise ModelError(f"{where}{path}: not a directory")
     return model
 
 
@@ -195,6 +198,8 @@ def run(
                               dtype=dtype, quiet=quiet, raw=raw, system=system, seed=seed, **sampler)
     if not text.strip():
         raise UsageError("empty prompt")
+    model_dir = _model_dir(model, quiet)  # a missing model is said before torch is imported (seconds)
+    images = _read_images(image or [], model_dir)  # bad images fail here, before the model loads
     from .view import choose_view  # progress goes to stderr, for a person watching it (view.choose_view)
 
     view = choose_view(view, stdout_tty=sys.stdout.isatty(), stderr_tty=sys.stderr.isatty(),
@@ -203,8 +208,6 @@ def run(
 
     from .engine import load  # heavy: torch
 
-    model_dir = _model_dir(model, quiet)
-    images = _read_images(image or [], model_dir)  # bad images fail here, before the model loads
     engine = load(model_dir, device=device, dtype=dtype)
     kwargs = dict(raw=raw, system=system, seed=seed, **sampler)
     if images:
@@ -394,9 +397,10 @@ def _run_each_line(text: str, *, model, as_json: bool, batch_size: int, device: 
     lines = [line[:-1] if line.endswith("\r") else line for line in lines]
     if not any(line.strip() for line in lines):
         raise UsageError("empty input: no non-blank line")
+    model_dir = _model_dir(model, quiet)  # before torch is imported
     from .engine import load  # heavy: torch
 
-    engine = load(_model_dir(model, quiet), device=device, dtype=dtype)
+    engine = load(model_dir, device=device, dtype=dtype)
     todo = [i for i, line in enumerate(lines) if line.strip()]
     written = 0  # input lines answered on stdout so far
     try:
@@ -513,9 +517,10 @@ def fim(
         F.check_writable(Path(file), backup=not no_backup)
     name = "stdin" if file == "-" else file
     holes = [F.lines_hole(text, lines, name)] if lines else F.marker_holes(text, marker, name)
+    model_dir = _model_dir(model)  # before torch is imported
     from .engine import load  # heavy: torch
 
-    engine = load(_model_dir(model), device=device, dtype=dtype)
+    engine = load(model_dir, device=device, dtype=dtype)
     new = F.fill_holes(engine, text, holes, method=method, held_tokens=held_tokens, name=name, marker=marker,
                        warn=lambda m: sys.stderr.write(m + "\n"), seed=seed, max_new_tokens=max_new_tokens,
                        max_denoising_steps=steps)
@@ -562,9 +567,10 @@ def serve(
         raise UsageError(f"--host {host} can be reached from other machines: pass --api-key KEY (or set "
                          "DGEMMA_API_KEY)")
     _check_device_dtype(device, dtype)
+    model = _model_dir(model)  # before torch is imported
     from .serve import serve as run_server  # heavy: torch, starlette, uvicorn
 
-    raise typer.Exit(run_server(_model_dir(model), host=host, port=port, api_key=api_key, max_batch=max_batch,
+    raise typer.Exit(run_server(model, host=host, port=port, api_key=api_key, max_batch=max_batch,
                                 max_queue=max_queue, device=device, dtype=dtype, note=_note,
                                 allow_hosts=tuple(allow_host or ()), allow_origins=tuple(allow_origin or ())))
 
@@ -632,7 +638,7 @@ def info(
     as_json: bool = typer.Option(False, "--json", help="One JSON object."),
 ) -> None:
     """Format, sizes, estimated GPU memory and location of a model."""
-    from .engine import resolve_model
+    from .names import resolve_model
     from .store import describe
 
     path = resolve_model(model)
@@ -711,12 +717,18 @@ def quantize(
         raise UsageError(f"--scales must be auto, absmax or search (got {scales!r})")
     if device not in ("auto", "cpu", "cuda"):
         raise UsageError(f"--device must be cpu, cuda or auto (got {device!r})")
-    from .engine import resolve_model
+    from .names import POLICIES, QUANTS, resolve_model
+
+    if quant not in QUANTS or quant == "bf16":
+        raise UsageError(f"--quant must be one of {', '.join(q for q in QUANTS if q != 'bf16')} (got {quant!r})")
+    if policy is not None and policy not in POLICIES:
+        raise UsageError(f"--policy must be one of {', '.join(POLICIES)} (got {policy!r})")
+    source = resolve_model(_model_dir(src))  # checked before torch is imported
     from .quantize import quantize_checkpoint
 
     search = None if scales == "auto" else scales == "search"
     try:
-        manifest = quantize_checkpoint(resolve_model(src), Path(out), quant, policy, search, device,
+        manifest = quantize_checkpoint(source, Path(out), quant, policy, search, device,
                                        progress=sys.stderr.isatty(), note=_note)
     except KeyboardInterrupt:
         raise Interrupted("interrupted; run the same command again to continue where it stopped") from None

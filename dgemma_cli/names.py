@@ -69,6 +69,7 @@ BUNDLED = {"demo": DEMO_MODEL, "demo-sudoku": DEMO_SUDOKU, "demo-shapes": DEMO_S
 
 MANIFEST = "dgemma-manifest.json"  # the same name quant.convert writes
 QUANTS = ("bf16", "fp8", "int8", "nvfp4")
+POLICIES = ("experts", "all")  # what a format quantizes: the routed experts, or also attention and the dense MLP
 STORE_NAME = re.compile(r"^(?:(?P<owner>[A-Za-z0-9][A-Za-z0-9._-]*)/)?(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)"
                         r"(?::(?P<quant>[a-z0-9]+))?$")
 

@@ -43,13 +43,13 @@ from . import __version__
 from .config import ModelConfig
 from .device import resolve_device
 from .errors import ModelError, UsageError
+from .names import POLICIES
 from .footprint import DEFAULT_POLICY  # per format, as its published releases: NVFP4 experts, FP8 and INT8 all
 from .weights import (
     TensorRecord, checked_record, checkpoint_files, checkpoint_name, expected_tensors, expert_base, index_checkpoint,
     read_converted, read_header, read_quant_format, text_prefix,
 )
 
-POLICIES = ("experts", "all")
 FORMATS = ("nvfp4", "fp8", "int8")
 # Per format: whether scales are searched (measured in BENCHMARKS.md: it lowers NVFP4's error, not INT8's).
 DEFAULT_SEARCH = {"nvfp4": True, "fp8": False, "int8": False}

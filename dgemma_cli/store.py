@@ -178,20 +178,21 @@ def pull(repo: str, quant: str = "auto", revision: str | None = None, policy: st
          progress: bool = True, note=lambda s: sys.stderr.write(f"dgemma: {s}\n")) -> Entry | None:
     """Download `repo` and make its store entry in the requested format. Returns the entry (None when it was
     already there: that is said, and nothing else is done)."""
-    from . import hub
-    from .config import ModelConfig
-    from .footprint import DEFAULT_POLICY, candidates, capability, choose_format, free_memory, runtime_bytes
-    from .quantize import quantize_checkpoint
-    from .weights import read_quant_format
+    from .names import POLICIES
 
-    from .quantize import POLICIES
-
+    # Bad flags first, before anything imports torch (seconds).
     if not REPO_ID.match(repo):
         raise UsageError(f"{repo!r} is not a repository id (OWNER/NAME, e.g. {DEFAULT_REPO})")
     if quant not in QUANTS + ("auto",):
         raise UsageError(f"--quant must be auto, {', '.join(QUANTS)} (got {quant!r})")
     if policy is not None and policy not in POLICIES:
         raise UsageError(f"--policy must be one of {', '.join(POLICIES)} (got {policy!r})")
+    from . import hub
+    from .config import ModelConfig
+    from .footprint import DEFAULT_POLICY, candidates, capability, choose_format, free_memory, runtime_bytes
+    from .quantize import quantize_checkpoint
+    from .weights import read_quant_format
+
     present = [e for e in entries() if e.repo.lower() == repo.lower() and quant in ("auto", e.quant)]
     if present:
         e = present[0]

@@ -476,3 +476,28 @@ def test_importing_the_cli_does_not_import_torch():
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("args", [
+    ["run", "--model", "/nonexistent", "hi"],
+    ["run", "--model", "/nonexistent", "--each-line"],
+    ["fim", "README.md", "--model", "/nonexistent"],
+    ["serve", "--model", "/nonexistent"],
+    ["info", "/nonexistent"],
+    ["quantize", "/nonexistent", "--out", "/tmp/x", "--quant", "nvfp4"],
+    ["quantize", "demo", "--out", "/tmp/x", "--quant", "q7"],
+    ["pull", "not-a-repo-id"],
+    ["pull", "a/b", "--quant", "q7"],
+    ["run", "--temperature", "9", "hi"],
+    ["run", "--bogus"],
+])
+def test_errors_that_need_no_model_come_before_torch(args):
+    """A missing model, a bad --quant, a bad flag: said before torch is imported (which takes seconds)."""
+    code = ("import sys\nfrom dgemma_cli.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    sys.stdout.write(f'{e.code} {\"torch\" in sys.modules}')\n")
+    root = Path(__file__).resolve().parent.parent
+    p = subprocess.run([sys.executable, "-c", code, *args], cwd=root, capture_output=True, text=True, timeout=120,
+                       input="", env={**os.environ, "DGEMMA_HOME": "/nonexistent-home", "HF_HUB_OFFLINE": "1"})
+    status, torch_imported = p.stdout.split()
+    assert status in ("1", "2") and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, (p.stdout, p.stderr)
+    assert torch_imported == "False", p.stderr
