@@ -439,9 +439,11 @@ class TypeAheadKept:
 
     The terminal is in its cooked mode between prompts: it would echo keys into the live view, and turn Enter
     (carriage return) into a newline, which the prompt reads as "new line", not "send". Within this block the
-    terminal neither echoes nor buffers lines nor translates Enter; Ctrl-C still interrupts. Nothing is read, so
-    the keys stay queued and the next prompt receives them as typed: the text, and Enter sending it. Leaving
-    restores the settings without discarding queued input. Does nothing when stdin is not a terminal."""
+    terminal neither echoes nor buffers lines nor translates Enter; Ctrl-C still interrupts, without the terminal
+    discarding what was typed before it (NOFLSH): a cancelled answer leaves the typed text for the next prompt.
+    Nothing is read, so the keys stay queued and the next prompt receives them as typed: the text, and Enter
+    sending it. Leaving restores the settings without discarding queued input. Does nothing when stdin is not a
+    terminal."""
 
     def __init__(self, stream=None):
         self.stream = stream or sys.stdin
@@ -460,6 +462,7 @@ class TypeAheadKept:
             attrs = termios.tcgetattr(fd)
             attrs[0] &= ~(termios.ICRNL | termios.INLCR | termios.IGNCR)  # iflag: Enter stays a carriage return
             attrs[3] &= ~(termios.ECHO | termios.ICANON)  # lflag: no echo, no line editing; ISIG kept (Ctrl-C)
+            attrs[3] |= termios.NOFLSH  # Ctrl-C's signal does not flush the keys typed ahead
             termios.tcsetattr(fd, termios.TCSANOW, attrs)
             self.fd = fd
         except (AttributeError, OSError, ValueError, termios.error):  # no file descriptor, or not ours to set

@@ -121,7 +121,9 @@ class Terminal:
     """`dgemma chat` in a pseudo-terminal of 80 x 48, its output fed to a terminal emulator (pyte). Tall enough that
     a test's whole conversation stays on the screen."""
 
-    def __init__(self, args: list[str], env: dict):
+    def __init__(self, args: list[str], env: dict, controlling: bool = False):
+        """controlling: the terminal becomes the child's controlling terminal, so that Ctrl-C typed while the
+        terminal is not in raw mode signals the child as a real terminal does."""
         import pyte
 
         self.screen = pyte.Screen(80, 48)
@@ -133,7 +135,8 @@ class Terminal:
 
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 48, 80, 0, 0))
         self.proc = subprocess.Popen(args, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=ROOT,
-                                     start_new_session=True)
+                                     start_new_session=True,
+                                     preexec_fn=(lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0)) if controlling else None)
         os.close(slave)
         self.log = b""
 
@@ -228,18 +231,47 @@ def test_chat_in_a_pseudo_terminal(tmp_path):
 TYPE_AHEAD_CHILD = """
 import sys, time
 from dgemma_cli.chat import TypeAheadKept, prompt_session
-keep = sys.argv[1] == "kept"
+keep = sys.argv[1] != "cooked"
 print("generating", flush=True)
-if keep:
-    with TypeAheadKept():
-        time.sleep(2.0)  # an answer being generated: the test types meanwhile
-else:
-    time.sleep(2.0)
+try:
+    if keep:
+        with TypeAheadKept():
+            time.sleep(2.0 if sys.argv[1] == "kept" else 30)  # an answer being generated: the test types meanwhile
+    else:
+        time.sleep(2.0)
+except KeyboardInterrupt:  # as chat cancels an answer
+    print("cancelled", flush=True)
 print("generated", flush=True)
 session = prompt_session(None)
 for _ in range(2):
     print("sent", repr(session.prompt("> ")), flush=True)
 """
+
+
+@pytest.mark.slow
+def test_keys_typed_before_a_cancelling_ctrl_c_wait_for_the_next_prompt(tmp_path):
+    """Text typed during an answer, then Ctrl-C to cancel it: the text is in the next prompt's line, not lost (the
+    terminal flushes its input queue at Ctrl-C unless told not to)."""
+    pytest.importorskip("pyte")
+    env = dict(os.environ, TERM="xterm-256color", PROMPT_TOOLKIT_NO_CPR="1", PYTHONPATH=str(ROOT))
+    term = Terminal([sys.executable, "-c", TYPE_AHEAD_CHILD, "ctrl-c"], env, controlling=True)
+    try:
+        term.wait_for("generating")
+        term.type("typed ahead")
+        time.sleep(0.3)
+        term.type("\x03")  # Ctrl-C: the child's "answer" is cancelled
+        term.wait_for("cancelled", timeout=30)
+        term.wait_for("> ", timeout=30)
+        term.type(" and more\r")
+        end = time.time() + 20
+        while time.time() < end and b"sent " not in term.log:
+            term.pump()
+        assert re.findall(r"sent ('[^']*')", term.log.decode(errors="replace"))[:1] == ["'typed ahead and more'"], \
+            term.log
+    finally:
+        if term.proc.poll() is None:
+            os.killpg(term.proc.pid, signal.SIGKILL)
+        os.close(term.master)
 
 
 @pytest.mark.slow
@@ -295,8 +327,10 @@ def test_set_and_settings_commands(demo):
     shown = dict(line.split(None, 1) for line in settings_text(s, conv, "live", 3).splitlines())
     assert shown["t-max"] == "0.9" and shown["steps"] == "12" and shown["seed"] == "3" and shown["view"] == "live"
     assert shown["context"] == str(conv.context) and shown["think"] == "off"
+    moved = set_setting(s, "t-min 0.95")  # above t-max: t-max moves up with it, as the flags do
+    assert (moved.t_min, moved.t_max) == (0.95, 0.95)
     for bad, said in [("bogus 1", "usage: /set NAME VALUE"), ("steps x", "not an integer"),
-                      ("t-min 0.95", "--t-min <= --t-max"), ("entropy-bound 0", "--entropy-bound must be > 0")]:
+                      ("t-max 0", "--t-max must be > 0"), ("entropy-bound 0", "--entropy-bound must be > 0")]:
         with pytest.raises(UsageError, match=said.replace("+", r"\+")):
             set_setting(s, bad)
 
