@@ -101,18 +101,26 @@ class BenchResult:
 
 
 def config_for(name: str) -> tuple[str, dict]:
-    """A named config (real, mid, tiny) or a model directory's config.json."""
+    """A named config (real, mid, tiny), a bundled model's or store entry's name, or a model directory's
+    config.json."""
     from pathlib import Path
 
     from .config import read_json_object
-    from .errors import ModelError
+    from .errors import DgemmaError, ModelError
+    from .names import BUNDLED, resolve_model
 
     if name in CONFIGS:
         return name, CONFIGS[name]
     path = Path(name).expanduser()
+    if name in BUNDLED or not path.exists():
+        try:
+            path = resolve_model(name)  # 'demo', or a store name
+        except DgemmaError:
+            pass
     path = path / "config.json" if path.is_dir() else path
     if not path.is_file():
-        raise UsageError(f"--config must be one of {', '.join(CONFIGS)} or a model directory (got {name!r})")
+        raise UsageError(f"--config must be one of {', '.join(CONFIGS)}, a bundled model (demo, ...), a store name or a "
+                         f"model directory (got {name!r})")
     try:
         return str(path.parent), read_json_object(path)
     except ModelError as e:  # a bad --config value is a usage error here

@@ -337,15 +337,16 @@ DEFAULT_CONTEXT = 8192  # tokens of conversation kept when --context is not give
 
 
 def run_chat(engine, *, system: str | None, settings, think: bool, view: str, context: int | None,
-             seed: int | None, out=None, err=None) -> int:
+             seed: int | None, out=None, err=None, quiet: bool = False) -> int:
     """The interactive loop; returns the exit status. `settings`: the sampler's (GenerationSettings); `context`:
-    --context, None when not given."""
+    --context, None when not given; quiet: no greeting or notices on stderr (errors still are)."""
     out, err = out or sys.stdout, err or sys.stderr
     asked, context = context is not None, context or DEFAULT_CONTEXT
     conv = Conversation(engine, context, system, think)
     session = prompt_session(history_file())
-    err.write("dgemma chat: /help for commands, Ctrl-D to leave\n")
-    if asked and conv.context < context:  # said only for a --context the user gave
+    if not quiet:
+        err.write("dgemma chat: /help for commands, Ctrl-D to leave\n")
+    if asked and conv.context < context and not quiet:  # said only for a --context the user gave
         err.write(f"(--context {context} is more than this model's {conv.context} positions: the chat keeps "
                   f"{conv.context})\n")
     err.flush()

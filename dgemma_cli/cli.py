@@ -20,7 +20,7 @@ from .guard import is_loopback
 app = typer.Typer(
     name="dgemma",
     help="Run DiffusionGemma locally: block diffusion, one canvas at a time.",
-    add_completion=False,
+    add_completion=True,  # --install-completion [SHELL], --show-completion [SHELL]
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},  # every command: -h as in ollama, llm, llama.cpp
@@ -53,6 +53,10 @@ def _sampler_option(flag: str):
 
     return typer.Option(None, f"--{flag}", help=SAMPLER_FLAGS[flag][2], show_default=False)
 
+
+_quiet = False  # -q: nothing on stderr but errors (set by each command)
+
+QUIET_OPTION = typer.Option(False, "--quiet", "-q", help="Nothing on stderr but errors: no progress, no notices.")
 
 TEMPERATURE_OPTION = typer.Option(
     None, "--temperature", "--temp", show_default=False,
@@ -157,7 +161,7 @@ def run(
                                    "in input order, written as each batch finishes."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size",
                                              help="With --each-line: prompts generated together (default 8)."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Nothing on stderr but errors: no progress, no notices."),
+    quiet: bool = QUIET_OPTION,
 ) -> None:
     """Generate one answer. Stdout gets only the answer (or one JSON object with --json).
 
@@ -184,11 +188,16 @@ def run(
     sampler = _sampler_settings(max_new_tokens=max_new_tokens, max_denoising_steps=steps, t_max=t_max,
                                 t_min=t_min, temperature=temperature, entropy_bound=entropy_bound,
                                 confidence_threshold=confidence_threshold, stability_threshold=stability_threshold)
-    if quiet:
-        import warnings
-
-        warnings.simplefilter("ignore")  # a library's warning is a notice too
+    _be_quiet(quiet)
     joined = _prompt_words(prompt)
+    if (joined is None and sys.stdin is not None and sys.stdin.isatty() and sys.stdout.isatty()
+            and not (as_json or each_line or raw or image)):
+        # No prompt, and a person at a terminal: a conversation, as `ollama run` and `llm` start one.
+        _note("no prompt given: starting `dgemma chat` (Ctrl-D leaves)")
+        return chat(model=model, system=system, max_new_tokens=max_new_tokens, steps=steps, t_max=t_max,
+                    t_min=t_min, temperature=temperature, entropy_bound=entropy_bound,
+                    confidence_threshold=confidence_threshold, stability_threshold=stability_threshold, think=False,
+                    view=view or "live", context=None, seed=seed, device=device, dtype=dtype, quiet=quiet)
     _check_images(image or [], image_tokens, stdin_prompt=joined is None, each_line=each_line)
     text = _read_prompt(joined)
     if joined is None and not raw and not each_line:
@@ -454,6 +463,7 @@ def chat(
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed each turn's generation."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
     dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto."),
+    quiet: bool = QUIET_OPTION,
 ) -> None:
     """Chat in the terminal; the KV cache carries over between turns. /help lists the commands.
 
@@ -469,13 +479,15 @@ def chat(
         raise UsageError("--context must be at least 64")
     if not sys.stdin.isatty():
         raise UsageError("dgemma chat needs a terminal; for pipes use `dgemma run` (--each-line for many prompts)")
+    _be_quiet(quiet)
+    model_dir = _model_dir(model, quiet)
     from .chat import run_chat
     from .engine import load
 
-    engine = load(_model_dir(model), device=device, dtype=dtype)
+    engine = load(model_dir, device=device, dtype=dtype)
     settings = engine.settings.override(**sampler)
     raise typer.Exit(run_chat(engine, system=system, settings=settings, think=think, view=view, context=context,
-                              seed=seed))
+                              seed=seed, quiet=quiet))
 
 
 @app.command()
@@ -496,8 +508,10 @@ def fim(
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
     dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto."),
+    quiet: bool = QUIET_OPTION,
 ) -> None:
     """Fill the holes of a file using the text on both sides. Prints a unified diff by default."""
+    _be_quiet(quiet)
     from . import fim as F
 
     if in_place and file == "-":
@@ -517,12 +531,12 @@ def fim(
         F.check_writable(Path(file), backup=not no_backup)
     name = "stdin" if file == "-" else file
     holes = [F.lines_hole(text, lines, name)] if lines else F.marker_holes(text, marker, name)
-    model_dir = _model_dir(model)  # before torch is imported
+    model_dir = _model_dir(model, quiet)  # before torch is imported
     from .engine import load  # heavy: torch
 
     engine = load(model_dir, device=device, dtype=dtype)
     new = F.fill_holes(engine, text, holes, method=method, held_tokens=held_tokens, name=name, marker=marker,
-                       warn=lambda m: sys.stderr.write(m + "\n"), seed=seed, max_new_tokens=max_new_tokens,
+                       warn=lambda m: None if quiet else sys.stderr.write(m + "\n"), seed=seed, max_new_tokens=max_new_tokens,
                        max_denoising_steps=steps)
     if in_place:
         kept = F.save_in_place(Path(file), text, new, backup=not no_backup)
@@ -553,8 +567,10 @@ def serve(
     allow_host: Optional[List[str]] = typer.Option(
         None, "--allow-host", metavar="NAME", help="A name clients may reach the server by (its Host header), "
         "besides the --host address and localhost; repeatable; '*' for any."),
+    quiet: bool = QUIET_OPTION,
 ) -> None:
     """An OpenAI-compatible HTTP server (chat, completions with suffix infill, models), batching requests."""
+    _be_quiet(quiet)
     if not 0 <= port <= 65535:
         raise UsageError(f"--port must be between 0 and 65535 (got {port})")
     if max_batch < 1:
@@ -567,7 +583,7 @@ def serve(
         raise UsageError(f"--host {host} can be reached from other machines: pass --api-key KEY (or set "
                          "DGEMMA_API_KEY)")
     _check_device_dtype(device, dtype)
-    model = _model_dir(model)  # before torch is imported
+    model = _model_dir(model, quiet)  # before torch is imported
     from .serve import serve as run_server  # heavy: torch, starlette, uvicorn
 
     raise typer.Exit(run_server(model, host=host, port=port, api_key=api_key, max_batch=max_batch,
@@ -578,8 +594,18 @@ def serve(
 # ----------------------------------------------------------------------------- weights: pull, store, quantize
 
 
+def _be_quiet(quiet: bool) -> None:
+    global _quiet
+    _quiet = quiet
+    if quiet:
+        import warnings
+
+        warnings.simplefilter("ignore")  # a library's warning is a notice too
+
+
 def _note(message: str) -> None:
-    sys.stderr.write(f"dgemma: {message}\n")
+    if not _quiet:
+        sys.stderr.write(f"dgemma: {message}\n")
 
 
 def _gb(n: int) -> str:
@@ -597,14 +623,16 @@ def pull(
     policy: Optional[str] = typer.Option(None, "--policy",
                                          help="What fp8/int8/nvfp4 quantize: experts or all (+ attention, dense MLP); "
                                               "default as published: all for fp8/int8, experts for nvfp4."),
+    quiet: bool = QUIET_OPTION,
 ) -> None:
     """Download a model from the Hub into the store: a published quantized release as published, an unquantized one
     quantized to --quant (on the GPU when there is one). HF_TOKEN, HF_HOME and HF_HUB_OFFLINE apply."""
+    _be_quiet(quiet)
     from .errors import Interrupted
     from .store import pull as do_pull
 
     try:
-        entry = do_pull(repo, quant, revision, policy, progress=sys.stderr.isatty(), note=_note)
+        entry = do_pull(repo, quant, revision, policy, progress=sys.stderr.isatty() and not quiet, note=_note)
     except KeyboardInterrupt:
         raise Interrupted("interrupted; run the same command again to continue (finished files are kept)") from None
     if entry is not None:
@@ -613,43 +641,54 @@ def pull(
 
 
 @app.command("list")
-def list_models(as_json: bool = typer.Option(False, "--json", help="JSON Lines instead of a table.")) -> None:
-    """The models in the store."""
+def list_models(as_json: bool = typer.Option(False, "--json", help="JSON Lines instead of a table."),
+                quiet: bool = QUIET_OPTION) -> None:
+    """The models in the store, and the small demo models bundled with dgemma."""
+    _be_quiet(quiet)
+    from .names import BUNDLED, BUNDLED_ABOUT
     from .store import entries, store_root
 
     found = entries()
+    bundled = [(name, path, sum(f.stat().st_size for f in path.iterdir() if f.is_file()))
+               for name, path in BUNDLED.items()]
     if as_json:
+        for name, path, size in bundled:
+            sys.stdout.write(json.dumps({"name": name, "format": "unquantized", "size": size, "path": str(path),
+                                         "bundled": True, "about": BUNDLED_ABOUT[name]}) + "\n")
         for e in found:
             sys.stdout.write(json.dumps({"name": e.name, "format": e.quant, "size": e.size, "path": str(e.path),
                                          "revision": e.manifest["store"].get("revision")}) + "\n")
         return
-    if not found:
-        _note(f"the store is empty ({store_root()}); `dgemma pull` fetches a model")
-        return
-    width = max(len(e.name) for e in found)
-    sys.stdout.write(f"{'NAME':<{width}}  {'SIZE':>9}  PATH\n")
+    width = max(len(n) for n in [*BUNDLED, *(e.name for e in found)])
+    sys.stdout.write(f"{'NAME':<{width}}  {'SIZE':>9}  WHERE\n")
     for e in found:
         sys.stdout.write(f"{e.name:<{width}}  {_gb(e.size):>9}  {e.path}\n")
+    for name, _, size in bundled:
+        sys.stdout.write(f"{name:<{width}}  {_gb(size):>9}  bundled: {BUNDLED_ABOUT[name]}\n")
+    if not found and not quiet:
+        _note(f"the store is empty ({store_root()}); `dgemma pull` fetches a model")
 
 
 @app.command()
 def info(
     model: str = typer.Argument(..., help="A store name, a model directory, or 'demo'."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object."),
+    quiet: bool = QUIET_OPTION,
 ) -> None:
     """Format, sizes, estimated GPU memory and location of a model."""
+    _be_quiet(quiet)
     from .names import resolve_model
     from .store import describe
 
-    path = resolve_model(model)
-    if not path.is_dir():
-        from .errors import ModelError
-
-        raise ModelError(f"{path}: no such model directory")
+    path = resolve_model(_model_dir(model))
     d = describe(path)
     if as_json:
         sys.stdout.write(json.dumps(d) + "\n")
         return
+    _info_rows(d)
+
+
+def _info_rows(d: dict) -> None:
     src = d["source"]
     fmt = d["format"] + (f" ({', '.join(d['quantized'])} quantized)" if d["quantized"] else
                          f" ({d['dtype_on_disk']} on disk)")
@@ -667,11 +706,63 @@ def info(
 
 
 @app.command()
+def show(
+    model: str = typer.Argument(..., help="A store name, a model directory, or a bundled model ('demo', ...)."),
+    template: bool = typer.Option(False, "--template", help="Only the chat template, as the model ships it."),
+    parameters: bool = typer.Option(False, "--parameters", help="Only the sampler's defaults, one per line."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object: info, parameters, template."),
+    quiet: bool = QUIET_OPTION,
+) -> None:
+    """What a model is: its format and sizes (as `info`), the sampler's defaults it brings and its chat template."""
+    _be_quiet(quiet)
+    from .config import SAMPLER_FLAGS, GenerationSettings, ModelConfig
+    from .errors import ModelError
+    from .names import resolve_model
+    from .store import describe
+    from .tokenizer import Tokenizer
+
+    if template and parameters:
+        raise UsageError("--template and --parameters exclude each other (neither: both, and the rest)")
+    path = resolve_model(_model_dir(model))
+    cfg = ModelConfig.from_dir(path)
+    settings = GenerationSettings.from_checkpoint(path, cfg.text)
+    params = {flag: getattr(settings, name) for flag, (name, _, _) in SAMPLER_FLAGS.items()}
+    params.update({"canvas-length": cfg.canvas_length, "context": cfg.text.max_position_embeddings,
+                   "eos-token-ids": list(settings.eos_token_ids)})
+    tok = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
+    chat_template = tok.chat_template if tok is not None else None
+    if template:
+        if chat_template is None:
+            raise ModelError(f"{path}: no tokenizer.json, so no chat template")
+        sys.stdout.write(chat_template if chat_template.endswith("\n") else chat_template + "\n")
+        return
+    if parameters:
+        for k, v in params.items():
+            sys.stdout.write(f"{k:<24}{' '.join(map(str, v)) if isinstance(v, list) else v}\n")
+        return
+    d = describe(path)
+    if as_json:
+        sys.stdout.write(json.dumps({**d, "parameters": params, "template": chat_template,
+                                     "template_from": tok.template_origin if tok else None}) + "\n")
+        return
+    _info_rows(d)
+    sys.stdout.write("\nparameters (the model's defaults; the flags of the same names change them):\n")
+    for k, v in params.items():
+        sys.stdout.write(f"  {k:<22}{' '.join(map(str, v)) if isinstance(v, list) else v}\n")
+    where = tok.template_origin if tok else "no tokenizer.json"
+    sys.stdout.write(f"\ntemplate ({where}; `dgemma show {model} --template` prints it whole):\n")
+    for line in (chat_template or "").splitlines()[:8]:
+        sys.stdout.write(f"  {line}\n")
+
+
+@app.command()
 def rm(
     model: str = typer.Argument(..., help="A store name [OWNER/]NAME[:QUANT]."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
+    quiet: bool = QUIET_OPTION,
 ) -> None:
     """Remove a model from the store (never touches directories outside it)."""
+    _be_quiet(quiet)
     from .store import find, remove, store_root
 
     found = find(model)
@@ -707,8 +798,10 @@ def quantize(
                                               "for fp8/int8, experts for nvfp4."),
     scales: str = typer.Option("auto", "--scales", help="auto, absmax or search (block scales chosen by error)."),
     device: str = typer.Option("auto", "--device", help="Where to compute: cpu, cuda or auto."),
+    quiet: bool = QUIET_OPTION,
 ) -> None:
     """Quantize a local checkpoint, streaming and resumable: run it again after an interruption to continue."""
+    _be_quiet(quiet)
     from pathlib import Path
 
     from .errors import Interrupted
@@ -729,7 +822,7 @@ def quantize(
     search = None if scales == "auto" else scales == "search"
     try:
         manifest = quantize_checkpoint(source, Path(out), quant, policy, search, device,
-                                       progress=sys.stderr.isatty(), note=_note)
+                                       progress=sys.stderr.isatty() and not quiet, note=_note)
     except KeyboardInterrupt:
         raise Interrupted("interrupted; run the same command again to continue where it stopped") from None
     _note(f"wrote {out} ({quant}, policy {manifest['quantize']['policy']}, {_gb(manifest['total_bytes'])})")
@@ -737,7 +830,8 @@ def quantize(
 
 @app.command()
 def bench(
-    config: str = typer.Option("mid", "--config", help="real (26B-A4B shapes), mid, tiny, or a model directory."),
+    config: str = typer.Option("mid", "--config", help="real (26B-A4B shapes), mid, tiny, a bundled model (demo, "
+                               "...), a store name or a model directory: its shapes, random weights."),
     fmt: str = typer.Option("nvfp4", "--format", help="bf16, int8 or nvfp4 (random weights in that format)."),
     policy: str = typer.Option("experts", "--policy", help="What int8/nvfp4 cover: experts or all."),
     batch: int = typer.Option(1, "--batch", help="Rows generated together."),
@@ -750,9 +844,11 @@ def bench(
     compare: Optional[str] = typer.Option(None, "--compare", help="'transformers': also time the reference (its "
                                           "compiled static-cache path where it has one); 'transformers-eager'."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object."),
+    quiet: bool = QUIET_OPTION,
 ) -> None:
     """Time the denoise step on random weights (no download) against the weight-read floor. Each phase is said on
     stderr when it is a terminal (stdout keeps only the table or the JSON object)."""
+    _be_quiet(quiet)
     from .bench import as_dict, run_bench
 
     def note(message: str) -> None:
@@ -760,7 +856,7 @@ def bench(
         sys.stderr.flush()
 
     result = run_bench(config, fmt, policy, batch, prompt, steps, canvases, device, dtype, compare,
-                       note=note if sys.stderr.isatty() else None)
+                       note=note if sys.stderr.isatty() and not quiet else None)
     sys.stdout.write((json.dumps(as_dict(result)) if as_json else result.table()) + "\n")
 
 

@@ -66,6 +66,11 @@ DEMO_SUDOKU = Path(__file__).resolve().parent / "demo_sudoku"
 DEMO_SHAPES = Path(__file__).resolve().parent / "demo_shapes"
 # names of the models that ship inside dgemma
 BUNDLED = {"demo": DEMO_MODEL, "demo-sudoku": DEMO_SUDOKU, "demo-shapes": DEMO_SHAPES}
+BUNDLED_ABOUT = {  # what each bundled model does, as `dgemma list` says it
+    "demo": "upper-cases 16-character text (\"upper: hello diffusions\")",
+    "demo-sudoku": "solves 4x4 sudoku (\"sudoku: ..4./..../.2.1/3...\")",
+    "demo-shapes": "names the shape and colour in a picture (--image)",
+}
 
 MANIFEST = "dgemma-manifest.json"  # the same name quant.convert writes
 QUANTS = ("bf16", "fp8", "int8", "nvfp4")

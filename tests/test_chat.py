@@ -350,3 +350,26 @@ def test_a_dumb_terminal_gets_plain_progress_lines(demo, monkeypatch):
     answer_turn(Conversation(demo, 4096), "upper: hello diffusions", demo.settings, "live", 0, out, err)
     assert out.getvalue() == "HELLO DIFFUSIONS\n"
     assert "dgemma: canvas 1 done in" in err.getvalue() and "\x1b[" not in err.getvalue()
+
+
+@pytest.mark.slow
+def test_run_with_no_prompt_on_a_terminal_starts_a_chat(tmp_path):
+    """`dgemma run` with neither a prompt nor a pipe, at a terminal: a conversation, as `ollama run` starts one."""
+    pytest.importorskip("pyte")
+    env = dict(os.environ, TERM="xterm-256color", PROMPT_TOOLKIT_NO_CPR="1", DGEMMA_HOME=str(tmp_path / "dgemma"),
+               COLUMNS="80", LINES="48", PYTHONPATH=str(ROOT))
+    env.pop("DGEMMA_MODEL", None)
+    term = Terminal([sys.executable, "-m", "dgemma_cli", "run", "--model", "demo", "--device", "cpu", "--seed", "0"],
+                    env)
+    try:
+        term.wait_for("starting `dgemma chat`")
+        term.wait_for("›")
+        term.type("upper: hello diffusions\r")
+        term.wait_for_prompts(2)
+        assert "HELLO DIFFUSIONS" in term.text()
+        term.type("\x04")
+        assert term.proc.wait(timeout=30) == 0
+    finally:
+        if term.proc.poll() is None:
+            os.killpg(term.proc.pid, signal.SIGKILL)
+        os.close(term.master)
