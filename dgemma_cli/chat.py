@@ -499,6 +499,10 @@ def _answer_turn(conv: Conversation, text: str, settings, view: str, seed: int |
     view = choose_view(view, stdout_tty=True, stderr_tty=err.isatty(), term=os.environ.get("TERM"))
     engine = conv.engine
     board = Board.from_hint(engine.view_hints.get("board"), engine.config.canvas_length)  # the checkpoint's layout
+    if board is not None:
+        board, warning = board.read_prompt(text)
+        if warning:
+            err.write(f"({warning})\n")
     show = view_for(conv.tok, board=board) if view == "live" else PlainProgress(err) if view == "plain" else None
     try:
         if view == "live":

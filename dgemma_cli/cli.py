@@ -250,12 +250,18 @@ def run(
         if isinstance(event, CanvasDone) and finished is not None:
             finished.add(event.tokens[0].tolist(), int(event.steps[0]), int(event.kept[0]))
 
+    from .view import Board
+
+    board = Board.from_hint(engine.view_hints.get("board"), engine.config.canvas_length)  # the checkpoint's layout
+    if board is not None:  # a prompt the board's model cannot read is said, whatever the view
+        board, warning = board.read_prompt(text)
+        if warning:
+            _note(warning)
     t0 = time.perf_counter()
     try:
         if view == "live" and engine.tokenizer is not None:
-            from .view import Board, view_for
+            from .view import view_for
 
-            board = Board.from_hint(engine.view_hints.get("board"), engine.config.canvas_length)
             canvas_view = view_for(engine.tokenizer, board=board, delay=view_delay)
             with canvas_view:
                 result = engine.generate(text, on_event=lambda e: (keep(e), canvas_view(e)), **kwargs)

@@ -47,7 +47,8 @@ def test_checkpoint_is_small_in_the_real_format_and_names_its_board():
     cfg = json.loads((DEMO_SUDOKU / "config.json").read_text())
     assert cfg["model_type"] == "diffusion_gemma" and cfg["architectures"] == ["DiffusionGemmaForBlockDiffusion"]
     hint = json.loads((DEMO_SUDOKU / "dgemma_view.json").read_text())["board"]
-    assert Board.from_hint(hint, cfg["canvas_length"]) == Board(4, 4, (2, 2), 5)
+    spelled = {"prefix": "sudoku: ", "row_sep": "/", "blank": "."}
+    assert Board.from_hint(hint, cfg["canvas_length"]) == Board(4, 4, (2, 2), 5, prompt=spelled)
 
 
 @pytest.mark.slow
@@ -197,3 +198,25 @@ def test_make_demo_runs_the_sudoku_and_prints_a_solution():
     assert proc.returncode == 0, proc.stderr
     assert is_solution(puzzle, parse_answer(proc.stdout)), proc.stdout
     assert math.isfinite(float(argv[argv.index("--view-delay") + 1]))
+
+
+def test_the_board_draws_given_cells_apart_and_a_malformed_puzzle_is_said(capsys):
+    from dgemma_cli.view import GIVEN_STYLE, Board, CanvasView
+
+    hint = json.loads((DEMO_SUDOKU / "dgemma_view.json").read_text())["board"]
+    board = Board.from_hint(hint, 32)
+    read, warning = board.read_prompt("sudoku: ..4./..../.2.1/3...")
+    assert warning is None and read.givens == {(0, 2), (2, 1), (2, 3), (3, 0)}
+    for bad in ("sudoku: ..4./.../.2.1/3...", "sudoku: ..4./..../.2.1", "sudoku: ..4./..#./.2.1/3..."):
+        assert board.read_prompt(bad)[1], bad
+    assert board.read_prompt("upper: hello diffusions") == (board, None)  # not a puzzle at all: nothing to say
+    # Drawn: every accepted cell, the given ones in their own style, the filled ones by confidence.
+    view = CanvasView(lambda t: str(t), board=read)
+    cells = [(str(i % 4 + 1), "green", False) for i in range(32)]
+    text = view.board_text(cells)
+    styles = {span.style for span in text.spans}
+    assert GIVEN_STYLE in styles and "green" in styles
+    assert sum(span.style == GIVEN_STYLE for span in text.spans) == 4
+    assert run_main(["run", "--model", "demo-sudoku", "--device", "cpu", "--seed", "0",
+                     "sudoku: ..4./.../.2.1/3..."]) == 0
+    assert "is not a 4 x 4 board" in capsys.readouterr().err

@@ -241,7 +241,7 @@ def test_shrinking_a_rewrapping_terminal_leaves_one_header(monkeypatch):
     assert max(len(row.rstrip()) for row in screen.display) <= 60
 
 
-def test_closing_the_view_leaves_only_what_was_there(monkeypatch):
+def test_closing_the_view_leaves_what_was_there_and_a_summary(monkeypatch):
     monkeypatch.setenv("TERM", "xterm-256color")
     screen = pyte.Screen(80, 30)
     stream = pyte.Stream(screen)
@@ -253,7 +253,9 @@ def test_closing_the_view_leaves_only_what_was_there(monkeypatch):
         for ev in EVENTS[:4]:  # interrupted in the middle of a canvas: no Done event clears the view
             view(ev)
     stream.feed(tty(buf.getvalue()))
-    assert [row.rstrip() for row in screen.display if row.strip()] == ["$ dgemma run hello"]
+    rows = [row.rstrip() for row in screen.display if row.strip()]
+    assert rows[0] == "$ dgemma run hello" and len(rows) == 2
+    assert rows[1].startswith(f"dgemma: 1 canvas, {view.forwards_done} steps · ")  # the finished canvas's figures
 
 
 @pytest.mark.parametrize("requested,stdout_tty,stderr_tty,term,as_json,quiet,expected", [
