@@ -119,8 +119,8 @@ def config_for(name: str) -> tuple[str, dict]:
             pass
     path = path / "config.json" if path.is_dir() else path
     if not path.is_file():
-        raise UsageError(f"--config must be one of {', '.join(CONFIGS)}, a bundled model (demo, ...), a store name or a "
-                         f"model directory (got {name!r})")
+        raise UsageError(f"--config must be one of {', '.join(CONFIGS)}, a bundled model (demo, ...), a store name "
+                         f"or a model directory (got {name!r})")
     try:
         return str(path.parent), read_json_object(path)
     except ModelError as e:  # a bad --config value is a usage error here

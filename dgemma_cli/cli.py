@@ -542,7 +542,8 @@ def fim(
 
     engine = load(model_dir, device=device, dtype=dtype)
     new = F.fill_holes(engine, text, holes, method=method, held_tokens=held_tokens, name=name, marker=marker,
-                       warn=lambda m: None if quiet else sys.stderr.write(m + "\n"), seed=seed, max_new_tokens=max_new_tokens,
+                       warn=lambda m: None if quiet else sys.stderr.write(m + "\n"), seed=seed,
+                       max_new_tokens=max_new_tokens,
                        max_denoising_steps=steps)
     if in_place:
         kept = F.save_in_place(Path(file), text, new, backup=not no_backup)
