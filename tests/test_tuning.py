@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,12 +101,13 @@ def test_an_unwritable_home_does_not_crash(gpu, tmp_path, monkeypatch, capsys, h
     if how == "home_is_a_file":
         home = tmp_path / "file"
         home.write_text("")
-    else:
-        if os.geteuid() == 0:
-            pytest.skip("root writes through read-only modes")
+    elif os.geteuid() != 0:
         home = tmp_path / "ro"
         home.mkdir()
         home.chmod(0o500)
+    else:  # root writes through read-only modes; nobody, root included, makes a directory in /proc
+        home = Path("/proc") / f"dgemma-home-{os.getpid()}"
+        assert not home.exists()
     monkeypatch.setenv("DGEMMA_HOME", str(home))
     assert tuning.choose("k", (1,), CANDIDATES, gpu.append) == CANDIDATES[1]
     assert tuning.choose("k", (2,), CANDIDATES, gpu.append) == CANDIDATES[1]
