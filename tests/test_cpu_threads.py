@@ -93,21 +93,40 @@ def test_cgroup_quota_in_whole_cpus(tmp_path):
     assert device._cgroup_cpus(str(tmp_path / "missing")) is None
 
 
+@pytest.fixture(scope="module")
+def two_thread_model(tmp_path_factory) -> Path:
+    """A random checkpoint just large enough (canvas x vocabulary over device.SMALL_STEP) that dgemma runs it on
+    every usable core, not on one as it runs the demo."""
+    from checkpoints import SPECS, build_checkpoint
+
+    spec = {**SPECS["five_to_one"], "text": {**SPECS["five_to_one"]["text"], "vocab_size": 4096},
+            "canvas_length": 32}
+    assert spec["canvas_length"] * 4096 > device.SMALL_STEP
+    return build_checkpoint(tmp_path_factory.mktemp("two-threads") / "ckpt", spec, seed=5)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs two CPUs to pin to")
-def test_busy_neighbours_cost_their_share_not_a_multiple():
-    """`dgemma run` on the demo model, pinned with two busy processes to the same two CPUs. The yardstick is the same
-    run with OMP_NUM_THREADS=1 (no threads to wait for each other) under the same load, so the bound follows the
-    machine's speed and load. 64 new tokens from raw "hello": two whole canvases, about 80 forwards; twice each."""
+def test_busy_neighbours_cost_their_share_not_a_multiple(two_thread_model):
+    """`dgemma run`, pinned with two busy processes to the same two CPUs, on a model it runs with two threads (checked:
+    with one, the comparison below would compare a setup with itself). The yardstick is the same run with
+    OMP_NUM_THREADS=1 (no threads to wait for each other) under the same load, so the bound follows the machine's
+    speed and load. 64 new tokens from raw "hello": two whole canvases; twice each."""
     cpus = set(sorted(os.sched_getaffinity(0))[:2])
 
     def pin():
         os.sched_setaffinity(0, cpus)
 
+    probe = ("import sys, dgemma_cli, torch\ndgemma_cli.load(sys.argv[1], device='cpu')\n"
+             "print(torch.get_num_threads())")
+    threads = subprocess.run([sys.executable, "-c", probe, str(two_thread_model)], cwd=ROOT, env=clean_env(),
+                             capture_output=True, text=True, timeout=120, preexec_fn=pin)
+    assert threads.stdout.strip() == "2", threads.stderr
+
     def generation_seconds(**env: str) -> float:
-        args = [sys.executable, "-m", "dgemma_cli", "run", "--model", "demo", "--device", "cpu", "--json", "--raw",
-                "--seed", "0", "--max-new-tokens", "64", "hello"]
+        args = [sys.executable, "-m", "dgemma_cli", "run", "--model", str(two_thread_model), "--device", "cpu",
+                "--json", "--raw", "--seed", "0", "--max-new-tokens", "64", "hello"]
         try:
             out = subprocess.run(args, cwd=ROOT, env=clean_env(**env), capture_output=True, text=True,
                                  timeout=45, preexec_fn=pin)
