@@ -224,3 +224,19 @@ def test_a_large_jpeg_is_decoded_reduced_and_a_small_one_whole():
     a = patchify(reduced, 1120).pixel_values
     b = patchify(Image.open(io.BytesIO(data)).convert("RGB"), 1120).pixel_values
     assert (a - b).abs().max() < 0.03
+
+
+@pytest.mark.parametrize("orientation, size", [(1, (60, 40)), (3, (60, 40)), (6, (40, 60)), (8, (40, 60))])
+def test_a_photo_stored_rotated_shows_as_taken(orientation, size):
+    """EXIF orientation (a camera's rotation flag): the picture is turned as viewers turn it, before the processor
+    sees it; the top-left pixel lands where that turn puts it."""
+    img = Image.new("RGB", (60, 40), (0, 0, 255))
+    img.putpixel((0, 0), (255, 0, 0))  # red marks the stored top-left corner
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buf = io.BytesIO()
+    img.save(buf, "PNG", exif=exif.tobytes())
+    out = open_image(buf.getvalue())
+    assert out.size == size
+    corner = {1: (0, 0), 3: (59, 39), 6: (39, 0), 8: (0, 59)}[orientation]
+    assert out.getpixel(corner) == (255, 0, 0)

@@ -283,3 +283,63 @@ def test_picture_bombs_are_refused_before_decoding_and_the_server_goes_on(tmp_pa
         assert parse_answer(r.json()["choices"][0]["message"]["content"]) == (spec.colour, spec.shape)
     finally:
         assert s.stop() == 0, "".join(s.lines)
+
+
+# ----------------------------------------------------------------------------- what the README says, checked
+
+
+def test_the_developer_role_is_the_system_turn(server, engine):
+    msgs = [{"role": "developer", "content": "Answer briefly."}, {"role": "user", "content": "upper: hello diffusions"}]
+    r = server.client().chat.completions.create(model="demo", messages=msgs, seed=4)
+    alone = engine.generate("upper: hello diffusions", system="Answer briefly.", seed=4)
+    assert r.usage.prompt_tokens == len(alone.prompt_token_ids[0])
+    assert r.choices[0].message.content == alone.texts[0]
+    without = engine.generate("upper: hello diffusions", seed=4)
+    assert len(without.prompt_token_ids[0]) < r.usage.prompt_tokens  # the system turn is there
+
+
+def test_a_thought_comes_apart_as_reasoning_content(engine):
+    """The thought channel of an answer is `reasoning_content`, streamed apart from the answer's text; what only
+    begins a channel waits. (The demo model does not think, so the canvases are made here.)"""
+    from dgemma_cli.batching import Job
+    from dgemma_cli.serve import AnswerText, Prepared
+
+    tok = engine.tokenizer
+    ids = tok.encode("<|channel>thought\nit shouts<channel|>HELLO")
+    job = Job(ids, engine.settings, 0, 64, [])
+    text = AnswerText(tok, Prepared("chat", job, True, False, False, [], False))
+    deltas = [text.add(ids[:3]), text.add(ids[3:12]), text.add(ids[12:])]
+    assert "".join(d[1] for d in deltas) + text.finish(ids)[1] == "it shouts"
+    assert "".join(d[0] for d in deltas) + text.finish(ids)[0] == "HELLO"
+    assert "thought" not in "".join(d[0] for d in deltas)
+
+
+def test_a_taken_port_fails_at_once_and_a_second_ctrl_c_stops_at_once(server, tmp_path):
+    import os
+    import signal
+    import subprocess
+
+    port = server.url.rsplit(":", 1)[1]
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "dgemma_cli", "serve", "--model", "demo", "--device", "cpu", "--port",
+                        port], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and f"cannot listen on 127.0.0.1:{port}" in r.stderr
+    assert time.perf_counter() - t < 5  # before the model loads
+    # Ctrl-C drains the requests in flight; a second one stops at once.
+    s = ServerProcess(tmp_path)
+    try:
+        long = {"model": "demo", "prompt": "hello", "max_tokens": 4000, "seed": 1}
+        worker = threading.Thread(target=lambda: httpx.post(s.url + "/v1/completions", json=long, timeout=120),
+                                  daemon=True)
+        worker.start()
+        wait_until(lambda: s.health()["active"] == 1)
+        s.proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert s.proc.poll() is None  # draining: the request runs on
+        t = time.perf_counter()
+        s.proc.send_signal(signal.SIGINT)
+        s.proc.wait(10)
+        assert time.perf_counter() - t < 5
+    finally:
+        s.stop()
