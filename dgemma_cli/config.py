@@ -297,7 +297,7 @@ SAMPLER_FLAGS: dict[str, tuple[str, type, str]] = {
 
 @dataclass
 class GenerationSettings:
-    """The sampler's knobs (DESIGN.md section 3). Defaults are the reference's global defaults."""
+    """The sampler's knobs (docs/design.md, The sampler). Defaults are the reference's global defaults."""
 
     max_new_tokens: int = 256
     max_denoising_steps: int = 48
@@ -394,7 +394,7 @@ class GenerationSettings:
         return math.ceil(self.max_new_tokens / canvas_length)
 
 
-# The published google/diffusiongemma-26B-A4B-it's shapes (DESIGN.md section 2), for sizes and benchmarks computed
+# The published google/diffusiongemma-26B-A4B-it's shapes (docs/design.md, The model), for sizes and benchmarks computed
 # or run without the download.
 DIFFUSIONGEMMA_26B_A4B = {
     "model_type": "diffusion_gemma",

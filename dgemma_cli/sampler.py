@@ -1,4 +1,4 @@
-"""The block-diffusion loop (DESIGN.md section 3) as a generator of typed events.
+"""The block-diffusion loop (docs/design.md, The sampler) as a generator of typed events.
 
 The sampler knows nothing about tokens as text, terminals or checkpoints: it drives a `Denoiser` (encode a chunk
 into the cache, denoise a canvas) and yields `Step`, `CanvasDone` and `Done` events. The view, chat and JSON output

@@ -1,4 +1,4 @@
-"""Text in, token ids out, and back: the tokenizer and the chat format (DESIGN.md section 4).
+"""Text in, token ids out, and back: the tokenizer and the chat format (docs/design.md, The chat format).
 
 The rule: this module knows tokens and text, nothing of the model. It never imports torch.
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tokenizer_fixture import build_tokenizer_files
 
-# The published generation_config.json's values (DESIGN.md section 3).
+# The published generation_config.json's values (docs/design.md, The sampler).
 GENERATION_CONFIG = {
     "max_new_tokens": 256,
     "max_denoising_steps": 48,

@@ -1,4 +1,4 @@
-"""The package's modules depend one way (../shared/DESIGN.md, section 9): no import circle, even through imports
+"""The package's modules depend one way (docs/design.md, The layering rule): no import circle, even through imports
 inside functions, and the helpers at the bottom (errors, names, device) import nothing above them.
 
 engine -> store (model names) -> quantize -> engine (device choice) was once a circle; the model-name

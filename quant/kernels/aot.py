@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_flatten
 
 # --------------------------------------------------------------------------------------- the real shapes
 
-# DESIGN.md section 2: hidden size, dense MLP width, expert width, experts, top-k, vocabulary, canvas
+# docs/design.md, The model: hidden size, dense MLP width, expert width, experts, top-k, vocabulary, canvas
 HIDDEN, DENSE, EXPERT, EXPERTS, TOP_K, VOCAB, CANVAS = 2816, 2112, 704, 128, 8, 262144, 256
 BATCHES = (1, 4)  # canvases per denoise step
 DTYPES = (torch.bfloat16, torch.float16)  # compute dtypes

@@ -25,7 +25,7 @@ per row), z = l / t is handled in base 2 as x = l * c - m * c, one fused multipl
    p > 0, never a zero-probability entry (a -inf or underflowed logit).
 Compiled for sm_89/90/120 the loops issue about 6 (sweep 1) and 9 (sweep 2) instructions per logit, against about
 146 and 14 for the Gumbel-max version this replaced (a Philox draw and two logs per logit): far below what reading
-the logits costs (../shared/tools/kernel_report.py, scripts/kernel_report.py).
+the logits costs (scripts/kernel_report.py).
 A row needs one logit above -1e30 (the running max starts there, which keeps an all -inf chunk from making nan).
 The sample is a different random stream from the torch path's (an exponential race with torch's generator): the
 same distribution, not the same draws, which is why DGEMMA_KERNELS=triton uses this epilogue only on CUDA.
