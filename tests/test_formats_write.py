@@ -405,3 +405,38 @@ def test_pull_of_a_gguf_repository_says_what_dgemma_reads(fake_hub, capsys):  # 
     msg = one_error_line(capsys)
     assert "GGUF" in msg and "ModelOpt NVFP4" in msg and "compressed-tensors FP8/INT8" in msg
     assert not [r for r in fake_hub.requests if "/resolve/" in r.path]  # nothing downloaded
+
+
+def test_nvfp4_calibration_records_what_the_experts_read(dgemma_nvfp4, monkeypatch):
+    """The amax `calibrate` records, against one observed independently: every expert layer's input as the layer
+    receives it (a wrapper around Experts.forward, not calibrate's hook), and the down projection's input computed
+    from the expert weights as stored in the checkpoint's file (not through the module), over the same calibration
+    run. A calibration that recorded a multiple of the activations, or missed a token, fails here."""
+    import dgemma_cli.model as model_mod
+    from dgemma_cli.model import gelu_tanh
+    from dgemma_cli.quantize import calibrate
+
+    src, _ = dgemma_nvfp4
+    seen: dict[int, list[torch.Tensor]] = {}
+    forward = model_mod.Experts.forward
+
+    def watching(self, x, top_k_index, top_k_weights):
+        seen.setdefault(id(self), []).append((x.detach().clone(), top_k_index.clone()))
+        return forward(self, x, top_k_index, top_k_weights)
+
+    monkeypatch.setattr(model_mod.Experts, "forward", watching)
+    amax, _ = calibrate(src, False)
+    monkeypatch.setattr(model_mod.Experts, "forward", forward)
+    assert len(seen) == 3  # the three layers' experts, each called by the calibration run
+    stored = checkpoint_tensors(src)
+    for i, calls in enumerate(seen.values()):
+        xs = torch.cat([x.float() for x, _ in calls])
+        assert amax[f"layers.{i}.experts.gate_up"] == xs.abs().max()
+        gate_up = stored[f"model.decoder.layers.{i}.experts.gate_up_proj"].float()  # [E, 2I, H]
+        down_in = []
+        for x, idx in calls:
+            for e in idx.unique().tolist():
+                rows = (idx == e).any(-1)
+                gate, up = (x[rows].float() @ gate_up[e].T).chunk(2, dim=-1)
+                down_in.append((gelu_tanh(gate) * up).abs().max())
+        assert torch.allclose(amax[f"layers.{i}.experts.down"], torch.stack(down_in).max(), rtol=1e-6)
