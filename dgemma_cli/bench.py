@@ -445,6 +445,11 @@ PEAKED_NORM = 16.0  # the compared model's final-norm weight: peaked distributio
 LOGIT_TOL = {("bf16", "experts"): 0.0, ("bf16", "all"): 0.0, ("int8", "experts"): 1e-2, ("int8", "all"): 1e-2,
              ("nvfp4", "experts"): 2e-2, ("nvfp4", "all"): 5e-2}
 AGREEMENT_MIN = {"bf16": 1.0, "int8": 0.5, "nvfp4": 0.5}
+# The median alone passes a bug confined to fewer than half the positions (an expert or a tile computed wrong): so
+# at most OUTLIER_SHARE of the positions may differ by more than OUTLIER_TOL x LOGIT_TOL. Measured at the tiny config
+# in bfloat16 in Triton's interpreter (dgemma_cli.bench.compare_kernel_paths on the CPU): INT8 and NVFP4 experts
+# none; NVFP4 every projection 1.6% (one position of 64: a router near-tie).
+OUTLIER_TOL, OUTLIER_SHARE = 4, 0.1
 
 
 @contextmanager
@@ -525,16 +530,10 @@ def compare_kernel_paths(fmt: str = "bf16", policy: str = "all", config: str = "
                 kernels = kernels_in_use(triton_families(fmt, policy), dev, dt)
     a, b = logits["triton"], logits["torch"]
     per_position = (a - b).abs().amax(-1) / b.abs().amax(-1).clamp(min=1e-30)
-    rel = per_position.median().item() if fmt != "bf16" else per_position.max().item()
     pairs = [(x, y) for ra, rb in zip(tokens["triton"], tokens["torch"]) for x, y in zip(ra, rb)]
     agreement = sum(x == y for x, y in pairs) / max(1, len(pairs))
-    failures = []
     tol = LOGIT_TOL[fmt, policy]
-    if not rel <= tol:
-        failures.append(f"first-step logits differ by {rel:.2e} at the {'median' if fmt != 'bf16' else 'worst'} "
-                        f"position (limit {tol:.0e})")
-    if not agreement >= AGREEMENT_MIN[fmt]:
-        failures.append(f"{agreement:.1%} of the tokens agree (at least {AGREEMENT_MIN[fmt]:.0%} needed)")
+    rel, outliers, failures = judge(per_position, agreement, fmt, policy)
     failures += [f"the Triton {f} kernel did not run (fell back to torch)" for f, ok in kernels.items() if not ok]
     if dev.type == "cuda" and dt == torch.bfloat16:
         t = stats["triton"]
@@ -546,8 +545,29 @@ def compare_kernel_paths(fmt: str = "bf16", policy: str = "all", config: str = "
             "dtype": str(dt).removeprefix("torch."), "tokens_compared": len(pairs),
             "tokens_equal": tokens["triton"] == tokens["torch"], "token_agreement": agreement,
             "first_step_logit_rel_diff": rel, "first_step_logit_rel_diff_worst": per_position.max().item(),
+            "first_step_logit_rel_diff_p90": per_position.float().quantile(0.9).item(), "outlier_share": outliers,
             "logit_tol": tol, "agreement_min": AGREEMENT_MIN[fmt], "triton_kernels": kernels,
             "graph": {side: stats[side] for side in stats}, "passed": not failures, "failures": failures}
+
+
+def judge(per_position: torch.Tensor, agreement: float, fmt: str, policy: str) -> tuple[float, float, list[str]]:
+    """The verdict on two paths' first-step logits (per canvas position, max |a - b| / max |b|) and token agreement:
+    (the figure held to LOGIT_TOL, the share of outlier positions, what failed). bf16: the worst position, which
+    must be exact. Quantized: the median within LOGIT_TOL, at most OUTLIER_SHARE beyond OUTLIER_TOL times it."""
+    tol = LOGIT_TOL[fmt, policy]
+    per_position = per_position.float()
+    rel = per_position.median().item() if fmt != "bf16" else per_position.max().item()
+    outliers = (per_position > OUTLIER_TOL * tol).float().mean().item() if fmt != "bf16" else 0.0
+    failures = []
+    if not rel <= tol:
+        failures.append(f"first-step logits differ by {rel:.2e} at the {'median' if fmt != 'bf16' else 'worst'} "
+                        f"position (limit {tol:.0e})")
+    if not outliers <= OUTLIER_SHARE:
+        failures.append(f"{outliers:.1%} of the positions differ by more than {OUTLIER_TOL} x {tol:.0e} (at most "
+                        f"{OUTLIER_SHARE:.0%}: a bug confined to some positions)")
+    if not agreement >= AGREEMENT_MIN[fmt]:
+        failures.append(f"{agreement:.1%} of the tokens agree (at least {AGREEMENT_MIN[fmt]:.0%} needed)")
+    return rel, outliers, failures
 
 
 def kernels_in_use(families: tuple[str, ...], device: torch.device, dtype: torch.dtype) -> dict[str, bool]:

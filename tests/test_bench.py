@@ -249,3 +249,22 @@ def test_triton_path_gives_the_torch_paths_tokens(fmt, policy):
         assert r["tokens_equal"] and r["first_step_logit_rel_diff"] == 0
     else:
         assert all(r["triton_kernels"].values()) and r["triton_kernels"]
+
+
+@pytest.mark.parametrize("fmt,policy", [("int8", "all"), ("nvfp4", "experts"), ("nvfp4", "all")])
+def test_the_kernel_check_fails_a_bug_confined_to_some_positions(fmt, policy):
+    """The verdict on the Triton path against the torch path: a median within tolerance is not enough when a third
+    of the positions are far off (an expert or a tile computed wrong), while the rare router near-tie of two
+    correct paths (measured: at most 1 position of 64) passes."""
+    from dgemma_cli.bench import LOGIT_TOL, judge
+
+    tol = LOGIT_TOL[fmt, policy]
+    healthy = torch.full((64,), tol / 2)
+    healthy[7] = 0.5  # one near-tie
+    assert judge(healthy, 0.9, fmt, policy)[2] == []
+    broken = healthy.clone()
+    broken[:21] = 0.3  # a third of the positions wrong: the median is still within tolerance
+    assert broken.median() <= tol
+    rel, share, failures = judge(broken, 0.9, fmt, policy)
+    assert rel <= tol and share > 0.3 and any("positions differ" in f for f in failures)
+    assert judge(healthy, 0.4, fmt, policy)[2]  # too few tokens agree
