@@ -343,3 +343,51 @@ def test_a_taken_port_fails_at_once_and_a_second_ctrl_c_stops_at_once(server, tm
         assert time.perf_counter() - t < 5
     finally:
         s.stop()
+
+
+def test_a_failing_request_gets_a_500_or_an_error_event_and_the_others_go_on(engine, monkeypatch, capfd):
+    """A request whose generation fails (here: given a KV cache too small for its prompt) gets a 500 in the API's
+    shape, or, streamed, an error event then [DONE]; a request beside it is answered right. A real uvicorn on a
+    real socket, in this process, so that the engine can be made to fail."""
+    import uvicorn
+
+    from dgemma_cli.batching import BatchLoop
+    from dgemma_cli.serve import Server, build_app
+
+    real = engine.check_context
+    monkeypatch.setattr(engine, "check_context", lambda n, settings, held=0: 4 if n > 60 else real(n, settings, held))
+    loop = BatchLoop(engine.model, max_batch=4, max_queue=8)
+    app = build_app(Server(engine, loop, "demo"))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    http = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    bad = {"model": "demo", "seed": 0, "messages": [{"role": "user", "content": "upper: hello diffusions " * 3}]}
+    good = {"model": "demo", "seed": 0, "messages": [{"role": "user", "content": "upper: hello diffusions"}]}
+    try:
+        wait_until(lambda: http.started, timeout=30)
+        with httpx.Client(base_url=url, timeout=60) as c:
+            results = {}
+            threads = [threading.Thread(target=lambda k, b: results.__setitem__(k, c.post("/v1/chat/completions",
+                                                                                          json=b)), args=a)
+                       for a in (("bad", bad), ("good", good))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert results["bad"].status_code == 500
+            assert results["bad"].json()["error"]["code"] == "generation_failed"
+            assert results["good"].status_code == 200, results["good"].text
+            assert results["good"].json()["choices"][0]["message"]["content"] == "HELLO DIFFUSIONS"
+            with c.stream("POST", "/v1/chat/completions", json={**bad, "stream": True}) as s:
+                lines = [line for line in s.iter_lines() if line.startswith("data: ")]
+            assert json.loads(lines[-2][6:])["error"]["code"] == "generation_failed" and lines[-1] == "data: [DONE]"
+            assert c.post("/v1/chat/completions", json=good).json()["choices"][0]["message"]["content"] == \
+                "HELLO DIFFUSIONS"
+    finally:
+        http.should_exit = True
+        thread.join(10)
+        loop.close()
+    assert loop.failed == 2 and "Traceback" not in capfd.readouterr().err
