@@ -61,3 +61,30 @@ def test_converting_load_costs_the_converted_copy(synthetic):
     # New bfloat16 tensors (S/2), read through a bounce buffer: the float32 source is never kept resident.
     assert r["peak_growth"] < r["param_bytes"] + SLACK, r  # converted copies only: no mapped pages kept
     assert r["file_growth"] < 0.1 * S, r
+
+
+@pytest.mark.slow
+def test_quantize_streams_a_checkpoint_without_holding_it(synthetic, tmp_path):
+    """`dgemma quantize` reads one tensor (one expert) at a time, so its peak memory does not grow with the
+    checkpoint: converting a checkpoint three times as large raises the peak (over each fresh process's baseline)
+    by far less than the size difference (a converter that held the source or the result would add all of it).
+    scripts/measure_quantize.py's measurement; BENCHMARKS.md has the multi-GB figures."""
+    import json
+    import subprocess
+    import sys
+
+    larger = tmp_path / "larger"
+    _script("synth_checkpoint").write_checkpoint(larger, 3 * SIZE_GB)
+
+    def peak_rise(src: Path, out: Path) -> tuple[float, int]:
+        child = _script("measure_quantize").CHILD.format(root=str(SCRIPTS.parent), src=str(src), out=str(out),
+                                                         fmt="int8", search=False)
+        r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        m = json.loads(r.stdout.strip().splitlines()[-1])
+        return m["peak"] - m["baseline"], sum(f.stat().st_size for f in src.glob("*.safetensors"))
+
+    small_rise, small = peak_rise(synthetic, tmp_path / "q1")
+    large_rise, large = peak_rise(larger, tmp_path / "q2")
+    assert large - small > 0.5 * GB
+    assert large_rise - small_rise < 0.25 * (large - small), (small_rise, large_rise, small, large)
