@@ -1,6 +1,6 @@
 """dgemma: run DiffusionGemma locally.
 
-The Python API (see README):
+The Python API (see docs/python.md):
 
     import dgemma_cli as dg
     model = dg.load("path/to/checkpoint")

@@ -31,7 +31,7 @@ def w4a4(device: torch.device) -> bool:
     """NVFP4 linears and experts multiply FP4 activations (W4A4, quantized on the fly with the checkpoint's
     calibrated `input_scale`, or per token where it has none) where the GPU has
     FP4 tensor cores, sm_100 and sm_120, unless DGEMMA_W4A4=0; elsewhere (and on the CPU) 16-bit activations. W4A4
-    trades accuracy for math throughput: see README, Speed, and BENCHMARKS.md."""
+    trades accuracy for math throughput: see docs/speed.md and BENCHMARKS.md."""
     import os
 
     from .kernels.nvfp4_w4a4 import supported

@@ -2,7 +2,7 @@
 
 The hostile inputs are scripts/serve_faults.py's battery (web pages reaching a loopback server, JSON that parses
 but is no request, bombs); after each one the server must answer a normal request correctly on the same
-connection. Also here: what a web page allowed by --allow-origin gets (CORS, the README's in-page fetch), user text
+connection. Also here: what a web page allowed by --allow-origin gets (CORS, docs/serve.md's in-page fetch), user text
 that imitates control tokens, greedy decoding at temperature 0, the API's null fields, usage after a stop cut,
 slow and vanishing clients, and an internal error that must not cost the client its connection.
 """
@@ -75,7 +75,7 @@ def test_loopback_names_are_answered(server):
 
 
 def test_an_allowed_page_gets_cors_and_the_readme_fetch_works(server):
-    """What a browser does for the README's in-page example, from an origin given to --allow-origin: a preflight
+    """What a browser does for docs/serve.md's in-page example, from an origin given to --allow-origin: a preflight
     (JSON body), then the POST whose answer the page may read, streamed as Server-Sent Events."""
     pre = httpx.options(server.url + "/v1/chat/completions", headers={
         "Origin": APP, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
@@ -89,7 +89,7 @@ def test_an_allowed_page_gets_cors_and_the_readme_fetch_works(server):
                       headers={"Origin": APP, "Content-Type": "application/json"}) as r:
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == APP
         buf, steps, text = "", 0, ""
-        for piece in r.iter_text():  # the README's loop, in Python
+        for piece in r.iter_text():  # docs/serve.md's loop, in Python
             events = (buf + piece).split("\n\n")
             buf = events.pop()
             for e in events:
@@ -285,7 +285,7 @@ def test_picture_bombs_are_refused_before_decoding_and_the_server_goes_on(tmp_pa
         assert s.stop() == 0, "".join(s.lines)
 
 
-# ----------------------------------------------------------------------------- what the README says, checked
+# ----------------------------------------------------------------------------- what the documentation says, checked
 
 
 def test_the_developer_role_is_the_system_turn(server, engine):
