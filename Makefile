@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
+# Two workers, each file's tests in one of them (module-scoped servers and checkpoints are built once): the suite
+# waits on subprocesses and torch's import more than on the CPU, so two workers fit two cores.
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 bench: $(STAMP)
 	$(PY) scripts/bench_cpu.py

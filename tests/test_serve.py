@@ -334,7 +334,7 @@ def test_queue_full_429_api_key_and_sigterm_drain(tmp_path, engine):
         client = s.client(api_key="sesame")
         assert [m.id for m in client.models.list().data] == ["demo"]
         # Three long requests fill the two rows and the one queue place; a fourth is refused with 429.
-        jobs = [("hello", seed, 320) for seed in (1, 2, 3)]  # ten canvases each: the queue stays full while the test looks
+        jobs = [("hello", seed, 192) for seed in (1, 2, 3)]  # six canvases each: the queue stays full while the test looks
         pool = ThreadPoolExecutor(3)
         futures = [pool.submit(client.completions.create, model="demo", prompt=p, seed=seed, max_tokens=n)
                    for p, seed, n in jobs]
