@@ -134,9 +134,14 @@ class Terminal:
         import termios
 
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 48, 80, 0, 0))
+        def controlling_terminal() -> None:
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+            # As a terminal leaves it: a test run started as a background job inherits an ignored SIGINT, and an
+            # ignored signal stays ignored across exec (Python would then never raise KeyboardInterrupt).
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+
         self.proc = subprocess.Popen(args, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=ROOT,
-                                     start_new_session=True,
-                                     preexec_fn=(lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0)) if controlling else None)
+                                     start_new_session=True, preexec_fn=controlling_terminal if controlling else None)
         os.close(slave)
         self.log = b""
 
