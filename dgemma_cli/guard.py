@@ -114,7 +114,8 @@ class Guard:
         path = scope["path"]
         if len(path) > 1 and path.endswith("/"):
             path = path.rstrip("/") or "/"
-            scope = {**scope, "path": path, "raw_path": path.encode()}
+            raw = (scope.get("raw_path") or path.encode()).rstrip(b"/") or b"/"  # still percent-encoded
+            scope = {**scope, "path": path, "raw_path": raw}
         started = False
 
         async def send_with_cors(message) -> None:
