@@ -184,12 +184,18 @@ class Terminal:
         os.write(self.master, keys.encode())
 
 
-@pytest.mark.slow
-def test_chat_in_a_pseudo_terminal(tmp_path):
-    pytest.importorskip("pyte")
+def terminal_env(tmp_path: Path) -> dict:
+    """The environment of a dgemma command in Terminal: an 80 x 48 xterm, a home of its own, no $DGEMMA_MODEL."""
     env = dict(os.environ, TERM="xterm-256color", PROMPT_TOOLKIT_NO_CPR="1", DGEMMA_HOME=str(tmp_path / "dgemma"),
                COLUMNS="80", LINES="48", PYTHONPATH=str(ROOT))
     env.pop("DGEMMA_MODEL", None)
+    return env
+
+
+@pytest.mark.slow
+def test_chat_in_a_pseudo_terminal(tmp_path):
+    pytest.importorskip("pyte")
+    env = terminal_env(tmp_path)
     term = Terminal([sys.executable, "-m", "dgemma_cli", "chat", "--model", "demo", "--device", "cpu", "--seed", "0",
                      "--context", "100000"], env)
     try:
@@ -361,9 +367,7 @@ def test_a_dumb_terminal_gets_plain_progress_lines(demo, monkeypatch):
 def test_run_with_no_prompt_on_a_terminal_starts_a_chat(tmp_path):
     """`dgemma run` with neither a prompt nor a pipe, at a terminal: a conversation, as `ollama run` starts one."""
     pytest.importorskip("pyte")
-    env = dict(os.environ, TERM="xterm-256color", PROMPT_TOOLKIT_NO_CPR="1", DGEMMA_HOME=str(tmp_path / "dgemma"),
-               COLUMNS="80", LINES="48", PYTHONPATH=str(ROOT))
-    env.pop("DGEMMA_MODEL", None)
+    env = terminal_env(tmp_path)
     term = Terminal([sys.executable, "-m", "dgemma_cli", "run", "--model", "demo", "--device", "cpu", "--seed", "0"],
                     env)
     try:
