@@ -24,7 +24,8 @@ for the view. With a delay (`--view-delay`) every step is drawn and the view the
 a fast model's real steps can be followed by eye (the time paused is left out of the tokens per second).
 The width follows the terminal at every redraw. When the terminal gets narrower, terminals that re-wrap what they
 show (most do) turn each row of the last frame into several; the region (`_Region`) counts the rows the last frame
-takes at the new width and erases them all before drawing, so no stale header is left behind.
+takes at the new width, wrapping double-width characters as a terminal does, and erases them all before drawing, so
+no stale header is left on the screen.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from rich.console import Console, Group
 from rich.control import Control
 from rich.live import Live
 from rich.live_render import LiveRender
+from rich.cells import cell_len
 from rich.segment import ControlType, Segment
 from rich.text import Text
 
@@ -102,31 +104,47 @@ class PlainProgress:
         stream.flush()
 
 
+def wrapped_rows(text: str, width: int) -> int:
+    """Rows a terminal `width` cells wide shows one line of `text` in: cells fill each row in turn, and a character
+    wider than what is left of a row starts the next one."""
+    rows, col = 1, 0
+    for ch in text:
+        cells = cell_len(ch)
+        if col + cells > width:
+            rows, col = rows + 1, 0
+        col += cells
+    return rows
+
+
 class _Region(LiveRender):
     """Rich's live region, aware that a terminal re-wraps the rows it shows when it gets narrower.
 
     Rich moves the cursor up by the row count of the last frame to erase it. A frame drawn at width W has rows of up
-    to W cells; after the terminal shrinks to w < W, a re-wrapping terminal shows a row of n cells as ceil(n / w)
-    rows, so moving up by the old count left the frame's upper rows (the header among them) on the screen. Here the
-    count is taken at the current width. (A terminal that truncates instead of re-wrapping, such as xterm, then has
-    those extra rows erased above the frame: lines that were already on the screen, never the scrollback.)
+    to W cells; after the terminal shrinks to w < W, a re-wrapping terminal shows each row as several, so moving up by
+    the old count left the frame's upper rows (the header among them) on the screen. Here the count is taken at the
+    current width, cell by cell as a terminal wraps: a double-width character (CJK, most emoji) that does not fit in
+    a row's last cell starts the next row, so a row can take more than ceil(cells / w) rows. The cursor stays on the
+    frame's last row, which a terminal keeps on the screen when it re-wraps (tmux pushes the rows a narrower width
+    adds above the cursor into its scrollback: they are erased when still on the screen, and no program can reach
+    them there). A terminal that truncates instead of re-wrapping, such as xterm, then has those extra rows erased
+    above the frame: lines that were already on the screen, never the scrollback.
     """
 
     def __init__(self, console: Console):
         super().__init__(Text(""), vertical_overflow="crop")
         self.console = console
-        self._widths: list[int] = []  # cells in each row of the last frame
+        self._rows: list[str] = []  # the text of each row of the last frame
         self._drawn_at = 0  # the terminal width it was drawn at
 
     def rows_on_screen(self) -> int:
         width = self.console.width
         if width >= self._drawn_at:  # rows are separate lines (Rich ends each with a newline): wider joins none
-            return len(self._widths)
-        return sum(max(1, -(-n // width)) for n in self._widths)
+            return len(self._rows)
+        return sum(wrapped_rows(row, width) for row in self._rows)
 
     def __rich_console__(self, console, options):
         segments = list(super().__rich_console__(console, options))
-        self._widths = [sum(seg.cell_length for seg in row) for row in Segment.split_lines(segments)]
+        self._rows = ["".join(seg.text for seg in row if not seg.control) for row in Segment.split_lines(segments)]
         self._drawn_at = options.max_width
         yield from segments
 

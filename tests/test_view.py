@@ -9,6 +9,7 @@ import re
 import sys
 
 import pyte
+import wcwidth
 import pytest
 import torch
 from cli_helpers import run_main
@@ -314,3 +315,99 @@ def test_run_shows_progress_where_a_person_watches_stderr(capsys, monkeypatch, s
         assert shown[1] == f"{answer['tokens_per_forward']:.1f}"  # the figure --json gives
     else:
         assert err == ""
+
+
+def cells(text: str) -> int:
+    return sum(max(0, wcwidth.wcwidth(ch)) for ch in text)
+
+
+def wrap_cells(line: str, width: int) -> list[tuple[str, int]]:
+    """A line split into rows as a terminal does (a wide character that does not fit starts the next row): each
+    row's text and the cell it starts at."""
+    rows, text, col, start = [], "", 0, 0
+    for ch in line:
+        w = max(0, wcwidth.wcwidth(ch))
+        if col + w > width:
+            rows.append((text, start))
+            text, start, col = "", start + col, 0
+        text, col = text + ch, col + w
+    return rows + [(text, start)]
+
+
+class BottomAnchoredTerminal:
+    """A terminal that re-wraps as tmux 3.3 does: on a width change every logical line (rows joined where the
+    terminal itself wrapped them) is split again at the new width, cell by cell; the screen shows the last `height`
+    rows of history + screen (so rows a narrower width adds push the top rows into the scrollback); the cursor keeps
+    its place in the text, clamped to the screen's first row when that place went into the scrollback."""
+
+    def __init__(self, width: int, height: int):
+        self.height = height
+        self.history: list[tuple[str, bool]] = []  # (text, wrapped: continues on the next row)
+        self.screen = pyte.Screen(width, height)
+        self.stream = pyte.Stream(self.screen)
+        self.wrapped = [False] * height
+
+    def feed(self, text: str) -> None:
+        self.screen.dirty.clear()
+        self.stream.feed(tty(text))
+        for y in self.screen.dirty:  # rows the program wrote or erased are its own lines again
+            self.wrapped[y] = False
+
+    def resize(self, width: int) -> None:
+        rows = self.history + [(line.rstrip(), w) for line, w in zip(self.screen.display, self.wrapped)]
+        cy = len(self.history) + self.screen.cursor.y
+        lines, cursor = [], None  # logical lines; the cursor as (line, cell offset)
+        for i, (text, _) in enumerate(rows):
+            if i and rows[i - 1][1]:
+                lines[-1] += text
+            else:
+                lines.append(text)
+            if i == cy:
+                cursor = (len(lines) - 1, cells(lines[-1]) - cells(text) + self.screen.cursor.x)
+        out, at = [], (0, 0)
+        for n, line in enumerate(lines):
+            chunks = wrap_cells(line, width)
+            if n == cursor[0]:
+                k = max(j for j, (_, start) in enumerate(chunks) if start <= cursor[1] or j == 0)
+                at = (len(out) + k, cursor[1] - chunks[k][1])
+            out += [(text, j < len(chunks) - 1) for j, (text, _) in enumerate(chunks)]
+        hsize = max(0, len(out) - self.height)
+        self.history, shown = out[:hsize], out[hsize:]
+        shown += [("", False)] * (self.height - len(shown))
+        self.screen = pyte.Screen(width, self.height)
+        self.stream = pyte.Stream(self.screen)
+        self.stream.feed("\r\n".join(text for text, _ in shown))
+        self.wrapped = [w for _, w in shown]
+        self.stream.feed(f"\x1b[{max(0, at[0] - hsize) + 1};{min(at[1], width - 1) + 1}H")
+
+
+@pytest.mark.parametrize("draw_between", [True, False])
+def test_resizing_100_50_100_leaves_no_stale_row_with_wide_characters(monkeypatch, draw_between):
+    """A terminal that re-wraps as tmux does, a frame whose rows hold a double-width character (which starts a new
+    row where it does not fit, so a 100-cell row takes three rows at 50, not two): after shrinking and widening,
+    with a frame drawn at the narrow width or not, the screen shows one frame, and closing leaves none."""
+    monkeypatch.setenv("TERM", "xterm-256color")
+    monkeypatch.setitem(PIECES, 102, "中")
+    canvas = ([10] * 49 + [102] + [11] * 49) * 2 + [12] * 10  # 208 positions: rows of 49 + 2 + 49 = 100 cells
+    term = BottomAnchoredTerminal(100, 30)
+    term.feed("".join(f"earlier output {i}\n" for i in range(20)) + "$ dgemma run hello\n")  # the frame low down
+    buf = io.StringIO()
+    console = terminal_console(buf, 100, height=30)
+    view = CanvasView(piece, console=console, max_fps=1e9, skip_ids={0, 1}, decode=decode, strip=strip)
+    widths = [100, 50, 100] if draw_between else [100, 100]
+    with view:
+        for n, width in enumerate(widths, start=1):
+            if width != console.width or (n == 2 and not draw_between):
+                for w in ([width] if draw_between else [50, 100]):
+                    console.width = w
+                    term.resize(w)
+            mark = len(buf.getvalue())
+            view(step(canvas, [True] * 208, [0.0] * 208, n))
+            term.feed(buf.getvalue()[mark:])
+            headers = [row for row in term.screen.display if "canvas 1 · step" in row]
+            assert len(headers) == 1 and f"step {n}/8" in headers[0], term.screen.display
+            assert sum("中" in row for row in term.screen.display) == 2, term.screen.display
+        mark = len(buf.getvalue())
+    term.feed(buf.getvalue()[mark:])
+    assert not any("canvas 1 · step" in row for row in term.screen.display)  # closed: the frame is gone
+    assert any(row.startswith("$ dgemma run hello") for row in term.screen.display)
