@@ -183,6 +183,43 @@ def entropy_bound_accept(entropy: torch.Tensor, bound: float) -> torch.Tensor:
     return torch.scatter(torch.zeros_like(keep), dim=-1, index=order, src=keep)
 
 
+def settle_step(buf: SamplerBuffers, canvas: torch.Tensor, argmax: torch.Tensor, done: torch.Tensor,
+                history: list[torch.Tensor], n: int, settings: GenerationSettings, held: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a step does after its forward pass wrote `buf.logits` [B*C, V]: sample at this step's temperature,
+    accept the lowest-entropy positions, renoise the rest, and test each row for convergence. No host round trip.
+
+    canvas, argmax [B, C]: this step's input canvas and the last argmax canvas; done [B]: rows converged before;
+    history: the last argmax canvases (`_stable`); n: steps left, counting this one (N .. 1); held [B, h] as in
+    `generate_events`. Returns the next canvas, the argmax canvas, the accepted positions, the entropy [B, C] and
+    the updated done [B].
+    """
+    B, C = canvas.shape
+    dev, V, N = canvas.device, buf.logits.shape[1], settings.max_denoising_steps
+    free = C - (0 if held is None else held.shape[1])
+    # Temperature falls linearly from t_max to t_min; computed as a float32 tensor like the reference.
+    frac = torch.tensor(n, dtype=torch.int32, device=dev) / N
+    temperature = settings.t_min + (settings.t_max - settings.t_min) * frac
+    sample, new_argmax, entropy = (t.view(B, C) for t in sample_step(buf, temperature))
+    if settings.greedy:
+        sample = new_argmax.clone()
+    if held is not None:  # held tokens: certain by definition
+        entropy[:, free:] = 0
+        sample[:, free:] = held
+        new_argmax[:, free:] = held
+    accepted = entropy_bound_accept(entropy, settings.entropy_bound)
+    kept = torch.where(accepted, sample, canvas)
+    noise = torch.randint(0, V, (B, C), device=dev)
+    new_canvas = torch.where(accepted, kept, noise)
+    # Rows that already converged keep their canvas and argmax (a select, not a test: no host round trip). Their
+    # self-conditioning and entropy keep changing, which only affects their own discarded outputs: rows never mix.
+    new_argmax = torch.where(done[:, None], argmax, new_argmax)
+    new_canvas = torch.where(done[:, None], canvas, new_canvas)
+    stable = _stable(history, new_argmax, settings.stability_threshold)
+    confident = entropy[:, :free].mean(dim=-1) < settings.confidence_threshold
+    return new_canvas, new_argmax, accepted, entropy, done | (stable & confident)
+
+
 def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: GenerationSettings,
                     prompt_valid: torch.Tensor | None = None, held: torch.Tensor | None = None) -> Iterator[Event]:
     """Run the block loop for a batch of prompts.
@@ -236,30 +273,8 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
             row_steps += active
             denoiser.denoise(canvas, sc_probs, buf.logits)
             batched_calls += 1
-            # Temperature falls linearly from t_max to t_min; computed as a float32 tensor like the reference.
-            frac = torch.tensor(n, dtype=torch.int32, device=dev) / N
-            temperature = settings.t_min + (settings.t_max - settings.t_min) * frac
-            sample, new_argmax, entropy = (t.view(B, C) for t in sample_step(buf, temperature))
-            if settings.greedy:
-                sample = new_argmax.clone()
-            if h:  # held tokens: certain by definition
-                entropy[:, free:] = 0
-                sample[:, free:] = held
-                new_argmax[:, free:] = held
-            accepted = entropy_bound_accept(entropy, settings.entropy_bound)
-            kept = torch.where(accepted, sample, canvas)
-            noise = torch.randint(0, V, (B, C), device=dev)
-            new_canvas = torch.where(accepted, kept, noise)
-            # Rows that already converged keep their canvas and argmax. (Their self-conditioning and entropy
-            # keep changing, which only affects their own discarded outputs: rows never mix.)
-            if done.any():
-                new_argmax = torch.where(done[:, None], argmax, new_argmax)
-                new_canvas = torch.where(done[:, None], canvas, new_canvas)
-            stable = _stable(history, new_argmax, settings.stability_threshold)
-            confident = entropy[:, :free].mean(dim=-1) < settings.confidence_threshold
-            done = done | (stable & confident)
-
-            canvas, argmax = new_canvas, new_argmax
+            canvas, argmax, accepted, entropy, done = settle_step(buf, canvas, argmax, done, history, n, settings,
+                                                                  held)
             sc_probs = buf.probs
             yield Step(ci, N - n + 1, N, canvas, argmax, accepted, entropy, done.clone())
             if bool(done.all()):

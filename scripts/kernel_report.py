@@ -126,6 +126,120 @@ def compiled_rows(jobs, results, launches) -> list[dict]:
             for key, j in sorted(jobs.items(), key=lambda kv: (kv[1].kernel, kv[1].cc, kv[1].config))]
 
 
+# ------------------------------------------------------------------------------------------------ whole step
+
+STEP_TARGETS = (89, 90, 120)  # RTX 4090, H200, RTX 5090: the GPUs the whole-step table is for
+STEP_FORMATS = ("nvfp4", "w8a8-fp8")
+STEP_PROMPT = 256  # cached prompt tokens before the canvas
+
+
+def whole_step_traces(targets) -> dict[int, list]:
+    """{cc: [Work]}: one Work per (format, batch) holding its trace (dgemma_cli.step_trace) and its launches."""
+    from dgemma_cli.step_trace import trace_step
+
+    out = {}
+    for cc in targets:
+        for fmt in STEP_FORMATS:
+            for batch in aot.BATCHES:
+                trace = trace_step(batch=batch, prompt=STEP_PROMPT, target=cc, fmt=fmt)
+                w = aot.Work(family="whole step", label=fmt, batch=batch, dtype="bfloat16", count=1, floor_bytes=0,
+                             flops=0, launches=trace.launches)
+                w.trace = trace
+                out.setdefault(cc, []).append(w)
+    return out
+
+
+def torch_op_us(gpu, op) -> float:
+    """A torch op at max(every byte it reads and writes at peak DRAM bandwidth, its FLOPs at the bf16 tensor peak,
+    twice that for the FP8 / INT8 matmuls)."""
+    rate = gpu.tensor_tflops * (2 if op.name in ("aten::_scaled_mm", "aten::_int_mm") else 1)
+    return max(roofline.dram_us(gpu, op.bytes), op.flops / (rate * 1e6))
+
+
+def whole_step_rows(step_work, jobs, results, job_of, errors: list[str]) -> list[dict]:
+    """Per target, format and batch: the step's bound (every op at its own bound, summed), its kernels, its
+    transient memory per request and its physical floor. A launch that did not compile, or whose loops the
+    declarations cannot count, is an error and leaves the step's bound unknown (None)."""
+    from dgemma_cli.step_trace import floor_of
+
+    rows = []
+    for cc, items in step_work.items():
+        gpu = GPUS[cc]
+        for w in items:
+            trace, groups, unknown = w.trace, {}, []
+            for op in trace.ops:
+                if isinstance(op, aot.Launch):
+                    res = results[jobs[job_of[id(op)]].key]
+                    key = "triton:" + op.kernel
+                    try:
+                        if not res["ok"]:
+                            raise roofline.LoopMismatch(f"{op.kernel} did not compile: {res['error'][:200]}")
+                        named = aot.routed(op.named(), w.batch * aot.CANVAS, w.batch)
+                        b = roofline.launch_bound(gpu, op.kernel, named, op.grid, res)
+                    except roofline.LoopMismatch as e:
+                        unknown.append(f"whole step ({w.label}, batch {w.batch}, sm_{cc}): {e}")
+                        continue
+                    us, nbytes, flops = b["bound"], roofline.traffic(roofline.declaration(op.kernel), named), \
+                        b["mma_flops"]
+                else:
+                    key, us, nbytes, flops = op.name, torch_op_us(gpu, op), op.bytes, op.flops
+                g = groups.setdefault(key, dict(op=key, n=0, ms=0.0, bytes=0, flops=0))
+                g["n"] += 1
+                g["ms"] += us / 1e3
+                g["bytes"] += nbytes
+                g["flops"] += flops
+            for e in unknown:
+                if e not in errors:
+                    errors.append(e)
+            f = floor_of(trace)
+            fast = {"nvfp4": gpu.fp4_tflops or gpu.tensor_tflops, "w8a8-fp8": 2 * gpu.tensor_tflops}[w.label]
+            floor_mem = roofline.dram_us(gpu, f.weight_bytes) / 1e3
+            floor_tc = (2 * f.quantized_params * f.rows / (fast * 1e6)
+                        + 2 * f.dense_params * f.rows / (gpu.tensor_tflops * 1e6)) / 1e3
+            floor = max(floor_mem, floor_tc)
+            bound = None if unknown else sum(g["ms"] for g in groups.values())
+            rows.append(dict(cc=cc, gpu=gpu.name, fmt=w.label, batch=w.batch, prompt=trace.prompt,
+                             kernels=trace.kernels, torch_ops=len(trace.torch_ops), launches=len(trace.launches),
+                             bound_ms=bound, floor_ms=floor, floor_mem_ms=floor_mem, floor_tc_ms=floor_tc,
+                             ratio=None if bound is None else bound / floor,
+                             transient_mb=trace.transient_bytes / MB, weight_gb=f.weight_bytes / 1e9,
+                             vocab_f32=[list(shape) for shape in trace.vocab_f32],
+                             groups=sorted(groups.values(), key=lambda g: -g["ms"])))
+    return rows
+
+
+def whole_step_markdown(rows) -> list[str]:
+    out = [f"Every kernel of one denoise step (a canvas of 256 after {STEP_PROMPT} cached prompt tokens, "
+           "self-conditioning on), traced on the meta device through the code a CUDA device runs "
+           "(`dgemma_cli.step_trace.trace_step`): torch ops at max(bytes / peak DRAM bandwidth, FLOPs / tensor "
+           "peak), every byte from DRAM; Triton launches at max(DRAM, MMA work as executed, every instruction "
+           "issued, the busiest SM) from their compiled code (`roofline.launch_bound`). Physical floor: every "
+           "weight byte the step reads once at peak bandwidth, or 2 x (active parameters + the soft embedding's "
+           "vocab x hidden) x rows FLOPs at the fastest dense rate the format allows, whichever is larger. "
+           "Transient: per request, the sampler's buffers and the step's largest live activations (KV cache "
+           "and weights apart).", "",
+           "| GPU | format | batch | kernels (torch + Triton) | step bound ms | physical floor ms (memory / math) | "
+           "bound / floor | transient MB per request | canvas x vocab float32 tensors |",
+           "|---|---|---:|---|---:|---|---:|---:|---|"]
+    for r in rows:
+        out.append(f"| {r['gpu']} | {r['fmt']} | {r['batch']} | {r['kernels']:,} ({r['torch_ops']:,} + "
+                   f"{r['launches']}) | {_f(r['bound_ms'])} | {r['floor_ms']:.2f} ({r['floor_mem_ms']:.2f} / "
+                   f"{r['floor_tc_ms']:.2f}) | {_f(r['ratio'])} | {r['transient_mb']:,.0f} | "
+                   f"{', '.join('x'.join(map(str, v)) for v in r['vocab_f32']) or 'none'} |")
+    return out
+
+
+def whole_step_detail(rows, top: int = 12) -> list[str]:
+    out = []
+    for r in rows:
+        out += ["", f"{r['gpu']}, {r['fmt']}, batch {r['batch']}: the {top} largest parts of the bound", "",
+                "| op | kernels | ms | GB | GFLOP |", "|---|---:|---:|---:|---:|"]
+        for g in r["groups"][:top]:
+            out.append(f"| {g['op']} | {g['n']} | {g['ms']:.3f} | {g['bytes'] / 1e9:.3f} | "
+                       f"{g['flops'] / GFLOP:,.1f} |")
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ markdown
 
 
@@ -227,12 +341,14 @@ def resource_warnings(compiled: list[dict]) -> list[str]:
                   for r in compiled if r["ok"] and r["smem"] > r["smem_limit"]]
 
 
-def report_markdown(head, timing, errors, warnings, steps, compiled, targets) -> list[str]:
+def report_markdown(head, timing, errors, warnings, steps, compiled, targets, whole) -> list[str]:
     out = ["# dgemma's Triton kernels compiled without a GPU", "", head, "", timing, ""]
     if errors or warnings:
         out += ["## Errors (compile failures, loop declarations) and warnings (spills, shared memory)", "",
                 *[f"- error: {e}" for e in errors], *[f"- warning: {w}" for w in warnings], ""]
-    return out + ["## Per denoise step", "", *step_tables(steps, targets),
+    if whole:
+        out += ["## The whole denoise step", "", *whole_step_markdown(whole), *whole_step_detail(whole), ""]
+    return out + ["## Per denoise step, by kernel family", "", *step_tables(steps, targets),
                   "float16 compute, issue / max(DRAM, tensor):", "",
                   *summary_markdown(steps, targets, dtypes=("float16",)), "",
                   "## Compiled kernels", "", *compiled_markdown(compiled), ""]
@@ -270,8 +386,10 @@ def main(argv: list[str]) -> int:
         shutil.rmtree(args.out, ignore_errors=True)
         (args.out / "kernels").mkdir(parents=True)
         work = {cc: aot.real_shape_work(cc) for cc in targets}
+        step_work = whole_step_traces([cc for cc in STEP_TARGETS if cc in targets])
         t_capture = time.perf_counter() - t0
-        jobs, results, job_of = compile_work(work, args.j, args.out / "kernels")
+        both = {cc: work.get(cc, []) + step_work.get(cc, []) for cc in targets}
+        jobs, results, job_of = compile_work(both, args.j, args.out / "kernels")
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     t_compile = time.perf_counter() - t0 - t_capture
@@ -280,6 +398,7 @@ def main(argv: list[str]) -> int:
     loop_errors: list[str] = []
     launches = launch_rows(work, jobs, results, job_of, loop_errors)
     steps = step_rows(work, launches)
+    whole = whole_step_rows(step_work, jobs, results, job_of, loop_errors)
     compiled = compiled_rows(jobs, results, launches)
     errors, warnings = compile_errors + loop_errors, resource_warnings(compiled)
     prov = provenance(argv)
@@ -292,16 +411,19 @@ def main(argv: list[str]) -> int:
     timing = (f"{len(job_of)} launches -> {len(jobs)} compilations; capture {t_capture:.0f} s, compile "
               f"{t_compile:.0f} s, total {wall:.0f} s.")
     (args.out / "report.md").write_text("\n".join(report_markdown(head, timing, errors, warnings, steps, compiled,
-                                                                   targets)))
+                                                                   targets, whole)))
     (args.out / "results.json").write_text(json.dumps(dict(
         **prov, targets=targets, gpus={cc: vars(GPUS[cc]) for cc in targets}, compile_errors=compile_errors,
-        loop_errors=loop_errors, warnings=warnings, steps=steps, compiled=compiled, launches=launches), indent=1))
+        loop_errors=loop_errors, warnings=warnings, steps=steps, compiled=compiled, launches=launches,
+        whole_step=whole), indent=1))
     if args.update_benchmarks:
         update_benchmarks(ROOT / "BENCHMARKS.md", [
-            head + ".", "", *step_tables(steps, targets),
+            head + ".", "", "The whole denoise step:", "", *whole_step_markdown(whole), "",
+            "Per kernel family:", "", *step_tables(steps, targets),
             "Compiled kernels (the bf16 and float32 builds; the fp16 ones are in kernel-report/report.md):", "",
             *compiled_markdown(compiled, ("bf16", "fp32"))])
     print("\n".join(summary_markdown(steps, targets)))
+    print("\n".join(whole_step_markdown(whole)))
     log(f"wrote {args.out}/report.md and results.json ({wall:.0f} s)")
     for e in errors + warnings:
         log(f"kernel report: {e}")

@@ -145,3 +145,66 @@ def test_moe_ctas_and_traffic():
     assert roofline.traffic(decl, args) == 5 * 4 + 10 * 2
     sampler = roofline.KERNELS["sampler_epilogue_kernel"]
     assert roofline.traffic(sampler, dict(logits_ptr=torch.empty(2, 8), V=8)) == 3 * 2 * 8 * 4
+
+
+def test_launch_bound_counts_what_the_gpu_executes(monkeypatch):
+    """Every instruction (the loop x trips and the code outside it, per live CTA; a dead CTA up to its EXIT), the
+    MMA work of whole tiles (padded rows included), and the busiest SM."""
+    instrs = aot.parse_sass(SASS)
+    compiled = dict(num_warps=4, loops=aot.find_loops(instrs), straight=aot.straight_line(instrs),
+                    first_exit=aot.first_exit(instrs), tc_ops=["HMMA.16816.F32.BF16"])
+    assert compiled["straight"] == 12 and compiled["first_exit"] == 12  # up to the EXIT at 0xb0
+    decl = roofline.Loops(trips=lambda a: [a["K"] // a["BLOCK_K"]], elems=lambda a: a["BLOCK_N"] * a["K"],
+                          ctas=lambda a, grid: 20, mma=lambda a: 2 * 64 * a["BLOCK_N"] * a["K"])
+    monkeypatch.setitem(roofline.KERNELS, "k", decl)
+    b = roofline.launch_bound(GPU, "k", dict(ARGS), (25,), compiled)
+    per_cta = (6 * 64 + (12 - 6)) * 4  # the loop x 64 trips + 6 instructions outside it, x 4 warps
+    assert b["warp_instr"] == 20 * per_cta + 5 * 12 * 4  # 20 live CTAs, 5 dead ones up to their EXIT
+    assert b["issue"] == pytest.approx(roofline.issue_us(GPU, b["warp_instr"]))
+    assert b["mma_flops"] == 20 * 2 * 64 * 64 * 4096  # whole 64-row tiles, however few rows are real
+    assert b["tensor"] == pytest.approx(b["mma_flops"] / 100e6)
+    # 20 CTAs on 12 SMs: the busiest holds 2
+    assert b["wave_issue"] == pytest.approx(2 * per_cta / (4 * 2.0e3))
+    assert b["wave_tensor"] == pytest.approx(2 * 2 * 64 * 64 * 4096 / (100e6 / 12))
+    assert b["bound"] == max(b["dram"], b["tensor"], b["issue"], b["wave_issue"], b["wave_tensor"])
+    with pytest.raises(roofline.LoopMismatch, match="no loop declaration"):
+        roofline.launch_bound(GPU, "a_kernel_nobody_declared", dict(ARGS), (1,), compiled)
+
+
+def test_eight_bit_and_fp4_tensor_rates():
+    fp4 = roofline.GPU("t", 1, 1.0, 1.0, 100, 1, fp4_tflops=800)
+    assert roofline.tensor_rate(fp4, ["OMMA.SF.16864.F32.E2M1.E2M1"]) == 800
+    assert roofline.tensor_rate(fp4, ["QMMA.16832.F32.E4M3.E4M3"]) == 200
+    assert roofline.tensor_rate(GPU, ["HMMA.16816.F32.BF16"]) == 100
+    assert roofline.tensor_rate(GPU, ["OMMA.SF.16864.F32.E2M1.E2M1"]) == 100  # no FP4 peak: not counted faster
+
+
+def test_routed_plan_stands_in_for_a_traced_one():
+    """A traced step's MoE plan exists only on the meta device; the report gives the kernels the plan of the same
+    seeded routing, built by quant.kernels.routing."""
+    rows, blocks = 256, (256 * aot.TOP_K + 63) // 64 + aot.EXPERTS
+    args = dict(ids_ptr=torch.empty(blocks * 64, dtype=torch.int32, device="meta"), BLOCK_M=64, E=aot.EXPERTS,
+                block_expert_ptr=torch.empty(blocks, dtype=torch.int32, device="meta"))
+    out = aot.routed(args, rows, seed=1)
+    _, top_i = aot.random_routing(rows, 1)
+    counts = torch.bincount(top_i.reshape(-1), minlength=aot.EXPERTS)
+    assert int((out["block_expert_ptr"] < aot.EXPERTS).sum()) == int(((counts + 63) // 64).sum())
+    assert int((out["ids_ptr"] >= 0).sum()) == rows * aot.TOP_K
+    quantizer = dict(ids_ptr=torch.empty(blocks * 64, dtype=torch.int32, device="meta"), SKIP=True)
+    assert torch.equal(aot.routed(quantizer, rows, 1)["ids_ptr"], out["ids_ptr"])  # BLOCK_M from the plan's size
+    plain = dict(ids_ptr=torch.empty(4, device="meta"), SKIP=False)
+    assert aot.routed(plain, rows, 1) is plain
+
+
+@pytest.mark.slow
+def test_whole_step_table_covers_three_gpus_two_formats_two_batches(report):
+    """The whole-step rows: every launch estimated (an unknown one would be a loop error and the bound None), the
+    kernels counted, the floor and the transient memory per request present."""
+    rows = report["whole_step"]
+    assert {(r["cc"], r["fmt"], r["batch"]) for r in rows} == {(cc, f, b) for cc in (89, 90, 120)
+                                                               for f in ("nvfp4", "w8a8-fp8") for b in (1, 4)}
+    for r in rows:
+        assert r["bound_ms"] is not None and r["bound_ms"] >= r["floor_ms"] > 0, r["gpu"]
+        assert r["kernels"] == r["torch_ops"] + r["launches"] and r["launches"] > 0
+        assert sum(g["n"] for g in r["groups"]) == r["kernels"]
+        assert r["transient_mb"] > 0

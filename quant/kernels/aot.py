@@ -289,6 +289,35 @@ def _expert_stacks() -> dict:
     return stacks
 
 
+def random_routing(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, expert ids) [rows, TOP_K] of a seeded random top-k of EXPERTS: about uniform load, the routing
+    the report assumes (a trained router's load is its own)."""
+    gen = torch.Generator().manual_seed(seed)
+    top_w, top_i = torch.rand(rows, EXPERTS, generator=gen).softmax(-1).topk(TOP_K, dim=-1)
+    return top_w / top_w.sum(-1, keepdim=True), top_i
+
+
+def routed(args: dict, rows: int, seed: int) -> dict:
+    """A launch's arguments with a MoE block plan that exists only on the meta device (a traced step: no routing
+    ran) replaced by the plan of `random_routing(rows, seed)`, built by the same code (quant.kernels.routing), for the
+    kernels' live-CTA counts."""
+    from quant.kernels.routing import moe_blocks
+
+    ids = args.get("ids_ptr")
+    planned = "block_expert_ptr" in args or args.get("SKIP")  # a MoE kernel, or a quantizer skipping padding rows
+    if not planned or not isinstance(ids, torch.Tensor) or not ids.is_meta:
+        return args
+    _, top_i = random_routing(rows, seed)
+    n = top_i.numel()
+    block = args.get("BLOCK_M") or next(m for m in (16, 32, 64, 128, 256)
+                                        if (-(-n // m) + EXPERTS) * m == ids.numel())
+    sorted_ids, block_expert = moe_blocks(top_i, EXPERTS, block)
+    out = dict(args, ids_ptr=sorted_ids)
+    if "block_expert_ptr" in args:
+        out["block_expert_ptr"] = block_expert
+    return out
+
+
 def real_shape_work(cc: int) -> list[Work]:
     """Every entry point at the real shapes, batch 1 and 4, bf16 and fp16, as launched on a GPU of compute
     capability `cc`; routing is a seeded random top-8 of 128 per token (about uniform load, as a trained router's
@@ -301,9 +330,7 @@ def real_shape_work(cc: int) -> list[Work]:
     work = []
     for batch in BATCHES:
         rows = batch * CANVAS
-        gen = torch.Generator().manual_seed(batch)
-        top_w, top_i = torch.rand(rows, EXPERTS, generator=gen).softmax(-1).topk(TOP_K, dim=-1)
-        top_w = top_w / top_w.sum(-1, keepdim=True)
+        top_w, top_i = random_routing(rows, batch)
         for dtype in DTYPES:
             work += _linear_work(cc, batch, dtype)
             work += _expert_work(cc, batch, dtype, stacks, top_i, top_w)
@@ -428,7 +455,7 @@ def compile_job(job: Job, folder: Path) -> dict:
     return dict(ok=True, seconds=seconds, num_warps=k.metadata.num_warps, num_stages=k.metadata.num_stages,
                 smem=k.metadata.shared + usage["static_smem"], **usage,
                 tc_ops=sorted({op for _, op, _ in instrs if op.split(".")[0] in TC_OPS}),
-                loops=find_loops(instrs), straight=straight_line(instrs))
+                loops=find_loops(instrs), straight=straight_line(instrs), first_exit=first_exit(instrs))
 
 
 def _run(*cmd, stderr: bool = False) -> str:
@@ -554,6 +581,15 @@ def straight_line(instrs: list[tuple[int, str, str]]) -> int:
     count per warp."""
     exits = [a for a, op, _ in instrs if op.split(".")[0] == "EXIT"]
     return sum(a <= exits[-1] for a, _, _ in instrs) if exits else len(instrs)
+
+
+def first_exit(instrs: list[tuple[int, str, str]]) -> int:
+    """Instructions up to and including the first EXIT: the most a CTA that leaves at once (a MoE block of no
+    expert) issues per warp."""
+    for i, (_, op, _) in enumerate(instrs):
+        if op.split(".")[0] == "EXIT":
+            return i + 1
+    return len(instrs)
 
 
 def parse_ptxas(log: str) -> dict:

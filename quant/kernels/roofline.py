@@ -106,33 +106,44 @@ class Loops:
     ctas: Callable[[dict, tuple], int] = _all_ctas  # CTAs that run the loops
     # tensors streamed more than once: reads + writes (or a function of the launch's arguments giving that dict)
     passes: dict[str, int] | Callable[[dict], dict[str, int]] = field(default_factory=dict)
+    # FLOPs one live CTA's tensor-core instructions execute: its whole tile, padded rows and K included (0: none)
+    mma: Callable[[dict], int] = lambda a: 0
+
+
+def _tile_mma(tiles: int, k: str) -> Callable[[dict], int]:
+    """A CTA computing `tiles` BLOCK_M x BLOCK_N tiles over K rounded up to BLOCK_K."""
+    return lambda a: 2 * tiles * a["BLOCK_M"] * a["BLOCK_N"] * _cdiv(a[k], a["BLOCK_K"]) * a["BLOCK_K"]
 
 
 # Keyed by kernel function name. Update an entry with its kernel: the report fails when they disagree.
 KERNELS = {
     # for k0 in range(0, K, BLOCK_K): one CTA per BLOCK_M x BLOCK_N tile of y
     "nvfp4_linear_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])],
-                                 elems=lambda a: a["BLOCK_N"] * a["K"]),
+                                 elems=lambda a: a["BLOCK_N"] * a["K"], mma=_tile_mma(1, "K")),
     "int8_linear_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])],
-                                elems=lambda a: a["BLOCK_N"] * a["K"]),
+                                elems=lambda a: a["BLOCK_N"] * a["K"], mma=_tile_mma(1, "K")),
     # for k0 in range(0, H, BLOCK_K), gate and up tiles each iteration; only blocks of a real expert run it
     "moe_gate_up_kernel": Loops(trips=lambda a: [_cdiv(a["H"], a["BLOCK_K"])],
-                                elems=lambda a: 2 * a["BLOCK_N"] * a["H"], ctas=_live_blocks),
+                                elems=lambda a: 2 * a["BLOCK_N"] * a["H"], ctas=_live_blocks,
+                                mma=_tile_mma(2, "H")),
     # for k0 in range(0, I, BLOCK_K)
     "moe_down_kernel": Loops(trips=lambda a: [_cdiv(a["I"], a["BLOCK_K"])],
-                             elems=lambda a: a["BLOCK_N"] * a["I"], ctas=_live_blocks),
+                             elems=lambda a: a["BLOCK_N"] * a["I"], ctas=_live_blocks, mma=_tile_mma(1, "I")),
     # W4A4: for k0 in range(0, K, BLOCK_K), FP4 x FP4 dot_scaled; one CTA per BLOCK_M x BLOCK_N tile of y
-    "nvfp4_w4a4_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])], elems=lambda a: a["BLOCK_N"] * a["K"]),
+    "nvfp4_w4a4_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])], elems=lambda a: a["BLOCK_N"] * a["K"],
+                               mma=_tile_mma(1, "K")),
     # W4A4 experts: for k0 in range(0, H or I, BLOCK_K), FP4 x FP4 dot_scaled (gate and up each iteration)
     "moe_gate_up_w4a4_kernel": Loops(trips=lambda a: [_cdiv(a["H"], a["BLOCK_K"])],
-                                     elems=lambda a: 2 * a["BLOCK_N"] * a["H"], ctas=_live_blocks),
+                                     elems=lambda a: 2 * a["BLOCK_N"] * a["H"], ctas=_live_blocks,
+                                     mma=_tile_mma(2, "H")),
     "moe_down_w4a4_kernel": Loops(trips=lambda a: [_cdiv(a["I"], a["BLOCK_K"])],
-                                  elems=lambda a: a["BLOCK_N"] * a["I"], ctas=_live_blocks),
+                                  elems=lambda a: a["BLOCK_N"] * a["I"], ctas=_live_blocks, mma=_tile_mma(1, "I")),
     # W8A8 experts: for k0 in range(0, H or I, BLOCK_K), int8 x int8 or e4m3 x e4m3 (gate and up each iteration)
     "moe_gate_up_w8a8_kernel": Loops(trips=lambda a: [_cdiv(a["H"], a["BLOCK_K"])],
-                                     elems=lambda a: 2 * a["BLOCK_N"] * a["H"], ctas=_live_blocks),
+                                     elems=lambda a: 2 * a["BLOCK_N"] * a["H"], ctas=_live_blocks,
+                                     mma=_tile_mma(2, "H")),
     "moe_down_w8a8_kernel": Loops(trips=lambda a: [_cdiv(a["I"], a["BLOCK_K"])],
-                                  elems=lambda a: a["BLOCK_N"] * a["I"], ctas=_live_blocks),
+                                  elems=lambda a: a["BLOCK_N"] * a["I"], ctas=_live_blocks, mma=_tile_mma(1, "I")),
     # activations to INT8 / e4m3 per row, one row per CTA: a sweep for the amax, a second quantizing (x read twice)
     "quantize_rows_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])] * 2, elems=lambda a: a["K"],
                                   passes={"x_ptr": 2}, ctas=_live_rows),
@@ -206,3 +217,44 @@ def ratio(issue: float, dram: float, tensor: float) -> float:
     """issue / max(DRAM, tensor): above 1 the kernel's instructions, not memory or math, set its floor."""
     bound = max(dram, tensor)
     return issue / bound if bound else float("inf")
+
+
+EIGHT_BIT_OPS = {"IMMA", "QMMA", "IGMMA", "QGMMA", "UTCIMMA", "UTCQMMA"}  # INT8 / FP8 tensor-core instructions
+
+
+def tensor_rate(gpu: GPU, tc_ops: list[str]) -> float:
+    """Dense TFLOPS of the tensor-core instructions a kernel issues: FP4 where it multiplies FP4 x FP4, twice the
+    bf16 rate for INT8 / FP8 (as every target here has it, float32 accumulation), else bf16."""
+    base = {op.split(".")[0] for op in tc_ops}
+    if base & FP4_OPS and gpu.fp4_tflops:
+        return gpu.fp4_tflops
+    if base & EIGHT_BIT_OPS:
+        return 2 * gpu.tensor_tflops
+    return gpu.tensor_tflops
+
+
+def launch_bound(gpu: GPU, kernel: str, args: dict, grid: tuple, compiled: dict, extra_bytes: int = 0) -> dict:
+    """One launch's bound in microseconds on `gpu`, from its compiled code (aot.compile_job's result), counting what
+    the GPU executes: dram (its estimated traffic + `extra_bytes`), tensor (its CTAs' MMA work as executed: whole
+    tiles, padded rows included), issue (every warp-instruction: the loops x trips and the code outside them per live
+    CTA; a CTA that exits at once, its code up to the first EXIT), and the busiest SM (ceil(live CTAs / SMs) CTAs:
+    their issue at 4 per clock and their MMA work at one SM's share of the tensor peak). bound = the largest.
+    Raises LoopMismatch when the code's loops are not the declared ones."""
+    decl = declaration(kernel)
+    warp_instructions(kernel, decl, args, grid, compiled["num_warps"], compiled["loops"], compiled["straight"])
+    trips = _call(kernel, "trips", decl.trips, args)
+    looped = sum(lp["instrs"] * t for lp, t in zip(compiled["loops"], trips))
+    outside = compiled["straight"] - sum(lp["instrs"] for lp in compiled["loops"])
+    warps = compiled["num_warps"]
+    live = _call(kernel, "ctas", decl.ctas, args, grid)
+    dead = _all_ctas(args, grid) - live
+    per_cta = (looped + outside) * warps
+    instr = live * per_cta + dead * compiled.get("first_exit", compiled["straight"]) * warps
+    mma_cta = _call(kernel, "mma", decl.mma, args)
+    rate = tensor_rate(gpu, compiled["tc_ops"]) * 1e6  # FLOPs per microsecond
+    per_sm = _cdiv(live, gpu.sms)
+    out = dict(dram=dram_us(gpu, traffic(decl, args) + extra_bytes), tensor=live * mma_cta / rate,
+               issue=issue_us(gpu, instr), wave_issue=per_sm * per_cta / (ISSUE_PER_CLOCK * gpu.clock_ghz * 1e3),
+               wave_tensor=per_sm * mma_cta / (rate / gpu.sms), mma_flops=live * mma_cta, warp_instr=instr)
+    out["bound"] = max(out["dram"], out["tensor"], out["issue"], out["wave_issue"], out["wave_tensor"])
+    return out

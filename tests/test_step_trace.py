@@ -1,0 +1,78 @@
+"""dgemma_cli.step_trace: one real-shape denoise step traced on the meta device, as a CUDA device runs it.
+
+The trace records Triton launches, which needs triton imported without TRITON_INTERPRET=1 (the tests set it): it
+runs in a subprocess."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PROBE = r"""
+import json, sys
+import torch
+from dgemma_cli.step_trace import TorchOp, floor_of, trace_step
+out = {}
+for fmt in ("nvfp4", "w8a8-fp8"):
+    t = trace_step(batch=1, prompt=256, target=int(sys.argv[1]), fmt=fmt)
+    f = floor_of(t)
+    mms = [o for o in t.torch_ops if o.name == "aten::mm"]
+    out[fmt] = dict(kernels=t.kernels, ops=len(t.ops), torch=len(t.torch_ops), launches=sorted({l.kernel for l in t.launches}),
+                    n_launches=len(t.launches), names=sorted({o.name for o in t.torch_ops}),
+                    mm_flops=sorted({o.flops for o in mms}), sdpa=sum(o.name == "sdpa" for o in t.torch_ops),
+                    transient=t.transient_bytes, weights=t.persistent_bytes, vocab_f32=[list(s) for s in t.vocab_f32],
+                    quantized=f.quantized_params, dense=f.dense_params, rows=f.rows,
+                    negative=[o.name for o in t.torch_ops if o.read < 0 or o.written < 0 or o.persistent > o.read])
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def traced():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, "-c", PROBE, "90"], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+H, V, C, LAYERS = 2816, 262144, 256, 30
+
+
+@pytest.mark.slow
+def test_the_step_is_the_cuda_path(traced):
+    nv = traced["nvfp4"]
+    # NVFP4: the fused linears and experts (Triton), the fused sampler epilogue; attention as one kernel per layer
+    assert set(nv["launches"]) >= {"nvfp4_linear_kernel", "moe_gate_up_kernel", "moe_down_kernel",
+                                   "sampler_epilogue_kernel"}
+    assert nv["sdpa"] == LAYERS
+    assert nv["kernels"] == nv["ops"] == nv["torch"] + nv["n_launches"]
+    assert not nv["negative"]
+    # FP8 W8A8: torch's FP8 matmul for the linears (as on an H200), the fused W8A8 experts
+    fp8 = traced["w8a8-fp8"]
+    assert "aten::_scaled_mm" in fp8["names"] and "moe_gate_up_w8a8_kernel" in fp8["launches"]
+
+
+@pytest.mark.slow
+def test_matmul_flops_and_the_floor(traced):
+    nv = traced["nvfp4"]
+    assert 2 * C * H * V in nv["mm_flops"]  # the tied logits projection over the canvas
+    assert nv["rows"] == C
+    # active per row: ~3.1 B quantized (attention, dense MLP, 8 of 128 experts), the 16-bit embedding twice (logits
+    # and the soft embedding) and the small routers and self-conditioning MLP
+    assert 3.0e9 < nv["quantized"] < 3.2e9
+    assert 2 * V * H < nv["dense"] < 2 * V * H + 0.05e9
+    assert 14e9 < nv["weights"] < 16e9  # NVFP4 weights and scales, the 16-bit embedding: every byte the step reads
+
+
+@pytest.mark.slow
+def test_transient_memory_and_the_vocab_tensor(traced):
+    nv = traced["nvfp4"]
+    assert nv["transient"] >= C * V * 4  # the sampler's buffer at least
+    assert nv["vocab_f32"] == [[C, V]]  # today: the sampler's one canvas x vocab float32 buffer
