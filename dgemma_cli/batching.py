@@ -154,7 +154,7 @@ def denoise_rows(model: DiffusionGemma, rows: list[_Row], canvas: torch.Tensor, 
             cv[:, :, end - C : end] = v[a : a + 1]
             heads.append(attend(q[a : a + 1], ck[:, :, start:end], cv[:, :, start:end], r.ctx.mask[kind]))
         h = layer.self_attn.o_proj(torch.cat(heads))  # [A, C, H]
-        x = x + layer.post_attention_layernorm(h)
+        x = layer.post_attention_layernorm.add_to(x, h)
         if experts_per_row:
             x = _feed_forward_rows(layer, x, model.decoder_layer_scalar[i])
         else:
@@ -172,8 +172,7 @@ def _feed_forward_rows(layer, x: torch.Tensor, layer_scalar: torch.Tensor) -> to
     moe = torch.cat([layer.experts(normed[a * C : (a + 1) * C], index[a * C : (a + 1) * C],
                                    weights[a * C : (a + 1) * C]) for a in range(A)]).reshape(x.shape)
     moe = layer.post_feedforward_layernorm_2(moe)
-    x = x + layer.post_feedforward_layernorm(dense + moe)
-    return x * layer_scalar
+    return layer.post_feedforward_layernorm.add_to(x, dense, moe, layer_scalar)
 
 
 # ----------------------------------------------------------------------------- one request's state

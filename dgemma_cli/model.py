@@ -37,11 +37,46 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fused_norms(x):
+            return _rms_norm_kernel()(x, self.weight, self.eps)
         h = x.float()
         h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
         if self.weight is not None:
             h = h * self.weight.float()
         return h.type_as(x)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """apply_rope(self(x), cos, sin) for x [B, T, heads, D]."""
+        if _fused_norms(x):
+            return _rms_norm_kernel()(x, self.weight, self.eps, cos=cos, sin=sin)
+        return apply_rope(self(x), cos, sin)
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor, x2: torch.Tensor | None = None,
+               scale: torch.Tensor | None = None) -> torch.Tensor:
+        """(residual + self(x + x2)) * scale, x2 and scale optional: a layer's residual update."""
+        if _fused_norms(x):
+            return _rms_norm_kernel()(x, self.weight, self.eps, a2=x2, residual=residual, scale=scale)
+        out = residual + self(x if x2 is None else x + x2)
+        return out if scale is None else out * scale
+
+
+def _fused_norms(x: torch.Tensor) -> bool:
+    """Whether the norms run as one Triton kernel each (quant/kernels/rmsnorm.py: the norm with the add, RoPE,
+    residual and scale around it) rather than the torch ops above: where DGEMMA_KERNELS selects Triton for x's
+    device (a CUDA GPU by default) and the kernel passed its first-use check there, outside autograd. The same
+    roundings as the torch ops, float32 summation order aside."""
+    if x.requires_grad:
+        return False
+    from quant.kernels import use_triton
+    from quant.kernels.probe import family_ok
+
+    return use_triton(x.device) and family_ok("rms_norm", x.device, x.dtype)
+
+
+def _rms_norm_kernel():
+    from quant.kernels.rmsnorm import rms_norm
+
+    return rms_norm
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -137,10 +172,10 @@ class Attention(nn.Module):
         """x [B, T, H] -> q [B, Hq, T, D], k, v [B, Hkv, T, D] (normed; q and k rotated)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, -1, self.head_dim)
-        q = apply_rope(self.q_norm(q), cos, sin).transpose(1, 2)
+        q = self.q_norm.rope(q, cos, sin).transpose(1, 2)
         k_raw = self.k_proj(x).view(B, T, -1, self.head_dim)
         v_raw = self.v_proj(x).view(B, T, -1, self.head_dim) if self.v_proj is not None else k_raw
-        k = apply_rope(self.k_norm(k_raw), cos, sin).transpose(1, 2)
+        k = self.k_norm.rope(k_raw, cos, sin).transpose(1, 2)
         v = self.v_norm(v_raw).transpose(1, 2)
         return q, k, v
 
@@ -305,8 +340,7 @@ class Layer(nn.Module):
         weights, index = self.router(flat)  # routed on the un-normed residual
         moe = self.experts(self.pre_feedforward_layernorm_2(flat), index, weights).reshape(x.shape)
         moe = self.post_feedforward_layernorm_2(moe)
-        x = x + self.post_feedforward_layernorm(dense + moe)
-        return x * layer_scalar
+        return self.post_feedforward_layernorm.add_to(x, dense, moe, layer_scalar)  # (x + norm(dense + moe)) * s
 
 
 class SelfConditioning(nn.Module):
@@ -527,7 +561,7 @@ class DiffusionGemma(nn.Module):
             if i == last and not return_hidden:
                 break  # the last layer's output feeds nothing the cache needs
             h = layer.self_attn.o_proj(attend(q, keys, values, masks[kind], causal=True))
-            x = x + layer.post_attention_layernorm(h)
+            x = layer.post_attention_layernorm.add_to(x, h)
             x = layer.feed_forward(x, self.encoder_layer_scalar[i])
         cache.length = L0 + T
         return self.norm(x) if return_hidden else None
@@ -608,7 +642,7 @@ class DiffusionGemma(nn.Module):
             cache.v[i][:, :, end - C : end] = v
             h = layer.self_attn.o_proj(attend(q, cache.k[i][:, :, start:end], cache.v[i][:, :, start:end],
                                               ctx.mask[kind]))
-            x = x + layer.post_attention_layernorm(h)
+            x = layer.post_attention_layernorm.add_to(x, h)
             x = layer.feed_forward(x, self.decoder_layer_scalar[i])
         x = self.norm(x)
         return x if return_hidden else self.logits(x, out)

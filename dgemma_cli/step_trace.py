@@ -212,8 +212,8 @@ def _attention_as_one_op(meter: _Meter):
     def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         B, H, T, D = q.shape
         S = k.shape[-2]
-        with torch._C._DisableTorchDispatch():
-            o = torch.empty(B, H, T, v.shape[-1], dtype=q.dtype, device=q.device)
+        with torch._C._DisableTorchDispatch():  # CUDA's fused kernels write the output in q's memory layout
+            o = torch.empty_like(q) if v.shape[-1] == D else q.new_empty(B, H, T, v.shape[-1])
         meter._track(o)
         ins = [q, k, v] + ([attn_mask] if attn_mask is not None else [])
         read = sum(_span(t) for t in ins)
@@ -310,6 +310,8 @@ def trace_step(batch: int = 1, prompt: int = 256, target: int = 90, fmt: str = "
             model.denoise(canvas, cache, ctx, sc_probs=buf.probs, out=buf.logits)
             settle_step(buf, canvas, argmax, done, list(history), settings.max_denoising_steps, settings)
 
+    step(_Dropped(), _Meter([], persistent))  # a first step, as the engine's eager steps before its graph: what
+    # the modules make once (a per-row scale) is made here, not counted in the step
     events: list = []  # torch ops and launches in order; a recorded launch keeps its tensors alive
     meter = _Meter(events, persistent, {_sid(t) for t in request})
     step(events, meter)

@@ -77,13 +77,22 @@ class NVFP4Linear(nn.Module):
                 and family_ok("nvfp4_w4a4", x.device, x.dtype)):
             from .kernels.nvfp4_w4a4 import nvfp4_w4a4
 
-            return nvfp4_w4a4(x, self.weight, self.weight_scale, self.weight_scale_2.expand(self.out_features),
-                              self.input_scale)
+            return nvfp4_w4a4(x, self.weight, self.weight_scale, self.row_scale_2(), self.input_scale)
         if use_triton(x.device) and family_ok("nvfp4_linear", x.device, x.dtype):
             from .kernels.nvfp4_linear import nvfp4_linear
 
-            return nvfp4_linear(x, self.weight, self.weight_scale, self.weight_scale_2.expand(self.out_features))
+            return nvfp4_linear(x, self.weight, self.weight_scale, self.row_scale_2())
         return F.linear(x, self.dequantize(x.dtype))
+
+    def row_scale_2(self) -> torch.Tensor:
+        """The global scale once per output row, float32 [N] contiguous, as the kernels read it: made at the first
+        call and again only when weight_scale_2 changes (not a copy per call)."""
+        s2 = self.weight_scale_2
+        key = (s2.data_ptr(), s2._version, s2.device, s2.shape)
+        if self.__dict__.get("_row_scale_2_key") != key:
+            self.__dict__["_row_scale_2"] = s2.float().expand(self.out_features).contiguous()
+            self.__dict__["_row_scale_2_key"] = key
+        return self.__dict__["_row_scale_2"]
 
 
 class Int8Linear(nn.Module):

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 FAMILIES = ("nvfp4_linear", "nvfp4_w4a4", "int8_linear", "moe_nvfp4", "moe_nvfp4_w4a4", "moe_int8",
-            "moe_w8a8_int8", "moe_w8a8_fp8", "sampler_epilogue")
+            "moe_w8a8_int8", "moe_w8a8_fp8", "sampler_epilogue", "rms_norm")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 2e-3}  # max |kernel - ref| / max |ref|
 
 _ok: dict[tuple[str, int, torch.dtype], bool] = {}  # (family, device index, dtype) -> verdict, this process
@@ -265,7 +265,26 @@ def _moe_w8a8(kind: str, device: torch.device, dtype: torch.dtype) -> str | None
     return _rel_error(got.cpu(), ref_y, dtype)
 
 
+def _rms_norm(device: torch.device, dtype: torch.dtype) -> str | None:
+    """5 x 2 x 3 heads of width 96 (a partial block) through every part: the pre-add, the weight, RoPE with
+    per-batch angles, the residual and the scale, against the torch ops the model runs."""
+    from .rmsnorm import rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    a, a2, r = (torch.randn(2, 5, 3, 96, generator=g).to(dtype) for _ in range(3))
+    w, s = torch.rand(96, generator=g).to(dtype) + 0.5, torch.tensor(0.75, dtype=dtype)
+    cos, sin = (torch.rand(2, 5, 1, 96, generator=g).to(dtype) for _ in range(2))
+    x = (a + a2).float()
+    n = (x * torch.pow(x.pow(2).mean(-1, keepdim=True) + 1e-6, -0.5) * w.float()).to(dtype)
+    rot = torch.cat((-n[..., 48:], n[..., :48]), dim=-1)
+    ref = (r + ((n * cos) + (rot * sin))) * s
+    got = rms_norm(*(t.to(device) for t in (a, w)), 1e-6, a2=a2.to(device), residual=r.to(device),
+                   scale=s.to(device), cos=cos.to(device), sin=sin.to(device))
+    return _rel_error(got.cpu(), ref, dtype)
+
+
 PROBES = {
+    "rms_norm": _rms_norm,
     "nvfp4_linear": lambda device, dtype: _linear("nvfp4", device, dtype),
     "moe_nvfp4_w4a4": _moe_w4a4,
     "nvfp4_w4a4": _w4a4,

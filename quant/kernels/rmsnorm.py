@@ -1,0 +1,105 @@
+"""RMSNorm with what surrounds it in a decoder layer, in one kernel: y = S * (R + N(A + A2)), RoPE optional.
+
+The model's norms (dgemma_cli/model.py RMSNorm) cost nine torch ops each on a GPU (a float32 copy, square, mean,
+add, power, two multiplies, the weight's float32 copy, the cast back), and the adds, RoPE and layer scale around
+them more; a denoise step has 11 norms a layer. This kernel does one row of the last dimension per program:
+
+    a = A (+ A2, rounded to the output dtype: the torch path adds them first)
+    n = a * (mean(a^2) + eps)^-1/2 [* weight], in float32, rounded to the output dtype
+    n = rope(n) = n * cos + rotate_half(n) * sin       (optional; each product and the sum rounded as torch does)
+    y = R + n (rounded), then y * S (rounded)          (optional residual R and 0-dim scale S)
+
+Every rounding the torch path makes to the output dtype is made here at the same place, so the results differ from
+it only by float32 summation order in the mean (and 1/sqrt against pow(-0.5)): tests/test_kernels.py compares
+them under Triton's interpreter. x of any float dtype, rows contiguous in the last dimension (D <= 16384).
+
+RoPE: x is [B, T, heads, D] (rows b, t, h in that order), cos and sin [B or 1, T, 1, D]; rotate_half(n) is
+cat(-n[D/2:], n[:D/2]), read here as the row's other half (a second load of the same row: L1 holds it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round(x, dt: tl.constexpr):
+    """float32 x rounded to dt's precision (to nearest, ties to even), kept in float32. bfloat16 is rounded by hand
+    on the bits: the same as the GPU's conversion for finite values, and what Triton's interpreter (which truncates
+    bfloat16 conversions) needs to give the GPU's results on the CPU."""
+    if dt == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    return x.to(dt).to(tl.float32)
+
+
+@triton.jit
+def rms_norm_kernel(a_ptr, a2_ptr, w_ptr, r_ptr, s_ptr, cos_ptr, sin_ptr, y_ptr, D, eps, heads, T, cos_bstride,
+                    HAS_A2: tl.constexpr, HAS_W: tl.constexpr, HAS_R: tl.constexpr, HAS_S: tl.constexpr,
+                    ROPE: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    dt: tl.constexpr = y_ptr.dtype.element_ty
+    a = tl.load(a_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_A2:
+        a = _round(a + tl.load(a2_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32), dt)
+    rstd = 1.0 / tl.sqrt(tl.sum(a * a, axis=0) / D + eps)
+    n = a * rstd
+    if HAS_W:
+        n = n * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    n = _round(n, dt)
+    if ROPE:
+        half = D // 2
+        other = tl.where(cols < half, cols + half, cols - half)
+        p = tl.load(a_ptr + row * D + other, mask=mask, other=0.0).to(tl.float32)
+        if HAS_A2:
+            p = _round(p + tl.load(a2_ptr + row * D + other, mask=mask, other=0.0).to(tl.float32), dt)
+        p = p * rstd
+        if HAS_W:
+            p = p * tl.load(w_ptr + other, mask=mask, other=0.0).to(tl.float32)
+        p = _round(p, dt)
+        rot = tl.where(cols < half, -p, p)
+        t = (row // heads) % T
+        b = row // (heads * T)
+        at = b * cos_bstride + t * D + cols
+        c = tl.load(cos_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        n = _round(_round(n * c, dt) + _round(rot * s, dt), dt)
+    if HAS_R:
+        n = _round(tl.load(r_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32) + n, dt)
+    if HAS_S:
+        n = _round(n * tl.load(s_ptr).to(tl.float32), dt)
+    tl.store(y_ptr + row * D + cols, n.to(dt), mask=mask)
+
+
+def rms_norm(a: torch.Tensor, weight: torch.Tensor | None, eps: float, a2: torch.Tensor | None = None,
+             residual: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+             cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
+    """S * (residual + rope(norm(a + a2) * weight)) in a's dtype and shape (see the module docstring)."""
+    D = a.shape[-1]
+    a = a.contiguous()
+    y = torch.empty_like(a)
+    rows = a.numel() // D
+    if rows == 0:
+        return y
+    rope = cos is not None
+    heads = T = 1
+    cos_bstride = 0
+    if rope:
+        if a.dim() != 4 or D % 2:
+            raise ValueError(f"RoPE needs x [B, T, heads, D] with D even (got {tuple(a.shape)})")
+        _, T, heads, _ = a.shape
+        cos, sin = cos.contiguous(), sin.contiguous()
+        cos_bstride = 0 if cos.shape[0] == 1 else T * D
+    g = a  # a stand-in pointer for the operands a launch does not have (never read)
+    rms_norm_kernel[(rows,)](
+        a, a2.contiguous() if a2 is not None else g, weight if weight is not None else g,
+        residual.contiguous() if residual is not None else g, scale if scale is not None else g,
+        cos if rope else g, sin if rope else g, y, D, float(eps), heads, T, cos_bstride,
+        a2 is not None, weight is not None, residual is not None, scale is not None, rope,
+        triton.next_power_of_2(D), num_warps=4 if D <= 1024 else 8)
+    return y
