@@ -175,10 +175,10 @@ class _Meter(TorchDispatchMode):
             read += sum(_span(t) for t in outs)
         written = sum(_span(t) for t in outs)
         flops = 0
-        if name in _MATMUL:  # the two operands: 2-D or more, not the output
-            mats = [t for a, t in zip(schema_args, flat) if isinstance(t, torch.Tensor) and t.dim() >= 2
-                    and not (a.alias_info is not None and a.alias_info.is_write)]
-            a, b = mats[-2], mats[-1]
+        if name in _MATMUL:  # the two operands by name (not a bias, a scale or the output)
+            by_name = {a.name: t for a, t in zip(schema_args, flat)}
+            a = by_name.get("mat1", by_name.get("batch1", by_name.get("self")))
+            b = by_name.get("mat2", by_name.get("batch2"))
             flops = 2 * math.prod(a.shape) * b.shape[-1]
         self.ops.append(TorchOp(name, read, written, persistent, flops))
         return out

@@ -12,3 +12,5 @@ weights `dequantize(dtype)` (or run through a fused kernel), so a quantized modu
 - `convert`: the streaming, resumable, verified checkpoint writer the converter uses;
 - `kernels`: Triton kernels for the same functions, chosen by DGEMMA_KERNELS.
 """
+
+from . import probes  # noqa: E402, F401 - registers each kernel family's first-use problem (quant/kernels/probe.py)

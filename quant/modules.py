@@ -319,13 +319,11 @@ class W8A8Stack(_Stack):
     @classmethod
     def from_weights(cls, w: torch.Tensor, kind: str) -> W8A8Stack:
         """Quantize float weights [E, N, K] as compressed-tensors stores them: per output channel, the scale rounded
-        up to bfloat16 (quant/formats/compressed_tensors.quantize)."""
-        from .formats.compressed_tensors import quantize
-
+        up to bfloat16 (quant/w8a8.quantize)."""
         E, N, K = w.shape
         stack = cls(E, N, K, kind)
         for e in range(E):
-            q, scale = quantize(w[e], kind)
+            q, scale = w8a8.quantize(w[e], kind)
             stack.weight[e], stack.weight_scale[e] = q, scale.float()
         return stack
 

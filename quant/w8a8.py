@@ -160,3 +160,48 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, ki
         x2 = x.reshape(-1, x.shape[-1])
         return matmul_hw(x2, weight, weight_scale, kind).reshape(*x.shape[:-1], weight.shape[0])
     return matmul_emulated(x, weight, weight_scale, kind)
+
+
+# ----------------------------------------------------------------------------- weights, as compressed-tensors stores them
+
+# Row-scale candidates of the search, as fractions of the absmax scale (1.0 first: ties keep absmax).
+SEARCH_FACTORS = (1.0, 0.95, 0.9, 0.85, 0.8)
+
+
+def _bf16_at_least(x: torch.Tensor) -> torch.Tensor:
+    """x float32 (positive) -> the smallest bfloat16 >= x: a row's largest weight then still fits in the codes."""
+    b = x.bfloat16()
+    up = (b.view(torch.int16) + 1).view(torch.bfloat16)  # the next bfloat16 up (x > 0)
+    return torch.where(b.float() < x, up, b)
+
+
+def _codes(w: torch.Tensor, scale: torch.Tensor, kind: str) -> torch.Tensor:
+    """w float32 [N, K], scale float32 [N, 1] -> codes [N, K]: int8 rounds half to even, e4m3 to the nearest even."""
+    qmax = QMAX[kind]
+    q = (w / scale).clamp(-qmax, qmax)
+    return torch.round(q).to(torch.int8) if kind == "int8" else q.to(torch.float8_e4m3fn)
+
+
+def quantize(w: torch.Tensor, kind: str, search: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> (weight [N, K] e4m3 or int8, weight_scale bfloat16 [N, 1]): symmetric, one scale per output
+    channel, value = float32(weight) * float32(weight_scale).
+
+    Absmax: the scale is amax|W[n, :]| / qmax (127 or 448) rounded *up* to bfloat16, the dtype it is stored in, and the
+    codes are computed with that stored scale, so the file holds exactly what is dequantized (nothing clips). With
+    `search` each row also tries scales a little below (SEARCH_FACTORS, rounded to bfloat16) and keeps the one with
+    the smallest squared error; absmax is a candidate, so the search never does worse, row by row."""
+    w = w.float()
+    tiny = torch.finfo(torch.bfloat16).tiny
+    absmax = (w.abs().amax(dim=1, keepdim=True) / QMAX[kind]).clamp(min=tiny)  # [N, 1] float32
+    scale = _bf16_at_least(absmax)
+    q = _codes(w, scale.float(), kind)
+    if not search:
+        return q, scale
+    err = (q.float() * scale.float() - w).pow(2).sum(1, keepdim=True)
+    for f in SEARCH_FACTORS[1:]:
+        cand = (absmax * f).clamp(min=tiny).bfloat16()
+        cq = _codes(w, cand.float(), kind)
+        cerr = (cq.float() * cand.float() - w).pow(2).sum(1, keepdim=True)
+        better = cerr < err
+        q, scale, err = torch.where(better, cq, q), torch.where(better, cand, scale), torch.where(better, cerr, err)
+    return q, scale

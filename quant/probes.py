@@ -1,0 +1,223 @@
+"""The problem each Triton kernel family is checked on at its first use on a GPU (quant/kernels/probe.py keeps the
+verdicts): a small seeded problem with partial tiles, built from the quantized modules and the formats' own
+quantization, run through the family's kernel and compared with the torch path. Importing the quant package
+registers them (quant/__init__.py), so the kernels never import the modules above them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .kernels.probe import TOL, register
+
+# Each builds its problem on the CPU from its own seeded generator (torch's global generator is left alone: it
+# drives the sampler's reproducible draws), moves it to the device, and returns None or a short mismatch reason.
+
+
+def _rel_error(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> str | None:
+    if got.shape != ref.shape or not torch.isfinite(got).all():
+        return f"shape {tuple(got.shape)} or non-finite values"
+    err = ((got.double() - ref.double()).abs().max() / ref.double().abs().max().clamp(min=1e-30)).item()
+    return None if err <= TOL[dtype] else f"relative error {err:.1e} > {TOL[dtype]:.0e} in {str(dtype)[6:]}"
+
+
+def weight_dtype(fmt: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the reference's dequantized weights: NVFP4 kernels multiply exact a * scale products and apply
+    the global scale to the float32 sum (kernels/common.py), so their reference is the float32 weight; INT8 kernels
+    round each weight to the compute dtype, as the torch path does."""
+    return torch.float32 if fmt == "nvfp4" else dtype
+
+
+def _linear(fmt: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """33 rows x K 96 -> N 80: partial tiles in M, N and K. The reference is x @ dequantized W (float64 products,
+    so a TF32 setting of torch's own matmul cannot shift it)."""
+    from . import int8, nvfp4
+    from .modules import Int8Linear, NVFP4Linear
+
+    g = torch.Generator().manual_seed(0)
+    M, N, K = 33, 80, 96
+    w = torch.randn(N, K, generator=g)
+    x = torch.randn(M, K, generator=g).to(dtype).to(device)
+    if fmt == "nvfp4":
+        from .kernels.nvfp4_linear import nvfp4_linear
+
+        m = NVFP4Linear.from_weight(nvfp4.quantize(w)).to(device)
+        got = nvfp4_linear(x, m.weight, m.weight_scale, m.weight_scale_2.expand(N))
+    else:
+        from .kernels.int8_linear import int8_linear
+
+        m = Int8Linear.from_weight(int8.quantize(w)).to(device)
+        got = int8_linear(x, m.weight, m.weight_scale)
+    return _rel_error(got, x.double() @ m.dequantize(weight_dtype(fmt, dtype)).double().T, dtype)
+
+
+def _moe(fmt: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """33 tokens, 6 experts (one never routed to), top-2, hidden 64, width 48 (a partial tile) through
+    `fused_experts`, against the reference expert math on the dequantized stacks: gate/up product rounded to the
+    compute dtype, gelu_tanh(gate) * up, down product rounded, float32 weighted sum over the slots."""
+    from .modules import Int8Stack, NVFP4Stack, fused_experts
+
+    g = torch.Generator().manual_seed(0)
+    T, E, H, I, top = 33, 6, 64, 48, 2
+    gu_w, dn_w = torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1
+    if fmt == "nvfp4":  # gate and up with their own global scales
+        gu, dn = NVFP4Stack.from_weights(gu_w, segments=2), NVFP4Stack.from_weights(dn_w)
+    else:
+        gu, dn = Int8Stack.from_weights(gu_w), Int8Stack.from_weights(dn_w)
+    gu, dn = gu.to(device), dn.to(device)
+    x = torch.randn(T, H, generator=g).to(dtype).to(device)
+    index = torch.stack([torch.randperm(E - 1, generator=g)[:top] for _ in range(T)]).to(device)  # [T, top]
+    weights = torch.rand(T, top, generator=g).to(device)  # float32, as the router's
+    got = fused_experts(gu, dn, x, index, weights)
+    if got is None:
+        return "the fused path was not selected"
+    w_gu = gu.dequantize(weight_dtype(fmt, dtype)).double()[index]  # [T, top, 2I, H]
+    w_dn = dn.dequantize(weight_dtype(fmt, dtype)).double()[index]  # [T, top, H, I]
+    h = torch.einsum("th,tkoh->tko", x.double(), w_gu).to(dtype)  # [T, top, 2I]
+    gate, up = h.chunk(2, dim=-1)
+    a = F.gelu(gate, approximate="tanh") * up  # [T, top, I] in the compute dtype
+    y = torch.einsum("tki,tkhi->tkh", a.double(), w_dn).to(dtype)  # [T, top, H]
+    ref = (y.float() * weights[..., None]).sum(dim=1).to(dtype)
+    return _rel_error(got, ref, dtype)
+
+
+def _sampler(device: torch.device, dtype: torch.dtype) -> str | None:
+    """33 rows x 5000 logits (two chunks of 4096, the second partial): probabilities left in place of the logits,
+    argmax and entropy as the torch epilogue computes them, and every sample in range."""
+    from .kernels.sampler_epilogue import sampler_epilogue
+
+    g = torch.Generator().manual_seed(0)
+    R, V = 33, 5000
+    logits = (torch.randn(R, V, generator=g) * 3).to(device)
+    t = torch.tensor(0.7, device=device)
+    buf = logits.clone()
+    sample, argmax, entropy = sampler_epilogue(buf, t, torch.tensor([5], device=device))
+    z = logits / t
+    probs = torch.softmax(z, -1)
+    if not ((sample >= 0) & (sample < V)).all():
+        return "a sample out of range"
+    if not torch.equal(argmax, z.argmax(-1)):
+        return "argmax differs"
+    if (buf - probs).abs().max() > 1e-6:
+        return f"probabilities differ by {(buf - probs).abs().max().item():.1e}"
+    err = (entropy - (-(probs * torch.log_softmax(z, -1)).sum(-1))).abs().max().item()
+    return None if err < 1e-4 else f"entropy differs by {err:.1e}"
+
+
+def _w4a4(device: torch.device, dtype: torch.dtype) -> str | None:
+    """33 rows x K 256 -> N 130 (partial tiles in M and N), x quantized per token on the GPU and multiplied in FP4,
+    against the PyTorch emulation of the same quantization (nvfp4_w4a4.reference): the activation codes and scales
+    equal, the product within the kernel tests' tolerance."""
+    from . import nvfp4
+    from .kernels.nvfp4_act import quantize_act, quantize_act_reference
+    from .kernels.nvfp4_w4a4 import nvfp4_w4a4, reference
+
+    g = torch.Generator().manual_seed(0)
+    M, N, K = 33, 130, 256
+    q = nvfp4.quantize(torch.randn(N, K, generator=g))
+    x = torch.randn(M, K, generator=g).to(dtype)
+    codes, scales, _ = quantize_act(x.to(device))
+    ref_codes, ref_scales, _ = quantize_act_reference(x)
+    if not (torch.equal(codes.cpu(), ref_codes) and torch.equal(scales.cpu(), ref_scales)):
+        return "activation codes or scales differ"
+    args = (q.weight, q.weight_scale, q.weight_scale_2.expand(N))
+    got = nvfp4_w4a4(x.to(device), *(a.to(device) for a in args))
+    return _rel_error(got.cpu(), reference(x, *args), dtype)
+
+
+def _moe_w4a4(device: torch.device, dtype: torch.dtype) -> str | None:
+    """17 tokens, 6 experts (one never routed to), top-2, hidden 64, width 64, through the W4A4 expert kernels,
+    against their PyTorch emulation (moe_w4a4.reference)."""
+    from .modules import NVFP4Stack
+    from .kernels.moe_w4a4 import moe_w4a4, reference
+    from .kernels.routing import moe_blocks
+
+    g = torch.Generator().manual_seed(0)
+    T, E, H, I, top = 17, 6, 64, 64, 2
+    gu = NVFP4Stack.from_weights(torch.randn(E, 2 * I, H, generator=g) * 0.1, segments=2)
+    dn = NVFP4Stack.from_weights(torch.randn(E, H, I, generator=g) * 0.1)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    index = torch.stack([torch.randperm(E - 1, generator=g)[:top] for _ in range(T)])
+    weights = torch.rand(T, top, generator=g)
+    ids, block_expert = moe_blocks(index.to(device), E, 16)
+    got = moe_w4a4(x.to(device), ids, block_expert, gu.to(device), dn.to(device), weights.reshape(-1).to(device), T,
+                   top, 16)
+    return _rel_error(got.cpu(), reference(x, gu, dn, index, weights), dtype)
+
+
+def _moe_w8a8(kind: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """17 tokens, 6 experts (one never routed to), top-2, hidden 64, width 48 (partial tiles), W8A8 experts with
+    8-bit activations, against the PyTorch emulation of the same quantization (moe_w8a8.reference_*), stage by stage
+    so that one activation code flipped by a last-bit difference in gelu cannot fail it: the token codes and scales
+    equal; h within float32 rounding; the down outputs from the kernel's own h, and the whole path's output with the
+    same launch settings, within the kernel tests' tolerance."""
+    from .modules import W8A8Stack
+    from . import w8a8
+    from .kernels.moe_w8a8 import (candidates, down_w8a8, gate_up_w8a8, moe_w8a8, quantize_rows, reference_down,
+                           reference_gate_up)
+    from .kernels.routing import moe_blocks
+
+    g = torch.Generator().manual_seed(0)
+    T, E, H, I, top = 17, 6, 64, 48, 2
+    gu = W8A8Stack.from_weights(torch.randn(E, 2 * I, H, generator=g) * 0.1, kind)
+    dn = W8A8Stack.from_weights(torch.randn(E, H, I, generator=g) * 0.1, kind)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    index = torch.stack([torch.randperm(E - 1, generator=g)[:top] for _ in range(T)])
+    weights = torch.rand(T, top, generator=g)
+    gu_d, dn_d = gu.to(device), dn.to(device)
+    xq, xs = quantize_rows(x.to(device), kind)
+    ref_q, ref_s = w8a8.quantize_tokens(x, kind)
+    if not (torch.equal(xq.cpu(), ref_q.view(xq.dtype)) and torch.equal(xs.cpu(), ref_s[:, 0])):
+        return "activation codes or scales differ"
+    cfg = candidates(T * top / E, H, I, device)[0]
+    ids, block_expert = moe_blocks(index.to(device), E, cfg["BLOCK_M"])
+    h = gate_up_w8a8(xq, xs, ids, block_expert, gu_d, top, cfg)
+    live = (ids >= 0).cpu()
+    h_tk = torch.empty(T * top, I)
+    h_tk[ids.cpu()[live].long()] = h.cpu()[live]  # back to assignment order
+    err = _rel_error(h_tk, reference_gate_up(x, gu, index).reshape(T * top, I), torch.float32)
+    if err is not None:
+        return f"gate-up: {err}"
+    hq, hs = quantize_rows(h, kind, ids)
+    ys = down_w8a8(hq, hs, ids, block_expert, dn_d, T, top, cfg)
+    ref_ys, ref_y = reference_down(h_tk.view(T, top, I), dn, index, weights, dtype)
+    err = _rel_error(ys.cpu(), ref_ys.reshape(T * top, H), torch.float32)
+    if err is not None:
+        return f"down: {err}"
+    got = moe_w8a8(x.to(device), ids, block_expert, gu_d, dn_d, weights.reshape(-1).to(device), T, top, cfg)
+    return _rel_error(got.cpu(), ref_y, dtype)
+
+
+def _rms_norm(device: torch.device, dtype: torch.dtype) -> str | None:
+    """5 x 2 x 3 heads of width 96 (a partial block) through every part: the pre-add, the weight, RoPE with
+    per-batch angles, the residual and the scale, against the torch ops the model runs."""
+    from .kernels.rmsnorm import rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    a, a2, r = (torch.randn(2, 5, 3, 96, generator=g).to(dtype) for _ in range(3))
+    w, s = torch.rand(96, generator=g).to(dtype) + 0.5, torch.tensor(0.75, dtype=dtype)
+    cos, sin = (torch.rand(2, 5, 1, 96, generator=g).to(dtype) for _ in range(2))
+    x = (a + a2).float()
+    n = (x * torch.pow(x.pow(2).mean(-1, keepdim=True) + 1e-6, -0.5) * w.float()).to(dtype)
+    rot = torch.cat((-n[..., 48:], n[..., :48]), dim=-1)
+    ref = (r + ((n * cos) + (rot * sin))) * s
+    got = rms_norm(*(t.to(device) for t in (a, w)), 1e-6, a2=a2.to(device), residual=r.to(device),
+                   scale=s.to(device), cos=cos.to(device), sin=sin.to(device))
+    return _rel_error(got.cpu(), ref, dtype)
+
+
+PROBLEMS = {
+    "rms_norm": _rms_norm,
+    "nvfp4_linear": lambda device, dtype: _linear("nvfp4", device, dtype),
+    "moe_nvfp4_w4a4": _moe_w4a4,
+    "nvfp4_w4a4": _w4a4,
+    "int8_linear": lambda device, dtype: _linear("int8", device, dtype),
+    "moe_nvfp4": lambda device, dtype: _moe("nvfp4", device, dtype),
+    "moe_int8": lambda device, dtype: _moe("int8", device, dtype),
+    "moe_w8a8_int8": lambda device, dtype: _moe_w8a8("int8", device, dtype),
+    "moe_w8a8_fp8": lambda device, dtype: _moe_w8a8("fp8", device, dtype),
+    "sampler_epilogue": _sampler,
+}
+
+register(PROBLEMS)
