@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 
 from .config import GenerationSettings
-from .model import DiffusionGemma, attend
+from .model import DiffusionGemma
 from .sampler import SamplerBuffers, _stable, entropy_bound_accept, fused_sampler, sample_step
 
 
@@ -114,65 +114,12 @@ class Ticket:
 
 def denoise_rows(model: DiffusionGemma, rows: list[_Row], canvas: torch.Tensor, out: torch.Tensor,
                  probs: torch.Tensor, experts_per_row: bool = True) -> None:
-    """One decoder forward for rows that each have their own cache and canvas position.
-
-    canvas [A, C] ids (row a is rows[a]); probs [A*C, V] float32: the previous step's softmax for the rows that
-    have one (`row.sc`), read as self-conditioning; out [A*C, V]: the soft-capped logits are written there.
-    Mirrors `DiffusionGemma.denoise` op for op, per row where a row's result would depend on the others
-    (`experts_per_row`: the routed experts too; see the module docstring).
-    """
-    A, C = canvas.shape
-    x = model.embed(canvas)  # [A, C, H]
-    sc = model.self_conditioning
-    with_sc = [a for a, r in enumerate(rows) if r.sc]
-    if with_sc:
-        # Consecutive runs of rows with self-conditioning: one soft-embedding matmul per run.
-        soft = torch.empty(len(with_sc), C, x.shape[-1], dtype=x.dtype, device=x.device)  # [S, C, H]
-        k = 0
-        while k < len(with_sc):
-            j = k
-            while j + 1 < len(with_sc) and with_sc[j + 1] == with_sc[j] + 1:
-                j += 1
-            lo, hi = with_sc[k], with_sc[j] + 1
-            soft[k : j + 1] = model.soft_embedding(probs[lo * C : hi * C]).view(hi - lo, C, -1)
-            k = j + 1
-        h = sc.pre_norm(soft)
-        idx = torch.tensor(with_sc, device=x.device)
-        x = x.index_put((idx,), x[idx] + sc.down_proj(torch.nn.functional.gelu(sc.gate_proj(h), approximate="tanh")
-                                                      * sc.up_proj(h)))
-    x = sc.post_norm(x)
-    for i, layer in enumerate(model.layers):
-        kind = layer.spec.kind
-        cos = torch.cat([r.ctx.cos[kind] for r in rows])  # [A, C, 1, D]: each row at its own positions
-        sin = torch.cat([r.ctx.sin[kind] for r in rows])
-        q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)  # q [A, Hq, C, D], k/v [A, Hkv, C, D]
-        heads = []
-        for a, r in enumerate(rows):
-            start, end = r.ctx.keys[kind]
-            ck, cv = r.cache.k[i], r.cache.v[i]
-            ck[:, :, end - C : end] = k[a : a + 1]  # the row's scratch slots: its cache is not advanced
-            cv[:, :, end - C : end] = v[a : a + 1]
-            heads.append(attend(q[a : a + 1], ck[:, :, start:end], cv[:, :, start:end], r.ctx.mask[kind]))
-        h = layer.self_attn.o_proj(torch.cat(heads))  # [A, C, H]
-        x = layer.post_attention_layernorm.add_to(x, h)
-        if experts_per_row:
-            x = _feed_forward_rows(layer, x, model.decoder_layer_scalar[i])
-        else:
-            x = layer.feed_forward(x, model.decoder_layer_scalar[i])
-    model.logits(model.norm(x), out)
-
-
-def _feed_forward_rows(layer, x: torch.Tensor, layer_scalar: torch.Tensor) -> torch.Tensor:
-    """`Layer.feed_forward` over [A, C, H] with the routed experts run per row (see the module docstring)."""
-    A, C, H = x.shape
-    dense = layer.post_feedforward_layernorm_1(layer.mlp(layer.pre_feedforward_layernorm(x)))
-    flat = x.reshape(-1, H)
-    weights, index = layer.router(flat)  # [A*C, K] each
-    normed = layer.pre_feedforward_layernorm_2(flat)
-    moe = torch.cat([layer.experts(normed[a * C : (a + 1) * C], index[a * C : (a + 1) * C],
-                                   weights[a * C : (a + 1) * C]) for a in range(A)]).reshape(x.shape)
-    moe = layer.post_feedforward_layernorm_2(moe)
-    return layer.post_feedforward_layernorm.add_to(x, dense, moe, layer_scalar)
+    """One decoder forward for rows that each have their own cache and canvas position: `DiffusionGemma.denoise`
+    with one cache per row. canvas [A, C] ids (row a is rows[a]); probs [>= A*C, V] float32: the previous step's
+    softmax for the rows that have one (`row.sc`), read as self-conditioning; out [A*C, V]: the soft-capped logits
+    are written there. `experts_per_row`: see the module docstring."""
+    model.denoise(canvas, [r.cache for r in rows], [r.ctx for r in rows], sc_probs=probs,
+                  sc_rows=[a for a, r in enumerate(rows) if r.sc], out=out, experts_per_row=experts_per_row)
 
 
 # ----------------------------------------------------------------------------- one request's state

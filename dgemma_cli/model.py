@@ -333,12 +333,20 @@ class Layer(nn.Module):
         self.pre_feedforward_layernorm_2 = RMSNorm(H, eps)
         self.post_feedforward_layernorm_2 = RMSNorm(H, eps)
 
-    def feed_forward(self, x: torch.Tensor, layer_scalar: torch.Tensor) -> torch.Tensor:
-        """x is the post-attention residual [B, T, H]."""
+    def feed_forward(self, x: torch.Tensor, layer_scalar: torch.Tensor, experts_per_row: bool = False
+                     ) -> torch.Tensor:
+        """x is the post-attention residual [B, T, H]. experts_per_row: the routed experts run on each row's T
+        tokens apart (the server's exactness on the CPU: dgemma_cli/batching.py), not on all B x T at once."""
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
-        flat = x.reshape(-1, x.shape[-1])
+        B, T, H = x.shape
+        flat = x.reshape(-1, H)
         weights, index = self.router(flat)  # routed on the un-normed residual
-        moe = self.experts(self.pre_feedforward_layernorm_2(flat), index, weights).reshape(x.shape)
+        normed = self.pre_feedforward_layernorm_2(flat)
+        if experts_per_row and B > 1:
+            moe = torch.cat([self.experts(normed[b * T : (b + 1) * T], index[b * T : (b + 1) * T],
+                                          weights[b * T : (b + 1) * T]) for b in range(B)]).reshape(x.shape)
+        else:
+            moe = self.experts(normed, index, weights).reshape(x.shape)
         moe = self.post_feedforward_layernorm_2(moe)
         return self.post_feedforward_layernorm.add_to(x, dense, moe, layer_scalar)  # (x + norm(dense + moe)) * s
 
@@ -616,33 +624,71 @@ class DiffusionGemma(nn.Module):
             torch.matmul(probs[lo : lo + rows_at_once].to(w.dtype), w, out=out[lo : lo + rows_at_once])
         return out * self.embed_scale()
 
-    def denoise(self, canvas: torch.Tensor, cache: KVCache, ctx: DenoiseContext,
-                sc_logits: torch.Tensor | None = None, sc_probs: torch.Tensor | None = None,
-                out: torch.Tensor | None = None, return_hidden: bool = False) -> torch.Tensor:
-        """One denoising forward pass over the canvas.
+    def _self_condition_rows(self, x: torch.Tensor, probs: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Self-conditioning for the canvas rows `rows` of x [B, C, H] (sorted), from their previous step's softmax
+        in probs [>= B*C, V]; the other rows get the first step's (no soft signal). One soft-embedding matmul per
+        run of consecutive rows."""
+        C = x.shape[1]
+        sc = self.self_conditioning
+        soft = torch.empty(len(rows), C, x.shape[-1], dtype=x.dtype, device=x.device)  # [S, C, H]
+        k = 0
+        while k < len(rows):
+            j = k
+            while j + 1 < len(rows) and rows[j + 1] == rows[j] + 1:
+                j += 1
+            lo, hi = rows[k], rows[j] + 1
+            soft[k : j + 1] = self.soft_embedding(probs[lo * C : hi * C]).view(hi - lo, C, -1)
+            k = j + 1
+        h = sc.pre_norm(soft)
+        idx = torch.tensor(rows, device=x.device)
+        x = x.index_put((idx,), x[idx] + sc.down_proj(gelu_tanh(sc.gate_proj(h)) * sc.up_proj(h)))
+        return sc.post_norm(x)
 
-        canvas [B, C] ids. Self-conditioning from the previous step, given either as its processed logits
-        sc_logits [B, C, V] or directly as their softmax sc_probs [B*C, V] float32 (the sampler already has it);
-        neither at the first step. Returns float32 soft-capped logits [B, C, V], written into `out` [B*C, V]
-        when given.
+    def denoise(self, canvas: torch.Tensor, cache: KVCache | list[KVCache], ctx: DenoiseContext | list[DenoiseContext],
+                sc_logits: torch.Tensor | None = None, sc_probs: torch.Tensor | None = None,
+                out: torch.Tensor | None = None, return_hidden: bool = False, sc_rows: list[int] | None = None,
+                experts_per_row: bool = False) -> torch.Tensor:
+        """One denoising forward pass over the canvas: the one path for a single generation and the server's batch.
+
+        canvas [B, C] ids. cache, ctx: one KVCache of batch B and its context (a generation of B rows), or lists of
+        caches and contexts that cover the rows in order (the server: one request of batch 1 per row, each with its
+        own cache and canvas position); attention runs per cache, everything else on all rows at once.
+        Self-conditioning from the previous step, given either as its processed logits sc_logits [B, C, V] or
+        directly as their softmax sc_probs [B*C, V] float32 (the sampler already has it); neither at the first step.
+        sc_rows: only these rows have a previous step (the others' probs are not read; None: all rows).
+        experts_per_row: the routed experts on each row apart (Layer.feed_forward). Returns float32 soft-capped
+        logits [B, C, V], written into `out` [B*C, V] when given.
         """
         B, C = canvas.shape
+        caches, ctxs = ([cache], [ctx]) if isinstance(cache, KVCache) else (list(cache), list(ctx))
         x = self.embed(canvas)
-        soft = None
         if sc_logits is not None:
             sc_probs = sc_logits.softmax(dim=-1, dtype=torch.float32)
-        if sc_probs is not None:
-            soft = self.soft_embedding(sc_probs.view(B * C, -1)).view(B, C, -1)
-        x = self.self_conditioning(x, soft)
+        if sc_probs is not None and sc_rows is None:
+            x = self.self_conditioning(x, self.soft_embedding(sc_probs.view(B * C, -1)).view(B, C, -1))
+        elif sc_probs is not None and sc_rows:
+            x = self._self_condition_rows(x, sc_probs, sc_rows)
+        else:
+            x = self.self_conditioning(x, None)
         for i, layer in enumerate(self.layers):
             kind = layer.spec.kind
-            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), ctx.cos[kind], ctx.sin[kind])
-            start, end = ctx.keys[kind]
-            cache.k[i][:, :, end - C : end] = k  # scratch slots past the cached prefix: the cache is not advanced
-            cache.v[i][:, :, end - C : end] = v
-            h = layer.self_attn.o_proj(attend(q, cache.k[i][:, :, start:end], cache.v[i][:, :, start:end],
-                                              ctx.mask[kind]))
+            cos = ctxs[0].cos[kind] if len(ctxs) == 1 else torch.cat([c.cos[kind] for c in ctxs])  # [B, C, 1, D]
+            sin = ctxs[0].sin[kind] if len(ctxs) == 1 else torch.cat([c.sin[kind] for c in ctxs])
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+            heads, row = [], 0
+            for part, pctx in zip(caches, ctxs):
+                rows = slice(row, row + part.batch)
+                start, end = pctx.keys[kind]
+                # scratch slots past the cached prefix: the cache is not advanced
+                part.k[i][:, :, end - C : end] = k[rows]
+                part.v[i][:, :, end - C : end] = v[rows]
+                heads.append(attend(q[rows], part.k[i][:, :, start:end], part.v[i][:, :, start:end],
+                                    pctx.mask[kind]))
+                row += part.batch
+            if row != B:
+                raise ValueError(f"the caches cover {row} rows, the canvas has {B}")
+            h = layer.self_attn.o_proj(heads[0] if len(heads) == 1 else torch.cat(heads))
             x = layer.post_attention_layernorm.add_to(x, h)
-            x = layer.feed_forward(x, self.decoder_layer_scalar[i])
+            x = layer.feed_forward(x, self.decoder_layer_scalar[i], experts_per_row)
         x = self.norm(x)
         return x if return_hidden else self.logits(x, out)
