@@ -73,6 +73,15 @@ def _fused_norms(x: torch.Tensor) -> bool:
     return use_triton(x.device) and family_ok("rms_norm", x.device, x.dtype)
 
 
+def _fused_softcap(out: torch.Tensor) -> bool:
+    """Whether the logits' conversion and soft-capping run as one Triton kernel: where DGEMMA_KERNELS selects
+    Triton for the device and its first-use check passed."""
+    from quant.kernels import use_triton
+    from quant.kernels.probe import family_ok
+
+    return use_triton(out.device) and family_ok("softcap", out.device, torch.float32)
+
+
 def _rms_norm_kernel():
     from quant.kernels.rmsnorm import rms_norm
 
@@ -491,6 +500,11 @@ class DiffusionGemma(nn.Module):
             return torch.tanh(logits / cap) * cap if cap else logits
         if w.dtype == torch.float32:
             torch.matmul(hidden.reshape(B * T, H), w.t(), out=out)
+        elif cap and _fused_softcap(out):  # the conversion and the cap in one pass (quant/kernels/softcap.py)
+            from quant.kernels.softcap import softcap_into
+
+            softcap_into(out, torch.matmul(hidden.reshape(B * T, H), w.t()), cap)
+            return out.view(B, T, -1)
         else:
             out.copy_(torch.matmul(hidden.reshape(B * T, H), w.t()))
         if cap:

@@ -207,7 +207,19 @@ def _rms_norm(device: torch.device, dtype: torch.dtype) -> str | None:
     return _rel_error(got.cpu(), ref, dtype)
 
 
+def _softcap(device: torch.device, dtype: torch.dtype) -> str | None:
+    """5,003 bfloat16 logits (a partial block) converted and capped at 30 against torch's tanh."""
+    from .kernels.softcap import softcap_into
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(5003, generator=g) * 40).to(torch.bfloat16)
+    ref = torch.tanh(x.float() / 30.0) * 30.0
+    got = softcap_into(torch.empty(5003, device=device), x.to(device), 30.0)
+    return _rel_error(got.cpu(), ref, torch.float32)
+
+
 PROBLEMS = {
+    "softcap": _softcap,
     "rms_norm": _rms_norm,
     "nvfp4_linear": lambda device, dtype: _linear("nvfp4", device, dtype),
     "moe_nvfp4_w4a4": _moe_w4a4,

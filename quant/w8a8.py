@@ -109,6 +109,23 @@ def quantize_tokens(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Ten
     return q.to(DTYPE[kind]), scale
 
 
+def quantize_tokens_fused(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_tokens for x [M, K] in one Triton kernel where DGEMMA_KERNELS selects Triton and the W8A8 experts'
+    activation quantizer (quant/kernels/moe_w8a8.py quantize_rows: the same codes and scales) passed its first-use
+    check there; the torch ops otherwise (five kernels a linear on a GPU)."""
+    from .kernels import use_triton
+
+    if use_triton(x.device):
+        from .kernels.probe import family_ok
+
+        if family_ok(f"moe_w8a8_{kind}", x.device, x.dtype):
+            from .kernels.moe_w8a8 import quantize_rows
+
+            q, s = quantize_rows(x, kind)
+            return (q.view(torch.float8_e4m3fn) if kind == "fp8" else q), s[:, None]
+    return quantize_tokens(x, kind)
+
+
 def fake_quantize_tokens(x: torch.Tensor, kind: str) -> torch.Tensor:
     """x [..., K] -> float32 [..., K]: each row quantized as the hardware path does, then dequantized (exact)."""
     xq, scale = quantize_tokens(x, kind)
@@ -140,7 +157,7 @@ def matmul_hw(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
 
     weight [N, K] row-major is passed transposed, i.e. column-major [K, N], the layout both want; weight_scale
     [N, 1] float32. No host round trip (graph-capturable)."""
-    xq, scale = quantize_tokens(x, kind)
+    xq, scale = quantize_tokens_fused(x, kind)
     if kind == "fp8":
         return torch._scaled_mm(xq, weight.t(), scale_a=scale, scale_b=weight_scale.float().t(),
                                 out_dtype=x.dtype)

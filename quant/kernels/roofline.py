@@ -157,6 +157,8 @@ KERNELS = {
                              passes=lambda a: {"a2_ptr": int(a["HAS_A2"]), "w_ptr": int(a["HAS_W"]),
                                                "r_ptr": int(a["HAS_R"]), "s_ptr": int(a["HAS_S"]),
                                                "cos_ptr": int(a["ROPE"]), "sin_ptr": int(a["ROPE"])}),
+    # no loop: one CTA converts and caps BLOCK logits
+    "softcap_kernel": Loops(trips=lambda a: [], elems=lambda a: a["BLOCK"]),
     # no loop (the top-k rows unrolled): one CTA sums BLOCK columns of one token's TOPK rows
     "moe_sum_kernel": Loops(trips=lambda a: [], elems=lambda a: a["TOPK"] * a["BLOCK"]),
     # one row per CTA: a sweep over the whole BLOCK_V chunks for the max and sum, a second one writing the
