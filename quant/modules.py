@@ -271,6 +271,18 @@ class Int8Stack(_Stack):
         return int8.dequantize_packed(self.weight[lo:hi], self.weight_scale[lo:hi], dtype)
 
 
+def quantize_tokens_fused(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """w8a8.quantize_tokens for x [M, K] in one Triton kernel where DGEMMA_KERNELS selects Triton and the W8A8
+    experts' activation quantizer (quant/kernels/moe_w8a8.py quantize_rows: the same codes and scales) passed its
+    first-use check there; the torch ops otherwise (five kernels a linear on a GPU)."""
+    if use_triton(x.device) and family_ok(f"moe_w8a8_{kind}", x.device, x.dtype):
+        from .kernels.moe_w8a8 import quantize_rows
+
+        q, s = quantize_rows(x, kind)
+        return (q.view(torch.float8_e4m3fn) if kind == "fp8" else q), s[:, None]
+    return w8a8.quantize_tokens(x, kind)
+
+
 class W8A8Linear(nn.Module):
     """8-bit weights per output channel, compressed-tensors' layout: weight float8_e4m3fn or int8 [N, K], weight_scale
     float32 [N, 1] (bfloat16 on disk, widened exactly). With `act` (the checkpoint's activations are dynamic per
@@ -297,7 +309,7 @@ class W8A8Linear(nn.Module):
             from .kernels.int8_linear import int8_linear
 
             return int8_linear(x, self.weight, self.weight_scale.view(-1))  # [N, 1] is [N] in memory
-        return w8a8.matmul(x, self.weight, self.weight_scale, self.format, how)
+        return w8a8.matmul(x, self.weight, self.weight_scale, self.format, how, quantize_tokens_fused)
 
 
 class W8A8Stack(_Stack):

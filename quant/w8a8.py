@@ -109,23 +109,6 @@ def quantize_tokens(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Ten
     return q.to(DTYPE[kind]), scale
 
 
-def quantize_tokens_fused(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_tokens for x [M, K] in one Triton kernel where DGEMMA_KERNELS selects Triton and the W8A8 experts'
-    activation quantizer (quant/kernels/moe_w8a8.py quantize_rows: the same codes and scales) passed its first-use
-    check there; the torch ops otherwise (five kernels a linear on a GPU)."""
-    from .kernels import use_triton
-
-    if use_triton(x.device):
-        from .kernels.probe import family_ok
-
-        if family_ok(f"moe_w8a8_{kind}", x.device, x.dtype):
-            from .kernels.moe_w8a8 import quantize_rows
-
-            q, s = quantize_rows(x, kind)
-            return (q.view(torch.float8_e4m3fn) if kind == "fp8" else q), s[:, None]
-    return quantize_tokens(x, kind)
-
-
 def fake_quantize_tokens(x: torch.Tensor, kind: str) -> torch.Tensor:
     """x [..., K] -> float32 [..., K]: each row quantized as the hardware path does, then dequantized (exact)."""
     xq, scale = quantize_tokens(x, kind)
@@ -152,12 +135,13 @@ def hw_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 INT_MM_MIN_ROWS = 17  # cuBLASLt's INT8 matmul wants more than 16 rows: fewer are padded with zeros
 
 
-def matmul_hw(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, kind: str) -> torch.Tensor:
+def matmul_hw(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, kind: str,
+              quantize=None) -> torch.Tensor:
     """x [T, K] -> [T, N] in x's dtype through torch's FP8 (`_scaled_mm`) or INT8 (`_int_mm`) matmul.
 
     weight [N, K] row-major is passed transposed, i.e. column-major [K, N], the layout both want; weight_scale
     [N, 1] float32. No host round trip (graph-capturable)."""
-    xq, scale = quantize_tokens_fused(x, kind)
+    xq, scale = (quantize or quantize_tokens)(x, kind)
     if kind == "fp8":
         return torch._scaled_mm(xq, weight.t(), scale_a=scale, scale_b=weight_scale.float().t(),
                                 out_dtype=x.dtype)
@@ -168,14 +152,16 @@ def matmul_hw(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     return (acc.float() * scale * weight_scale.float().t()).to(x.dtype)
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, kind: str, how: str) -> torch.Tensor:
+def matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, kind: str, how: str,
+           quantize=None) -> torch.Tensor:
     """x [..., K] -> [..., N]: `how` as `mode` answers ('hw' falls back to the emulation for shapes it cannot take).
-    The float paths keep x's shape as nn.Linear does, so they give the bits of a float model's F.linear."""
+    The float paths keep x's shape as nn.Linear does, so they give the bits of a float model's F.linear.
+    quantize: the 'hw' path's activation quantizer (default quantize_tokens; the modules pass a fused one)."""
     if how == "weights":
         return F.linear(x, dequantize(weight, weight_scale, x.dtype))
     if how == "hw" and hw_fits(x, weight):
         x2 = x.reshape(-1, x.shape[-1])
-        return matmul_hw(x2, weight, weight_scale, kind).reshape(*x.shape[:-1], weight.shape[0])
+        return matmul_hw(x2, weight, weight_scale, kind, quantize).reshape(*x.shape[:-1], weight.shape[0])
     return matmul_emulated(x, weight, weight_scale, kind)
 
 

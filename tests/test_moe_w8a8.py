@@ -207,13 +207,13 @@ def test_probe_passes_and_catches_a_wrong_quantizer(monkeypatch, capsys):
 def test_fused_token_quantizer_is_quantize_tokens(monkeypatch, kind):
     """The W8A8 linears' activation quantization through the Triton kernel (one launch) gives quantize_tokens' codes
     and scales bit for bit (the interpreter here)."""
-    from quant import w8a8
+    from quant.modules import quantize_tokens_fused
 
     monkeypatch.setenv("DGEMMA_KERNELS", "triton")
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(37, 200, generator=g) * 4).to(torch.bfloat16)
     x[5] = 0  # a zero row: the tiny scale
-    q, s = w8a8.quantize_tokens_fused(x, kind)
+    q, s = quantize_tokens_fused(x, kind)
     rq, rs = w8a8.quantize_tokens(x, kind)
     assert q.dtype == rq.dtype and s.shape == rs.shape
     assert torch.equal(q.view(torch.uint8) if kind == "fp8" else q, rq.view(torch.uint8) if kind == "fp8" else rq)
