@@ -73,6 +73,20 @@ def _fused_norms(x: torch.Tensor) -> bool:
     return use_triton(x.device) and family_ok("rms_norm", x.device, x.dtype)
 
 
+def _fused_router(router: Router, x: torch.Tensor) -> bool:
+    """Whether the router runs as one Triton kernel: a 16-bit float projection and scales in x's dtype, outside
+    autograd, where DGEMMA_KERNELS selects Triton and its first-use check passed."""
+    proj = router.proj
+    if x.requires_grad or type(proj) is not nn.Linear or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if not (proj.weight.dtype == router.scale.dtype == x.dtype) or proj.weight.shape[0] > 256:
+        return False
+    from quant.kernels import use_triton
+    from quant.kernels.probe import family_ok
+
+    return use_triton(x.device) and family_ok("router", x.device, x.dtype)
+
+
 def _fused_softcap(out: torch.Tensor) -> bool:
     """Whether the logits' conversion and soft-capping run as one Triton kernel: where DGEMMA_KERNELS selects
     Triton for the device and its first-use check passed."""
@@ -217,6 +231,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor):
         """x [N, H] -> weights [N, K] (renormalised, times per-expert scale), index [N, K]."""
+        if _fused_router(self, x):  # the same steps in one kernel (quant/kernels/router.py)
+            from quant.kernels.router import route
+
+            return route(x, self.scale, self.proj.weight, self.per_expert_scale, self.top_k, self.norm.eps)
         h = self.norm(x) * self.scale * self.root_size
         probs = F.softmax(self.proj(h), dim=-1, dtype=torch.float32)  # [N, E]
         w, idx = torch.topk(probs, k=self.top_k, dim=-1)

@@ -138,7 +138,6 @@ def fused_experts(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, top_k_in
     from .kernels import m_bucket, tuning
     from .kernels.moe_down import moe_down
     from .kernels.moe_gate_up import candidates, moe_gate_up, pair_ordered
-    from .kernels.routing import moe_blocks
 
     T, K = top_k_index.shape
     E, two_i, H = gate_up.shape
@@ -148,7 +147,7 @@ def fused_experts(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, top_k_in
     x_in = pair_ordered(x) if gate_up.format == "nvfp4" else x
 
     def launch(cfg: dict) -> torch.Tensor:
-        ids, block_expert = moe_blocks(top_k_index, E, cfg["BLOCK_M"])
+        ids, block_expert = block_plan(top_k_index, E, cfg["BLOCK_M"])
         h = moe_gate_up(x_in, ids, block_expert, gate_up.format, gate_up.weight, gate_up.weight_scale, s2_gu, K, cfg)
         return moe_down(h, ids, block_expert, down.format, down.weight, down.weight_scale, s2_dn, weights, T, K, cfg)
 
@@ -161,12 +160,11 @@ def fused_experts_w4a4(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, top
                        top_k_weights: torch.Tensor) -> torch.Tensor:
     """NVFP4 experts with NVFP4 activations (W4A4, kernels/moe_w4a4.py): where `w4a4` says so."""
     from .kernels.moe_w4a4 import block_w4a4, moe_w4a4
-    from .kernels.routing import moe_blocks
 
     T, K = top_k_index.shape
     E, two_i, H = gate_up.shape
     block_m, warps = block_w4a4(T * K / E, H, two_i // 2, x.device)
-    ids, block_expert = moe_blocks(top_k_index, E, block_m)
+    ids, block_expert = block_plan(top_k_index, E, block_m)
     return moe_w4a4(x, ids, block_expert, gate_up, down, top_k_weights.reshape(-1), T, K, block_m, warps,
                     gate_up.activation_scale(), down.activation_scale())
 
@@ -269,6 +267,18 @@ class Int8Stack(_Stack):
 
     def dequantize_experts(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
         return int8.dequantize_packed(self.weight[lo:hi], self.weight_scale[lo:hi], dtype)
+
+
+def block_plan(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused experts' block plan (quant/kernels/routing.py moe_blocks): one Triton launch where its first-use
+    check passed (quant/kernels/moe_plan.py, the same values), the torch ops otherwise."""
+    if family_ok("moe_plan", top_k_index.device, torch.int32):
+        from .kernels.moe_plan import moe_blocks_fused
+
+        return moe_blocks_fused(top_k_index, num_experts, block_m)
+    from .kernels.routing import moe_blocks
+
+    return moe_blocks(top_k_index, num_experts, block_m)
 
 
 def quantize_tokens_fused(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -374,14 +384,13 @@ def fused_experts_w8a8(gate_up: W8A8Stack, down: W8A8Stack, x: torch.Tensor, top
     block among them, tuned on first use per GPU like the other fused experts."""
     from .kernels import m_bucket, tuning
     from .kernels.moe_w8a8 import candidates, moe_w8a8
-    from .kernels.routing import moe_blocks
 
     T, K = top_k_index.shape
     E, two_i, H = gate_up.shape
     weights = top_k_weights.reshape(-1)
 
     def launch(cfg: dict) -> torch.Tensor:
-        ids, block_expert = moe_blocks(top_k_index, E, cfg["BLOCK_M"])
+        ids, block_expert = block_plan(top_k_index, E, cfg["BLOCK_M"])
         return moe_w8a8(x, ids, block_expert, gate_up, down, weights, T, K, cfg)
 
     cfg = tuning.choose("moe_w8a8_" + gate_up.format, (m_bucket(T * K), E, H, two_i // 2, str(x.dtype)),

@@ -218,7 +218,45 @@ def _softcap(device: torch.device, dtype: torch.dtype) -> str | None:
     return _rel_error(got.cpu(), ref, torch.float32)
 
 
+def _moe_plan(device: torch.device, dtype: torch.dtype) -> str | None:
+    """70 tokens, top-8 of 128 experts with one expert taking most (a block of several), 16 rows a block: the plan
+    equal to the torch one's, bit for bit."""
+    from .kernels.moe_plan import moe_blocks_fused
+    from .kernels.routing import moe_blocks
+
+    g = torch.Generator().manual_seed(0)
+    index = torch.stack([torch.randperm(128, generator=g)[:8] for _ in range(70)])
+    index[:40, 0] = 5
+    want = moe_blocks(index, 128, 16)
+    got = moe_blocks_fused(index.to(device), 128, 16)
+    same = all(torch.equal(a, b.cpu()) for a, b in zip(want, got))
+    return None if same else "a different block plan"
+
+
+def _router(device: torch.device, dtype: torch.dtype) -> str | None:
+    """37 tokens (a partial block), hidden 200 (a partial tile), top-8 of 128: the experts chosen as the torch ops
+    choose them for at least 35 tokens (a near-tie may swap), the weights within the dtype's tolerance where equal."""
+    from .kernels.router import route, route_reference
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 200, generator=g).to(dtype)
+    scale = (torch.rand(200, generator=g) + 0.5).to(dtype)
+    w = (torch.randn(128, 200, generator=g) * 0.2).to(dtype)
+    pes = (torch.rand(128, generator=g) + 0.5).to(dtype)
+    want_w, want_i = route_reference(x, scale, w, pes, 8, 1e-6)
+    got_w, got_i = (t.cpu() for t in route(*(t.to(device) for t in (x, scale, w, pes)), 8, 1e-6))
+    # compared as sets (bfloat16 logits tie often; the order of equal values is torch.topk's own)
+    (got_w, got_i), (want_w, want_i) = ((w_.gather(1, i_.argsort(1)), i_.sort(1).values)
+                                        for w_, i_ in ((got_w, got_i), (want_w, want_i)))
+    same = (got_i == want_i).all(dim=1)
+    if int(same.sum()) < 35:
+        return f"{int((~same).sum())} of 37 tokens routed to other experts"
+    return _rel_error(got_w[same], want_w[same], dtype)
+
+
 PROBLEMS = {
+    "router": _router,
+    "moe_plan": _moe_plan,
     "softcap": _softcap,
     "rms_norm": _rms_norm,
     "nvfp4_linear": lambda device, dtype: _linear("nvfp4", device, dtype),

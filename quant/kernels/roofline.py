@@ -157,6 +157,13 @@ KERNELS = {
                              passes=lambda a: {"a2_ptr": int(a["HAS_A2"]), "w_ptr": int(a["HAS_W"]),
                                                "r_ptr": int(a["HAS_R"]), "s_ptr": int(a["HAS_S"]),
                                                "cos_ptr": int(a["ROPE"]), "sin_ptr": int(a["ROPE"])}),
+    # BLOCK_T tokens a CTA: a sweep over H for the norm, a sweep over H multiplying by W's tiles (the top-k after,
+    # unrolled); the tile's MMA work: BLOCK_T x BLOCK_E x H rounded up to BLOCK_K
+    "router_kernel": Loops(trips=lambda a: [_cdiv(a["H"], a["BLOCK_K"])] * 2, elems=lambda a: a["BLOCK_E"] * a["H"],
+                           mma=lambda a: 2 * a["BLOCK_T"] * a["BLOCK_E"] * _cdiv(a["H"], a["BLOCK_K"]) * a["BLOCK_K"]),
+    # the block plan, loop-free: one CTA per chunk of CH assignments
+    "moe_count_kernel": Loops(trips=lambda a: [], elems=lambda a: a["CH"]),
+    "moe_place_kernel": Loops(trips=lambda a: [], elems=lambda a: a["CH"]),
     # no loop: one CTA converts and caps BLOCK logits
     "softcap_kernel": Loops(trips=lambda a: [], elems=lambda a: a["BLOCK"]),
     # no loop (the top-k rows unrolled): one CTA sums BLOCK columns of one token's TOPK rows
