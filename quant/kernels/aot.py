@@ -272,6 +272,35 @@ def _sampler_work(cc: int, batch: int) -> Work:
                 launches)
 
 
+def _layer_glue_work(cc: int, batch: int) -> list[Work]:
+    """The layer's fused glue at the real shapes: a norm with everything around it (pre-add, weight, residual,
+    layer scale), a head norm with RoPE (sliding layers: 16 heads of 256), the router, and the logits' cap. Counts
+    per step: 25 sliding layers' q and k norms; 30 layers' full residual updates and routers; one cap."""
+    from quant.kernels.rmsnorm import rms_norm
+    from quant.kernels.router import route
+    from quant.kernels.softcap import softcap_into
+
+    rows, bf = batch * CANVAS, torch.bfloat16
+    x = torch.empty(rows, HIDDEN, dtype=bf)
+    w, s = torch.empty(HIDDEN, dtype=bf), torch.empty((), dtype=bf)
+    q = torch.empty(batch, CANVAS, 16, 256, dtype=bf)
+    cos = torch.empty(batch, CANVAS, 1, 256, dtype=bf)
+    out = []
+    launches = record(lambda: rms_norm(x, w, 1e-6, a2=x, residual=x, scale=s), "rms_norm", cc)
+    out.append(Work("norm + residual + scale", "residual", batch, "bfloat16", LAYERS, 4 * 2 * rows * HIDDEN, 0,
+                    launches))
+    launches = record(lambda: rms_norm(q, w[:256], 1e-6, cos=cos, sin=cos), "rms_norm (rope)", cc)
+    out.append(Work("head norm + RoPE", "q", batch, "bfloat16", 50, 2 * 2 * q.numel(), 0, launches))
+    router_w, pes = torch.empty(EXPERTS, HIDDEN, dtype=bf), torch.empty(EXPERTS, dtype=bf)
+    launches = record(lambda: route(x, w, router_w, pes, TOP_K, 1e-6), "router", cc)
+    out.append(Work("router", "router", batch, "bfloat16", LAYERS, 2 * rows * HIDDEN + 2 * EXPERTS * HIDDEN
+                    + rows * TOP_K * 12, 2 * rows * EXPERTS * HIDDEN, launches))
+    logits = torch.empty(rows, VOCAB, dtype=bf, device="meta")  # canvas x vocab: no memory for it (never read)
+    launches = record(lambda: softcap_into(torch.empty(rows, VOCAB, device="meta"), logits, 30.0), "softcap", cc)
+    out.append(Work("logits cap", "logits", batch, "bfloat16", 1, (2 + 4) * rows * VOCAB, 0, launches))
+    return out
+
+
 @functools.lru_cache(maxsize=1)
 def _expert_stacks() -> dict:
     """The expert stacks at the real shapes (about 3 GB, never written: the kernels' data is not read), made once and
@@ -335,6 +364,7 @@ def real_shape_work(cc: int) -> list[Work]:
             work += _linear_work(cc, batch, dtype)
             work += _expert_work(cc, batch, dtype, stacks, top_i, top_w)
         work.append(_sampler_work(cc, batch))
+        work += _layer_glue_work(cc, batch)
     return work
 
 

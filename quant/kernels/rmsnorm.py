@@ -2,7 +2,8 @@
 
 The model's norms (dgemma_cli/model.py RMSNorm) cost nine torch ops each on a GPU (a float32 copy, square, mean,
 add, power, two multiplies, the weight's float32 copy, the cast back), and the adds, RoPE and layer scale around
-them more; a denoise step has 11 norms a layer. This kernel does one row of the last dimension per program:
+them more; a denoise step has 11 norms a layer. This kernel normalises rows of the last dimension, several a
+program where they are short (a token's heads of 256: 8 rows, so the per-program work is not mostly overhead):
 
     a = A (+ A2, rounded to the output dtype: the torch path adds them first)
     n = a * (mean(a^2) + eps)^-1/2 [* weight], in float32, rounded to the output dtype
@@ -37,43 +38,46 @@ def _round(x, dt: tl.constexpr):
 
 
 @triton.jit
-def rms_norm_kernel(a_ptr, a2_ptr, w_ptr, r_ptr, s_ptr, cos_ptr, sin_ptr, y_ptr, D, eps, heads, T, cos_bstride,
+def rms_norm_kernel(a_ptr, a2_ptr, w_ptr, r_ptr, s_ptr, cos_ptr, sin_ptr, y_ptr, ROWS, D, eps, heads, T, cos_bstride,
                     HAS_A2: tl.constexpr, HAS_W: tl.constexpr, HAS_R: tl.constexpr, HAS_S: tl.constexpr,
-                    ROPE: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+                    ROPE: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)  # R rows a program (a token's heads, for RoPE)
     cols = tl.arange(0, BLOCK)
-    mask = cols < D
+    mask = (row < ROWS)[:, None] & (cols < D)[None, :]
+    at = row[:, None] * D + cols[None, :]
     dt: tl.constexpr = y_ptr.dtype.element_ty
-    a = tl.load(a_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + at, mask=mask, other=0.0).to(tl.float32)
     if HAS_A2:
-        a = _round(a + tl.load(a2_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32), dt)
-    rstd = 1.0 / tl.sqrt(tl.sum(a * a, axis=0) / D + eps)
-    n = a * rstd
+        a = _round(a + tl.load(a2_ptr + at, mask=mask, other=0.0).to(tl.float32), dt)
+    rstd = 1.0 / tl.sqrt(tl.sum(a * a, axis=1) / D + eps)
+    n = a * rstd[:, None]
     if HAS_W:
-        n = n * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+        n = n * w[None, :]
     n = _round(n, dt)
     if ROPE:
         half = D // 2
         other = tl.where(cols < half, cols + half, cols - half)
-        p = tl.load(a_ptr + row * D + other, mask=mask, other=0.0).to(tl.float32)
+        pat = row[:, None] * D + other[None, :]
+        p = tl.load(a_ptr + pat, mask=mask, other=0.0).to(tl.float32)
         if HAS_A2:
-            p = _round(p + tl.load(a2_ptr + row * D + other, mask=mask, other=0.0).to(tl.float32), dt)
-        p = p * rstd
+            p = _round(p + tl.load(a2_ptr + pat, mask=mask, other=0.0).to(tl.float32), dt)
+        p = p * rstd[:, None]
         if HAS_W:
-            p = p * tl.load(w_ptr + other, mask=mask, other=0.0).to(tl.float32)
+            p = p * tl.load(w_ptr + other, mask=other < D, other=0.0).to(tl.float32)[None, :]
         p = _round(p, dt)
-        rot = tl.where(cols < half, -p, p)
+        rot = tl.where((cols < half)[None, :], -p, p)
         t = (row // heads) % T
         b = row // (heads * T)
-        at = b * cos_bstride + t * D + cols
-        c = tl.load(cos_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        s = tl.load(sin_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        cat = (b * cos_bstride + t * D)[:, None] + cols[None, :]
+        c = tl.load(cos_ptr + cat, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + cat, mask=mask, other=0.0).to(tl.float32)
         n = _round(_round(n * c, dt) + _round(rot * s, dt), dt)
     if HAS_R:
-        n = _round(tl.load(r_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32) + n, dt)
+        n = _round(tl.load(r_ptr + at, mask=mask, other=0.0).to(tl.float32) + n, dt)
     if HAS_S:
         n = _round(n * tl.load(s_ptr).to(tl.float32), dt)
-    tl.store(y_ptr + row * D + cols, n.to(dt), mask=mask)
+    tl.store(y_ptr + at, n.to(dt), mask=mask)
 
 
 def rms_norm(a: torch.Tensor, weight: torch.Tensor | None, eps: float, a2: torch.Tensor | None = None,
@@ -96,10 +100,12 @@ def rms_norm(a: torch.Tensor, weight: torch.Tensor | None, eps: float, a2: torch
         cos, sin = cos.contiguous(), sin.contiguous()
         cos_bstride = 0 if cos.shape[0] == 1 else T * D
     g = a  # a stand-in pointer for the operands a launch does not have (never read)
-    rms_norm_kernel[(rows,)](
+    block = triton.next_power_of_2(D)
+    per = min(16, max(1, 2048 // block))  # rows a program: a token's heads (D 256: 8), one row of the hidden size
+    rms_norm_kernel[(triton.cdiv(rows, per),)](
         a, a2.contiguous() if a2 is not None else g, weight if weight is not None else g,
         residual.contiguous() if residual is not None else g, scale if scale is not None else g,
-        cos if rope else g, sin if rope else g, y, D, float(eps), heads, T, cos_bstride,
-        a2 is not None, weight is not None, residual is not None, scale is not None, rope,
-        triton.next_power_of_2(D), num_warps=4 if D <= 1024 else 8)
+        cos if rope else g, sin if rope else g, y, rows, D, float(eps), heads, T, cos_bstride,
+        a2 is not None, weight is not None, residual is not None, scale is not None, rope, per, block,
+        num_warps=4 if block * per <= 2048 else 8)
     return y

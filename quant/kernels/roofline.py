@@ -152,8 +152,8 @@ KERNELS = {
     "quantize_act_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])] * (1 if a["STATIC"] else 2),
                                  elems=lambda a: a["K"], passes=lambda a: {"x_ptr": 1 if a["STATIC"] else 2},
                                  ctas=_live_rows),
-    # no loop: one CTA per row of D elements; operands a launch does not have are stand-in pointers, never read
-    "rms_norm_kernel": Loops(trips=lambda a: [], elems=lambda a: a["D"],
+    # no loop: one CTA per R rows of D elements; operands a launch does not have are stand-in pointers, never read
+    "rms_norm_kernel": Loops(trips=lambda a: [], elems=lambda a: a["R"] * a["D"],
                              passes=lambda a: {"a2_ptr": int(a["HAS_A2"]), "w_ptr": int(a["HAS_W"]),
                                                "r_ptr": int(a["HAS_R"]), "s_ptr": int(a["HAS_S"]),
                                                "cos_ptr": int(a["ROPE"]), "sin_ptr": int(a["ROPE"])}),
