@@ -11,7 +11,7 @@ program where they are short (a token's heads of 256: 8 rows, so the per-program
     y = R + n (rounded), then y * S (rounded)          (optional residual R and 0-dim scale S)
 
 Every rounding the torch path makes to the output dtype is made here at the same place, so the results differ from
-it only by float32 summation order in the mean (and 1/sqrt against pow(-0.5)): tests/test_kernels.py compares
+it only by float32 summation order in the mean (and 1/sqrt against pow(-0.5)): tests/test_norm_kernel.py compares
 them under Triton's interpreter. x of any float dtype, rows contiguous in the last dimension (D <= 16384).
 
 RoPE: x is [B, T, heads, D] (rows b, t, h in that order), cos and sin [B or 1, T, 1, D]; rotate_half(n) is
@@ -24,13 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
+from . import interpreting
+
 
 @triton.jit
-def _round(x, dt: tl.constexpr):
-    """float32 x rounded to dt's precision (to nearest, ties to even), kept in float32. bfloat16 is rounded by hand
-    on the bits: the same as the GPU's conversion for finite values, and what Triton's interpreter (which truncates
-    bfloat16 conversions) needs to give the GPU's results on the CPU."""
-    if dt == tl.bfloat16:
+def _round(x, dt: tl.constexpr, EMULATE: tl.constexpr):
+    """float32 x rounded to dt's precision (to nearest, ties to even), kept in float32: the GPU's conversions; under
+    Triton's interpreter (EMULATE), which truncates bfloat16 conversions, bfloat16 is rounded by hand on the bits
+    (the same results for finite values)."""
+    if EMULATE and dt == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         return bits.to(tl.float32, bitcast=True)
@@ -40,7 +42,7 @@ def _round(x, dt: tl.constexpr):
 @triton.jit
 def rms_norm_kernel(a_ptr, a2_ptr, w_ptr, r_ptr, s_ptr, cos_ptr, sin_ptr, y_ptr, ROWS, D, eps, heads, T, cos_bstride,
                     HAS_A2: tl.constexpr, HAS_W: tl.constexpr, HAS_R: tl.constexpr, HAS_S: tl.constexpr,
-                    ROPE: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr):
+                    ROPE: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)  # R rows a program (a token's heads, for RoPE)
     cols = tl.arange(0, BLOCK)
     mask = (row < ROWS)[:, None] & (cols < D)[None, :]
@@ -48,35 +50,35 @@ def rms_norm_kernel(a_ptr, a2_ptr, w_ptr, r_ptr, s_ptr, cos_ptr, sin_ptr, y_ptr,
     dt: tl.constexpr = y_ptr.dtype.element_ty
     a = tl.load(a_ptr + at, mask=mask, other=0.0).to(tl.float32)
     if HAS_A2:
-        a = _round(a + tl.load(a2_ptr + at, mask=mask, other=0.0).to(tl.float32), dt)
+        a = _round(a + tl.load(a2_ptr + at, mask=mask, other=0.0).to(tl.float32), dt, EMULATE)
     rstd = 1.0 / tl.sqrt(tl.sum(a * a, axis=1) / D + eps)
     n = a * rstd[:, None]
     if HAS_W:
         w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
         n = n * w[None, :]
-    n = _round(n, dt)
+    n = _round(n, dt, EMULATE)
     if ROPE:
         half = D // 2
         other = tl.where(cols < half, cols + half, cols - half)
         pat = row[:, None] * D + other[None, :]
         p = tl.load(a_ptr + pat, mask=mask, other=0.0).to(tl.float32)
         if HAS_A2:
-            p = _round(p + tl.load(a2_ptr + pat, mask=mask, other=0.0).to(tl.float32), dt)
+            p = _round(p + tl.load(a2_ptr + pat, mask=mask, other=0.0).to(tl.float32), dt, EMULATE)
         p = p * rstd[:, None]
         if HAS_W:
             p = p * tl.load(w_ptr + other, mask=other < D, other=0.0).to(tl.float32)[None, :]
-        p = _round(p, dt)
+        p = _round(p, dt, EMULATE)
         rot = tl.where((cols < half)[None, :], -p, p)
         t = (row // heads) % T
         b = row // (heads * T)
         cat = (b * cos_bstride + t * D)[:, None] + cols[None, :]
         c = tl.load(cos_ptr + cat, mask=mask, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + cat, mask=mask, other=0.0).to(tl.float32)
-        n = _round(_round(n * c, dt) + _round(rot * s, dt), dt)
+        n = _round(_round(n * c, dt, EMULATE) + _round(rot * s, dt, EMULATE), dt, EMULATE)
     if HAS_R:
-        n = _round(tl.load(r_ptr + at, mask=mask, other=0.0).to(tl.float32) + n, dt)
+        n = _round(tl.load(r_ptr + at, mask=mask, other=0.0).to(tl.float32) + n, dt, EMULATE)
     if HAS_S:
-        n = _round(n * tl.load(s_ptr).to(tl.float32), dt)
+        n = _round(n * tl.load(s_ptr).to(tl.float32), dt, EMULATE)
     tl.store(y_ptr + at, n.to(dt), mask=mask)
 
 
@@ -106,6 +108,6 @@ def rms_norm(a: torch.Tensor, weight: torch.Tensor | None, eps: float, a2: torch
         a, a2.contiguous() if a2 is not None else g, weight if weight is not None else g,
         residual.contiguous() if residual is not None else g, scale if scale is not None else g,
         cos if rope else g, sin if rope else g, y, rows, D, float(eps), heads, T, cos_bstride,
-        a2 is not None, weight is not None, residual is not None, scale is not None, rope, per, block,
+        a2 is not None, weight is not None, residual is not None, scale is not None, rope, per, block, interpreting(),
         num_warps=4 if block * per <= 2048 else 8)
     return y

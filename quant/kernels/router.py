@@ -49,13 +49,13 @@ def router_kernel(x_ptr, scale_ptr, w_ptr, pes_ptr, out_w_ptr, out_i_ptr, T, H, 
         x = tl.load(x_ptr + rows64[:, None] * H + ks[None, :], mask=live[:, None] & kmask[None, :],
                     other=0.0).to(tl.float32)
         s = tl.load(scale_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
-        h = _round(_round(_round(x * rstd[:, None], dt) * s[None, :], dt) * root, dt)
+        h = _round(_round(_round(x * rstd[:, None], dt, EMULATE) * s[None, :], dt, EMULATE) * root, dt, EMULATE)
         w = tl.load(w_ptr + es[:, None] * H + ks[None, :], mask=(es[:, None] < E) & kmask[None, :], other=0.0)
         if EMULATE:  # the interpreter's 16-bit dot is not IEEE: the same exact products, summed in float32
             acc = tl.dot(h, tl.trans(w.to(tl.float32)), acc)
         else:
             acc = tl.dot(h.to(dt), tl.trans(w), acc)
-    logits = tl.where(es[None, :] < E, _round(acc, dt), -float("inf"))
+    logits = tl.where(es[None, :] < E, _round(acc, dt, EMULATE), -float("inf"))
     m = tl.max(logits, axis=1)
     p = tl.exp(logits - m[:, None])
     p = p / tl.sum(p, axis=1)[:, None]
