@@ -431,9 +431,12 @@ KERNEL_PATHS = {"triton": {"DGEMMA_KERNELS": "triton", "DGEMMA_SAMPLER": "torch"
 PEAKED_NORM = 16.0  # the compared model's final-norm weight: peaked distributions, as a trained model's are
 # Limits. The first step's logits: per canvas position max |triton - torch| / max |torch| over the vocabulary; the
 # median position is held to LOGIT_TOL (by format and policy), the worst is reported. Then the share of generated
-# tokens that agree. bf16 runs the same matmuls on both sides (Triton only replaces quantized matmuls and the fused
-# sampler, which is off here), so it must agree exactly, everywhere: what it checks is the CUDA-graph path against
-# the eager one. Quantized formats differ by accumulation order and where bfloat16 rounding happens (the NVFP4
+# tokens that agree. bf16 runs the same matmuls on both sides; the Triton side also runs the fused norms, router and
+# logits cap (quant/kernels/rmsnorm.py, router.py, softcap.py), which differ from the torch ops by float32 summation
+# order (in float32: 1.8e-6 at the worst position, every token equal), in bfloat16 by a rounding here and there and a
+# router tie broken the other way (bfloat16 logits tie often; either choice is a top-k): median 2e-2 at most, 97.7%
+# of the tokens equal at the tiny config in the interpreter. It also checks the CUDA-graph path against the eager
+# one. Quantized formats differ by accumulation order and where bfloat16 rounding happens (the NVFP4
 # kernels apply the global scale after the product, the torch path rounds it into the weights), each kernel within
 # about one bfloat16 step of the torch path (tests/test_kernels.py). Measured at the tiny config in Triton's
 # interpreter on the CPU, the median position: INT8 0 to 1e-3, NVFP4 experts 7e-3, NVFP4 every projection 2e-2 to
@@ -442,9 +445,9 @@ PEAKED_NORM = 16.0  # the compared model's final-norm weight: peaked distributio
 # positions differ far more on two correct paths: hence the median. Tokens are a weak check, a floor: one flipped
 # sample changes every later step's input, so two correct paths drift apart (76% to 100% agree at 3 steps), and a
 # random model's argmax leans on its input tokens (the MoE returning zeros still agrees on 64%).
-LOGIT_TOL = {("bf16", "experts"): 0.0, ("bf16", "all"): 0.0, ("int8", "experts"): 1e-2, ("int8", "all"): 1e-2,
+LOGIT_TOL = {("bf16", "experts"): 2e-2, ("bf16", "all"): 2e-2, ("int8", "experts"): 1e-2, ("int8", "all"): 1e-2,
              ("nvfp4", "experts"): 2e-2, ("nvfp4", "all"): 5e-2}
-AGREEMENT_MIN = {"bf16": 1.0, "int8": 0.5, "nvfp4": 0.5}
+AGREEMENT_MIN = {"bf16": 0.9, "int8": 0.5, "nvfp4": 0.5}
 # The median alone passes a bug confined to fewer than half the positions (an expert or a tile computed wrong): so
 # at most OUTLIER_SHARE of the positions may differ by more than OUTLIER_TOL x LOGIT_TOL. Measured at the tiny config
 # in bfloat16 in Triton's interpreter (dgemma_cli.bench.compare_kernel_paths on the CPU): INT8 and NVFP4 experts
@@ -485,11 +488,13 @@ def first_step_logits(model, prompts: torch.Tensor, canvas: torch.Tensor) -> tor
     return out
 
 
-def triton_families(fmt: str, policy: str) -> tuple[str, ...]:
-    """The Triton kernel families a format's forward uses (none for bf16)."""
+def triton_families(fmt: str, policy: str, dtype: torch.dtype = torch.bfloat16) -> tuple[str, ...]:
+    """The Triton kernel families a format's forward uses: the fused norms always, the router and the logits cap with
+    16-bit weights, and the format's matmuls (none for bf16)."""
+    glue = ("rms_norm",) + (("router", "softcap") if dtype in (torch.bfloat16, torch.float16) else ())
     if fmt == "bf16":
-        return ()
-    return (f"moe_{fmt}",) + ((f"{fmt}_linear",) if policy == "all" else ())
+        return glue
+    return glue + (f"moe_{fmt}", "moe_plan") + ((f"{fmt}_linear",) if policy == "all" else ())
 
 
 def compare_kernel_paths(fmt: str = "bf16", policy: str = "all", config: str = "tiny", device: str = "auto",
@@ -527,7 +532,7 @@ def compare_kernel_paths(fmt: str = "bf16", policy: str = "all", config: str = "
                 if isinstance(ev, Done):
                     tokens[side], stats[side] = ev.token_ids, ev.stats
             if side == "triton":
-                kernels = kernels_in_use(triton_families(fmt, policy), dev, dt)
+                kernels = kernels_in_use(triton_families(fmt, policy, dt), dev, dt)
     a, b = logits["triton"], logits["torch"]
     per_position = (a - b).abs().amax(-1) / b.abs().amax(-1).clamp(min=1e-30)
     pairs = [(x, y) for ra, rb in zip(tokens["triton"], tokens["torch"]) for x, y in zip(ra, rb)]
@@ -552,16 +557,15 @@ def compare_kernel_paths(fmt: str = "bf16", policy: str = "all", config: str = "
 
 def judge(per_position: torch.Tensor, agreement: float, fmt: str, policy: str) -> tuple[float, float, list[str]]:
     """The verdict on two paths' first-step logits (per canvas position, max |a - b| / max |b|) and token agreement:
-    (the figure held to LOGIT_TOL, the share of outlier positions, what failed). bf16: the worst position, which
-    must be exact. Quantized: the median within LOGIT_TOL, at most OUTLIER_SHARE beyond OUTLIER_TOL times it."""
+    (the figure held to LOGIT_TOL, the share of outlier positions, what failed): the median within LOGIT_TOL, at most
+    OUTLIER_SHARE beyond OUTLIER_TOL times it."""
     tol = LOGIT_TOL[fmt, policy]
     per_position = per_position.float()
-    rel = per_position.median().item() if fmt != "bf16" else per_position.max().item()
-    outliers = (per_position > OUTLIER_TOL * tol).float().mean().item() if fmt != "bf16" else 0.0
+    rel = per_position.median().item()
+    outliers = (per_position > OUTLIER_TOL * tol).float().mean().item()
     failures = []
     if not rel <= tol:
-        failures.append(f"first-step logits differ by {rel:.2e} at the {'median' if fmt != 'bf16' else 'worst'} "
-                        f"position (limit {tol:.0e})")
+        failures.append(f"first-step logits differ by {rel:.2e} at the median position (limit {tol:.0e})")
     if not outliers <= OUTLIER_SHARE:
         failures.append(f"{outliers:.1%} of the positions differ by more than {OUTLIER_TOL} x {tol:.0e} (at most "
                         f"{OUTLIER_SHARE:.0%}: a bug confined to some positions)")

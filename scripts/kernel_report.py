@@ -166,10 +166,11 @@ def whole_step_rows(step_work, jobs, results, job_of, errors: list[str]) -> list
     for cc, items in step_work.items():
         gpu = GPUS[cc]
         for w in items:
-            trace, groups, unknown = w.trace, {}, []
+            trace, groups, unknown, tags = w.trace, {}, [], set()
             for op in trace.ops:
                 if isinstance(op, aot.Launch):
                     res = results[jobs[job_of[id(op)]].key]
+                    tags.add(jobs[job_of[id(op)]].tag)
                     key = "triton:" + op.kernel
                     try:
                         if not res["ok"]:
@@ -203,7 +204,7 @@ def whole_step_rows(step_work, jobs, results, job_of, errors: list[str]) -> list
                              bound_ms=bound, floor_ms=floor, floor_mem_ms=floor_mem, floor_tc_ms=floor_tc,
                              ratio=None if bound is None else bound / floor,
                              transient_mb=trace.transient_bytes / MB, weight_gb=f.weight_bytes / 1e9,
-                             vocab_f32=[list(shape) for shape in trace.vocab_f32],
+                             vocab_f32=[list(shape) for shape in trace.vocab_f32], tags=sorted(tags),
                              groups=sorted(groups.values(), key=lambda g: -g["ms"])))
     return rows
 

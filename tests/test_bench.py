@@ -200,8 +200,9 @@ def test_failed_capture_is_recorded_not_silent(monkeypatch):
 
 def test_kernel_path_comparison_on_the_cpu():
     r = compare_kernel_paths("bf16", device="cpu", dtype="float32", steps=4)
-    assert r["passed"] and r["tokens_equal"] and r["first_step_logit_rel_diff"] == 0
-    assert r["tokens_compared"] == 2 * 2 * TINY["canvas_length"] and r["triton_kernels"] == {}
+    # float32: the fused norms differ from the torch ops by summation order only (measured 1.8e-6 at the worst)
+    assert r["passed"] and r["tokens_equal"] and r["first_step_logit_rel_diff_worst"] <= 1e-5
+    assert r["tokens_compared"] == 2 * 2 * TINY["canvas_length"] and r["triton_kernels"] == {"rms_norm": True}
 
 
 # ----------------------------------------------------------------------------- on CUDA
