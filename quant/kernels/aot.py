@@ -159,6 +159,8 @@ def _recording(events: list, cc: int):
             grid = grid(launch.named())
         launch.grid = tuple(int(g) for g in grid)
         events.append(launch)
+        if self.__name__ == "moe_place_kernel":
+            _plan_as_the_kernel_would(launch.named())
 
     originals = {"use_triton": kernels.use_triton, "arch": getattr(kernels, "arch", None)}
     stand_ins = {"use_triton": lambda device: True, "arch": lambda device: cc}
@@ -183,6 +185,23 @@ def _recording(events: list, cc: int):
             os.environ.pop("DGEMMA_KERNELS", None)
         else:
             os.environ["DGEMMA_KERNELS"] = env
+
+
+def _plan_as_the_kernel_would(a: dict) -> None:
+    """A recorded launch does not run, but the MoE kernels after the block plan are sized by its values (their live
+    CTAs): write the plan the kernel would write (quant/kernels/moe_plan.py makes routing.moe_blocks' values) into
+    its outputs. Not on the meta device (a traced step), where the report substitutes a plan itself (`routed`)."""
+    from quant.kernels.routing import moe_blocks
+
+    idx = a["idx_ptr"]
+    if idx.is_meta:
+        return
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():  # not metered: the kernel's own traffic is its launch's
+        ids, block_expert = moe_blocks(idx[: a["N"]], a["E"], a["BLOCK_M"])
+        a["ids_ptr"].copy_(ids)
+        a["be_ptr"].copy_(block_expert)
 
 
 def record(call: Callable[[], object], what: str, cc: int) -> list[Launch]:

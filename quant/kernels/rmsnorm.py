@@ -109,5 +109,5 @@ def rms_norm(a: torch.Tensor, weight: torch.Tensor | None, eps: float, a2: torch
         residual.contiguous() if residual is not None else g, scale if scale is not None else g,
         cos if rope else g, sin if rope else g, y, rows, D, float(eps), heads, T, cos_bstride,
         a2 is not None, weight is not None, residual is not None, scale is not None, rope, per, block, interpreting(),
-        num_warps=4 if block * per <= 2048 else 8)
+        num_warps=4 if block * per < 2048 else 8)
     return y
