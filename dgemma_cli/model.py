@@ -47,7 +47,8 @@ class RMSNorm(nn.Module):
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """apply_rope(self(x), cos, sin) for x [B, T, heads, D]."""
-        if _fused_norms(x):
+        D = x.shape[-1]
+        if D & (D - 1) == 0 and _fused_norms(x):  # the kernel rotates power-of-two heads (the model's: 256, 512)
             return _rms_norm_kernel()(x, self.weight, self.eps, cos=cos, sin=sin)
         return apply_rope(self(x), cos, sin)
 

@@ -190,20 +190,26 @@ def _moe_w8a8(kind: str, device: torch.device, dtype: torch.dtype) -> str | None
 
 
 def _rms_norm(device: torch.device, dtype: torch.dtype) -> str | None:
-    """5 x 2 x 3 heads of width 96 (a partial block) through every part: the pre-add, the weight, RoPE with
-    per-batch angles, the residual and the scale, against the torch ops the model runs."""
+    """5 x 2 tokens of 3 rows of width 96 (a partial block) through the pre-add, the weight, the residual and the
+    scale; then heads of 64 with RoPE at per-batch angles: against the torch ops the model runs."""
     from .kernels.rmsnorm import rms_norm
 
     g = torch.Generator().manual_seed(0)
     a, a2, r = (torch.randn(2, 5, 3, 96, generator=g).to(dtype) for _ in range(3))
     w, s = torch.rand(96, generator=g).to(dtype) + 0.5, torch.tensor(0.75, dtype=dtype)
-    cos, sin = (torch.rand(2, 5, 1, 96, generator=g).to(dtype) for _ in range(2))
     x = (a + a2).float()
     n = (x * torch.pow(x.pow(2).mean(-1, keepdim=True) + 1e-6, -0.5) * w.float()).to(dtype)
-    rot = torch.cat((-n[..., 48:], n[..., :48]), dim=-1)
-    ref = (r + ((n * cos) + (rot * sin))) * s
     got = rms_norm(*(t.to(device) for t in (a, w)), 1e-6, a2=a2.to(device), residual=r.to(device),
-                   scale=s.to(device), cos=cos.to(device), sin=sin.to(device))
+                   scale=s.to(device))
+    err = _rel_error(got.cpu(), (r + n) * s, dtype)
+    if err is not None:
+        return err
+    q, w = torch.randn(2, 5, 3, 64, generator=g).to(dtype), torch.rand(64, generator=g).to(dtype) + 0.5
+    cos, sin = (torch.rand(2, 5, 1, 64, generator=g).to(dtype) for _ in range(2))
+    xf = q.float()
+    n = (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + 1e-6, -0.5) * w.float()).to(dtype)
+    ref = (n * cos) + (torch.cat((-n[..., 32:], n[..., :32]), dim=-1) * sin)
+    got = rms_norm(q.to(device), w.to(device), 1e-6, cos=cos.to(device), sin=sin.to(device))
     return _rel_error(got.cpu(), ref, dtype)
 
 

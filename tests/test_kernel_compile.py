@@ -209,3 +209,17 @@ def test_whole_step_table_covers_three_gpus_two_formats_two_batches(report):
         assert r["kernels"] == r["torch_ops"] + r["launches"] and r["launches"] > 0
         assert sum(g["n"] for g in r["groups"]) == r["kernels"]
         assert r["transient_mb"] > 0
+
+
+def test_a_recorded_block_plan_holds_the_plan():
+    """The capture records the plan kernels without running them; the MoE kernels after them are costed by the
+    plan's values (their live CTAs), so the recorder writes the plan the kernel would."""
+    from quant.kernels.routing import moe_blocks
+
+    g = torch.Generator().manual_seed(0)
+    index = torch.randint(0, 6, (40, 2), generator=g)
+    want = moe_blocks(index, 6, 16)
+    ids = torch.empty_like(want[0])
+    be = torch.empty_like(want[1])
+    aot._plan_as_the_kernel_would(dict(idx_ptr=index.reshape(-1), ids_ptr=ids, be_ptr=be, N=80, E=6, BLOCK_M=16))
+    assert torch.equal(ids, want[0]) and torch.equal(be, want[1])

@@ -15,7 +15,7 @@ it only by float32 summation order in the mean (and 1/sqrt against pow(-0.5)): t
 them under Triton's interpreter. x of any float dtype, rows contiguous in the last dimension (D <= 16384).
 
 RoPE: x is [B, T, heads, D] (rows b, t, h in that order), cos and sin [B or 1, T, 1, D]; rotate_half(n) is
-cat(-n[D/2:], n[:D/2]), read here as the row's other half (a second load of the same row: L1 holds it).
+cat(-n[D/2:], n[:D/2]), made in registers from the row's two halves (D a power of two: the heads are 256 and 512).
 """
 
 from __future__ import annotations
@@ -57,18 +57,10 @@ def rms_norm_kernel(a_ptr, a2_ptr, w_ptr, r_ptr, s_ptr, cos_ptr, sin_ptr, y_ptr,
         w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
         n = n * w[None, :]
     n = _round(n, dt, EMULATE)
-    if ROPE:
-        half = D // 2
-        other = tl.where(cols < half, cols + half, cols - half)
-        pat = row[:, None] * D + other[None, :]
-        p = tl.load(a_ptr + pat, mask=mask, other=0.0).to(tl.float32)
-        if HAS_A2:
-            p = _round(p + tl.load(a2_ptr + pat, mask=mask, other=0.0).to(tl.float32), dt, EMULATE)
-        p = p * rstd[:, None]
-        if HAS_W:
-            p = p * tl.load(w_ptr + other, mask=other < D, other=0.0).to(tl.float32)[None, :]
-        p = _round(p, dt, EMULATE)
-        rot = tl.where((cols < half)[None, :], -p, p)
+    if ROPE:  # rotate_half(n) from the row's own halves in registers (D == BLOCK: a power of two)
+        halves = tl.permute(tl.reshape(n, [R, 2, BLOCK // 2]), (0, 2, 1))
+        lo, hi = tl.split(halves)
+        rot = tl.reshape(tl.permute(tl.join(-hi, lo), (0, 2, 1)), [R, BLOCK])
         t = (row // heads) % T
         b = row // (heads * T)
         cat = (b * cos_bstride + t * D)[:, None] + cols[None, :]
@@ -96,18 +88,20 @@ def rms_norm(a: torch.Tensor, weight: torch.Tensor | None, eps: float, a2: torch
     heads = T = 1
     cos_bstride = 0
     if rope:
-        if a.dim() != 4 or D % 2:
-            raise ValueError(f"RoPE needs x [B, T, heads, D] with D even (got {tuple(a.shape)})")
+        if a.dim() != 4 or D < 2 or D & (D - 1):
+            raise ValueError(f"RoPE needs x [B, T, heads, D] with D a power of two (got {tuple(a.shape)})")
         _, T, heads, _ = a.shape
         cos, sin = cos.contiguous(), sin.contiguous()
         cos_bstride = 0 if cos.shape[0] == 1 else T * D
     g = a  # a stand-in pointer for the operands a launch does not have (never read)
     block = triton.next_power_of_2(D)
-    per = min(16, max(1, 2048 // block))  # rows a program: a token's heads (D 256: 8), one row of the hidden size
+    # rows a program: 2,048 elements where rows are short (a token's heads of 256: 8 rows, 16 elements a thread on 4
+    # warps; 8 warps issued a third more), one row of the hidden size
+    per = min(16, max(1, 2048 // block))
     rms_norm_kernel[(triton.cdiv(rows, per),)](
         a, a2.contiguous() if a2 is not None else g, weight if weight is not None else g,
         residual.contiguous() if residual is not None else g, scale if scale is not None else g,
         cos if rope else g, sin if rope else g, y, rows, D, float(eps), heads, T, cos_bstride,
         a2 is not None, weight is not None, residual is not None, scale is not None, rope, per, block, interpreting(),
-        num_warps=4 if block * per < 2048 else 8)
+        num_warps=4 if block * per <= 2048 else 8)
     return y
