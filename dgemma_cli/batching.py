@@ -36,7 +36,8 @@ import torch
 
 from .config import GenerationSettings
 from .model import DiffusionGemma
-from .sampler import SamplerBuffers, _stable, entropy_bound_accept, fused_sampler, sample_step
+from .sampler import (SamplerBuffers, _stable, entropy_bound_accept, prepare_step, sample_step, step_temperature,
+                      use_fused_head)
 
 
 # ----------------------------------------------------------------------------- what goes in and comes out
@@ -112,14 +113,16 @@ class Ticket:
 # ----------------------------------------------------------------------------- the batched decoder forward
 
 
-def denoise_rows(model: DiffusionGemma, rows: list[_Row], canvas: torch.Tensor, out: torch.Tensor,
-                 probs: torch.Tensor, experts_per_row: bool = True) -> None:
+def denoise_rows(model: DiffusionGemma, rows: list[_Row], canvas: torch.Tensor, buf: SamplerBuffers,
+                 experts_per_row: bool = True) -> None:
     """One decoder forward for rows that each have their own cache and canvas position: `DiffusionGemma.denoise`
-    with one cache per row. canvas [A, C] ids (row a is rows[a]); probs [>= A*C, V] float32: the previous step's
-    softmax for the rows that have one (`row.sc`), read as self-conditioning; out [A*C, V]: the soft-capped logits
-    are written there. `experts_per_row`: see the module docstring."""
-    model.denoise(canvas, [r.cache for r in rows], [r.ctx for r in rows], sc_probs=probs,
-                  sc_rows=[a for a, r in enumerate(rows) if r.sc], out=out, experts_per_row=experts_per_row)
+    with one cache per row, its results in the sampler's buffers `buf` (engine.denoise_into). canvas [A, C] ids (row
+    a is rows[a]); the rows that have a previous step (`row.sc`) are self-conditioned on it, read from `buf`.
+    `experts_per_row`: see the module docstring."""
+    from .engine import denoise_into
+
+    denoise_into(model, canvas, [r.cache for r in rows], [r.ctx for r in rows], buf, True,
+                 sc_rows=[a for a, r in enumerate(rows) if r.sc], experts_per_row=experts_per_row)
 
 
 # ----------------------------------------------------------------------------- one request's state
@@ -167,9 +170,7 @@ class _Row:
 
     def temperature(self) -> torch.Tensor:
         """This step's temperature, computed as the single run computes it (a float32 tensor)."""
-        s = self.settings
-        frac = torch.tensor(self.n, dtype=torch.int32, device=self.model.device) / s.max_denoising_steps
-        return s.t_min + (s.t_max - s.t_min) * frac
+        return step_temperature(self.n, self.settings, self.model.device)
 
     def after_step(self, sample: torch.Tensor, argmax: torch.Tensor, entropy: torch.Tensor) -> bool:
         """Accept, renoise and test for the canvas's end, from this row's [1, C] slices of the step's results;
@@ -249,9 +250,9 @@ class BatchLoop:
         self.model = model
         self.max_batch, self.max_queue = max_batch, max_queue
         self.C, self.V = model.cfg.canvas_length, model.cfg.text.vocab_size
-        self.fused = fused_sampler(model.device)
         self.experts_per_row = model.device.type == "cpu"  # exactly the single run's bits (module docstring)
-        self.buf = SamplerBuffers(max_batch * self.C, self.V, model.device, fused=self.fused)
+        head = (model.cfg.text.hidden_size, model.dtype) if use_fused_head(model.device, model.dtype) else None
+        self.buf = SamplerBuffers(max_batch * self.C, self.V, model.device, head)
         self.pending: deque[Ticket] = deque()
         self.rows: list[_Row] = []
         self.cond = threading.Condition()
@@ -268,8 +269,7 @@ class BatchLoop:
 
     @property
     def buffer_bytes(self) -> int:
-        n = 1 if self.fused else 3
-        return n * self.buf.logits.numel() * self.buf.logits.element_size()
+        return self.buf.nbytes
 
     def load(self) -> tuple[int, int]:
         """(active rows, queued requests)."""
@@ -340,7 +340,7 @@ class BatchLoop:
         kept = [a for a in range(len(self.rows)) if a not in gone]
         for j, a in enumerate(kept):
             if a != j and self.rows[a].sc:  # a > j always: a row only ever moves forward, over a freed slot
-                self.buf.probs[j * C : (j + 1) * C].copy_(self.buf.probs[a * C : (a + 1) * C])
+                self.buf.move_rows(a * C, j * C, C)
         self.rows = [self.rows[a] for a in kept]
 
     def _step(self) -> None:
@@ -349,13 +349,14 @@ class BatchLoop:
         if not rows:
             return
         A, C = len(rows), self.C
-        buf = self.buf.head(A * C)
+        buf = self.buf.first(A * C)
         canvas = torch.cat([r.canvas for r in rows])  # [A, C]
-        denoise_rows(self.model, rows, canvas, buf.logits, self.buf.probs, self.experts_per_row)
+        temperature = torch.stack([r.temperature() for r in rows]).repeat_interleave(C)[:, None]  # [A*C, 1]
+        prepare_step(buf, temperature, [r.gen for r in rows])
+        denoise_rows(self.model, rows, canvas, buf, self.experts_per_row)
         self.forwards += 1
         self.row_forwards += A
         self.peak_batch = max(self.peak_batch, A)
-        temperature = torch.stack([r.temperature() for r in rows]).repeat_interleave(C)[:, None]  # [A*C, 1]
         sample, argmax, entropy = (t.view(A, C) for t in sample_step(buf, temperature, [r.gen for r in rows]))
         gone = set()
         for a, r in enumerate(rows):

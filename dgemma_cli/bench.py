@@ -424,7 +424,7 @@ def as_dict(r: BenchResult) -> dict:
 
 # ----------------------------------------------------------------------------- Triton path against torch path
 
-# Both sides draw the same random numbers (same seed, DGEMMA_SAMPLER=torch: the fused epilogue would draw its own);
+# Both sides draw the same random numbers (same seed, DGEMMA_SAMPLER=torch: the fused head would draw its own);
 # the Triton side runs as the engine does by default (CUDA graphs where they apply), the torch side eagerly.
 KERNEL_PATHS = {"triton": {"DGEMMA_KERNELS": "triton", "DGEMMA_SAMPLER": "torch", "DGEMMA_EAGER": None},
                 "torch": {"DGEMMA_KERNELS": "torch", "DGEMMA_SAMPLER": "torch", "DGEMMA_EAGER": "1"}}
@@ -484,7 +484,7 @@ def first_step_logits(model, prompts: torch.Tensor, canvas: torch.Tensor) -> tor
     with torch.inference_mode():
         d.encode(prompts, None)
         d.start_canvas()
-        d.denoise(canvas, None, out)
+        model.denoise(canvas, d.cache, d.ctx, out=out)  # the logits themselves, whatever head the sampler would use
     return out
 
 

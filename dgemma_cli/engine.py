@@ -23,7 +23,7 @@ from .device import SMALL_STEP, fit_cpu_threads, resolve_device, resolve_dtype
 from .errors import ModelError, UsageError
 from .model import DiffusionGemma, KVCache
 from .names import DEMO_MODEL, resolve_model  # noqa: F401 (engine.DEMO_MODEL is part of the API)
-from .sampler import Done, Event, generate_events
+from .sampler import Done, Event, SamplerBuffers, generate_events
 from .tokenizer import Control, Tokenizer
 from .weights import load_model
 
@@ -31,13 +31,26 @@ def check_kernels(device: torch.device) -> None:
     """DGEMMA_KERNELS (and DGEMMA_SAMPLER) must name an implementation that can run on `device` (one line if not)."""
     from quant.kernels import use_triton
 
-    from .sampler import fused_sampler
+    from .sampler import use_fused_head
 
     try:
         use_triton(device)
-        fused_sampler(torch.device("cpu"))  # validates DGEMMA_SAMPLER without probing a kernel
+        use_fused_head(torch.device("cpu"), torch.bfloat16)  # validates DGEMMA_SAMPLER without probing a kernel
     except (ValueError, RuntimeError) as e:
         raise UsageError(str(e)) from None
+
+
+def denoise_into(model: DiffusionGemma, canvas: torch.Tensor, cache, ctx, buf: SamplerBuffers, self_conditioned: bool,
+                 sc_rows: list[int] | None = None, experts_per_row: bool = False) -> None:
+    """One forward pass whose results land in the sampler's buffers (`Denoiser.denoise`): the torch path's logits,
+    or the fused head's draws. cache, ctx, sc_rows, experts_per_row as `DiffusionGemma.denoise` takes them."""
+    if buf.fused is None:
+        model.denoise(canvas, cache, ctx, sc_probs=buf.probs if self_conditioned else None, out=buf.logits,
+                      sc_rows=sc_rows, experts_per_row=experts_per_row)
+        return
+    hidden = model.denoise(canvas, cache, ctx, sc_soft=buf.fused.soft if self_conditioned else None,
+                           return_hidden=True, sc_rows=sc_rows, experts_per_row=experts_per_row)
+    model.fused_head(hidden, buf.temperature, buf.uniforms, buf.fused)
 
 
 class ModelDenoiser:
@@ -59,6 +72,8 @@ class ModelDenoiser:
         self.cache: KVCache = model.new_cache(batch, capacity)
         self.vocab_size = model.cfg.text.vocab_size
         self.canvas_length = model.cfg.canvas_length
+        self.hidden_size = model.cfg.text.hidden_size
+        self.dtype = model.dtype
         self.ctx = None
         # Soft tokens [N, H] of the images in the next encoded chunk (the prompt): used once, then dropped.
         self.image_features: torch.Tensor | None = None
@@ -70,8 +85,8 @@ class ModelDenoiser:
     def start_canvas(self) -> None:
         self.ctx = self.model.denoise_context(self.cache, self.batch)
 
-    def denoise(self, canvas: torch.Tensor, sc_probs: torch.Tensor | None, out: torch.Tensor) -> None:
-        self.model.denoise(canvas, self.cache, self.ctx, sc_probs=sc_probs, out=out)
+    def denoise(self, canvas: torch.Tensor, buf: SamplerBuffers, self_conditioned: bool) -> None:
+        denoise_into(self.model, canvas, self.cache, self.ctx, buf, self_conditioned)
 
     def stats(self) -> dict:
         return {"graph_captures": self.captures, "graph_replays": self.replays, "graph_fallback": self.fallback}
@@ -81,11 +96,13 @@ class GraphedDenoiser(ModelDenoiser):
     """CUDA: the steps of a canvas after the first are captured as one CUDA graph and replayed.
 
     Within a canvas every input has a fixed shape and address: the canvas ids are copied into a static tensor, the
-    self-conditioning probabilities and the logits live in the sampler's buffers, the cache's scratch slots and the
+    self-conditioning input and the step's results live in the sampler's buffers (the fused head's temperature and
+    uniforms too, written in place before each step), the cache's scratch slots and the
     `DenoiseContext` do not move. The first step (no self-conditioning) runs eagerly; the second runs eagerly too
     (its result is the step's) and is captured right after; later steps replay. The context changes when a canvas
     is appended, so a canvas gets its own graph, in one memory pool shared by all of them. If a capture fails (a
-    path with a host round trip), this denoiser stays eager. The sampler's epilogue runs outside the graph.
+    path with a host round trip), this denoiser stays eager. With the fused head the graph ends with the step's draws;
+    the torch path's sampling runs outside it.
     """
 
     def __init__(self, model: DiffusionGemma, batch: int, capacity: int):
@@ -98,9 +115,9 @@ class GraphedDenoiser(ModelDenoiser):
         super().start_canvas()
         self.graph: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None
 
-    def denoise(self, canvas: torch.Tensor, sc_probs: torch.Tensor | None, out: torch.Tensor) -> None:
-        if sc_probs is None or self.eager:
-            return super().denoise(canvas, sc_probs, out)
+    def denoise(self, canvas: torch.Tensor, buf: SamplerBuffers, self_conditioned: bool) -> None:
+        if not self_conditioned or self.eager:
+            return super().denoise(canvas, buf, self_conditioned)
         if self.graph is not None:
             graph, static = self.graph
             static.copy_(canvas)
@@ -108,17 +125,17 @@ class GraphedDenoiser(ModelDenoiser):
             self.replays += 1
             return
         static = canvas.clone()
-        super().denoise(static, sc_probs, out)  # this step's result, and the warm-up for the capture
+        super().denoise(static, buf, True)  # this step's result, and the warm-up for the capture
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
-                super().denoise(static, sc_probs, out)
+                super().denoise(static, buf, True)
         except RuntimeError as e:  # something on this path talks to the host: no graph for this model
             self.eager = True
             self.fallback = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             torch.cuda.synchronize()
             return
-        self.graph = (graph, static)  # the capture recorded work without running it: `out` holds this step
+        self.graph = (graph, static)  # the capture recorded work without running it: `buf` holds this step
         self.captures += 1
 
 

@@ -530,6 +530,21 @@ class DiffusionGemma(nn.Module):
             out.div_(cap).tanh_().mul_(cap)
         return out.view(B, T, -1)
 
+    def fused_head(self, hidden: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor, buffers):
+        """Final-normed hidden [B, T, H] -> the sampler's draws, argmax, entropy and the next step's soft embedding,
+        written into `buffers` (quant.kernels.head.HeadBuffers) by the fused head: no logits tensor. temperature
+        float32 [B*T], uniforms float32 [B*T, 2] (the sampler's, quant/kernels/head.py says how they are used)."""
+        from quant.kernels.head import fused_head
+
+        B, T, H = hidden.shape
+        w = self.embed_tokens.weight
+        scale = self.__dict__.get("_embed_scale_float")
+        if scale is None or scale[0] != w.dtype:  # a Python float: no device read in a captured graph
+            value = torch.tensor(H**0.5, dtype=torch.float32).to(w.dtype).item()
+            self.__dict__["_embed_scale_float"] = scale = (w.dtype, value)
+        return fused_head(hidden.reshape(B * T, H), w, self.cfg.text.final_logit_softcapping, scale[1], temperature,
+                          uniforms, buffers)
+
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         return KVCache(self, batch, capacity, self.device, self.dtype)
 
@@ -657,13 +672,10 @@ class DiffusionGemma(nn.Module):
             torch.matmul(probs[lo : lo + rows_at_once].to(w.dtype), w, out=out[lo : lo + rows_at_once])
         return out * self.embed_scale()
 
-    def _self_condition_rows(self, x: torch.Tensor, probs: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """Self-conditioning for the canvas rows `rows` of x [B, C, H] (sorted), from their previous step's softmax
-        in probs [>= B*C, V]; the other rows get the first step's (no soft signal). One soft-embedding matmul per
-        run of consecutive rows."""
-        C = x.shape[1]
-        sc = self.self_conditioning
-        soft = torch.empty(len(rows), C, x.shape[-1], dtype=x.dtype, device=x.device)  # [S, C, H]
+    def _soft_of_rows(self, probs: torch.Tensor, rows: list[int], C: int) -> torch.Tensor:
+        """The soft embeddings [S, C, H] of the canvas rows `rows` (sorted) from their softmax in probs [>= B*C, V]:
+        one soft-embedding matmul per run of consecutive rows."""
+        soft = torch.empty(len(rows), C, self.cfg.text.hidden_size, dtype=self.dtype, device=probs.device)
         k = 0
         while k < len(rows):
             j = k
@@ -672,6 +684,12 @@ class DiffusionGemma(nn.Module):
             lo, hi = rows[k], rows[j] + 1
             soft[k : j + 1] = self.soft_embedding(probs[lo * C : hi * C]).view(hi - lo, C, -1)
             k = j + 1
+        return soft
+
+    def _self_condition_rows(self, x: torch.Tensor, soft: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Self-conditioning for the canvas rows `rows` of x [B, C, H] (sorted) from their soft embeddings soft
+        [len(rows), C, H]; the other rows get the first step's (no soft signal)."""
+        sc = self.self_conditioning
         h = sc.pre_norm(soft)
         idx = torch.tensor(rows, device=x.device)
         x = x.index_put((idx,), x[idx] + sc.down_proj(gelu_tanh(sc.gate_proj(h)) * sc.up_proj(h)))
@@ -679,7 +697,7 @@ class DiffusionGemma(nn.Module):
 
     def denoise(self, canvas: torch.Tensor, cache: KVCache | list[KVCache], ctx: DenoiseContext | list[DenoiseContext],
                 sc_logits: torch.Tensor | None = None, sc_probs: torch.Tensor | None = None,
-                out: torch.Tensor | None = None, return_hidden: bool = False, sc_rows: list[int] | None = None,
+                sc_soft: torch.Tensor | None = None, out: torch.Tensor | None = None, return_hidden: bool = False, sc_rows: list[int] | None = None,
                 experts_per_row: bool = False) -> torch.Tensor:
         """One denoising forward pass over the canvas: the one path for a single generation and the server's batch.
 
@@ -687,7 +705,8 @@ class DiffusionGemma(nn.Module):
         caches and contexts that cover the rows in order (the server: one request of batch 1 per row, each with its
         own cache and canvas position); attention runs per cache, everything else on all rows at once.
         Self-conditioning from the previous step, given either as its processed logits sc_logits [B, C, V] or
-        directly as their softmax sc_probs [B*C, V] float32 (the sampler already has it); neither at the first step.
+        directly as their softmax sc_probs [B*C, V] float32 (the sampler already has it), or as the soft embedding of
+        that softmax sc_soft [B*C, H] (the fused head made it: `fused_head`); none at the first step.
         sc_rows: only these rows have a previous step (the others' probs are not read; None: all rows).
         experts_per_row: the routed experts on each row apart (Layer.feed_forward). Returns float32 soft-capped
         logits [B, C, V], written into `out` [B*C, V] when given.
@@ -697,10 +716,14 @@ class DiffusionGemma(nn.Module):
         x = self.embed(canvas)
         if sc_logits is not None:
             sc_probs = sc_logits.softmax(dim=-1, dtype=torch.float32)
-        if sc_probs is not None and sc_rows is None:
+        if sc_soft is not None and sc_rows is None:
+            x = self.self_conditioning(x, sc_soft.view(B, C, -1))
+        elif sc_soft is not None and sc_rows:
+            x = self._self_condition_rows(x, sc_soft.view(B, C, -1)[torch.tensor(sc_rows, device=x.device)], sc_rows)
+        elif sc_probs is not None and sc_rows is None:
             x = self.self_conditioning(x, self.soft_embedding(sc_probs.view(B * C, -1)).view(B, C, -1))
         elif sc_probs is not None and sc_rows:
-            x = self._self_condition_rows(x, sc_probs, sc_rows)
+            x = self._self_condition_rows(x, self._soft_of_rows(sc_probs, sc_rows, C), sc_rows)
         else:
             x = self.self_conditioning(x, None)
         for i, layer in enumerate(self.layers):

@@ -25,14 +25,18 @@ class Denoiser(Protocol):
 
     vocab_size: int
     canvas_length: int
+    hidden_size: int
+    dtype: torch.dtype
 
     def encode(self, ids: torch.Tensor, valid: torch.Tensor | None) -> None: ...
 
     def start_canvas(self) -> None: ...
 
-    def denoise(self, canvas: torch.Tensor, sc_probs: torch.Tensor | None, out: torch.Tensor) -> None:
-        """Write float32 soft-capped logits [B*C, V] into `out`; sc_probs [B*C, V] is the previous step's
-        softmax of its processed logits (None at a canvas's first step)."""
+    def denoise(self, canvas: torch.Tensor, buf: SamplerBuffers, self_conditioned: bool) -> None:
+        """One forward pass over canvas [B, C] that leaves its results in `buf`: the torch path's float32 soft-capped
+        logits [B*C, V] in buf.logits, self-conditioned on buf.probs (the previous step's softmax); the fused head's
+        draws in buf.fused, self-conditioned on buf.fused.soft (the previous step's soft embedding). The first step
+        of a canvas is not self-conditioned."""
 
 
 @dataclass
@@ -80,34 +84,77 @@ def tokens_per_forward(kept: int, forwards: int) -> float:
 
 
 class SamplerBuffers:
-    """The canvas x vocab float32 buffers a step needs, allocated once per generation.
+    """What a step's sampling needs, allocated once per generation (or per server batch) for `rows` rows.
 
-    The reference path (three buffers, the reference's random draws):
+    The torch path (the reference's ops and random draws; the CPU, and CUDA with DGEMMA_SAMPLER=torch), three
+    canvas x vocab float32 buffers:
     logits: the model's output, then the processed (temperature-scaled) logits, then scratch for the entropy.
     probs:  softmax of the processed logits: the sampling distribution, and the next step's self-conditioning.
     noise:  the exponential race that draws the sample, then scratch.
-    The fused path (`fused`, Triton on CUDA): one buffer; the epilogue kernel turns the logits into probabilities
-    in place, and the next step's forward reads them (self-conditioning) before it writes its logits there.
+    The fused head (`head` = (hidden, dtype); Triton on CUDA, quant/kernels/head.py): no canvas x vocab float32
+    buffer. The forward pass ends in the head, which writes the step's draws, argmax, entropy and the next step's
+    soft embedding into `fused` (HeadBuffers); it reads the step's temperature [rows] and two uniforms per row
+    [rows, 2] from here, written in place by `prepare_step` before the forward (so a captured graph sees them).
     """
 
-    def __init__(self, rows: int, vocab: int, device, fused: bool = False):
-        self.fused = fused
-        self.logits = torch.empty(rows, vocab, dtype=torch.float32, device=device)
-        self.probs = self.logits if fused else torch.empty_like(self.logits)
-        self.noise = None if fused else torch.empty_like(self.logits)
+    def __init__(self, rows: int, vocab: int, device, head: tuple[int, torch.dtype] | None = None):
+        self.vocab, self.fused = vocab, None
+        self.logits = self.probs = self.noise = self.temperature = self.uniforms = None
+        if head is None:
+            self.logits = torch.empty(rows, vocab, dtype=torch.float32, device=device)
+            self.probs = torch.empty_like(self.logits)
+            self.noise = torch.empty_like(self.logits)
+        else:
+            from quant.kernels.head import HeadBuffers
 
-    def head(self, rows: int) -> SamplerBuffers:
+            hidden, dtype = head
+            self.fused = HeadBuffers(rows, vocab, hidden, dtype, device)
+            self.temperature = torch.empty(rows, dtype=torch.float32, device=device)
+            self.uniforms = torch.empty(rows, 2, dtype=torch.float32, device=device)
+
+    def first(self, rows: int) -> SamplerBuffers:
         """The first `rows` rows of every buffer (views: no copy), for a batch that uses only part of them."""
         view = object.__new__(SamplerBuffers)
-        view.fused = self.fused
-        view.logits = self.logits[:rows]
-        view.probs = view.logits if self.fused else self.probs[:rows]
-        view.noise = None if self.fused else self.noise[:rows]
+        for k, v in self.__dict__.items():
+            setattr(view, k, v[:rows] if isinstance(v, torch.Tensor) else v)
+        view.fused = None if self.fused is None else self.fused.first(rows)
         return view
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [v for v in self.__dict__.values() if isinstance(v, torch.Tensor)]
+        return sum(t.untyped_storage().nbytes() for t in tensors) + (self.fused.nbytes if self.fused else 0)
+
+    def move_rows(self, src: int, dst: int, n: int) -> None:
+        """Copy rows [src, src + n) over rows [dst, dst + n): what the next step's self-conditioning reads."""
+        if self.fused is None:
+            self.probs[dst : dst + n].copy_(self.probs[src : src + n])
+        else:
+            self.fused.soft[dst : dst + n].copy_(self.fused.soft[src : src + n])
+
+
+def prepare_step(buf: SamplerBuffers, temperature: torch.Tensor, generators: list[torch.Generator] | None = None):
+    """Before a step's forward pass, for the fused head: its temperature (0-dim, or one per row [N] / [N, 1]) and two
+    uniforms per row, written in place into buf (N rows). generators as `sample_step` takes them: one per block of
+    N / len(generators) consecutive rows, each block drawing its uniforms from its own (what it draws alone).
+    Nothing to do for the torch path, which samples after the forward."""
+    if buf.fused is None:
+        return
+    N = buf.temperature.shape[0]
+    buf.temperature.copy_(temperature.reshape(-1).expand(N) if temperature.numel() == 1 else temperature.reshape(N))
+    if generators is None:
+        buf.uniforms.uniform_()
+        return
+    if N % len(generators):
+        raise ValueError(f"{N} rows do not split into {len(generators)} equal blocks")
+    R = N // len(generators)
+    for b, g in enumerate(generators):
+        buf.uniforms[b * R : (b + 1) * R].uniform_(generator=g)
 
 
 def sample_step(buf: SamplerBuffers, temperature: torch.Tensor, generators: list[torch.Generator] | None = None):
-    """Temperature, sample, argmax and entropy from the logits in `buf.logits` [N, V]; returns [N] tensors.
+    """Temperature, sample, argmax and entropy from the logits in `buf.logits` [N, V]; returns [N] tensors. With the
+    fused head, the draws its forward pass made (`prepare_step`, `Denoiser.denoise`).
 
     Every value equals the reference's bit for bit and the random draws are the same, in the same order:
     `torch.multinomial(probs, 1)` is `argmax(probs / q)` with q ~ Exp(1) drawn over the whole [N, V] (spelled
@@ -117,24 +164,11 @@ def sample_step(buf: SamplerBuffers, temperature: torch.Tensor, generators: list
     block of N / len(generators) consecutive rows (a request's canvas), each block drawing from its own, so a block's
     draws are those it would get alone after seeding torch with its generator's seed, whatever else is in the batch.
     """
+    if buf.fused is not None:  # the forward's head drew them (prepare_step gave it the temperature and uniforms)
+        return buf.fused.sample, buf.fused.argmax, buf.fused.entropy.clone()  # entropy leaves in a Step event
     N = buf.logits.shape[0]
     if generators is not None and N % len(generators):
         raise ValueError(f"{N} rows do not split into {len(generators)} equal blocks")
-    if buf.fused:  # one kernel, one buffer; its own random stream (same distribution, other draws)
-        from quant.kernels.sampler_epilogue import sampler_epilogue
-
-        if generators is None:
-            seed = torch.randint(0, 2**62, (1,), device=buf.logits.device)  # from torch's generator: seeds repeat runs
-            return sampler_epilogue(buf.logits, temperature, seed)
-        # The kernel keys its stream by (seed, row within the call): one call per block, each with its own seed and
-        # temperature, gives a block the draws it gets alone.
-        R = N // len(generators)
-        parts = []
-        for b, g in enumerate(generators):
-            seed = torch.randint(0, 2**62, (1,), device=buf.logits.device, generator=g)
-            t = temperature if temperature.dim() == 0 else temperature[b * R]
-            parts.append(sampler_epilogue(buf.logits[b * R : (b + 1) * R], t, seed))
-        return tuple(torch.cat(x) for x in zip(*parts))
     logits, probs, scratch = buf.logits, buf.probs, buf.noise
     logits.div_(temperature)  # processed logits
     torch.ops.aten._softmax.out(logits, -1, False, out=probs)  # = torch.softmax(logits, -1)
@@ -158,22 +192,35 @@ def sample_step(buf: SamplerBuffers, temperature: torch.Tensor, generators: list
     return sample, argmax, entropy
 
 
-def fused_sampler(device: torch.device) -> bool:
-    """The fused epilogue runs where DGEMMA_KERNELS selects Triton on a CUDA device. Not on the CPU, even under
-    the interpreter: there the torch path keeps the reference's random draws, so tokens stay comparable.
-    DGEMMA_SAMPLER=torch keeps the torch path on CUDA too (the reference's draws: runs then compare token for token);
-    auto (the default) decides as above."""
+def use_fused_head(device: torch.device, dtype: torch.dtype) -> bool:
+    """The fused head (quant/kernels/head.py) runs where DGEMMA_KERNELS selects Triton on a CUDA device and the model
+    is 16-bit. Not on the CPU, even under the interpreter: there the torch path keeps the reference's random draws,
+    so tokens stay comparable. DGEMMA_SAMPLER=torch keeps the torch path on CUDA too (the reference's draws: runs
+    then compare token for token); auto (the default) decides as above."""
     import os
 
     choice = os.environ.get("DGEMMA_SAMPLER", "auto").strip().lower() or "auto"
     if choice not in ("auto", "torch"):
         raise ValueError(f"DGEMMA_SAMPLER must be auto or torch (got {choice!r})")
-    if choice == "torch":
+    if choice == "torch" or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return False
     from quant.kernels import use_triton
     from quant.kernels.probe import family_ok
 
-    return device.type == "cuda" and use_triton(device) and family_ok("sampler_epilogue", device)
+    return use_triton(device) and family_ok("head", device, dtype)
+
+
+def new_buffers(rows: int, denoiser: Denoiser, device: torch.device) -> SamplerBuffers:
+    """The buffers for `rows` rows of `denoiser`'s model: the fused head's where it runs, else the torch path's."""
+    head = (denoiser.hidden_size, denoiser.dtype) if use_fused_head(device, denoiser.dtype) else None
+    return SamplerBuffers(rows, denoiser.vocab_size, device, head)
+
+
+def step_temperature(n: int, settings: GenerationSettings, device) -> torch.Tensor:
+    """The temperature of the step with n steps left (N .. 1): it falls linearly from t_max to t_min; a float32
+    0-dim tensor, computed as the reference does."""
+    frac = torch.tensor(n, dtype=torch.int32, device=device) / settings.max_denoising_steps
+    return settings.t_min + (settings.t_max - settings.t_min) * frac
 
 
 def entropy_bound_accept(entropy: torch.Tensor, bound: float) -> torch.Tensor:
@@ -184,22 +231,20 @@ def entropy_bound_accept(entropy: torch.Tensor, bound: float) -> torch.Tensor:
 
 
 def settle_step(buf: SamplerBuffers, canvas: torch.Tensor, argmax: torch.Tensor, done: torch.Tensor,
-                history: list[torch.Tensor], n: int, settings: GenerationSettings, held: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                history: list[torch.Tensor], temperature: torch.Tensor, settings: GenerationSettings,
+                held: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                           torch.Tensor]:
     """What a step does after its forward pass wrote `buf.logits` [B*C, V]: sample at this step's temperature,
     accept the lowest-entropy positions, renoise the rest, and test each row for convergence. No host round trip.
 
     canvas, argmax [B, C]: this step's input canvas and the last argmax canvas; done [B]: rows converged before;
-    history: the last argmax canvases (`_stable`); n: steps left, counting this one (N .. 1); held [B, h] as in
+    history: the last argmax canvases (`_stable`); temperature: this step's (`step_temperature`); held [B, h] as in
     `generate_events`. Returns the next canvas, the argmax canvas, the accepted positions, the entropy [B, C] and
     the updated done [B].
     """
     B, C = canvas.shape
-    dev, V, N = canvas.device, buf.logits.shape[1], settings.max_denoising_steps
+    dev, V = canvas.device, buf.vocab
     free = C - (0 if held is None else held.shape[1])
-    # Temperature falls linearly from t_max to t_min; computed as a float32 tensor like the reference.
-    frac = torch.tensor(n, dtype=torch.int32, device=dev) / N
-    temperature = settings.t_min + (settings.t_max - settings.t_min) * frac
     sample, new_argmax, entropy = (t.view(B, C) for t in sample_step(buf, temperature))
     if settings.greedy:
         sample = new_argmax.clone()
@@ -247,7 +292,7 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
     kept_per_row = [0] * B  # tokens the answer keeps, summed over canvases
     batched_calls = 0
     chunk, chunk_valid = prompt, prompt_valid
-    buf = SamplerBuffers(B * C, V, dev, fused=fused_sampler(dev))
+    buf = new_buffers(B * C, denoiser, dev)
     h = 0 if held is None else held.shape[1]
     free = C - h
     if h:
@@ -262,7 +307,7 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
         if h:
             canvas[:, free:] = held
         argmax = canvas
-        sc_probs = None
+        self_conditioned = False
         done = torch.zeros(B, dtype=torch.bool, device=dev)  # adaptive stop per row
         history: list[torch.Tensor] = []  # the last `stability_threshold` argmax canvases
         row_steps = torch.zeros(B, dtype=torch.int64, device=dev)
@@ -271,11 +316,13 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
             active = ~(done | finished_rows)
             forward_passes += active
             row_steps += active
-            denoiser.denoise(canvas, sc_probs, buf.logits)
+            temperature = step_temperature(n, settings, dev)
+            prepare_step(buf, temperature)
+            denoiser.denoise(canvas, buf, self_conditioned)
             batched_calls += 1
-            canvas, argmax, accepted, entropy, done = settle_step(buf, canvas, argmax, done, history, n, settings,
-                                                                  held)
-            sc_probs = buf.probs
+            canvas, argmax, accepted, entropy, done = settle_step(buf, canvas, argmax, done, history, temperature,
+                                                                  settings, held)
+            self_conditioned = True
             yield Step(ci, N - n + 1, N, canvas, argmax, accepted, entropy, done.clone())
             if bool(done.all()):
                 break

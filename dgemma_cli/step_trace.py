@@ -9,11 +9,10 @@
 This is the entry point of the whole-step table in `make kernel-report` (scripts/kernel_report.py), and of any
 other tool that wants to cost a step: it needs no GPU, only the model's code.
 
-What is traced is the code a CUDA device runs for one step of a canvas after its first (self-conditioning on):
-`DiffusionGemma.denoise` with the previous step's probabilities as input and the sampler's buffer as output (as the
-engine's denoiser calls it; its CUDA graph replays the same kernels), then `sampler.settle_step` with the fused
-sampler buffers (the Triton epilogue, acceptance, renoising, the convergence test). The model is built on the meta
-device (no memory, no data) at the real shapes of `config` (DiffusionGemma 26B-A4B by default) with the format's
+What is traced is the code a CUDA device runs for one step of a canvas after its first (self-conditioning on): the
+engine's denoiser (`engine.ModelDenoiser.denoise`; its CUDA graph replays the same kernels), which runs
+`DiffusionGemma.denoise` on the previous step's soft embedding and ends in the fused head (quant/kernels/head.py),
+then `sampler.settle_step` (acceptance, renoising, the convergence test). The model is built on the meta device (no memory, no data) at the real shapes of `config` (DiffusionGemma 26B-A4B by default) with the format's
 quantized modules where its published release has them; the Triton wrappers answer as on a GPU of compute capability
 `target` (quant.kernels.aot's recorder: each launch is kept with its arguments, grid and launch settings, never
 run), and every torch op is metered by the tensors it reads and writes.
@@ -268,7 +267,8 @@ def trace_step(batch: int = 1, prompt: int = 256, target: int = 90, fmt: str = "
 
     from .config import DIFFUSIONGEMMA_26B_A4B, FULL, SLIDING, GenerationSettings, ModelConfig
     from .model import DenoiseContext, DiffusionGemma, rope_cos_sin
-    from .sampler import SamplerBuffers, settle_step
+    from .engine import ModelDenoiser
+    from .sampler import SamplerBuffers, prepare_step, settle_step, step_temperature
 
     config = config or DIFFUSIONGEMMA_26B_A4B
     cfg = ModelConfig.from_dict(config)
@@ -283,16 +283,17 @@ def trace_step(batch: int = 1, prompt: int = 256, target: int = 90, fmt: str = "
     model.eval()
     C, V = cfg.canvas_length, cfg.text.vocab_size
     trace = StepTrace(config=config, fmt=fmt, batch=batch, prompt=prompt, target=target)
-    cache = model.new_cache(batch, prompt)
+    denoiser = ModelDenoiser(model, batch, prompt)  # the engine's (its CUDA graph replays the same kernels)
+    cache = denoiser.cache
     cache.length = prompt
     # the context of a canvas after `prompt` valid tokens (DiffusionGemma.denoise_context, without its host-side
     # check of the padding, which has none here)
     pos = torch.arange(prompt, prompt + C, device="meta")[None]
     rope = {k: rope_cos_sin(f, pos, model.dtype) for k, f in model.inv_freq.items()}
     keys = {FULL: (0, prompt + C), SLIDING: (cache.window - min(prompt, cache.window), cache.window + C)}
-    ctx = DenoiseContext(cos={k: c for k, (c, _) in rope.items()}, sin={k: s for k, (_, s) in rope.items()},
-                         mask={FULL: None, SLIDING: None}, keys=keys)
-    buf = SamplerBuffers(batch * C, V, "meta", fused=True)
+    denoiser.ctx = DenoiseContext(cos={k: c for k, (c, _) in rope.items()}, sin={k: s for k, (_, s) in rope.items()},
+                                  mask={FULL: None, SLIDING: None}, keys=keys)
+    buf = SamplerBuffers(batch * C, V, "meta", head=(cfg.text.hidden_size, model.dtype))
     canvas = torch.zeros(batch, C, dtype=torch.long, device="meta")
     argmax = torch.zeros_like(canvas)
     done = torch.zeros(batch, dtype=torch.bool, device="meta")
@@ -302,13 +303,17 @@ def trace_step(batch: int = 1, prompt: int = 256, target: int = 90, fmt: str = "
     weights = {_sid(t): t for t in list(model.parameters()) + list(model.buffers())}
     trace.cache_bytes = sum(t.untyped_storage().nbytes() for t in cache.k + cache.v)
     persistent = set(weights) | {_sid(t) for t in cache.k + cache.v}
-    request = (buf.logits, canvas, argmax)  # made once per generation: per-request memory, not per-step traffic
+    # made once per generation: per-request memory, not per-step traffic
+    request = tuple(v for v in list(vars(buf).values()) + list(vars(buf.fused).values()) + [canvas, argmax]
+                    if isinstance(v, torch.Tensor))
 
     def step(events: list, meter: _Meter) -> None:
         with aot._recording(events, target), _w8a8_hardware_of(target), torch.no_grad(), meter, \
                 _attention_as_one_op(meter):
-            model.denoise(canvas, cache, ctx, sc_probs=buf.probs, out=buf.logits)
-            settle_step(buf, canvas, argmax, done, list(history), settings.max_denoising_steps, settings)
+            temperature = step_temperature(settings.max_denoising_steps, settings, "meta")
+            prepare_step(buf, temperature)
+            denoiser.denoise(canvas, buf, True)
+            settle_step(buf, canvas, argmax, done, list(history), temperature, settings)
 
     step(_Dropped(), _Meter([], persistent))  # a first step, as the engine's eager steps before its graph: what
     # the modules make once (a per-row scale) is made here, not counted in the step

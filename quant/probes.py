@@ -82,27 +82,31 @@ def _moe(fmt: str, device: torch.device, dtype: torch.dtype) -> str | None:
     return _rel_error(got, ref, dtype)
 
 
-def _sampler(device: torch.device, dtype: torch.dtype) -> str | None:
-    """33 rows x 5000 logits (two chunks of 4096, the second partial): probabilities left in place of the logits,
-    argmax and entropy as the torch epilogue computes them, and every sample in range."""
-    from .kernels.sampler_epilogue import sampler_epilogue
+def _head(device: torch.device, dtype: torch.dtype) -> str | None:
+    """37 rows x hidden 96 x vocab 1,000 (two chunks of 512, a partial tile of 256 at the end, a partial row tile):
+    the fused head's draws, argmax, entropy and soft embedding against the same head in float32 torch ops from the
+    same uniforms (head.head_reference)."""
+    from .kernels.head import HeadBuffers, fused_head, head_reference
 
     g = torch.Generator().manual_seed(0)
-    R, V = 33, 5000
-    logits = (torch.randn(R, V, generator=g) * 3).to(device)
-    t = torch.tensor(0.7, device=device)
-    buf = logits.clone()
-    sample, argmax, entropy = sampler_epilogue(buf, t, torch.tensor([5], device=device))
-    z = logits / t
-    probs = torch.softmax(z, -1)
-    if not ((sample >= 0) & (sample < V)).all():
+    R, H, V = 37, 96, 1000
+    h = torch.randn(R, H, generator=g).to(dtype)
+    w = (torch.randn(V, H, generator=g) * 0.3).to(dtype)
+    t = torch.rand(R, generator=g) * 0.6 + 0.3
+    u = torch.rand(R, 2, generator=g)
+    buf = HeadBuffers(R, V, H, dtype, device, chunk=512, tile=256)
+    fused_head(h.to(device), w.to(device), 30.0, H**0.5, t.to(device), u.to(device), buf)
+    sample, argmax, entropy, soft = head_reference(h, w, 30.0, H**0.5, t, u, tile=256)
+    if not ((buf.sample.cpu() >= 0) & (buf.sample.cpu() < V)).all():
         return "a sample out of range"
-    if not torch.equal(argmax, z.argmax(-1)):
+    if (buf.sample.cpu() != sample).sum() > 1:  # a uniform within rounding of a boundary may pick the neighbour
+        return f"{int((buf.sample.cpu() != sample).sum())} of {R} draws differ"
+    if (buf.argmax.cpu() != argmax).any():
         return "argmax differs"
-    if (buf - probs).abs().max() > 1e-6:
-        return f"probabilities differ by {(buf - probs).abs().max().item():.1e}"
-    err = (entropy - (-(probs * torch.log_softmax(z, -1)).sum(-1))).abs().max().item()
-    return None if err < 1e-4 else f"entropy differs by {err:.1e}"
+    err = (buf.entropy.cpu() - entropy).abs().max().item()
+    if err > 1e-4:
+        return f"entropy differs by {err:.1e}"
+    return _rel_error(buf.soft.cpu(), soft, torch.bfloat16)
 
 
 def _w4a4(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -273,7 +277,7 @@ PROBLEMS = {
     "moe_int8": lambda device, dtype: _moe("int8", device, dtype),
     "moe_w8a8_int8": lambda device, dtype: _moe_w8a8("int8", device, dtype),
     "moe_w8a8_fp8": lambda device, dtype: _moe_w8a8("fp8", device, dtype),
-    "sampler_epilogue": _sampler,
+    "head": _head,
 }
 
 register(PROBLEMS)

@@ -216,25 +216,38 @@ def test_graphed_denoise_step_equals_eager():
     model = random_model(cfg, "nvfp4", "experts", torch.device("cuda"), torch.bfloat16)
     V, C = cfg.text.vocab_size, cfg.canvas_length
     prompt = torch.randint(0, V, (2, 40), device="cuda")
-    outs, denoisers = [], []
-    for cls in (ModelDenoiser, GraphedDenoiser):
-        d = cls(model, 2, 40 + C)
-        d.encode(prompt, None)
-        d.start_canvas()
-        out = torch.empty(2 * C, V, device="cuda")
-        probs = torch.softmax(torch.randn(2 * C, V, device="cuda", generator=torch.Generator("cuda").manual_seed(0)), -1)
-        logits = []
-        for step in range(3):
-            canvas = torch.randint(0, V, (2, C), device="cuda", generator=torch.Generator("cuda").manual_seed(step))
-            d.denoise(canvas, None if step == 0 else probs, out)
-            logits.append(out.clone())
-        outs.append(logits)
-        denoisers.append(d)
-    # step 1 eager, step 2 eager then captured, step 3 replayed: a silent eager fallback fails here
-    assert denoisers[1].stats() == {"graph_captures": 1, "graph_replays": 1, "graph_fallback": None}
-    assert denoisers[0].stats()["graph_replays"] == 0
-    for a, b in zip(*outs):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    from dgemma_cli.sampler import SamplerBuffers
+
+    g = torch.Generator("cuda").manual_seed(0)
+    for head in (None, (cfg.text.hidden_size, torch.bfloat16)):  # the torch path's logits; the fused head's draws
+        outs, denoisers = [], []
+        for cls in (ModelDenoiser, GraphedDenoiser):
+            d = cls(model, 2, 40 + C)
+            d.encode(prompt, None)
+            d.start_canvas()
+            buf = SamplerBuffers(2 * C, V, "cuda", head)
+            results = []
+            for step in range(3):
+                g.manual_seed(step)
+                canvas = torch.randint(0, V, (2, C), device="cuda", generator=g)
+                if head is None:  # the previous step's softmax, in place
+                    buf.probs.copy_(torch.softmax(torch.randn(2 * C, V, device="cuda", generator=g), -1))
+                else:  # its soft embedding, this step's temperature and uniforms, in place
+                    buf.fused.soft.copy_(torch.randn(2 * C, cfg.text.hidden_size, device="cuda", generator=g))
+                    buf.temperature.fill_(0.5 + 0.1 * step)
+                    buf.uniforms.uniform_(generator=g)
+                d.denoise(canvas, buf, step > 0)
+                results.append([t.clone() for t in ((buf.logits,) if head is None else
+                                                    (buf.fused.sample, buf.fused.argmax, buf.fused.entropy,
+                                                     buf.fused.soft))])
+            outs.append(results)
+            denoisers.append(d)
+        # step 1 eager, step 2 eager then captured, step 3 replayed: a silent eager fallback fails here
+        assert denoisers[1].stats() == {"graph_captures": 1, "graph_replays": 1, "graph_fallback": None}
+        assert denoisers[0].stats()["graph_replays"] == 0
+        for a, b in zip(*outs):
+            for x, y in zip(a, b):
+                torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
 @pytest.mark.gpu

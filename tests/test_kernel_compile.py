@@ -18,7 +18,7 @@ from quant.kernels import aot, roofline
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILIES = {"NVFP4 linear", "INT8 linear", "MoE gate-up (NVFP4)", "MoE down (NVFP4)", "MoE gate-up (INT8)",
-            "MoE down (INT8)", "MoE gate-up (W8A8-INT8)", "MoE down (W8A8-INT8)", "sampler epilogue"}
+            "MoE down (INT8)", "MoE gate-up (W8A8-INT8)", "MoE down (W8A8-INT8)", "fused head"}
 FP8_FAMILIES = {"MoE gate-up (W8A8-FP8)", "MoE down (W8A8-FP8)"}  # FP8 tensor cores: sm_89 and later
 
 
@@ -144,8 +144,10 @@ def test_moe_ctas_and_traffic():
                 w_ptr=torch.empty(10, dtype=torch.int16), I=704, BLOCK_K=64)
     assert decl.ctas(args, (5, 44)) == decl.ctas(args, (44, 5)) == 3 * 44  # 3 live blocks x 44 column tiles
     assert roofline.traffic(decl, args) == 5 * 4 + 10 * 2
-    sampler = roofline.KERNELS["sampler_epilogue_kernel"]
-    assert roofline.traffic(sampler, dict(logits_ptr=torch.empty(2, 8), V=8)) == 3 * 2 * 8 * 4
+    soft = roofline.KERNELS["head_soft_kernel"]  # the running sum: written by the first chunk, read and written after
+    part = torch.empty(2, 8)
+    assert roofline.traffic(soft, dict(part_ptr=part, FIRST=True)) == 2 * 8 * 4
+    assert roofline.traffic(soft, dict(part_ptr=part, FIRST=False)) == 2 * 2 * 8 * 4
 
 
 def test_launch_bound_counts_what_the_gpu_executes(monkeypatch):

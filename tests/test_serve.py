@@ -468,29 +468,41 @@ def test_load_16_clients_64_requests_answer_as_alone(server, engine):
     print(f"\n64 requests from 16 clients in {seconds:.2f} s, mean batch {rows:.2f}, peak RSS +{grown} kB")
 
 
-def test_fused_sampler_draws_per_request_block():
-    """The Triton epilogue (CUDA; here in Triton's interpreter) keys its random stream by (seed, row of the call):
-    with one generator per request, each request's block gets the draws it gets alone, wherever it sits."""
+def test_fused_head_draws_per_request_block():
+    """The fused head (CUDA; here in Triton's interpreter) draws from two uniforms per row that `prepare_step` takes
+    from each request's own generator: each request's block gets the draws it gets alone, wherever it sits."""
     import torch
 
     pytest.importorskip("triton")
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs CUDA or Triton's interpreter")
-    from dgemma_cli.sampler import SamplerBuffers, sample_step
+    from quant.kernels.head import fused_head
+
+    from dgemma_cli.sampler import SamplerBuffers, prepare_step, sample_step
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    R, V, seeds, temps = 4, 64, [11, 22, 33], [0.8, 0.5, 0.4]
-    logits = torch.randn(len(seeds) * R, V, generator=torch.Generator().manual_seed(0)).to(dev) * 3
-    buf = SamplerBuffers(len(seeds) * R + R, V, dev, fused=True)  # one row block more than used: head() views
-    view = buf.head(len(seeds) * R)
-    view.logits.copy_(logits)
+    R, H, V, seeds, temps = 4, 32, 300, [11, 22, 33], [0.8, 0.5, 0.4]
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(len(seeds) * R, H, generator=g).to(torch.bfloat16).to(dev)
+    w = torch.randn(V, H, generator=g).to(torch.bfloat16).to(dev)
+
+    def step(buf, rows, temperature, gens=None):
+        prepare_step(buf, temperature, gens)
+        fused_head(h[rows], w, 30.0, 4.0, buf.temperature, buf.uniforms, buf.fused)
+        return sample_step(buf, temperature)
+
+    buf = SamplerBuffers(len(seeds) * R + R, V, dev, head=(H, torch.bfloat16))  # a block more than used: views
+    view = buf.first(len(seeds) * R)
     temperature = torch.tensor(temps, device=dev).repeat_interleave(R)[:, None]
     gens = [torch.Generator(device=dev).manual_seed(s) for s in seeds]
-    together = sample_step(view, temperature, gens)
+    together = [x.clone() for x in step(view, slice(None), temperature, gens)]
     for b, (s, t) in enumerate(zip(seeds, temps)):
-        alone = SamplerBuffers(R, V, dev, fused=True)
-        alone.logits.copy_(logits[b * R : (b + 1) * R])
+        alone = SamplerBuffers(R, V, dev, head=(H, torch.bfloat16))
         torch.manual_seed(s)
-        expected = sample_step(alone, torch.tensor(t, device=dev))
-        for got, want in zip(together, expected):
+        expected = step(alone, slice(b * R, (b + 1) * R), torch.tensor(t, device=dev))
+        for got, want in zip(together[:2], expected[:2]):  # the draws and the argmax: the same tokens
             assert torch.equal(got[b * R : (b + 1) * R], want)
+        # the entropy within float32 summation order (the interpreter's matmul may sum a row otherwise elsewhere)
+        assert torch.allclose(together[2][b * R : (b + 1) * R], expected[2], atol=1e-5)
+
+

@@ -246,20 +246,21 @@ def test_a_failing_moe_kernel_leaves_the_experts_to_the_reference(probed, capsys
     assert len(calls) == 1 and capsys.readouterr().err == ""
 
 
-def test_a_wrong_sampler_epilogue_is_caught(probed, capsys, monkeypatch):
-    import quant.kernels.sampler_epilogue as kernel
+def test_a_wrong_fused_head_is_caught(probed, capsys, monkeypatch):
+    import quant.kernels.head as kernel
 
-    real = kernel.sampler_epilogue
+    real = kernel.fused_head
 
-    def wrong(logits, temperature, seed):
-        sample, argmax, entropy = real(logits, temperature, seed)
-        return sample, (argmax + 1) % logits.shape[1], entropy
+    def wrong(*args):
+        buf = real(*args)
+        buf.argmax.add_(1)
+        return buf
 
-    monkeypatch.setattr(kernel, "sampler_epilogue", wrong)
-    assert not probe.family_ok("sampler_epilogue", DEVICE)
-    assert one_line(capsys) == ("dgemma: the Triton sampler_epilogue kernel disagrees with the torch path on this "
-                                "GPU (argmax differs); using the torch path")
-    assert not probe.family_ok("sampler_epilogue", DEVICE, torch.bfloat16)  # the epilogue is float32 whatever
+    monkeypatch.setattr(kernel, "fused_head", wrong)
+    assert not probe.family_ok("head", DEVICE)
+    assert one_line(capsys) == ("dgemma: the Triton head kernel disagrees with the torch path on this GPU (argmax "
+                                "differs); using the torch path")
+    assert not probe.family_ok("head", DEVICE)  # asked once
     assert capsys.readouterr().err == ""
 
 

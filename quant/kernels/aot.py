@@ -1,7 +1,7 @@
 """Ahead-of-time compilation of dgemma's Triton kernels for real NVIDIA targets, on a machine without a GPU.
 
 1. Capture (`record`, `real_shape_work`): the public entry points, `NVFP4Linear` / `Int8Linear` `.forward`,
-   the expert stacks' `fused_experts` (W8A8 ones with 8-bit activations) and `sampler_epilogue`, are called at the
+   the expert stacks' `fused_experts` (W8A8 ones with 8-bit activations) and the fused head, are called at the
    real 26B-A4B shapes on CPU tensors whose data the kernels never read, with `JITFunction.run` replaced by a
    recorder and the kernels' `arch` answering the target's compute capability: every launch a call makes is kept
    with the arguments, grid, block sizes, warps and stages its wrapper would choose on that GPU (the first of its
@@ -279,15 +279,20 @@ def _expert_work(cc: int, batch: int, dtype: torch.dtype, stacks: dict, top_i: t
     return out
 
 
-def _sampler_work(cc: int, batch: int) -> Work:
-    from quant.kernels.sampler_epilogue import sampler_epilogue
+def _head_work(cc: int, batch: int) -> Work:
+    """The fused head at the real shapes (quant/kernels/head.py): the embedding on the meta device (1.5 GB: never
+    made), the rest too."""
+    from quant.kernels.head import HeadBuffers, fused_head
 
-    rows = batch * CANVAS
-    logits = torch.empty(rows, VOCAB)
-    temperature, seed = torch.tensor(1.0), torch.randint(0, 2**62, (1,))
-    launches = record(lambda: sampler_epilogue(logits, temperature, seed), "sampler_epilogue", cc)
-    # logits read once, probabilities written over them once; sample, argmax (int64) and entropy (float32) out
-    return Work("sampler epilogue", "logits", batch, "float32", 1, 2 * 4 * rows * VOCAB + rows * (8 + 8 + 4), 0,
+    rows, bf, meta = batch * CANVAS, torch.bfloat16, dict(device="meta")
+    h, w = torch.empty(rows, HIDDEN, dtype=bf, **meta), torch.empty(VOCAB, HIDDEN, dtype=bf, **meta)
+    t, u = torch.empty(rows, **meta), torch.empty(rows, 2, **meta)
+    buf = HeadBuffers(rows, VOCAB, HIDDEN, bf, "meta")
+    launches = record(lambda: fused_head(h, w, 30.0, HIDDEN**0.5, t, u, buf), "head", cc)
+    # the embedding read once, the hidden rows read and the soft embedding written once, the draws out; the logits
+    # and the soft embedding's matmuls
+    return Work("fused head", "logits", batch, "bfloat16", 1,
+                2 * VOCAB * HIDDEN + 2 * 2 * rows * HIDDEN + rows * (8 + 8 + 4), 2 * 2 * 2 * rows * VOCAB * HIDDEN,
                 launches)
 
 
@@ -382,7 +387,7 @@ def real_shape_work(cc: int) -> list[Work]:
         for dtype in DTYPES:
             work += _linear_work(cc, batch, dtype)
             work += _expert_work(cc, batch, dtype, stacks, top_i, top_w)
-        work.append(_sampler_work(cc, batch))
+        work.append(_head_work(cc, batch))
         work += _layer_glue_work(cc, batch)
     return work
 

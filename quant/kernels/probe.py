@@ -15,7 +15,7 @@ probe directly on any device.
 Not during a CUDA-graph capture: a probe synchronizes with the host, which a capture forbids. A family not yet
 probed when a capture asks gets the torch path inside that capture, and nothing is recorded, so it is probed at its
 next eager use. The engine never hits this: its first denoise step of every canvas, and the step before a capture,
-run eagerly (dgemma_cli/engine.py, GraphedDenoiser), and the sampler's epilogue runs outside the graph.
+run eagerly (dgemma_cli/engine.py, GraphedDenoiser), the fused head with them.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import sys
 import torch
 
 FAMILIES = ("nvfp4_linear", "nvfp4_w4a4", "int8_linear", "moe_nvfp4", "moe_nvfp4_w4a4", "moe_int8",
-            "moe_w8a8_int8", "moe_w8a8_fp8", "sampler_epilogue", "rms_norm", "softcap", "moe_plan", "router")
+            "moe_w8a8_int8", "moe_w8a8_fp8", "head", "rms_norm", "softcap", "moe_plan", "router")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 2e-3}  # max |kernel - ref| / max |ref|
 
 _ok: dict[tuple[str, int, torch.dtype], bool] = {}  # (family, device index, dtype) -> verdict, this process
@@ -42,8 +42,6 @@ def family_ok(family: str, device: torch.device, dtype: torch.dtype = torch.bflo
         raise ValueError(f"unknown kernel family {family!r}")
     if not needs_probe(device):
         return True
-    if family == "sampler_epilogue":
-        dtype = torch.float32  # the epilogue reads float32 logits whatever the model's dtype
     index = device.index
     if index is None:
         index = torch.cuda.current_device() if device.type == "cuda" else 0

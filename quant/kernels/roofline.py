@@ -168,10 +168,15 @@ KERNELS = {
     "softcap_kernel": Loops(trips=lambda a: [], elems=lambda a: a["BLOCK"]),
     # no loop (the top-k rows unrolled): one CTA sums BLOCK columns of one token's TOPK rows
     "moe_sum_kernel": Loops(trips=lambda a: [], elems=lambda a: a["TOPK"] * a["BLOCK"]),
-    # one row per CTA: a sweep over the whole BLOCK_V chunks for the max and sum, a second one writing the
-    # probabilities (the partial chunk, if any, is handled outside the loops); logits read twice, written once
-    "sampler_epilogue_kernel": Loops(trips=lambda a: [a["V"] // a["BLOCK_V"]] * 2, elems=lambda a: a["V"],
-                                     passes={"logits_ptr": 3}),
+    # the fused head (quant/kernels/head.py), per vocab chunk: logits, for k0 in range(0, H, BLOCK_K), one CTA per
+    # BLOCK_M rows x TILE columns; the soft embedding, for k0 in range(0, KC, BLOCK_K), one CTA per BLOCK_M rows x
+    # BLOCK_N of H, its running sum read and written unless FIRST; then one CTA a row, loop-free, for the totals
+    "head_logits_kernel": Loops(trips=lambda a: [_cdiv(a["H"], a["BLOCK_K"])], elems=lambda a: a["TILE"] * a["H"],
+                                mma=lambda a: 2 * a["BLOCK_M"] * a["TILE"] * _cdiv(a["H"], a["BLOCK_K"]) * a["BLOCK_K"]),
+    "head_soft_kernel": Loops(trips=lambda a: [_cdiv(a["KC"], a["BLOCK_K"])], elems=lambda a: a["BLOCK_N"] * a["KC"],
+                              passes=lambda a: {"part_ptr": 1 if a["FIRST"] else 2},
+                              mma=lambda a: 2 * a["BLOCK_M"] * a["BLOCK_N"] * _cdiv(a["KC"], a["BLOCK_K"]) * a["BLOCK_K"]),
+    "head_finish_kernel": Loops(trips=lambda a: [], elems=lambda a: a["H"]),
 }
 
 

@@ -1,0 +1,321 @@
+"""The fused head: logits, soft-capping, the sampler's statistics and draw, and the next step's soft embedding, over
+vocab chunks, with no canvas x vocab float32 tensor.
+
+What it replaces (the GPU path before it): the logits matmul into a 16-bit [R, V] tensor, its conversion to a float32
+[R, V] buffer and capping, the sampler epilogue (softmax in place, entropy, argmax, draw), and at the next step the
+soft embedding probs [R, V] @ embedding [V, H], which read the 1.48 GB embedding once per 64 rows. Here the
+embedding is streamed twice a step (logits, then soft embedding, chunk by chunk) and the only vocab-wide tensors are
+a 16-bit chunk of unnormalised probabilities [R, VC] and per-tile statistics [R, V / TILE].
+
+Why not the flash-attention pattern in one pass (the embedding as keys and values): the soft embedding's output row
+is H = 2,816 wide, an accumulator of [rows, H] float32 per program that fits no SM's registers or shared memory for
+a row tile worth streaming the embedding for; splitting H would recompute the logits once per split, splitting the
+vocab across programs would keep a partial [rows, H] per split. A vocab chunk's probabilities are written once in
+bfloat16 and read once, which costs 2 x 2 x R x VC bytes a chunk, far less than either.
+
+Per step, rows R = batch x canvas, chunk c = vocab [c VC, (c + 1) VC):
+1. head_logits_kernel (one program per BLOCK_M rows x TILE vocab columns of the chunk): logits = h @ W^T in float32,
+   capped (cap tanh(l / cap)), x = l log2(e) / t (the row's temperature, base 2). Per (row, tile): the tile max m_t,
+   s_t = sum 2^(x - m_t), w_t = sum 2^(x - m_t) (x - m_t), the first index of the largest x, and a draw within the
+   tile (inverse CDF of 2^(x - m_t) / s_t at the row's second uniform u2). Writes P = bfloat16(2^(x - m_t)) into the
+   chunk buffer, and the chunk's row max into M[row, c] (atomic max).
+2. head_soft_kernel (one program per BLOCK_M rows x BLOCK_N of H): acc = sum over the chunk's columns of
+   P 2^(m_t - M_c) (the factor per row and tile, applied to P before the tensor cores, rounded to bfloat16 once more)
+   times W; rows' running sums over the chunks so far are rescaled from their previous max to M_c, the max so far
+   (read from M, so each program needs no other's result), and written back (the first chunk writes).
+3. head_finish_kernel (one program per row, after the last chunk): M = max_t m_t (= the last running max),
+   S = sum_t s_t 2^(m_t - M), entropy = ln S - ln 2 sum_t 2^(m_t - M) (w_t + s_t (m_t - M)) / S (of softmax(l / t),
+   in nats, as the sampler's), argmax = the first tile holding M's index, the draw = the tile chosen by inverse CDF
+   of the tile masses at the row's first uniform u1, then that tile's draw; soft = running sum / S * sqrt(H) as
+   bfloat16; M reset to -inf for the next step.
+The draw is exact in distribution: P(v) = P(its tile) P(v | its tile), from two uniforms per row that the caller
+draws (torch's generator or a request's own), so `head_reference` here gives the same tokens from the same uniforms.
+Kernels: 2 x chunks + 1 a step.
+
+Operands: h [R, H] 16-bit (final-normed hidden, contiguous), W [V, H] 16-bit (the tied embedding), temperature
+float32 [R], uniforms float32 [R, 2] in [0, 1). Outputs (in `HeadBuffers`): sample, argmax int64 [R], entropy
+float32 [R], soft [R, H] in h's dtype (the next step's self-conditioning input, already times sqrt(H)).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import arch, interpreting, shared_b_operand
+from .rmsnorm import _round
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+TILE = 256  # vocab columns per logits program (its statistics' granularity)
+CHUNK = 32768  # vocab columns per chunk: the bfloat16 probabilities buffer is rows x CHUNK (16 MB per canvas)
+
+
+@triton.jit
+def head_logits_kernel(h_ptr, w_ptr, temp_ptr, u_ptr, p_ptr, tmax_ptr, tsum_ptr, tw_ptr, targ_ptr, tsamp_ptr,
+                       m_ptr, R, H, V, v0, VC, NT, NC, chunk, cap,
+                       HAS_CAP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
+                       BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
+    pid_m = tl.program_id(0)  # row tiles vary fastest: the programs sharing a W tile run together (L2)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * TILE + tl.arange(0, TILE)  # within the chunk
+    vocab = v0 + cols
+    rmask = rows < R
+    vmask = vocab < V
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + rows[:, None].to(tl.int64) * H + ks[None, :]
+    b_ptrs = w_ptr + cols[:, None].to(tl.int64) * H + ks[None, :]  # [TILE, BLOCK_K]: W rows, contiguous in k
+    acc = tl.zeros((BLOCK_M, TILE), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs + k0, mask=rmask[:, None], other=0.0)
+            b = tl.load(b_ptrs + k0, mask=vmask[:, None], other=0.0)
+        else:
+            kmask = k0 + ks < H
+            a = tl.load(a_ptrs + k0, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs + k0, mask=vmask[:, None] & kmask[None, :], other=0.0)
+        if EMULATE:  # the interpreter's 16-bit products are not IEEE; these are exact in float32
+            acc += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)))
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+    if HAS_CAP:  # cap tanh(l / cap) as quant/kernels/softcap.py computes it
+        v = tl.math.div_rn(acc, cap)
+        e = tl.exp(-2.0 * tl.abs(v))
+        t = (1.0 - e) / (1.0 + e)
+        acc = tl.where(v < 0, -t, t) * cap
+    c2 = LOG2E / tl.load(temp_ptr + rows, mask=rmask, other=1.0)  # [BLOCK_M]
+    x = tl.where(vmask[None, :], acc * c2[:, None], -float("inf"))
+    mt = tl.max(x, axis=1)  # finite: every tile holds a vocab column (the grid stops at V)
+    d = tl.maximum(x - mt[:, None], -1000.0)  # <= 0; 2^-1000 is 0 (past V too), and 0 x d is 0, not nan
+    e = tl.exp2(d)
+    st = tl.sum(e, axis=1)
+    wt = tl.sum(e * d, axis=1)
+    idx = tl.arange(0, TILE)[None, :]
+    am = tl.argmax(x, axis=1)  # the first index of the largest
+    # the draw within the tile: the first column whose running sum passes u2 s_t; rounding can leave the scan short
+    # of the tree sum s_t, then the last column with mass
+    u2 = tl.load(u_ptr + rows * 2 + 1, mask=rmask, other=0.0)
+    cs = tl.cumsum(e, axis=1)
+    pos = e > 0
+    first = tl.min(tl.where((cs > (u2 * st)[:, None]) & pos, idx, TILE), axis=1)
+    last = tl.max(tl.where(pos, idx, -1), axis=1)
+    pick = tl.where(first < TILE, first, last)
+    p_at = p_ptr + rows[:, None].to(tl.int64) * VC + cols[None, :]
+    if EMULATE:
+        tl.store(p_at, _round(e, tl.bfloat16, EMULATE).to(tl.bfloat16), mask=rmask[:, None])
+    else:
+        tl.store(p_at, e.to(tl.bfloat16), mask=rmask[:, None])
+    s_at = rows.to(tl.int64) * NT + pid_n  # the statistics pointers start at the chunk's first tile
+    tl.store(tmax_ptr + s_at, mt, mask=rmask)
+    tl.store(tsum_ptr + s_at, st, mask=rmask)
+    tl.store(tw_ptr + s_at, wt, mask=rmask)
+    tl.store(targ_ptr + s_at, (v0 + pid_n * TILE + am).to(tl.int32), mask=rmask)
+    tl.store(tsamp_ptr + s_at, (v0 + pid_n * TILE + pick).to(tl.int32), mask=rmask)
+    tl.atomic_max(m_ptr + rows * NC + chunk, mt, mask=rmask)
+
+
+@triton.jit
+def head_soft_kernel(p_ptr, w_ptr, tmax_ptr, m_ptr, part_ptr, R, H, V, v0, VC, NT, NC, chunk, KC,
+                     FIRST: tl.constexpr, EVEN_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, TILE: tl.constexpr, NC_P2: tl.constexpr, EMULATE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    hcols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < R
+    hmask = hcols < H
+    cidx = tl.arange(0, NC_P2)
+    ms = tl.load(m_ptr + rows[:, None] * NC + cidx[None, :], mask=rmask[:, None] & (cidx[None, :] <= chunk),
+                 other=-float("inf"))
+    m_new = tl.where(rmask, tl.max(ms, axis=1), 0.0)  # the max over chunks 0..c, per row
+    ks = tl.arange(0, BLOCK_K)
+    p_ptrs = p_ptr + rows[:, None].to(tl.int64) * VC + ks[None, :]
+    f_ptrs = tmax_ptr + rows.to(tl.int64) * NT  # the chunk's first tile
+    w_ptrs = w_ptr + ks[:, None].to(tl.int64) * H + hcols[None, :]  # the chunk's first row
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, KC, BLOCK_K):  # KC: the chunk's columns, whole tiles; a K step lies within one tile
+        p = tl.load(p_ptrs + k0, mask=rmask[:, None], other=0.0)
+        f = tl.exp2(tl.load(f_ptrs + k0 // TILE, mask=rmask, other=0.0) - m_new)  # [BLOCK_M], <= 1
+        if EVEN_V:
+            b = tl.load(w_ptrs + k0 * H, mask=hmask[None, :], other=0.0)
+        else:
+            b = tl.load(w_ptrs + k0 * H, mask=((v0 + k0 + ks) < V)[:, None] & hmask[None, :], other=0.0)
+        # the factor in bfloat16, multiplied in bfloat16 pairs (one instruction per two elements where the GPU has
+        # them): P picks up two more roundings, each a relative 2^-9, which the sum over the vocab averages out
+        if EMULATE:
+            a = _round(p.to(tl.float32) * _round(f, tl.bfloat16, EMULATE)[:, None], tl.bfloat16, EMULATE)
+            acc += tl.dot(a, b.to(tl.float32))
+        else:
+            acc = tl.dot((p * f.to(tl.bfloat16)[:, None]).to(b.dtype), b, acc)
+    at = part_ptr + rows[:, None].to(tl.int64) * H + hcols[None, :]
+    mask = rmask[:, None] & hmask[None, :]
+    if not FIRST:  # the running sum so far, from the max over chunks before this one to m_new
+        m_old = tl.where(rmask, tl.max(tl.where(cidx[None, :] < chunk, ms, -float("inf")), axis=1), 0.0)
+        acc += tl.load(at, mask=mask, other=0.0) * tl.exp2(m_old - m_new)[:, None]
+    tl.store(at, acc, mask=mask)
+
+
+@triton.jit
+def head_finish_kernel(tmax_ptr, tsum_ptr, tw_ptr, targ_ptr, tsamp_ptr, m_ptr, part_ptr, u_ptr, soft_ptr, sample_ptr,
+                       argmax_ptr, entropy_ptr, H, NT, NC, scale, NT_P2: tl.constexpr, NC_P2: tl.constexpr,
+                       H_P2: tl.constexpr, EMULATE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.arange(0, NT_P2)
+    tmask = t < NT
+    at = row * NT + t
+    mt = tl.load(tmax_ptr + at, mask=tmask, other=-float("inf"))
+    m = tl.max(mt, axis=0)
+    g = tl.exp2(mt - m)  # 0 past NT
+    st = tl.load(tsum_ptr + at, mask=tmask, other=0.0)
+    mass = st * g
+    s = tl.sum(mass, axis=0)
+    wt = tl.load(tw_ptr + at, mask=tmask, other=0.0)
+    xlog = tl.sum(tl.where(tmask, g * (wt + st * (mt - m)), 0.0), axis=0)  # sum_v 2^(x - M) (x - M)
+    tl.store(entropy_ptr + row, tl.log(s) - LN2 * xlog / s)
+    best = tl.argmax(mt, axis=0)  # the first tile holding the max
+    tl.store(argmax_ptr + row, tl.load(targ_ptr + row * NT + best).to(tl.int64))
+    u1 = tl.load(u_ptr + row * 2)
+    cum = tl.cumsum(mass, axis=0)
+    pos = mass > 0
+    first = tl.min(tl.where((cum > u1 * s) & pos, t, NT_P2), axis=0)
+    last = tl.max(tl.where(pos, t, -1), axis=0)
+    tile = tl.where(first < NT_P2, first, last)
+    tl.store(sample_ptr + row, tl.load(tsamp_ptr + row * NT + tile).to(tl.int64))
+    hh = tl.arange(0, H_P2)
+    hmask = hh < H
+    acc = tl.load(part_ptr + row * H + hh, mask=hmask, other=0.0)  # already relative to M (the last running max)
+    soft = acc * (scale / s)
+    dt: tl.constexpr = soft_ptr.dtype.element_ty
+    tl.store(soft_ptr + row * H + hh, _round(soft, dt, EMULATE).to(dt), mask=hmask)
+    c = tl.arange(0, NC_P2)
+    tl.store(m_ptr + row * NC + c, tl.full((NC_P2,), -float("inf"), tl.float32), mask=c < NC)
+
+
+class HeadBuffers:
+    """What the fused head keeps between steps for `rows` rows, allocated once per generation (or per server batch):
+    the step's results (sample, argmax, entropy), the soft embedding the next step reads, and the chunk maxima (-inf
+    between steps: the last kernel of a step leaves them so). `first(n)` gives views of the first n rows. The
+    step's scratch (the probabilities chunk, the tile statistics, the running sum) is allocated by each call: it lives
+    while the head runs, when the layers' activations are gone, so the two share memory."""
+
+    def __init__(self, rows: int, vocab: int, hidden: int, dtype: torch.dtype, device, chunk: int = CHUNK,
+                 tile: int = TILE):
+        if chunk % tile:
+            raise ValueError(f"chunk {chunk} is not a multiple of tile {tile}")
+        self.vocab, self.hidden, self.tile = vocab, hidden, tile
+        self.chunk = min(chunk, triton.cdiv(vocab, tile) * tile)
+        self.chunks = triton.cdiv(vocab, self.chunk)
+        self.tiles = triton.cdiv(vocab, tile)
+        self.chunk_max = torch.full((rows, self.chunks), -float("inf"), dtype=torch.float32, device=device)
+        self.soft = torch.empty(rows, hidden, dtype=dtype, device=device)
+        self.sample, self.argmax = (torch.empty(rows, dtype=torch.int64, device=device) for _ in range(2))
+        self.entropy = torch.empty(rows, dtype=torch.float32, device=device)
+
+    def first(self, rows: int) -> HeadBuffers:
+        view = object.__new__(HeadBuffers)
+        view.__dict__.update({k: (v[:rows] if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()})
+        return view
+
+    @property
+    def rows(self) -> int:
+        return self.soft.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.untyped_storage().nbytes() for v in self.__dict__.values() if isinstance(v, torch.Tensor))
+
+    def scratch_bytes(self, rows: int) -> int:
+        """The scratch one call for `rows` rows allocates (and frees)."""
+        return rows * (2 * self.chunk + 3 * 4 * self.tiles + 2 * 4 * self.tiles + 4 * self.hidden)
+
+
+def _settings(device: torch.device) -> dict:
+    cc = arch(device)
+    big = shared_b_operand(cc)  # Hopper / datacenter Blackwell: 227 KB of shared memory, wgmma / tcgen05
+    # sm_100 reads the accumulator out of tensor memory for the epilogue: 16 warps keep it in registers (8 spill)
+    return dict(logits=dict(BLOCK_M=64, BLOCK_K=64, num_warps=16 if cc == 100 else 8, num_stages=3 if big else 2),
+                soft=dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8 if cc == 90 else 4, num_stages=3))
+
+
+def fused_head(h: torch.Tensor, weight: torch.Tensor, cap: float | None, scale: float, temperature: torch.Tensor,
+               uniforms: torch.Tensor, buf: HeadBuffers) -> HeadBuffers:
+    """h [R, H] (final-normed hidden), weight [V, H], temperature float32 [R], uniforms float32 [R, 2] -> buf with
+    sample, argmax, entropy [R] and soft [R, H] written (as the module docstring says). `scale`: the embedding scale
+    sqrt(H) as the model holds it."""
+    R, H = h.shape
+    V = weight.shape[0]
+    if (V, H) != (buf.vocab, buf.hidden) or buf.rows < R or weight.shape[1] != H:
+        raise ValueError(f"head buffers for vocab {buf.vocab} x hidden {buf.hidden} and {buf.rows} rows "
+                         f"cannot take h {tuple(h.shape)} and weight {tuple(weight.shape)}")
+    if R == 0:
+        return buf
+    h, weight = h.contiguous(), weight.contiguous()
+    temperature, uniforms = temperature.contiguous(), uniforms.contiguous()
+    cfg = _settings(h.device)
+    lg, sf = cfg["logits"], cfg["soft"]
+    tile, VC, NT, NC = buf.tile, buf.chunk, buf.tiles, buf.chunks
+    emulate = interpreting()
+    nc_p2 = triton.next_power_of_2(NC)
+    dev = h.device
+    probs = torch.empty(R, VC, dtype=torch.bfloat16, device=dev)  # one chunk's, unnormalised
+    stats = torch.empty(3, R, NT, dtype=torch.float32, device=dev)  # tile max, sum, sum 2^(x - max) (x - max)
+    picks = torch.empty(2, R, NT, dtype=torch.int32, device=dev)  # tile argmax, tile draw (vocab indices)
+    running = torch.empty(R, H, dtype=torch.float32, device=dev)  # the soft embedding's running sum
+    for c in range(NC):
+        v0 = c * VC
+        width = min(VC, V - v0)
+        tiles = triton.cdiv(width, tile)
+        # views of what a chunk touches: the embedding's rows, the statistics' tiles (strides as the whole's)
+        w, t0 = weight[v0 : v0 + width], v0 // tile
+        tmax, tsum, tw = stats[:, :, t0 : t0 + tiles]
+        targ, tsamp = picks[:, :, t0 : t0 + tiles]
+        p = probs[:, : tiles * tile]
+        head_logits_kernel[(triton.cdiv(R, lg["BLOCK_M"]), tiles)](
+            h, w, temperature, uniforms, p, tmax, tsum, tw, targ, tsamp, buf.chunk_max, R, H, V, v0, VC, NT, NC, c, float(cap or 0.0), bool(cap), H % lg["BLOCK_K"] == 0,
+            lg["BLOCK_M"], tile, lg["BLOCK_K"], emulate, num_warps=lg["num_warps"], num_stages=lg["num_stages"])
+        head_soft_kernel[(triton.cdiv(R, sf["BLOCK_M"]), triton.cdiv(H, sf["BLOCK_N"]))](
+            p, w, tmax, buf.chunk_max, running, R, H, V, v0, VC, NT, NC, c, tiles * tile,
+            c == 0, V % tile == 0, sf["BLOCK_M"], sf["BLOCK_N"], sf["BLOCK_K"], tile, nc_p2, emulate,
+            num_warps=sf["num_warps"], num_stages=sf["num_stages"])
+    first = buf.first(R)
+    head_finish_kernel[(R,)](stats[0], stats[1], stats[2], picks[0], picks[1], first.chunk_max, running, uniforms,
+                             first.soft, first.sample, first.argmax, first.entropy, H, NT, NC, float(scale),
+                             triton.next_power_of_2(NT), nc_p2, triton.next_power_of_2(H), emulate, num_warps=4)
+    return buf
+
+
+def head_reference(h: torch.Tensor, weight: torch.Tensor, cap: float | None, scale: float, temperature: torch.Tensor,
+                   uniforms: torch.Tensor, tile: int = TILE) -> tuple[torch.Tensor, ...]:
+    """The same head in torch ops, float32 throughout (for the checks): (sample, argmax, entropy, soft float32).
+
+    The draw is the same function of the uniforms: u1 picks a tile by inverse CDF of the tile masses, u2 a column
+    within it by inverse CDF of the tile's own probabilities; entropy and soft are of softmax(capped logits / t)."""
+    l = h.float() @ weight.float().t()
+    if cap:
+        l = torch.tanh(l / cap) * cap
+    R, V = l.shape
+    z = l / temperature.float().view(R, 1)
+    p = torch.softmax(z, dim=-1)
+    entropy = -(p * torch.log_softmax(z, dim=-1)).sum(-1)
+    argmax = z.argmax(-1)
+    soft = p @ weight.float() * scale
+    nt = -(-V // tile)
+    zt = torch.full((R, nt * tile), -float("inf"))
+    zt[:, :V] = z
+    zt = zt.view(R, nt, tile)
+    mt = zt.amax(-1, keepdim=True)
+    e = torch.exp(zt - mt)  # [R, NT, TILE]
+    st = e.sum(-1)
+    mass = st * torch.exp(mt.squeeze(-1) - mt.amax(1))
+    cum = mass.cumsum(-1)
+    u1, u2 = uniforms[:, 0:1].float(), uniforms[:, 1:2].float()
+    pick_t = torch.where(cum > u1 * mass.sum(-1, keepdim=True), torch.arange(nt), nt).amin(-1)
+    pick_t = torch.minimum(pick_t, (mass > 0).float().cumsum(-1).argmax(-1))  # rounding: the last tile with mass
+    rows = torch.arange(R)
+    et, s = e[rows, pick_t], st[rows, pick_t][:, None]
+    within = torch.where(et.cumsum(-1) > u2 * s, torch.arange(tile), tile).amin(-1)
+    within = torch.minimum(within, (et > 0).float().cumsum(-1).argmax(-1))
+    return pick_t * tile + within, argmax, entropy, soft

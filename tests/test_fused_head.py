@@ -1,0 +1,158 @@
+"""The fused head (quant/kernels/head.py): logits, cap, the sampler's statistics and draw, the next step's soft
+embedding. In Triton's interpreter here (on a GPU where there is one), against the same head in torch ops from the
+same uniforms, against the torch path, and end to end through the engine and the server's batch loop."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _head_case(R=37, H=96, V=1000, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(R, H, generator=g).to(dtype)
+    w = (torch.randn(V, H, generator=g) * 0.3).to(dtype)
+    t = torch.rand(R, generator=g) * 0.6 + 0.3
+    u = torch.rand(R, 2, generator=g)
+    return h, w, t, u
+
+
+def test_fused_head_equals_its_reference_from_the_same_uniforms():
+    """Draws, argmax, entropy and soft embedding against the same head in float32 torch ops (head_reference), over
+    two chunks, a partial tile, a partial row tile and a hidden size that is no multiple of the K step; without the
+    cap too. The same uniforms give the same tokens."""
+    from quant.kernels.head import HeadBuffers, fused_head, head_reference
+
+    for cap, seed in ((30.0, 0), (None, 1)):
+        h, w, t, u = _head_case(seed=seed)
+        R, H = h.shape
+        V = w.shape[0]
+        buf = HeadBuffers(R + 5, V, H, torch.bfloat16, DEVICE, chunk=512, tile=256)  # more rows than used
+        fused_head(h.to(DEVICE), w.to(DEVICE), cap, H**0.5, t.to(DEVICE), u.to(DEVICE), buf)
+        sample, argmax, entropy, soft = head_reference(h, w, cap, H**0.5, t, u, tile=256)
+        out = buf.first(R)
+        assert torch.equal(out.sample.cpu(), sample)
+        assert torch.equal(out.argmax.cpu(), argmax)
+        assert (out.entropy.cpu() - entropy).abs().max() < 1e-4
+        assert ((out.soft.cpu().float() - soft).abs().max() / soft.abs().max()) < 8e-3  # bfloat16 output
+        assert torch.isinf(buf.chunk_max).all() and (buf.chunk_max < 0).all()  # left at -inf for the next step
+
+
+def test_fused_head_soft_embedding_matches_the_torch_path():
+    """The soft embedding the next step reads, against the torch path's (DiffusionGemma.soft_embedding of the
+    softmax of the capped logits over t), within bfloat16 rounding; the entropy against torch's Categorical. The
+    head keeps the logits in float32 from the tensor cores on (the torch path rounds them to 16 bits first, which
+    moves entropies by ~1e-2 here), so the logits here are float32 products too."""
+    from quant.kernels.head import HeadBuffers, fused_head
+
+    h, w, t, u = _head_case(R=9, H=64, V=700, seed=3)
+    buf = HeadBuffers(9, 700, 64, torch.bfloat16, DEVICE, chunk=256, tile=256)
+    fused_head(h.to(DEVICE), w.to(DEVICE), 30.0, 8.0, t.to(DEVICE), u.to(DEVICE), buf)
+    logits = torch.tanh((h.float() @ w.float().t()) / 30.0) * 30.0
+    probs = torch.softmax(logits / t[:, None], -1)
+    want = (probs.to(torch.bfloat16) @ w).float() * 8.0
+    assert ((buf.soft.cpu().float() - want).abs().max() / want.abs().max()) < 1e-2
+    entropy = torch.distributions.Categorical(logits=logits / t[:, None]).entropy()
+    assert (buf.entropy.cpu() - entropy).abs().max() < 1e-4
+
+
+def test_fused_head_draws_follow_the_distribution():
+    """Many rows of the same logits: each token is drawn about p_v of the time (chi-square well below its 0.999
+    quantile); a peaked distribution across tiles draws its mode; rows never draw a token past the vocabulary."""
+    from quant.kernels.head import HeadBuffers, fused_head
+
+    R, H, V = 2000, 16, 300  # two tiles of 256, the second partial
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(V, H, generator=g) * 0.25).to(torch.bfloat16)
+    h = torch.randn(1, H, generator=g).to(torch.bfloat16).expand(R, H).contiguous()
+    t = torch.full((R,), 0.7)
+    u = torch.rand(R, 2, generator=g)
+    buf = HeadBuffers(R, V, H, torch.bfloat16, DEVICE, chunk=256, tile=256)
+    fused_head(h.to(DEVICE), w.to(DEVICE), 30.0, 4.0, t.to(DEVICE), u.to(DEVICE), buf)
+    sample = buf.sample.cpu()
+    assert ((sample >= 0) & (sample < V)).all()
+    p = torch.softmax(torch.tanh((h[0] @ w.t()).float() / 30.0) * 30.0 / 0.7, -1).double()
+    counts = torch.bincount(sample, minlength=V).double()
+    big = p * R >= 5  # the chi-square test's usual condition, the rest pooled
+    expected = torch.cat([p[big] * R, (p[~big].sum() * R).view(1)])
+    observed = torch.cat([counts[big], counts[~big].sum().view(1)])
+    chi2 = ((observed - expected) ** 2 / expected).sum().item()
+    dof = int(big.sum())  # cells - 1
+    assert chi2 < dof + 4.4 * (2 * dof) ** 0.5, (chi2, dof)  # ~ the 0.999 quantile (normal approximation)
+
+
+@pytest.fixture
+def fused_head_on(monkeypatch):
+    """The sampler takes the fused head wherever asked (here: the CPU, in the interpreter)."""
+    import dgemma_cli.batching as batching
+    import dgemma_cli.sampler as sampler
+
+    monkeypatch.setattr(sampler, "use_fused_head", lambda device, dtype: True)
+    monkeypatch.setattr(batching, "use_fused_head", lambda device, dtype: True)
+
+
+def test_the_demo_answers_the_same_through_the_fused_head(fused_head_on, monkeypatch):
+    """The bundled demo (a trained DiffusionGemma, bfloat16) greedy through the fused head and through the torch
+    path: the same answer, in as many steps (its logits are float32 products in the head, rounded to 16 bits first
+    on the torch path; a trained model's argmax does not sit on such a tie)."""
+    import dgemma_cli.sampler as sampler
+    from dgemma_cli.engine import load
+
+    engine = load("demo", device=DEVICE, dtype="bfloat16")
+    made = []
+    original = sampler.new_buffers
+    monkeypatch.setattr(sampler, "new_buffers", lambda *a: made.append(original(*a)) or made[-1])
+    fused = engine.generate("What is the capital of France?", greedy=True, seed=0, max_new_tokens=32)
+    assert made[-1].fused is not None and made[-1].logits is None  # no canvas x vocab float32 buffer
+    monkeypatch.setattr(sampler, "use_fused_head", lambda device, dtype: False)
+    torch_path = engine.generate("What is the capital of France?", greedy=True, seed=0, max_new_tokens=32)
+    assert made[-1].fused is None
+    assert fused.texts == torch_path.texts and fused.texts[0].strip()
+    assert fused.steps_per_canvas == torch_path.steps_per_canvas
+
+
+def test_the_servers_batch_loop_through_the_fused_head(fused_head_on):
+    """Three requests in the server's loop through the fused head (no canvas x vocab float32 buffer): one row at a
+    time, and two rows at once with rows joining and leaving (their soft embeddings move with them), give every
+    request the same answer (on the CPU; on a GPU each the demo's): its draws come from its own generator, its rows
+    never mix with another's."""
+    import threading
+
+    from dgemma_cli.batching import BatchLoop, Job, RowDone
+    from dgemma_cli.engine import load
+
+    engine = load("demo", device=DEVICE, dtype="bfloat16")
+    words = ["hello", "diffusion", "canvas"]
+
+    def answers(max_batch: int) -> dict[str, str]:
+        loop = BatchLoop(engine.model, max_batch=max_batch, max_queue=4)
+        got: dict[str, str] = {}
+        done = threading.Event()
+
+        def sink(word):
+            def deliver(ev):
+                if isinstance(ev, RowDone):
+                    got[word] = engine.tokenizer.decode(ev.token_ids)
+                    if len(got) == len(words):
+                        done.set()
+            return deliver
+
+        try:
+            assert loop.buf.fused is not None and loop.buf.logits is None
+            for i, word in enumerate(words):
+                ids = engine.prompt_ids(f"upper: {word}")
+                loop.submit(Job(ids, engine.settings, i, engine.check_context(len(ids), engine.settings)),
+                            sink(word))
+            assert done.wait(120)
+        finally:
+            loop.close()
+        return got
+
+    alone = answers(1)
+    assert all(w.upper() in alone[w] for w in words), alone  # the demo's (bfloat16) answers
+    together = answers(2)
+    if DEVICE == "cpu":  # bit for bit per row on the CPU (batching.py); a GPU's matmuls may round rows otherwise
+        assert together == alone
+    else:
+        assert all(w.upper() in together[w] for w in words), together
