@@ -49,7 +49,7 @@ from .rmsnorm import _round
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
-TILE = 256  # vocab columns per logits program (its statistics' granularity)
+TILE = 128  # vocab columns per logits program (its statistics' granularity)
 CHUNK = 32768  # vocab columns per chunk: the bfloat16 probabilities buffer is rows x CHUNK (16 MB per canvas)
 
 

@@ -133,7 +133,8 @@ def moe_gate_up(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.T
     T, H = x.shape
     E, two_i = weight.shape[0], weight.shape[1]
     I = two_i // 2
-    h = torch.zeros(sorted_ids.numel(), I, dtype=x.dtype, device=x.device)
+    # rows of the plan's padding are never written nor read (moe_down loads live rows only): no fill
+    h = torch.empty(sorted_ids.numel(), I, dtype=x.dtype, device=x.device)
     nvfp4 = fmt == "nvfp4"
     if nvfp4:
         segments = global_segments(scale_2)
