@@ -53,12 +53,25 @@ class RMSNorm(nn.Module):
         return apply_rope(self(x), cos, sin)
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor, x2: torch.Tensor | None = None,
-               scale: torch.Tensor | None = None) -> torch.Tensor:
-        """(residual + self(x + x2)) * scale, x2 and scale optional: a layer's residual update."""
-        if _fused_norms(x):
-            return _rms_norm_kernel()(x, self.weight, self.eps, a2=x2, residual=residual, scale=scale)
+               scale: torch.Tensor | None = None, norm_x: RMSNorm | None = None,
+               norm_x2: RMSNorm | None = None) -> torch.Tensor:
+        """(residual + self(x + x2)) * scale, x2 and scale optional: a layer's residual update. norm_x, norm_x2:
+        norms (with weights, this norm's eps) applied to x and x2 first, in the same kernel."""
+        pre = [n for n in (norm_x, norm_x2) if n is not None]
+        if _fused_norms(x) and all(n.weight is not None and n.eps == self.eps for n in pre):
+            return _rms_norm_kernel()(x, self.weight, self.eps, a2=x2, residual=residual, scale=scale,
+                                      a_weight=None if norm_x is None else norm_x.weight,
+                                      a2_weight=None if norm_x2 is None else norm_x2.weight)
+        x = x if norm_x is None else norm_x(x)
+        x2 = x2 if norm_x2 is None or x2 is None else norm_x2(x2)
         out = residual + self(x if x2 is None else x + x2)
         return out if scale is None else out * scale
+
+    def pair(self, x: torch.Tensor, other: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(x), other(x)): two norms of the same input (same eps), in one kernel."""
+        if (_fused_norms(x) and self.weight is not None and other.weight is not None and other.eps == self.eps):
+            return _rms_norm_kernel()(x, self.weight, self.eps, weight2=other.weight)
+        return self(x), other(x)
 
 
 def _fused_norms(x: torch.Tensor) -> bool:
@@ -365,18 +378,21 @@ class Layer(nn.Module):
                      ) -> torch.Tensor:
         """x is the post-attention residual [B, T, H]. experts_per_row: the routed experts run on each row's T
         tokens apart (the server's exactness on the CPU: dgemma_cli/batching.py), not on all B x T at once."""
-        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
+        pre, pre2 = self.pre_feedforward_layernorm.pair(x, self.pre_feedforward_layernorm_2)
+        dense = self.mlp(pre)  # its post-norm is applied with the sum's, below
         B, T, H = x.shape
         flat = x.reshape(-1, H)
         weights, index = self.router(flat)  # routed on the un-normed residual
-        normed = self.pre_feedforward_layernorm_2(flat)
+        normed = pre2.reshape(-1, H)
         if experts_per_row and B > 1:
             moe = torch.cat([self.experts(normed[b * T : (b + 1) * T], index[b * T : (b + 1) * T],
                                           weights[b * T : (b + 1) * T]) for b in range(B)]).reshape(x.shape)
         else:
             moe = self.experts(normed, index, weights).reshape(x.shape)
-        moe = self.post_feedforward_layernorm_2(moe)
-        return self.post_feedforward_layernorm.add_to(x, dense, moe, layer_scalar)  # (x + norm(dense + moe)) * s
+        # (x + norm(norm_1(dense) + norm_2(moe))) * s
+        return self.post_feedforward_layernorm.add_to(x, dense, moe, layer_scalar,
+                                                      norm_x=self.post_feedforward_layernorm_1,
+                                                      norm_x2=self.post_feedforward_layernorm_2)
 
 
 class SelfConditioning(nn.Module):

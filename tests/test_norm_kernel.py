@@ -17,12 +17,24 @@ from dgemma_cli.model import RMSNorm, apply_rope  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def reference(a, weight, eps, a2=None, residual=None, scale=None, cos=None, sin=None):
-    """The model's torch path, op for op (RMSNorm.forward, apply_rope, the residual add and layer scale)."""
-    norm = RMSNorm(a.shape[-1], eps, with_scale=weight is not None)
+def _norm(weight, D, eps):
+    norm = RMSNorm(D, eps, with_scale=weight is not None)
     if weight is not None:
         norm.weight.data = weight
+    return norm
+
+
+def reference(a, weight, eps, a2=None, residual=None, scale=None, cos=None, sin=None, a_weight=None,
+              a2_weight=None):
+    """The model's torch path, op for op (RMSNorm.forward, apply_rope, the residual add and layer scale; the
+    post-feed-forward norms before the add)."""
+    D = a.shape[-1]
+    norm = _norm(weight, D, eps)
     with torch.no_grad():
+        if a_weight is not None:
+            a = _norm(a_weight, D, eps)(a)
+        if a2_weight is not None:
+            a2 = _norm(a2_weight, D, eps)(a2)
         x = a if a2 is None else a + a2
         n = norm(x) if cos is None else apply_rope(norm(x), cos, sin)
         out = n if residual is None else residual + n
@@ -41,6 +53,7 @@ CASES = {
     "pre-add, residual, scale": dict(a2=True, residual=True, scale=True),
     "rope": dict(rope=True),
     "rope, one angle set": dict(rope=True, shared=True),
+    "normed inputs, residual, scale": dict(a2=True, residual=True, scale=True, pre=True),
 }
 
 
@@ -65,6 +78,8 @@ def test_fused_norm_matches_the_torch_ops(monkeypatch, case, dtype):
         kw["residual"] = make(B, T, heads, D)
     if opts.get("scale"):
         kw["scale"] = torch.tensor(0.8125, dtype=dtype)
+    if opts.get("pre"):  # the dense MLP's and the experts' post-norms, applied before the sum's
+        kw["a_weight"], kw["a2_weight"] = ((torch.rand(D, generator=g) + 0.5).to(dtype) for _ in range(2))
     if opts.get("rope"):
         angles = torch.rand(1 if opts.get("shared") else B, T, 1, D, generator=g) * 6
         kw["cos"], kw["sin"] = angles.cos().to(dtype), angles.sin().to(dtype)
@@ -77,6 +92,26 @@ def test_fused_norm_matches_the_torch_ops(monkeypatch, case, dtype):
     else:
         assert ulps(got, ref) <= 2.01  # a rounding apart at most (two where RoPE or the residual round again)
         assert (got == ref).float().mean() > 0.97  # and almost everywhere the same bits
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_two_norms_of_one_input_in_one_kernel(monkeypatch, dtype):
+    """RMSNorm.pair: the two pre-feed-forward norms of the residual from one kernel, each as its own norm gives it."""
+    from quant.kernels.rmsnorm import rms_norm
+
+    g = torch.Generator().manual_seed(1)
+    D = 96
+    a = (torch.randn(2, 7, D, generator=g) * 3).to(dtype)
+    w1, w2 = ((torch.rand(D, generator=g) + 0.5).to(dtype) for _ in range(2))
+    y1, y2 = rms_norm(a.to(DEVICE), w1.to(DEVICE), 1e-6, weight2=w2.to(DEVICE))
+    for got, w in ((y1, w1), (y2, w2)):
+        ref = reference(a, w, 1e-6)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got.cpu(), ref, rtol=1e-5, atol=1e-5)
+        else:
+            assert ulps(got.cpu(), ref) <= 1.01 and (got.cpu() == ref).float().mean() > 0.97
+    with pytest.raises(ValueError):
+        rms_norm(a, w1, 1e-6, weight2=w2, residual=a)
 
 
 def test_the_model_step_with_fused_norms_matches_without(monkeypatch):
@@ -109,7 +144,9 @@ def test_the_model_step_with_fused_norms_matches_without(monkeypatch):
     monkeypatch.setattr(rmsnorm, "rms_norm", lambda *a, **k: launches.append(1) or original(*a, **k))
     got = step()
     layers = cfg.text.num_hidden_layers
-    assert len(launches) >= 2 * 11 * layers  # every norm of every layer, encoder and denoise steps
+    # every norm of every layer, encoder and denoise steps: 10 norms a layer in 7 kernels (the two pre-feed-forward
+    # norms in one, the three post-feed-forward ones in one)
+    assert len(launches) >= 2 * 7 * layers
     assert (got - ref).abs().max() <= 0.01 * ref.abs().max()  # measured: 0.058 of 9.98
     assert (got == ref).float().mean() > 0.75  # measured: 86% of the logits bit for bit
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.99  # measured: all

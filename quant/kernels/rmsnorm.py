@@ -10,6 +10,10 @@ program where they are short (a token's heads of 256: 8 rows, so the per-program
     n = rope(n) = n * cos + rotate_half(n) * sin       (optional; each product and the sum rounded as torch does)
     y = R + n (rounded), then y * S (rounded)          (optional residual R and 0-dim scale S)
 
+and two fusions of a layer's neighbouring norms: A and A2 each normed by norms of their own before the add (the
+post-feed-forward norms of the dense MLP's and the experts' outputs, then the layer's norm of their sum), and a
+second output, the same norm of A with another weight (the two pre-feed-forward norms of the residual).
+
 Every rounding the torch path makes to the output dtype is made here at the same place, so the results differ from
 it only by float32 summation order in the mean (and 1/sqrt against pow(-0.5)): tests/test_norm_kernel.py compares
 them under Triton's interpreter. x of any float dtype, rows contiguous in the last dimension (D <= 16384).
@@ -40,22 +44,41 @@ def _round(x, dt: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def rms_norm_kernel(a_ptr, a2_ptr, w_ptr, r_ptr, s_ptr, cos_ptr, sin_ptr, y_ptr, ROWS, D, eps, heads, T, cos_bstride,
+def _normed(a, w_ptr, cols, D, eps):
+    """a [R, BLOCK] float32 -> a * (mean(a^2) + eps)^-1/2 * weight, float32 (a norm of its own, before the add)."""
+    rstd = 1.0 / tl.sqrt(tl.sum(a * a, axis=1) / D + eps)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    return a * rstd[:, None] * w[None, :]
+
+
+@triton.jit
+def rms_norm_kernel(a_ptr, a2_ptr, w_ptr, r_ptr, s_ptr, cos_ptr, sin_ptr, y_ptr, wa_ptr, wa2_ptr, w2_ptr, y2_ptr,
+                    ROWS, D, eps, heads, T, cos_bstride,
                     HAS_A2: tl.constexpr, HAS_W: tl.constexpr, HAS_R: tl.constexpr, HAS_S: tl.constexpr,
-                    ROPE: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
+                    ROPE: tl.constexpr, NORM_A: tl.constexpr, NORM_A2: tl.constexpr, HAS_Y2: tl.constexpr,
+                    R: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)  # R rows a program (a token's heads, for RoPE)
     cols = tl.arange(0, BLOCK)
     mask = (row < ROWS)[:, None] & (cols < D)[None, :]
     at = row[:, None] * D + cols[None, :]
     dt: tl.constexpr = y_ptr.dtype.element_ty
     a = tl.load(a_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    if NORM_A:  # a normed by a norm of its own first (rounded, as that norm's output is)
+        a = _round(_normed(a, wa_ptr, cols, D, eps), dt, EMULATE)
     if HAS_A2:
-        a = _round(a + tl.load(a2_ptr + at, mask=mask, other=0.0).to(tl.float32), dt, EMULATE)
+        a2 = tl.load(a2_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        if NORM_A2:
+            a2 = _round(_normed(a2, wa2_ptr, cols, D, eps), dt, EMULATE)
+        a = _round(a + a2, dt, EMULATE)
     rstd = 1.0 / tl.sqrt(tl.sum(a * a, axis=1) / D + eps)
-    n = a * rstd[:, None]
+    n0 = a * rstd[:, None]
+    n = n0
     if HAS_W:
         w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-        n = n * w[None, :]
+        n = n0 * w[None, :]
+    if HAS_Y2:  # a second norm of the same input, with its own weight (the same rstd, as torch computes it)
+        w2 = tl.load(w2_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+        tl.store(y2_ptr + at, _round(n0 * w2[None, :], dt, EMULATE).to(dt), mask=mask)
     n = _round(n, dt, EMULATE)
     if ROPE:  # rotate_half(n) from the row's own halves in registers (D == BLOCK: a power of two)
         halves = tl.permute(tl.reshape(n, [R, 2, BLOCK // 2]), (0, 2, 1))
@@ -76,15 +99,24 @@ def rms_norm_kernel(a_ptr, a2_ptr, w_ptr, r_ptr, s_ptr, cos_ptr, sin_ptr, y_ptr,
 
 def rms_norm(a: torch.Tensor, weight: torch.Tensor | None, eps: float, a2: torch.Tensor | None = None,
              residual: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-             cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
-    """S * (residual + rope(norm(a + a2) * weight)) in a's dtype and shape (see the module docstring)."""
+             cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, a_weight: torch.Tensor | None = None,
+             a2_weight: torch.Tensor | None = None, weight2: torch.Tensor | None = None):
+    """S * (residual + rope(norm(a + a2) * weight)) in a's dtype and shape (see the module docstring).
+
+    a_weight / a2_weight: a and a2 are first normed each by a norm of their own with that weight (the same eps),
+    rounded, then added. weight2: also the same norm of a with this other weight; returns (y, y2) then."""
     D = a.shape[-1]
     a = a.contiguous()
     y = torch.empty_like(a)
+    y2 = torch.empty_like(a) if weight2 is not None else None
     rows = a.numel() // D
     if rows == 0:
-        return y
+        return y if y2 is None else (y, y2)
     rope = cos is not None
+    if weight2 is not None and (rope or residual is not None or scale is not None or a2 is not None):
+        raise ValueError("a second output is the plain norm of a: no a2, residual, scale or RoPE with it")
+    if a2_weight is not None and a2 is None:
+        raise ValueError("a2_weight without a2")
     heads = T = 1
     cos_bstride = 0
     if rope:
@@ -101,7 +133,10 @@ def rms_norm(a: torch.Tensor, weight: torch.Tensor | None, eps: float, a2: torch
     rms_norm_kernel[(triton.cdiv(rows, per),)](
         a, a2.contiguous() if a2 is not None else g, weight if weight is not None else g,
         residual.contiguous() if residual is not None else g, scale if scale is not None else g,
-        cos if rope else g, sin if rope else g, y, rows, D, float(eps), heads, T, cos_bstride,
-        a2 is not None, weight is not None, residual is not None, scale is not None, rope, per, block, interpreting(),
+        cos if rope else g, sin if rope else g, y, a_weight if a_weight is not None else g,
+        a2_weight if a2_weight is not None else g, weight2 if weight2 is not None else g, y2 if y2 is not None else g,
+        rows, D, float(eps), heads, T, cos_bstride,
+        a2 is not None, weight is not None, residual is not None, scale is not None, rope, a_weight is not None,
+        a2_weight is not None, weight2 is not None, per, block, interpreting(),
         num_warps=4 if block * per <= 2048 else 8)
-    return y
+    return y if y2 is None else (y, y2)
