@@ -45,12 +45,21 @@ class RMSNorm(nn.Module):
             h = h * self.weight.float()
         return h.type_as(x)
 
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """apply_rope(self(x), cos, sin) for x [B, T, heads, D]."""
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        """apply_rope(self(x), cos, sin) for x [B, T, heads, D], written into `out` (x's shape, any strides: a KV
+        cache's slots) when given."""
         D = x.shape[-1]
         if D & (D - 1) == 0 and _fused_norms(x):  # the kernel rotates power-of-two heads (the model's: 256, 512)
-            return _rms_norm_kernel()(x, self.weight, self.eps, cos=cos, sin=sin)
-        return apply_rope(self(x), cos, sin)
+            return _rms_norm_kernel()(x, self.weight, self.eps, cos=cos, sin=sin, out=out)
+        y = apply_rope(self(x), cos, sin)
+        return y if out is None else out.copy_(y)
+
+    def into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """self(x) written into `out` (x's shape, any strides)."""
+        if _fused_norms(x):
+            return _rms_norm_kernel()(x, self.weight, self.eps, out=out)
+        return out.copy_(self(x))
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor, x2: torch.Tensor | None = None,
                scale: torch.Tensor | None = None, norm_x: RMSNorm | None = None,
@@ -205,13 +214,20 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.v_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, with_scale=False)
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [B, T, H] -> q [B, Hq, T, D], k, v [B, Hkv, T, D] (normed; q and k rotated)."""
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            kv_out: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """x [B, T, H] -> q [B, Hq, T, D], k, v [B, Hkv, T, D] (normed; q and k rotated). kv_out: where k and v go
+        ([B, Hkv, T, D] views of a KV cache's slots: the norms write them there, no copy after); returned as k, v."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, -1, self.head_dim)
         q = self.q_norm.rope(q, cos, sin).transpose(1, 2)
         k_raw = self.k_proj(x).view(B, T, -1, self.head_dim)
         v_raw = self.v_proj(x).view(B, T, -1, self.head_dim) if self.v_proj is not None else k_raw
+        if kv_out is not None:
+            k_out, v_out = kv_out
+            self.k_norm.rope(k_raw, cos, sin, out=k_out.transpose(1, 2))
+            self.v_norm.into(v_raw, v_out.transpose(1, 2))
+            return q, k_out, v_out
         k = self.k_norm.rope(k_raw, cos, sin).transpose(1, 2)
         v = self.v_norm(v_raw).transpose(1, 2)
         return q, k, v
@@ -746,14 +762,20 @@ class DiffusionGemma(nn.Module):
             kind = layer.spec.kind
             cos = ctxs[0].cos[kind] if len(ctxs) == 1 else torch.cat([c.cos[kind] for c in ctxs])  # [B, C, 1, D]
             sin = ctxs[0].sin[kind] if len(ctxs) == 1 else torch.cat([c.sin[kind] for c in ctxs])
-            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+            # the canvas's k and v go to scratch slots past the cached prefix (the cache is not advanced): written
+            # there by their norms when there is one cache, copied into each row's cache when there are several
+            slots = None
+            if len(caches) == 1:
+                end = ctxs[0].keys[kind][1]
+                slots = (caches[0].k[i][:, :, end - C : end], caches[0].v[i][:, :, end - C : end])
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin, kv_out=slots)
             heads, row = [], 0
             for part, pctx in zip(caches, ctxs):
                 rows = slice(row, row + part.batch)
                 start, end = pctx.keys[kind]
-                # scratch slots past the cached prefix: the cache is not advanced
-                part.k[i][:, :, end - C : end] = k[rows]
-                part.v[i][:, :, end - C : end] = v[rows]
+                if slots is None:
+                    part.k[i][:, :, end - C : end] = k[rows]
+                    part.v[i][:, :, end - C : end] = v[rows]
                 heads.append(attend(q[rows], part.k[i][:, :, start:end], part.v[i][:, :, start:end],
                                     pctx.mask[kind]))
                 row += part.batch

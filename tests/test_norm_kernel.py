@@ -114,6 +114,32 @@ def test_two_norms_of_one_input_in_one_kernel(monkeypatch, dtype):
         rms_norm(a, w1, 1e-6, weight2=w2, residual=a)
 
 
+def test_a_norm_written_into_a_kv_cache_slot():
+    """k's norm with RoPE and v's plain norm written through strided views of a cache's scratch slots ([B, Hkv,
+    capacity, D] buffers, the canvas's T positions at the end): the same values as the torch path's, nothing else in
+    the cache touched."""
+    from quant.kernels.rmsnorm import rms_norm
+
+    g = torch.Generator().manual_seed(2)
+    B, T, Hkv, D, cap = 2, 5, 3, 64, 12
+    k_raw = (torch.randn(B, T, Hkv, D, generator=g) * 3).to(torch.bfloat16)
+    w = (torch.rand(D, generator=g) + 0.5).to(torch.bfloat16)
+    angles = torch.rand(B, T, 1, D, generator=g) * 6
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    cache = torch.full((B, Hkv, cap, D), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    slot = cache[:, :, cap - T :]  # [B, Hkv, T, D]
+    got = rms_norm(k_raw.to(DEVICE), w.to(DEVICE), 1e-6, cos=cos.to(DEVICE), sin=sin.to(DEVICE),
+                   out=slot.transpose(1, 2))
+    ref = reference(k_raw, w, 1e-6, cos=cos, sin=sin)
+    assert ulps(got.cpu(), ref) <= 2.01 and got.data_ptr() == slot.data_ptr()
+    assert torch.equal(cache[:, :, cap - T :].transpose(1, 2).cpu(), got.cpu())
+    assert (cache[:, :, : cap - T] == 7.0).all()  # the cached prefix untouched
+    v = rms_norm(k_raw.to(DEVICE), None, 1e-6, out=slot.transpose(1, 2))  # v: no weight, no RoPE
+    assert ulps(v.cpu(), reference(k_raw, None, 1e-6)) <= 1.01
+    with pytest.raises(ValueError):
+        rms_norm(k_raw, w, 1e-6, out=torch.empty(B, T, Hkv, D + 1, dtype=torch.bfloat16))
+
+
 def test_the_model_step_with_fused_norms_matches_without(monkeypatch):
     """The demo DiffusionGemma's denoise logits with every norm fused (DGEMMA_KERNELS=triton, the interpreter) against
     the torch path: the same to float32 summation order, and the same argmax."""

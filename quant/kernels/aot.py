@@ -298,7 +298,8 @@ def _head_work(cc: int, batch: int) -> Work:
 
 def _layer_glue_work(cc: int, batch: int) -> list[Work]:
     """The layer's fused glue at the real shapes: a norm with everything around it (pre-add, weight, residual,
-    layer scale), a head norm with RoPE (sliding layers: 16 heads of 256), the router, and the logits' cap. Counts
+    layer scale), the same with the two post-feed-forward norms before the add, the two pre-feed-forward norms of
+    one input, a head norm with RoPE (sliding layers: 16 heads of 256), the router, and the logits' cap. Counts
     per step: 25 sliding layers' q and k norms; 30 layers' full residual updates and routers; one cap."""
     from quant.kernels.rmsnorm import rms_norm
     from quant.kernels.router import route
@@ -312,6 +313,13 @@ def _layer_glue_work(cc: int, batch: int) -> list[Work]:
     out = []
     launches = record(lambda: rms_norm(x, w, 1e-6, a2=x, residual=x, scale=s), "rms_norm", cc)
     out.append(Work("norm + residual + scale", "residual", batch, "bfloat16", LAYERS, 4 * 2 * rows * HIDDEN, 0,
+                    launches))
+    launches = record(lambda: rms_norm(x, w, 1e-6, a2=x, residual=x, scale=s, a_weight=w, a2_weight=w),
+                      "rms_norm (post-feed-forward)", cc)
+    out.append(Work("3 norms + residual + scale", "residual", batch, "bfloat16", LAYERS, 4 * 2 * rows * HIDDEN, 0,
+                    launches))
+    launches = record(lambda: rms_norm(x, w, 1e-6, weight2=w), "rms_norm (two weights)", cc)
+    out.append(Work("2 norms of one input", "residual", batch, "bfloat16", LAYERS, 3 * 2 * rows * HIDDEN, 0,
                     launches))
     launches = record(lambda: rms_norm(q, w[:256], 1e-6, cos=cos, sin=cos), "rms_norm (rope)", cc)
     out.append(Work("head norm + RoPE", "q", batch, "bfloat16", 50, 2 * 2 * q.numel(), 0, launches))

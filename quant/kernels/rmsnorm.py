@@ -53,7 +53,7 @@ def _normed(a, w_ptr, cols, D, eps):
 
 @triton.jit
 def rms_norm_kernel(a_ptr, a2_ptr, w_ptr, r_ptr, s_ptr, cos_ptr, sin_ptr, y_ptr, wa_ptr, wa2_ptr, w2_ptr, y2_ptr,
-                    ROWS, D, eps, heads, T, cos_bstride,
+                    ROWS, D, eps, heads, T, cos_bstride, ysb, yst, ysh,
                     HAS_A2: tl.constexpr, HAS_W: tl.constexpr, HAS_R: tl.constexpr, HAS_S: tl.constexpr,
                     ROPE: tl.constexpr, NORM_A: tl.constexpr, NORM_A2: tl.constexpr, HAS_Y2: tl.constexpr,
                     R: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
@@ -61,6 +61,10 @@ def rms_norm_kernel(a_ptr, a2_ptr, w_ptr, r_ptr, s_ptr, cos_ptr, sin_ptr, y_ptr,
     cols = tl.arange(0, BLOCK)
     mask = (row < ROWS)[:, None] & (cols < D)[None, :]
     at = row[:, None] * D + cols[None, :]
+    # the row's place in y: rows are (b, t, head) in that order; y may be a strided view (a KV cache's slots)
+    t = (row // heads) % T
+    b = row // (heads * T)
+    y_at = (b * ysb + t * yst + (row % heads) * ysh)[:, None] + cols[None, :]
     dt: tl.constexpr = y_ptr.dtype.element_ty
     a = tl.load(a_ptr + at, mask=mask, other=0.0).to(tl.float32)
     if NORM_A:  # a normed by a norm of its own first (rounded, as that norm's output is)
@@ -84,8 +88,6 @@ def rms_norm_kernel(a_ptr, a2_ptr, w_ptr, r_ptr, s_ptr, cos_ptr, sin_ptr, y_ptr,
         halves = tl.permute(tl.reshape(n, [R, 2, BLOCK // 2]), (0, 2, 1))
         lo, hi = tl.split(halves)
         rot = tl.reshape(tl.permute(tl.join(-hi, lo), (0, 2, 1)), [R, BLOCK])
-        t = (row // heads) % T
-        b = row // (heads * T)
         cat = (b * cos_bstride + t * D)[:, None] + cols[None, :]
         c = tl.load(cos_ptr + cat, mask=mask, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + cat, mask=mask, other=0.0).to(tl.float32)
@@ -94,20 +96,25 @@ def rms_norm_kernel(a_ptr, a2_ptr, w_ptr, r_ptr, s_ptr, cos_ptr, sin_ptr, y_ptr,
         n = _round(tl.load(r_ptr + at, mask=mask, other=0.0).to(tl.float32) + n, dt, EMULATE)
     if HAS_S:
         n = _round(n * tl.load(s_ptr).to(tl.float32), dt, EMULATE)
-    tl.store(y_ptr + at, n.to(dt), mask=mask)
+    tl.store(y_ptr + y_at, n.to(dt), mask=mask)
 
 
 def rms_norm(a: torch.Tensor, weight: torch.Tensor | None, eps: float, a2: torch.Tensor | None = None,
              residual: torch.Tensor | None = None, scale: torch.Tensor | None = None,
              cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, a_weight: torch.Tensor | None = None,
-             a2_weight: torch.Tensor | None = None, weight2: torch.Tensor | None = None):
+             a2_weight: torch.Tensor | None = None, weight2: torch.Tensor | None = None,
+             out: torch.Tensor | None = None):
     """S * (residual + rope(norm(a + a2) * weight)) in a's dtype and shape (see the module docstring).
 
     a_weight / a2_weight: a and a2 are first normed each by a norm of their own with that weight (the same eps),
-    rounded, then added. weight2: also the same norm of a with this other weight; returns (y, y2) then."""
+    rounded, then added. weight2: also the same norm of a with this other weight; returns (y, y2) then.
+    out: where y goes, a's shape, any strides with the last dimension contiguous (a view of a KV cache's slots, for
+    a [B, T, heads, D]); returned."""
     D = a.shape[-1]
     a = a.contiguous()
-    y = torch.empty_like(a)
+    if out is not None and (out.shape != a.shape or out.dtype != a.dtype or out.stride(-1) != 1 or a.dim() > 4):
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} cannot take the norm of {tuple(a.shape)} {a.dtype}")
+    y = torch.empty_like(a) if out is None else out
     y2 = torch.empty_like(a) if weight2 is not None else None
     rows = a.numel() // D
     if rows == 0:
@@ -119,10 +126,11 @@ def rms_norm(a: torch.Tensor, weight: torch.Tensor | None, eps: float, a2: torch
         raise ValueError("a2_weight without a2")
     heads = T = 1
     cos_bstride = 0
+    if a.dim() == 4:  # rows are (b, t, head)
+        _, T, heads, _ = a.shape
     if rope:
         if a.dim() != 4 or D < 2 or D & (D - 1):
             raise ValueError(f"RoPE needs x [B, T, heads, D] with D a power of two (got {tuple(a.shape)})")
-        _, T, heads, _ = a.shape
         cos, sin = cos.contiguous(), sin.contiguous()
         cos_bstride = 0 if cos.shape[0] == 1 else T * D
     g = a  # a stand-in pointer for the operands a launch does not have (never read)
@@ -135,8 +143,15 @@ def rms_norm(a: torch.Tensor, weight: torch.Tensor | None, eps: float, a2: torch
         residual.contiguous() if residual is not None else g, scale if scale is not None else g,
         cos if rope else g, sin if rope else g, y, a_weight if a_weight is not None else g,
         a2_weight if a2_weight is not None else g, weight2 if weight2 is not None else g, y2 if y2 is not None else g,
-        rows, D, float(eps), heads, T, cos_bstride,
+        rows, D, float(eps), heads, T, cos_bstride, *_row_strides(y, T, heads, D),
         a2 is not None, weight is not None, residual is not None, scale is not None, rope, a_weight is not None,
         a2_weight is not None, weight2 is not None, per, block, interpreting(),
         num_warps=4 if block * per <= 2048 else 8)
     return y if y2 is None else (y, y2)
+
+
+def _row_strides(y: torch.Tensor, T: int, heads: int, D: int) -> tuple[int, int, int]:
+    """(b, t, head) strides of y's rows, in elements: a contiguous y's, or a 4-D view's own."""
+    if y.dim() == 4:
+        return y.stride(0), y.stride(1), y.stride(2)
+    return T * heads * D, heads * D, D
