@@ -56,15 +56,17 @@ def rms_norm_kernel(a_ptr, a2_ptr, w_ptr, r_ptr, s_ptr, cos_ptr, sin_ptr, y_ptr,
                     ROWS, D, eps, heads, T, cos_bstride, ysb, yst, ysh,
                     HAS_A2: tl.constexpr, HAS_W: tl.constexpr, HAS_R: tl.constexpr, HAS_S: tl.constexpr,
                     ROPE: tl.constexpr, NORM_A: tl.constexpr, NORM_A2: tl.constexpr, HAS_Y2: tl.constexpr,
-                    R: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
+                    STRIDED: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)  # R rows a program (a token's heads, for RoPE)
     cols = tl.arange(0, BLOCK)
     mask = (row < ROWS)[:, None] & (cols < D)[None, :]
     at = row[:, None] * D + cols[None, :]
-    # the row's place in y: rows are (b, t, head) in that order; y may be a strided view (a KV cache's slots)
-    t = (row // heads) % T
+    t = (row // heads) % T  # rows are (b, t, head) in that order
     b = row // (heads * T)
-    y_at = (b * ysb + t * yst + (row % heads) * ysh)[:, None] + cols[None, :]
+    if STRIDED:  # y is a strided view (a KV cache's slots)
+        y_at = (b * ysb + t * yst + (row % heads) * ysh)[:, None] + cols[None, :]
+    else:
+        y_at = at
     dt: tl.constexpr = y_ptr.dtype.element_ty
     a = tl.load(a_ptr + at, mask=mask, other=0.0).to(tl.float32)
     if NORM_A:  # a normed by a norm of its own first (rounded, as that norm's output is)
@@ -134,6 +136,7 @@ def rms_norm(a: torch.Tensor, weight: torch.Tensor | None, eps: float, a2: torch
         cos, sin = cos.contiguous(), sin.contiguous()
         cos_bstride = 0 if cos.shape[0] == 1 else T * D
     g = a  # a stand-in pointer for the operands a launch does not have (never read)
+    strided = out is not None and not out.is_contiguous()  # 8 warps then: two addresses an element (no spills)
     block = triton.next_power_of_2(D)
     # rows a program: 2,048 elements where rows are short (a token's heads of 256: 8 rows, 16 elements a thread on 4
     # warps; 8 warps issued a third more), one row of the hidden size
@@ -145,8 +148,8 @@ def rms_norm(a: torch.Tensor, weight: torch.Tensor | None, eps: float, a2: torch
         a2_weight if a2_weight is not None else g, weight2 if weight2 is not None else g, y2 if y2 is not None else g,
         rows, D, float(eps), heads, T, cos_bstride, *_row_strides(y, T, heads, D),
         a2 is not None, weight is not None, residual is not None, scale is not None, rope, a_weight is not None,
-        a2_weight is not None, weight2 is not None, per, block, interpreting(),
-        num_warps=4 if block * per <= 2048 else 8)
+        a2_weight is not None, weight2 is not None, strided, per, block, interpreting(),
+        num_warps=8 if strided or block * per > 2048 else 4)
     return y if y2 is None else (y, y2)
 
 
