@@ -243,7 +243,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+        gated = getattr(self.gate_proj, "gated", None)  # a quantized linear that fuses the gate (quant/modules.py)
+        h = gated(x, self.up_proj) if gated is not None and not x.requires_grad else None
+        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x) if h is None else h)
 
 
 class Router(nn.Module):

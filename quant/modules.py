@@ -84,6 +84,18 @@ class NVFP4Linear(nn.Module):
             return nvfp4_linear(x, self.weight, self.weight_scale, self.row_scale_2())
         return F.linear(x, self.dequantize(x.dtype))
 
+    def gated(self, x: torch.Tensor, up: nn.Module) -> torch.Tensor | None:
+        """gelu_tanh(self(x)) * up(x) in one kernel where the NVFP4 linear kernel runs and `up` is an NVFP4Linear
+        of the same shape (not on the W4A4 path: its activations are quantized per linear); None elsewhere (the
+        caller runs the three ops)."""
+        if (type(up) is not NVFP4Linear or up.weight.shape != self.weight.shape or not use_triton(x.device)
+                or (self.in_features % 32 == 0 and w4a4(x.device)) or not family_ok("nvfp4_linear", x.device, x.dtype)):
+            return None
+        from .kernels.nvfp4_linear import nvfp4_linear
+
+        return nvfp4_linear(x, self.weight, self.weight_scale, self.row_scale_2(),
+                            up=(up.weight, up.weight_scale, up.row_scale_2()))
+
     def row_scale_2(self) -> torch.Tensor:
         """The global scale once per output row, float32 [N] contiguous, as the kernels read it: made at the first
         call and again only when weight_scale_2 changes (not a copy per call)."""

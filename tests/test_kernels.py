@@ -55,6 +55,32 @@ def test_linear_kernels_match_reference(rows, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [3, 70])
+def test_gated_nvfp4_linear_matches_the_three_ops(rows, dtype):
+    """The dense MLP's first half in one kernel: gelu_tanh(x W_gate^T) * (x W_up^T), each product and the
+    activation rounded to the compute dtype as the torch ops round them; and the module's entry point."""
+    import torch.nn.functional as F
+
+    from quant.kernels.nvfp4_linear import nvfp4_linear
+    from quant.modules import NVFP4Linear
+
+    g = torch.Generator().manual_seed(rows)
+    N, K = 80, 96
+    qg, qu = (nvfp4.quantize(torch.randn(N, K, generator=g), search=True) for _ in range(2))
+    x = torch.randn(rows, K, generator=g).to(dtype).to(DEVICE)
+    gate = x @ nvfp4.dequantize(qg, dtype).to(DEVICE).T
+    up = x @ nvfp4.dequantize(qu, dtype).to(DEVICE).T
+    ref = F.gelu(gate, approximate="tanh") * up
+    got = nvfp4_linear(x, qg.weight.to(DEVICE), qg.weight_scale.to(DEVICE), qg.weight_scale_2.expand(N).to(DEVICE),
+                       up=(qu.weight.to(DEVICE), qu.weight_scale.to(DEVICE), qu.weight_scale_2.expand(N).to(DEVICE)))
+    assert got.dtype == dtype and got.shape == (rows, N)
+    assert rel(got, ref) <= TOL[dtype]
+    mg, mu = NVFP4Linear.from_weight(qg).to(DEVICE), NVFP4Linear.from_weight(qu).to(DEVICE)
+    assert torch.equal(mg.gated(x, mu), got)
+    assert mg.gated(x, torch.nn.Linear(K, N)) is None  # not two NVFP4 linears: the caller's three ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_activation_quantization_matches_emulation(dtype):
     """The on-the-fly NVFP4 quantization of activations (W4A4) gives the same codes, e4m3 scale bits and per-token
     global scales as quant/nvfp4.quantize row by row: over twelve decades (subnormal e4m3 scales included), an

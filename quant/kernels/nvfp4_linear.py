@@ -19,18 +19,19 @@ import triton
 import triton.language as tl
 
 from . import arch, interpreting, m_bucket, shared_b_operand, tuning
-from .common import dot_acc, load_nvfp4_tile, nvfp4_operand, store_rounded
+from .common import dot_acc, gelu_tanh, load_nvfp4_tile, nvfp4_operand, store_rounded, to_compute
 
 
 @triton.jit
-def nvfp4_linear_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, M, N, K,
+def nvfp4_linear_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, wu_ptr, su_ptr, s2u_ptr, M, N, K,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                        IEEE: tl.constexpr, EMULATE: tl.constexpr):
+                        IEEE: tl.constexpr, EMULATE: tl.constexpr, GATED: tl.constexpr):
     pid_n = tl.program_id(0)  # fastest: consecutive programs share the x rows... and M blocks of one N tile follow
     pid_m = tl.program_id(1)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # 64-bit: M x K passes 2^31 on long prompts
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GATED: the up projection's (unused otherwise)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         if EVEN:  # whole tiles in N and K: only the rows are masked
@@ -41,13 +42,23 @@ def nvfp4_linear_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, M, N, K,
         w, _ = nvfp4_operand(load_nvfp4_tile(w_ptr, s_ptr, rn, k0, K, N, BLOCK_N, BLOCK_K, True, not EVEN,
                                              EMULATE), x.dtype)
         acc = dot_acc(acc, x, tl.trans(w), IEEE, EMULATE)
-    _, unshift = nvfp4_operand(tl.zeros((1, 1), dtype=tl.bfloat16), y_ptr.dtype.element_ty)
+        if GATED:
+            wu, _ = nvfp4_operand(load_nvfp4_tile(wu_ptr, su_ptr, rn, k0, K, N, BLOCK_N, BLOCK_K, True, not EVEN,
+                                                  EMULATE), x.dtype)
+            acc_u = dot_acc(acc_u, x, tl.trans(wu), IEEE, EMULATE)
+    dtype = y_ptr.dtype.element_ty
+    _, unshift = nvfp4_operand(tl.zeros((1, 1), dtype=tl.bfloat16), dtype)
     s2 = tl.load(s2_ptr + rn, mask=rn < N, other=0.0) * unshift
-    store_rounded(y_ptr + rm[:, None] * N + rn[None, :], acc * s2[None, :], (rm[:, None] < M) & (rn[None, :] < N),
-                  EMULATE)
+    y = acc * s2[None, :]
+    if GATED:  # gelu_tanh(gate) * up, each matmul output and the activation rounded as the torch path rounds them
+        s2u = tl.load(s2u_ptr + rn, mask=rn < N, other=0.0) * unshift
+        gate = to_compute(y, dtype, EMULATE).to(tl.float32)
+        up = to_compute(acc_u * s2u[None, :], dtype, EMULATE).to(tl.float32)
+        y = to_compute(gelu_tanh(gate), dtype, EMULATE).to(tl.float32) * up
+    store_rounded(y_ptr + rm[:, None] * N + rn[None, :], y, (rm[:, None] < M) & (rn[None, :] < N), EMULATE)
 
 
-def candidates(M: int, K: int, device: torch.device) -> list[dict]:
+def candidates(M: int, K: int, device: torch.device, gated: bool = False) -> list[dict]:
     """Launch settings to try for an [M, K] input, best first by the static report (make kernel-report).
 
     Hopper and datacenter Blackwell (wgmma / tcgen05, `shared_b_operand`: the decoded tile goes to shared memory
@@ -55,6 +66,8 @@ def candidates(M: int, K: int, device: torch.device) -> list[dict]:
     decoded once or twice per step. Ampere, Ada and RTX 50 (mma.sync: each warp takes its slice of the decoded tile
     in registers): 64 rows, 4 warps (more rows only add register moves and spills). A handful of rows: 16."""
     block_k = 128 if K % 128 == 0 else 64 if K % 64 == 0 else 32 if K % 32 == 0 else 16
+    if gated:  # two weight tiles and two accumulators a step: half the columns a program
+        return [dict(c, BLOCK_N=c["BLOCK_N"] // 2) for c in candidates(M, K, device)]
     if M <= 16:
         return [dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, num_warps=4)]
     if shared_b_operand(arch(device)):
@@ -67,8 +80,11 @@ def candidates(M: int, K: int, device: torch.device) -> list[dict]:
 
 
 def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                 row_scale_2: torch.Tensor) -> torch.Tensor:
-    """x [..., K] -> [..., N] (see the module docstring for the operands)."""
+                 row_scale_2: torch.Tensor, up: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                 ) -> torch.Tensor:
+    """x [..., K] -> [..., N] (see the module docstring for the operands). With `up` (the weight, scales and row
+    scales of a second NVFP4 matrix of the same shape): gelu_tanh(x W^T) * (x W_up^T), the gated MLP's first half in
+    one kernel."""
     N, half = weight.shape
     K = 2 * half
     lead = x.shape[:-1]
@@ -77,15 +93,22 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     words, scale_bits, s2 = weight.contiguous().view(torch.int32), weight_scale.view(torch.uint8), \
         row_scale_2.float().contiguous()
+    if up is not None:
+        if up[0].shape != weight.shape:
+            raise ValueError(f"gate {tuple(weight.shape)} and up {tuple(up[0].shape)} weights differ in shape")
+        words_u, scale_bits_u, s2u = up[0].contiguous().view(torch.int32), up[1].view(torch.uint8), \
+            up[2].float().contiguous()
+    else:
+        words_u, scale_bits_u, s2u = words, scale_bits, s2  # stand-ins, never read
 
     def launch(cfg: dict) -> None:
         grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]))
-        nvfp4_linear_kernel[grid](x2, words, scale_bits, s2, y, M, N, K, cfg["BLOCK_M"], cfg["BLOCK_N"],
-                                  cfg["BLOCK_K"], N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0,
-                                  x.dtype == torch.float32, interpreting(),
+        nvfp4_linear_kernel[grid](x2, words, scale_bits, s2, y, words_u, scale_bits_u, s2u, M, N, K, cfg["BLOCK_M"],
+                                  cfg["BLOCK_N"], cfg["BLOCK_K"], N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0,
+                                  x.dtype == torch.float32, interpreting(), up is not None,
                                   num_warps=cfg["num_warps"])
 
-    cfg = tuning.choose("nvfp4_linear", (m_bucket(M), N, K, str(x.dtype)), candidates(M, K, x.device), launch,
-                        x.device)
+    key = (m_bucket(M), N, K, str(x.dtype)) + (("gated",) if up is not None else ())
+    cfg = tuning.choose("nvfp4_linear", key, candidates(M, K, x.device, up is not None), launch, x.device)
     launch(cfg)
     return y.reshape(*lead, N)

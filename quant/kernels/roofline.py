@@ -118,8 +118,11 @@ def _tile_mma(tiles: int, k: str) -> Callable[[dict], int]:
 # Keyed by kernel function name. Update an entry with its kernel: the report fails when they disagree.
 KERNELS = {
     # for k0 in range(0, K, BLOCK_K): one CTA per BLOCK_M x BLOCK_N tile of y
+    # GATED: the gate's and the up projection's tiles each step (two decodes, two products)
     "nvfp4_linear_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])],
-                                 elems=lambda a: a["BLOCK_N"] * a["K"], mma=_tile_mma(1, "K")),
+                                 elems=lambda a: (2 if a["GATED"] else 1) * a["BLOCK_N"] * a["K"],
+                                 passes=lambda a: {k: int(a["GATED"]) for k in ("wu_ptr", "su_ptr", "s2u_ptr")},
+                                 mma=lambda a: (2 if a["GATED"] else 1) * _tile_mma(1, "K")(a)),
     "int8_linear_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])],
                                 elems=lambda a: a["BLOCK_N"] * a["K"], mma=_tile_mma(1, "K")),
     # for k0 in range(0, H, BLOCK_K), gate and up tiles each iteration; only blocks of a real expert run it
