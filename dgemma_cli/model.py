@@ -219,10 +219,21 @@ class Attention(nn.Module):
         """x [B, T, H] -> q [B, Hq, T, D], k, v [B, Hkv, T, D] (normed; q and k rotated). kv_out: where k and v go
         ([B, Hkv, T, D] views of a KV cache's slots: the norms write them there, no copy after); returned as k, v."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, -1, self.head_dim)
-        q = self.q_norm.rope(q, cos, sin).transpose(1, 2)
+        q_raw = self.q_proj(x).view(B, T, -1, self.head_dim)
         k_raw = self.k_proj(x).view(B, T, -1, self.head_dim)
         v_raw = self.v_proj(x).view(B, T, -1, self.head_dim) if self.v_proj is not None else k_raw
+        D = self.head_dim
+        if D & (D - 1) == 0 and _fused_norms(q_raw) and self.q_norm.eps == self.k_norm.eps:  # q's and k's in one
+            from quant.kernels.rmsnorm import rms_norm_rope_pair
+
+            k_out, v_out = kv_out if kv_out is not None else (None, None)
+            q, k = rms_norm_rope_pair(q_raw, self.q_norm.weight, k_raw, self.k_norm.weight, self.q_norm.eps, cos, sin,
+                                      out_b=None if k_out is None else k_out.transpose(1, 2))
+            if v_out is not None:
+                self.v_norm.into(v_raw, v_out.transpose(1, 2))
+                return q.transpose(1, 2), k_out, v_out
+            return q.transpose(1, 2), k.transpose(1, 2), self.v_norm(v_raw).transpose(1, 2)
+        q = self.q_norm.rope(q_raw, cos, sin).transpose(1, 2)
         if kv_out is not None:
             k_out, v_out = kv_out
             self.k_norm.rope(k_raw, cos, sin, out=k_out.transpose(1, 2))

@@ -140,6 +140,28 @@ def test_a_norm_written_into_a_kv_cache_slot():
         rms_norm(k_raw, w, 1e-6, out=torch.empty(B, T, Hkv, D + 1, dtype=torch.bfloat16))
 
 
+def test_q_and_k_norms_in_one_launch():
+    """A layer's q [B, T, 4, D] and k [B, T, 2, D] normed and rotated by one launch, k into a cache's slots: each as
+    its own norm with RoPE gives it."""
+    from quant.kernels.rmsnorm import rms_norm_rope_pair
+
+    g = torch.Generator().manual_seed(3)
+    B, T, D, cap = 2, 5, 64, 9
+    q, k = ((torch.randn(B, T, h, D, generator=g) * 3).to(torch.bfloat16) for h in (4, 2))
+    wq, wk = ((torch.rand(D, generator=g) + 0.5).to(torch.bfloat16) for _ in range(2))
+    angles = torch.rand(1, T, 1, D, generator=g) * 6
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    cache = torch.zeros(B, 2, cap, D, dtype=torch.bfloat16, device=DEVICE)
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    got_q, got_k = rms_norm_rope_pair(dev(q), dev(wq), dev(k), dev(wk), 1e-6, dev(cos), dev(sin),
+                                      out_b=cache[:, :, cap - T :].transpose(1, 2))
+    assert ulps(got_q.cpu(), reference(q, wq, 1e-6, cos=cos, sin=sin)) <= 2.01
+    assert ulps(got_k.cpu(), reference(k, wk, 1e-6, cos=cos, sin=sin)) <= 2.01
+    assert torch.equal(cache[:, :, cap - T :].transpose(1, 2).cpu(), got_k.cpu()) and (cache[:, :, : cap - T] == 0).all()
+    with pytest.raises(ValueError):
+        rms_norm_rope_pair(q, wq, k[:, :3], wk, 1e-6, cos, sin)
+
+
 def test_the_model_step_with_fused_norms_matches_without(monkeypatch):
     """The demo DiffusionGemma's denoise logits with every norm fused (DGEMMA_KERNELS=triton, the interpreter) against
     the torch path: the same to float32 summation order, and the same argmax."""
@@ -170,9 +192,9 @@ def test_the_model_step_with_fused_norms_matches_without(monkeypatch):
     monkeypatch.setattr(rmsnorm, "rms_norm", lambda *a, **k: launches.append(1) or original(*a, **k))
     got = step()
     layers = cfg.text.num_hidden_layers
-    # every norm of every layer, encoder and denoise steps: 10 norms a layer in 7 kernels (the two pre-feed-forward
-    # norms in one, the three post-feed-forward ones in one)
-    assert len(launches) >= 2 * 7 * layers
+    # every norm of every layer, encoder and denoise steps: 10 norms a layer in 6 kernels (q's and k's in one, the
+    # two pre-feed-forward norms in one, the three post-feed-forward ones in one)
+    assert len(launches) >= 2 * 6 * layers
     assert (got - ref).abs().max() <= 0.01 * ref.abs().max()  # measured: 0.058 of 9.98
     assert (got == ref).float().mean() > 0.75  # measured: 86% of the logits bit for bit
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.99  # measured: all

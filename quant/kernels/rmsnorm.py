@@ -53,11 +53,25 @@ def _normed(a, w_ptr, cols, D, eps):
 
 @triton.jit
 def rms_norm_kernel(a_ptr, a2_ptr, w_ptr, r_ptr, s_ptr, cos_ptr, sin_ptr, y_ptr, wa_ptr, wa2_ptr, w2_ptr, y2_ptr,
-                    ROWS, D, eps, heads, T, cos_bstride, ysb, yst, ysh,
+                    b_ptr, wb_ptr, yb_ptr, ROWS, D, eps, heads, T, cos_bstride, ysb, yst, ysh,
+                    PA, ROWS_B, heads_b, ybsb, ybst, ybsh,
                     HAS_A2: tl.constexpr, HAS_W: tl.constexpr, HAS_R: tl.constexpr, HAS_S: tl.constexpr,
                     ROPE: tl.constexpr, NORM_A: tl.constexpr, NORM_A2: tl.constexpr, HAS_Y2: tl.constexpr,
-                    STRIDED: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)  # R rows a program (a token's heads, for RoPE)
+                    STRIDED: tl.constexpr, TWO: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr,
+                    EMULATE: tl.constexpr):
+    pid = tl.program_id(0)
+    if TWO:  # programs from PA on norm a second tensor (B: k after q) with its own weight, rows and output
+        second = pid >= PA
+        pid = tl.where(second, pid - PA, pid)
+        a_ptr = tl.where(second, b_ptr, a_ptr)
+        w_ptr = tl.where(second, wb_ptr, w_ptr)
+        y_ptr = tl.where(second, yb_ptr, y_ptr)
+        ROWS = tl.where(second, ROWS_B, ROWS)
+        heads = tl.where(second, heads_b, heads)
+        ysb = tl.where(second, ybsb, ysb)
+        yst = tl.where(second, ybst, yst)
+        ysh = tl.where(second, ybsh, ysh)
+    row = pid.to(tl.int64) * R + tl.arange(0, R)  # R rows a program (a token's heads, for RoPE)
     cols = tl.arange(0, BLOCK)
     mask = (row < ROWS)[:, None] & (cols < D)[None, :]
     at = row[:, None] * D + cols[None, :]
@@ -146,11 +160,46 @@ def rms_norm(a: torch.Tensor, weight: torch.Tensor | None, eps: float, a2: torch
         residual.contiguous() if residual is not None else g, scale if scale is not None else g,
         cos if rope else g, sin if rope else g, y, a_weight if a_weight is not None else g,
         a2_weight if a2_weight is not None else g, weight2 if weight2 is not None else g, y2 if y2 is not None else g,
-        rows, D, float(eps), heads, T, cos_bstride, *_row_strides(y, T, heads, D),
+        g, g, g, rows, D, float(eps), heads, T, cos_bstride, *_row_strides(y, T, heads, D), 0, 0, 1, 0, 0, 0,
         a2 is not None, weight is not None, residual is not None, scale is not None, rope, a_weight is not None,
-        a2_weight is not None, weight2 is not None, strided, per, block, interpreting(),
+        a2_weight is not None, weight2 is not None, strided, False, per, block, interpreting(),
         num_warps=8 if strided or block * per > 2048 else 4)
     return y if y2 is None else (y, y2)
+
+
+def rms_norm_rope_pair(a: torch.Tensor, weight: torch.Tensor, b: torch.Tensor, weight_b: torch.Tensor, eps: float,
+                       cos: torch.Tensor, sin: torch.Tensor, out_b: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rope(norm(a) * weight), rope(norm(b) * weight_b)) in one launch: a layer's q [B, T, Hq, D] and k [B, T, Hk,
+    D] (the same positions, cos and sin, D a power of two); out_b: where b's result goes (a KV cache's slots, any
+    strides), returned."""
+    D = a.shape[-1]
+    if a.dim() != 4 or b.dim() != 4 or b.shape[:2] != a.shape[:2] or b.shape[-1] != D or D < 2 or D & (D - 1):
+        raise ValueError(f"two [B, T, heads, D] tensors with the same B, T and D a power of two are needed (got "
+                         f"{tuple(a.shape)} and {tuple(b.shape)})")
+    a, b = a.contiguous(), b.contiguous()
+    if out_b is not None and (out_b.shape != b.shape or out_b.dtype != b.dtype or out_b.stride(-1) != 1):
+        raise ValueError(f"out {tuple(out_b.shape)} {out_b.dtype} cannot take the norm of {tuple(b.shape)}")
+    y = torch.empty_like(a)
+    yb = torch.empty_like(b) if out_b is None else out_b
+    _, T, heads, _ = a.shape
+    heads_b = b.shape[2]
+    rows, rows_b = a.numel() // D, b.numel() // D
+    if rows == 0:
+        return y, yb
+    cos, sin = cos.contiguous(), sin.contiguous()
+    cos_bstride = 0 if cos.shape[0] == 1 else T * D
+    block = triton.next_power_of_2(D)
+    per = min(16, max(1, 2048 // block))
+    pa = triton.cdiv(rows, per)
+    strided = not yb.is_contiguous()
+    g = a
+    rms_norm_kernel[(pa + triton.cdiv(rows_b, per),)](
+        a, g, weight, g, g, cos, sin, y, g, g, g, g, b, weight_b, yb, rows, D, float(eps), heads, T, cos_bstride,
+        *_row_strides(y, T, heads, D), pa, rows_b, heads_b, *_row_strides(yb, T, heads_b, D),
+        False, True, False, False, True, False, False, False, strided, True, per, block, interpreting(),
+        num_warps=8 if strided or block * per > 2048 else 4)
+    return y, yb
 
 
 def _row_strides(y: torch.Tensor, T: int, heads: int, D: int) -> tuple[int, int, int]:

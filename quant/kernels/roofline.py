@@ -161,7 +161,9 @@ KERNELS = {
                                                "r_ptr": int(a["HAS_R"]), "s_ptr": int(a["HAS_S"]),
                                                "cos_ptr": int(a["ROPE"]), "sin_ptr": int(a["ROPE"]),
                                                "wa_ptr": int(a["NORM_A"]), "wa2_ptr": int(a["NORM_A2"]),
-                                               "w2_ptr": int(a["HAS_Y2"]), "y2_ptr": int(a["HAS_Y2"])}),
+                                               "w2_ptr": int(a["HAS_Y2"]), "y2_ptr": int(a["HAS_Y2"]),
+                                               "b_ptr": int(a["TWO"]), "wb_ptr": int(a["TWO"]),
+                                               "yb_ptr": int(a["TWO"])}),
     # BLOCK_T tokens a CTA: a sweep over H for the norm, a sweep over H multiplying by W's tiles (the top-k after,
     # unrolled); the tile's MMA work: BLOCK_T x BLOCK_E x H rounded up to BLOCK_K
     "router_kernel": Loops(trips=lambda a: [_cdiv(a["H"], a["BLOCK_K"])] * 2, elems=lambda a: a["BLOCK_E"] * a["H"],
