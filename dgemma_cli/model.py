@@ -76,11 +76,15 @@ class RMSNorm(nn.Module):
         out = residual + self(x if x2 is None else x + x2)
         return out if scale is None else out * scale
 
-    def pair(self, x: torch.Tensor, other: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(x), other(x)): two norms of the same input (same eps), in one kernel."""
+    def pair(self, x: torch.Tensor, other: RMSNorm, pair_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(x), other(x)): two norms of the same input (same eps), in one kernel; the second's columns in the
+        NVFP4 decode's pair order with `pair_order` (groups of 8 as k0 k4 k1 k5 k2 k6 k3 k7)."""
         if (_fused_norms(x) and self.weight is not None and other.weight is not None and other.eps == self.eps):
-            return _rms_norm_kernel()(x, self.weight, self.eps, weight2=other.weight)
-        return self(x), other(x)
+            return _rms_norm_kernel()(x, self.weight, self.eps, weight2=other.weight, pair_order_y2=pair_order)
+        y2 = other(x)
+        if pair_order:
+            y2 = y2.reshape(*y2.shape[:-1], -1, 2, 4).transpose(-1, -2).reshape(y2.shape)
+        return self(x), y2
 
 
 def _fused_norms(x: torch.Tensor) -> bool:
@@ -377,10 +381,23 @@ class QuantizedExperts(Experts):
     def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gate_up_proj.dequantize(dtype), self.down_proj.dequantize(dtype)
 
-    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        """The fused kernels when the packed modules provide them for x's device, else the reference path."""
+    def takes_pair_order(self, x: torch.Tensor) -> bool:
+        """Whether the fused kernels would read x in the NVFP4 decode's pair order (quant.modules.takes_pair_order):
+        the layer then has its norm write x in that order and says so (`ordered`)."""
+        takes = getattr(self.gate_up_proj, "takes_pair_order", None)
+        return bool(takes is not None and takes(self.down_proj, x))
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                ordered: bool = False) -> torch.Tensor:
+        """The fused kernels when the packed modules provide them for x's device, else the reference path. ordered:
+        x's columns are in the NVFP4 decode's pair order (`takes_pair_order`)."""
         fused = getattr(self.gate_up_proj, "fused_experts", None)
-        y = fused(self.down_proj, x, top_k_index, top_k_weights) if fused is not None else None
+        extra = (True,) if ordered else ()  # only stacks that take the pair order are ever handed it
+        y = fused(self.down_proj, x, top_k_index, top_k_weights, *extra) if fused is not None else None
+        if y is None and ordered:  # not the kernels that read that order after all: K order again
+            from quant.modules import pair_unordered
+
+            x = pair_unordered(x)
         return super().forward(x, top_k_index, top_k_weights) if y is None else y
 
 
@@ -407,17 +424,21 @@ class Layer(nn.Module):
                      ) -> torch.Tensor:
         """x is the post-attention residual [B, T, H]. experts_per_row: the routed experts run on each row's T
         tokens apart (the server's exactness on the CPU: dgemma_cli/batching.py), not on all B x T at once."""
-        pre, pre2 = self.pre_feedforward_layernorm.pair(x, self.pre_feedforward_layernorm_2)
+        # the experts' input straight in the order their NVFP4 kernels read, where they run (no copy in between)
+        takes = getattr(self.experts, "takes_pair_order", None)
+        ordered = bool(takes is not None and not x.requires_grad and takes(x))
+        pre, pre2 = self.pre_feedforward_layernorm.pair(x, self.pre_feedforward_layernorm_2, pair_order=ordered)
         dense = self.mlp(pre)  # its post-norm is applied with the sum's, below
         B, T, H = x.shape
         flat = x.reshape(-1, H)
         weights, index = self.router(flat)  # routed on the un-normed residual
         normed = pre2.reshape(-1, H)
+        kw = {"ordered": True} if ordered else {}
         if experts_per_row and B > 1:
             moe = torch.cat([self.experts(normed[b * T : (b + 1) * T], index[b * T : (b + 1) * T],
-                                          weights[b * T : (b + 1) * T]) for b in range(B)]).reshape(x.shape)
+                                          weights[b * T : (b + 1) * T], **kw) for b in range(B)]).reshape(x.shape)
         else:
-            moe = self.experts(normed, index, weights).reshape(x.shape)
+            moe = self.experts(normed, index, weights, **kw).reshape(x.shape)
         # (x + norm(norm_1(dense) + norm_2(moe))) * s
         return self.post_feedforward_layernorm.add_to(x, dense, moe, layer_scalar,
                                                       norm_x=self.post_feedforward_layernorm_1,

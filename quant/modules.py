@@ -134,12 +134,29 @@ class Int8Linear(nn.Module):
         return F.linear(x, self.dequantize(x.dtype))
 
 
+def takes_pair_order(gate_up: nn.Module, down: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `fused_experts` would run the NVFP4 W16A4 kernels for x, which read x in the decode's pair order
+    (kernels/moe_gate_up.pair_ordered): the caller may then hand x in that order (`ordered`), saving the copy."""
+    return (gate_up.format == "nvfp4" and use_triton(x.device)
+            and not (gate_up.shape[2] % 64 == 0 and down.shape[2] % 64 == 0 and w4a4(x.device))
+            and family_ok("moe_nvfp4", x.device, x.dtype))
+
+
+def pair_unordered(x: torch.Tensor) -> torch.Tensor:
+    """The inverse of kernels/moe_gate_up.pair_ordered: [T, H] in the pair order -> in K order."""
+    T, H = x.shape
+    return x.reshape(T, H // 8, 4, 2).transpose(-1, -2).reshape(T, H)
+
+
 def fused_experts(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, top_k_index: torch.Tensor,
-                  top_k_weights: torch.Tensor) -> torch.Tensor | None:
+                  top_k_weights: torch.Tensor, ordered: bool = False) -> torch.Tensor | None:
     """The routed experts through the fused Triton kernels (x [T, H] -> [T, H]), or None when DGEMMA_KERNELS selects
     the reference for x's device (the caller then dequantizes and runs its grouped matmuls). NVFP4 experts take W4A4
     where `w4a4` says so. The launch settings, rows per block among them, come from the kernels' candidates, tuned
-    on first use per GPU (kernels/tuning.py)."""
+    on first use per GPU (kernels/tuning.py). ordered: x is already in the NVFP4 decode's pair order (only where
+    `takes_pair_order` said so; None is returned otherwise, the caller then restores K order)."""
+    if ordered and not takes_pair_order(gate_up, down, x):
+        return None
     if not use_triton(x.device):
         return None
     if (gate_up.format == "nvfp4" and gate_up.shape[2] % 64 == 0 and down.shape[2] % 64 == 0 and w4a4(x.device)
@@ -156,7 +173,7 @@ def fused_experts(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, top_k_in
     s2_gu = getattr(gate_up, "weight_scale_2", None)
     s2_dn = getattr(down, "weight_scale_2", None)
     weights = top_k_weights.reshape(-1)
-    x_in = pair_ordered(x) if gate_up.format == "nvfp4" else x
+    x_in = pair_ordered(x) if gate_up.format == "nvfp4" and not ordered else x
 
     def launch(cfg: dict) -> torch.Tensor:
         ids, block_expert = block_plan(top_k_index, E, cfg["BLOCK_M"])
@@ -187,8 +204,11 @@ class _Stack(nn.Module):
 
     shape: tuple[int, int, int]
 
-    def fused_experts(self, down: nn.Module, x, top_k_index, top_k_weights):
-        return fused_experts(self, down, x, top_k_index, top_k_weights)
+    def fused_experts(self, down: nn.Module, x, top_k_index, top_k_weights, ordered: bool = False):
+        return fused_experts(self, down, x, top_k_index, top_k_weights, ordered)
+
+    def takes_pair_order(self, down: nn.Module, x: torch.Tensor) -> bool:
+        return takes_pair_order(self, down, x)
 
     def dequantize_experts(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError

@@ -175,6 +175,29 @@ def test_w4a4_experts_match_emulation(tokens, load, monkeypatch):
         assert rel(got.cpu(), reference(x, gu.cpu(), dn.cpu(), index, weights)) <= moe_tolerance("nvfp4", dtype)
 
 
+def test_experts_take_their_input_already_in_pair_order(monkeypatch):
+    """The NVFP4 experts' input handed in the decode's pair order (the layer's norm writes it so): the same output
+    as from K order through the fused kernels, and through the reference path too (it restores K order)."""
+    from quant.kernels.moe_gate_up import pair_ordered
+    from quant.modules import takes_pair_order
+
+    from dgemma_cli.model import QuantizedExperts
+
+    g = torch.Generator().manual_seed(5)
+    E, H, I, K, tokens = 6, 64, 64, 2, 9
+    gu, dn = (s.to(DEVICE) for s in build_stacks("nvfp4", E, H, I, g))
+    experts = QuantizedExperts(E, gu, dn)
+    x = torch.randn(tokens, H, generator=g).to(DEVICE)
+    index, weights = LOADS["uniform"](tokens, E, K, g).to(DEVICE), torch.rand(tokens, K, generator=g).to(DEVICE)
+    assert takes_pair_order(gu, dn, x) and experts.takes_pair_order(x)
+    want = experts(x, index, weights)
+    assert torch.equal(experts(pair_ordered(x), index, weights, ordered=True), want)
+    monkeypatch.setenv("DGEMMA_KERNELS", "torch")  # the reference path, which reads K order
+    assert not takes_pair_order(gu, dn, x)
+    ref = experts(x, index, weights)
+    assert torch.equal(experts(pair_ordered(x), index, weights, ordered=True), ref)
+
+
 @pytest.mark.parametrize("tokens", [1, 17])
 def test_w4a4_experts_use_the_calibrated_input_scales(tokens, monkeypatch):
     """Stacks loaded with ModelOpt's input_scale per expert projection: the W4A4 experts quantize x with the largest

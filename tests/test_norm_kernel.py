@@ -112,6 +112,11 @@ def test_two_norms_of_one_input_in_one_kernel(monkeypatch, dtype):
             assert ulps(got.cpu(), ref) <= 1.01 and (got.cpu() == ref).float().mean() > 0.97
     with pytest.raises(ValueError):
         rms_norm(a, w1, 1e-6, weight2=w2, residual=a)
+    # the second output in the NVFP4 decode's pair order: the same values, columns as pair_ordered puts them
+    from quant.kernels.moe_gate_up import pair_ordered
+
+    z1, z2 = rms_norm(a.to(DEVICE), w1.to(DEVICE), 1e-6, weight2=w2.to(DEVICE), pair_order_y2=True)
+    assert torch.equal(z1, y1) and torch.equal(z2.reshape(-1, D), pair_ordered(y2.reshape(-1, D)))
 
 
 def test_a_norm_written_into_a_kv_cache_slot():

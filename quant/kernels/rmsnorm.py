@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .common import pair_order
 
 
 @triton.jit
@@ -57,8 +58,8 @@ def rms_norm_kernel(a_ptr, a2_ptr, w_ptr, r_ptr, s_ptr, cos_ptr, sin_ptr, y_ptr,
                     PA, ROWS_B, heads_b, ybsb, ybst, ybsh,
                     HAS_A2: tl.constexpr, HAS_W: tl.constexpr, HAS_R: tl.constexpr, HAS_S: tl.constexpr,
                     ROPE: tl.constexpr, NORM_A: tl.constexpr, NORM_A2: tl.constexpr, HAS_Y2: tl.constexpr,
-                    STRIDED: tl.constexpr, TWO: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr,
-                    EMULATE: tl.constexpr):
+                    STRIDED: tl.constexpr, TWO: tl.constexpr, PAIR_Y2: tl.constexpr, R: tl.constexpr,
+                    BLOCK: tl.constexpr, EMULATE: tl.constexpr):
     pid = tl.program_id(0)
     if TWO:  # programs from PA on norm a second tensor (B: k after q) with its own weight, rows and output
         second = pid >= PA
@@ -98,7 +99,11 @@ def rms_norm_kernel(a_ptr, a2_ptr, w_ptr, r_ptr, s_ptr, cos_ptr, sin_ptr, y_ptr,
         n = n0 * w[None, :]
     if HAS_Y2:  # a second norm of the same input, with its own weight (the same rstd, as torch computes it)
         w2 = tl.load(w2_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-        tl.store(y2_ptr + at, _round(n0 * w2[None, :], dt, EMULATE).to(dt), mask=mask)
+        if PAIR_Y2:  # columns in the NVFP4 decode's pair order (what the NVFP4 experts read)
+            y2_at = row[:, None] * D + pair_order(cols)[None, :]
+        else:
+            y2_at = at
+        tl.store(y2_ptr + y2_at, _round(n0 * w2[None, :], dt, EMULATE).to(dt), mask=mask)
     n = _round(n, dt, EMULATE)
     if ROPE:  # rotate_half(n) from the row's own halves in registers (D == BLOCK: a power of two)
         halves = tl.permute(tl.reshape(n, [R, 2, BLOCK // 2]), (0, 2, 1))
@@ -119,11 +124,12 @@ def rms_norm(a: torch.Tensor, weight: torch.Tensor | None, eps: float, a2: torch
              residual: torch.Tensor | None = None, scale: torch.Tensor | None = None,
              cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, a_weight: torch.Tensor | None = None,
              a2_weight: torch.Tensor | None = None, weight2: torch.Tensor | None = None,
-             out: torch.Tensor | None = None):
+             out: torch.Tensor | None = None, pair_order_y2: bool = False):
     """S * (residual + rope(norm(a + a2) * weight)) in a's dtype and shape (see the module docstring).
 
     a_weight / a2_weight: a and a2 are first normed each by a norm of their own with that weight (the same eps),
-    rounded, then added. weight2: also the same norm of a with this other weight; returns (y, y2) then.
+    rounded, then added. weight2: also the same norm of a with this other weight; returns (y, y2) then, y2's columns
+    in the NVFP4 decode's pair order with pair_order_y2 (moe_gate_up.pair_ordered: what the NVFP4 experts read).
     out: where y goes, a's shape, any strides with the last dimension contiguous (a view of a KV cache's slots, for
     a [B, T, heads, D]); returned."""
     D = a.shape[-1]
@@ -140,6 +146,8 @@ def rms_norm(a: torch.Tensor, weight: torch.Tensor | None, eps: float, a2: torch
         raise ValueError("a second output is the plain norm of a: no a2, residual, scale or RoPE with it")
     if a2_weight is not None and a2 is None:
         raise ValueError("a2_weight without a2")
+    if pair_order_y2 and (weight2 is None or D % 8):
+        raise ValueError("the pair order is for a second output of a width divisible by 8")
     heads = T = 1
     cos_bstride = 0
     if a.dim() == 4:  # rows are (b, t, head)
@@ -162,7 +170,7 @@ def rms_norm(a: torch.Tensor, weight: torch.Tensor | None, eps: float, a2: torch
         a2_weight if a2_weight is not None else g, weight2 if weight2 is not None else g, y2 if y2 is not None else g,
         g, g, g, rows, D, float(eps), heads, T, cos_bstride, *_row_strides(y, T, heads, D), 0, 0, 1, 0, 0, 0,
         a2 is not None, weight is not None, residual is not None, scale is not None, rope, a_weight is not None,
-        a2_weight is not None, weight2 is not None, strided, False, per, block, interpreting(),
+        a2_weight is not None, weight2 is not None, strided, False, pair_order_y2, per, block, interpreting(),
         num_warps=8 if strided or block * per > 2048 else 4)
     return y if y2 is None else (y, y2)
 
@@ -197,7 +205,7 @@ def rms_norm_rope_pair(a: torch.Tensor, weight: torch.Tensor, b: torch.Tensor, w
     rms_norm_kernel[(pa + triton.cdiv(rows_b, per),)](
         a, g, weight, g, g, cos, sin, y, g, g, g, g, b, weight_b, yb, rows, D, float(eps), heads, T, cos_bstride,
         *_row_strides(y, T, heads, D), pa, rows_b, heads_b, *_row_strides(yb, T, heads_b, D),
-        False, True, False, False, True, False, False, False, strided, True, per, block, interpreting(),
+        False, True, False, False, True, False, False, False, strided, True, False, per, block, interpreting(),
         num_warps=8 if strided or block * per > 2048 else 4)
     return y, yb
 
