@@ -1,8 +1,8 @@
 """How many bytes a model takes, per format and policy, computed from its config's shapes (no weights needed).
 
 `weight_bytes`: the tensors dgemma keeps in memory (the text stack; quantized ones packed). `runtime_bytes`: an
-estimate of GPU memory for a run: weights, the KV cache at a context length, the sampler's canvas x vocab buffers,
-and for quantized experts the one layer that the PyTorch path dequantizes at a time. `choose_format` is what
+estimate of GPU memory for a run: weights, the KV cache at a context length, each request's step memory
+(`request_bytes`: the fused head's buffers and a layer's activations), and for quantized experts the one layer that the PyTorch path dequantizes at a time. `choose_format` is what
 `--quant auto` uses. Everything here is arithmetic on shapes; figures from it are computed, not measured.
 """
 
@@ -65,10 +65,32 @@ def kv_cache_bytes(cfg: ModelConfig, context: int, batch: int = 1) -> int:
     return total
 
 
+HEAD_CHUNK, HEAD_TILE = 32768, 128  # the fused head's vocabulary chunk and tile (quant/kernels/head.py)
+PLAN_BLOCK = 64  # the experts' largest block of rows: the plan pads each expert to a multiple of it
+
+
+def request_bytes(cfg: ModelConfig) -> int:
+    """GPU memory one request's canvas needs during a step besides the weights and its KV cache, on the GPU path (the
+    fused head: no canvas x vocab float32 buffer): the head's buffers kept between steps, and the larger of the
+    head's scratch and a layer's activations (they are never alive at once). The layer's: the experts' intermediate
+    for every routed row and the plan's padding, their per-assignment outputs, a full-attention layer's q twice, and
+    a handful of hidden-size activations. The step trace measures it (dgemma_cli/step_trace.py, `make
+    kernel-report`); this is the same count from the shapes."""
+    t, C = cfg.text, cfg.canvas_length
+    H, V, K, E = t.hidden_size, t.vocab_size, t.top_k_experts, t.num_experts
+    tiles, chunks = -(-V // HEAD_TILE), -(-V // min(HEAD_CHUNK, V))
+    head_kept = C * (2 * H + 8 + 8 + 4 + 4 + 8 + 4 * chunks)  # soft embedding, draws, entropy, temperature, uniforms
+    head_scratch = C * (2 * min(HEAD_CHUNK, V) + 5 * 4 * tiles + 4 * H)
+    heads_dim = t.num_attention_heads * max(spec.head_dim for spec in t.layers)
+    layer = (2 * (C * K + E * (PLAN_BLOCK - 1)) * t.moe_intermediate_size + 2 * C * K * H + 2 * 2 * C * heads_dim
+             + 6 * 2 * C * H)
+    return head_kept + max(head_scratch, layer)
+
+
 def runtime_bytes(cfg: ModelConfig, fmt: str, policy: str | None = None, context: int = 8192, batch: int = 1) -> int:
     t, C = cfg.text, cfg.canvas_length
     weights = sum(weight_bytes(cfg, fmt, policy).values())
-    canvas = 4 * batch * C * t.vocab_size * 4  # three sampler buffers and the logits, float32
+    canvas = batch * request_bytes(cfg)
     unpacked = 0 if fmt == "bf16" else 2 * t.num_experts * 3 * t.moe_intermediate_size * t.hidden_size
     return weights + kv_cache_bytes(cfg, context, batch) + canvas + unpacked + RUNTIME_SLACK
 

@@ -80,3 +80,11 @@ def test_transient_memory_and_the_vocab_tensor(traced):
     # [canvas, 32768]) and the MoE's padded activations are in it
     assert C * 32768 * 2 < nv["transient"] <= 64 * 2**20
     assert nv["vocab_f32"] == []  # no canvas x vocab float32 tensor anywhere in the step
+    # the footprint model's count from the shapes agrees with the trace's (dgemma_cli/footprint.py request_bytes)
+    from dgemma_cli import footprint
+    from dgemma_cli.config import DIFFUSIONGEMMA_26B_A4B, ModelConfig
+
+    cfg = ModelConfig.from_dict(DIFFUSIONGEMMA_26B_A4B)
+    assert abs(footprint.request_bytes(cfg) - nv["transient"]) <= 0.15 * nv["transient"]
+    # what docs/serve.md says: --max-batch 8, NVFP4, an 8k context fit an RTX 4090's 24 GiB
+    assert footprint.runtime_bytes(cfg, "nvfp4", context=8192, batch=8) < 24 * 2**30
