@@ -19,8 +19,8 @@ How a row is what it would be alone (`Engine.events(prompt, seed=S)` on the CPU,
 That the stacked projections give each row the bits it gets alone is a property of the BLAS (on this CPU: float32
 matmuls with at least 4 rows); `tests/test_serve.py` checks the whole answer against the single run.
 
-Memory: the sampler's canvas x vocab float32 buffers are allocated once, for `max_batch` rows, whatever the queue
-holds; a queued request holds only its token ids. Rows stay packed at the front of the buffers (a row that leaves
+Memory: the sampler's buffers (on a GPU the fused head's, on the CPU the torch path's canvas x vocab float32 ones)
+are allocated once, for `max_batch` rows, whatever the queue holds; a queued request holds only its token ids. Rows stay packed at the front of the buffers (a row that leaves
 is replaced by the last one), so a step works on the first A canvases.
 """
 
