@@ -69,18 +69,19 @@ HEAD_CHUNK, HEAD_TILE = 32768, 128  # the fused head's vocabulary chunk and tile
 PLAN_BLOCK = 64  # the experts' largest block of rows: the plan pads each expert to a multiple of it
 
 
-def request_bytes(cfg: ModelConfig) -> int:
+def request_bytes(cfg: ModelConfig, splits: int = 8) -> int:
     """GPU memory one request's canvas needs during a step besides the weights and its KV cache, on the GPU path (the
     fused head: no canvas x vocab float32 buffer): the head's buffers kept between steps, and the larger of the
     head's scratch and a layer's activations (they are never alive at once). The layer's: the experts' intermediate
     for every routed row and the plan's padding, their per-assignment outputs, a full-attention layer's q twice, and
-    a handful of hidden-size activations. The step trace measures it (dgemma_cli/step_trace.py, `make
-    kernel-report`); this is the same count from the shapes."""
+    a handful of hidden-size activations. splits: the head's soft-embedding running sums (one per split of a chunk's
+    columns; quant/kernels/head.py `_splits` picks 1-8 by the GPU's SM count: 8, the most, by default). The step
+    trace measures it (dgemma_cli/step_trace.py, `make kernel-report`); this is the same count from the shapes."""
     t, C = cfg.text, cfg.canvas_length
     H, V, K, E = t.hidden_size, t.vocab_size, t.top_k_experts, t.num_experts
     tiles, chunks = -(-V // HEAD_TILE), -(-V // min(HEAD_CHUNK, V))
     head_kept = C * (2 * H + 8 + 8 + 4 + 4 + 8 + 4 * chunks)  # soft embedding, draws, entropy, temperature, uniforms
-    head_scratch = C * (2 * min(HEAD_CHUNK, V) + 5 * 4 * tiles + 4 * H)
+    head_scratch = C * (2 * min(HEAD_CHUNK, V) + 5 * 4 * tiles + 4 * H * splits)
     heads_dim = t.num_attention_heads * max(spec.head_dim for spec in t.layers)
     layer = (2 * (C * K + E * (PLAN_BLOCK - 1)) * t.moe_intermediate_size + 2 * C * K * H + 2 * 2 * C * heads_dim
              + 6 * 2 * C * H)

@@ -21,15 +21,15 @@ def _head_case(R=37, H=96, V=1000, seed=0, dtype=torch.bfloat16):
 def test_fused_head_equals_its_reference_from_the_same_uniforms():
     """Draws, argmax, entropy and soft embedding against the same head in float32 torch ops (head_reference), over
     two chunks, a partial tile, a partial row tile and a hidden size that is no multiple of the K step; without the
-    cap too. The same uniforms give the same tokens."""
+    cap too, with the soft embedding's chunk columns split three ways. The same uniforms give the same tokens."""
     from quant.kernels.head import HeadBuffers, fused_head, head_reference
 
-    for cap, seed in ((30.0, 0), (None, 1)):
+    for cap, seed, splits in ((30.0, 0, 1), (None, 1, 1), (30.0, 2, 3)):  # 3 splits of 2 tiles: one split is empty
         h, w, t, u = _head_case(seed=seed)
         R, H = h.shape
         V = w.shape[0]
         buf = HeadBuffers(R + 5, V, H, torch.bfloat16, DEVICE, chunk=512, tile=256)  # more rows than used
-        fused_head(h.to(DEVICE), w.to(DEVICE), cap, H**0.5, t.to(DEVICE), u.to(DEVICE), buf)
+        fused_head(h.to(DEVICE), w.to(DEVICE), cap, H**0.5, t.to(DEVICE), u.to(DEVICE), buf, splits=splits)
         sample, argmax, entropy, soft = head_reference(h, w, cap, H**0.5, t, u, tile=256)
         out = buf.first(R)
         assert torch.equal(out.sample.cpu(), sample)
@@ -156,3 +156,18 @@ def test_the_servers_batch_loop_through_the_fused_head(fused_head_on):
         assert together == alone
     else:
         assert all(w.upper() in together[w] for w in words), together
+
+
+def test_the_soft_embedding_split_fills_the_gpu():
+    """At batch 1 the soft-embedding grid is 88 programs; the split makes the fewest waves per unit of work for each
+    GPU's SM count (H200 132: 3, RTX 4090 128: 7, RTX 5090 170: 7), and none where the SM count is unknown."""
+    import quant.kernels.head as head
+
+    for cc, want in ((90, 3), (89, 7), (120, 7)):
+        original = head.arch
+        head.arch = lambda device, cc=cc: cc
+        try:
+            assert head._splits(torch.device("meta"), 88, 256) == want
+        finally:
+            head.arch = original
+    assert head._splits(torch.device("cpu"), 88, 256) == 1

@@ -85,6 +85,6 @@ def test_transient_memory_and_the_vocab_tensor(traced):
     from dgemma_cli.config import DIFFUSIONGEMMA_26B_A4B, ModelConfig
 
     cfg = ModelConfig.from_dict(DIFFUSIONGEMMA_26B_A4B)
-    assert abs(footprint.request_bytes(cfg) - nv["transient"]) <= 0.15 * nv["transient"]
+    assert abs(footprint.request_bytes(cfg, splits=3) - nv["transient"]) <= 0.15 * nv["transient"]  # the H200's 3
     # what docs/serve.md says: --max-batch 8, NVFP4, an 8k context fit an RTX 4090's 24 GiB
     assert footprint.runtime_bytes(cfg, "nvfp4", context=8192, batch=8) < 24 * 2**30

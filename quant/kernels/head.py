@@ -118,11 +118,12 @@ def head_logits_kernel(h_ptr, w_ptr, temp_ptr, u_ptr, p_ptr, tmax_ptr, tsum_ptr,
 
 
 @triton.jit
-def head_soft_kernel(p_ptr, w_ptr, tmax_ptr, m_ptr, part_ptr, R, H, V, v0, VC, NT, NC, chunk, KC,
+def head_soft_kernel(p_ptr, w_ptr, tmax_ptr, m_ptr, part_ptr, R, H, V, v0, VC, NT, NC, chunk, KC, KS,
                      FIRST: tl.constexpr, EVEN_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, TILE: tl.constexpr, NC_P2: tl.constexpr, EMULATE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    split = tl.program_id(2)  # the chunk's columns [split KS, (split + 1) KS), into running sum number `split`
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     hcols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < R
@@ -136,7 +137,9 @@ def head_soft_kernel(p_ptr, w_ptr, tmax_ptr, m_ptr, part_ptr, R, H, V, v0, VC, N
     f_ptrs = tmax_ptr + rows.to(tl.int64) * NT  # the chunk's first tile
     w_ptrs = w_ptr + ks[:, None].to(tl.int64) * H + hcols[None, :]  # the chunk's first row
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, KC, BLOCK_K):  # KC: the chunk's columns, whole tiles; a K step lies within one tile
+    k_lo = split * KS
+    k_hi = tl.minimum(KC, k_lo + KS)
+    for k0 in range(k_lo, k_hi, BLOCK_K):  # KC: the chunk's columns, KS a split's: whole tiles (a step in one tile)
         p = tl.load(p_ptrs + k0, mask=rmask[:, None], other=0.0)
         f = tl.exp2(tl.load(f_ptrs + k0 // TILE, mask=rmask, other=0.0) - m_new)  # [BLOCK_M], <= 1
         if EVEN_V:
@@ -150,7 +153,7 @@ def head_soft_kernel(p_ptr, w_ptr, tmax_ptr, m_ptr, part_ptr, R, H, V, v0, VC, N
             acc += tl.dot(a, b.to(tl.float32))
         else:
             acc = tl.dot((p * f.to(tl.bfloat16)[:, None]).to(b.dtype), b, acc)
-    at = part_ptr + rows[:, None].to(tl.int64) * H + hcols[None, :]
+    at = part_ptr + (split * R + rows[:, None]).to(tl.int64) * H + hcols[None, :]
     mask = rmask[:, None] & hmask[None, :]
     if not FIRST:  # the running sum so far, from the max over chunks before this one to m_new
         m_old = tl.where(rmask, tl.max(tl.where(cidx[None, :] < chunk, ms, -float("inf")), axis=1), 0.0)
@@ -160,8 +163,8 @@ def head_soft_kernel(p_ptr, w_ptr, tmax_ptr, m_ptr, part_ptr, R, H, V, v0, VC, N
 
 @triton.jit
 def head_finish_kernel(tmax_ptr, tsum_ptr, tw_ptr, targ_ptr, tsamp_ptr, m_ptr, part_ptr, u_ptr, soft_ptr, sample_ptr,
-                       argmax_ptr, entropy_ptr, H, NT, NC, scale, NT_P2: tl.constexpr, NC_P2: tl.constexpr,
-                       H_P2: tl.constexpr, EMULATE: tl.constexpr):
+                       argmax_ptr, entropy_ptr, R, H, NT, NC, scale, NT_P2: tl.constexpr, NC_P2: tl.constexpr,
+                       H_P2: tl.constexpr, SPLITS: tl.constexpr, EMULATE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     t = tl.arange(0, NT_P2)
     tmask = t < NT
@@ -186,7 +189,9 @@ def head_finish_kernel(tmax_ptr, tsum_ptr, tw_ptr, targ_ptr, tsamp_ptr, m_ptr, p
     tl.store(sample_ptr + row, tl.load(tsamp_ptr + row * NT + tile).to(tl.int64))
     hh = tl.arange(0, H_P2)
     hmask = hh < H
-    acc = tl.load(part_ptr + row * H + hh, mask=hmask, other=0.0)  # already relative to M (the last running max)
+    acc = tl.zeros((H_P2,), dtype=tl.float32)
+    for k in tl.static_range(SPLITS):  # the splits' running sums, each already relative to M (the last running max)
+        acc += tl.load(part_ptr + (k * R + row) * H + hh, mask=hmask, other=0.0)
     soft = acc * (scale / s)
     dt: tl.constexpr = soft_ptr.dtype.element_ty
     tl.store(soft_ptr + row * H + hh, _round(soft, dt, EMULATE).to(dt), mask=hmask)
@@ -227,9 +232,9 @@ class HeadBuffers:
     def nbytes(self) -> int:
         return sum(v.untyped_storage().nbytes() for v in self.__dict__.values() if isinstance(v, torch.Tensor))
 
-    def scratch_bytes(self, rows: int) -> int:
+    def scratch_bytes(self, rows: int, splits: int = 1) -> int:
         """The scratch one call for `rows` rows allocates (and frees)."""
-        return rows * (2 * self.chunk + 3 * 4 * self.tiles + 2 * 4 * self.tiles + 4 * self.hidden)
+        return rows * (2 * self.chunk + 3 * 4 * self.tiles + 2 * 4 * self.tiles + 4 * self.hidden * splits)
 
 
 def _settings(device: torch.device) -> dict:
@@ -240,11 +245,30 @@ def _settings(device: torch.device) -> dict:
                 soft=dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8 if cc == 90 else 4, num_stages=3))
 
 
+def _splits(device: torch.device, programs: int, tiles: int) -> int:
+    """How many ways the soft-embedding kernel splits a chunk's columns: its grid of `programs` output tiles is
+    smaller than the GPU at batch 1 (88 at the real shapes on 128-170 SMs), so the split with the fewest waves per
+    unit of work (ceil(programs x S / SMs) / S), the smallest such S, at most 8. One where the SM count is unknown
+    (the interpreter)."""
+    if device.type == "cuda" and not interpreting():
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        from .roofline import GPUS
+
+        gpu = GPUS.get(arch(device))  # the static report's target (quant/kernels/aot.py answers arch for it)
+        if gpu is None:
+            return 1
+        sms = gpu.sms
+    best = min(range(1, 9), key=lambda s: (triton.cdiv(programs * s, sms) / s, s))
+    return max(1, min(best, tiles))
+
+
 def fused_head(h: torch.Tensor, weight: torch.Tensor, cap: float | None, scale: float, temperature: torch.Tensor,
-               uniforms: torch.Tensor, buf: HeadBuffers) -> HeadBuffers:
+               uniforms: torch.Tensor, buf: HeadBuffers, splits: int | None = None) -> HeadBuffers:
     """h [R, H] (final-normed hidden), weight [V, H], temperature float32 [R], uniforms float32 [R, 2] -> buf with
     sample, argmax, entropy [R] and soft [R, H] written (as the module docstring says). `scale`: the embedding scale
-    sqrt(H) as the model holds it."""
+    sqrt(H) as the model holds it. splits: how many ways the soft embedding splits a chunk's columns (each split a
+    running sum of its own, added up at the end); None: `_splits` for the GPU."""
     R, H = h.shape
     V = weight.shape[0]
     if (V, H) != (buf.vocab, buf.hidden) or buf.rows < R or weight.shape[1] != H:
@@ -263,7 +287,9 @@ def fused_head(h: torch.Tensor, weight: torch.Tensor, cap: float | None, scale: 
     probs = torch.empty(R, VC, dtype=torch.bfloat16, device=dev)  # one chunk's, unnormalised
     stats = torch.empty(3, R, NT, dtype=torch.float32, device=dev)  # tile max, sum, sum 2^(x - max) (x - max)
     picks = torch.empty(2, R, NT, dtype=torch.int32, device=dev)  # tile argmax, tile draw (vocab indices)
-    running = torch.empty(R, H, dtype=torch.float32, device=dev)  # the soft embedding's running sum
+    soft_grid = (triton.cdiv(R, sf["BLOCK_M"]), triton.cdiv(H, sf["BLOCK_N"]))
+    S = splits or _splits(dev, soft_grid[0] * soft_grid[1], VC // tile)
+    running = torch.empty(S, R, H, dtype=torch.float32, device=dev)  # the soft embedding's running sums, per split
     for c in range(NC):
         v0 = c * VC
         width = min(VC, V - v0)
@@ -276,14 +302,15 @@ def fused_head(h: torch.Tensor, weight: torch.Tensor, cap: float | None, scale: 
         head_logits_kernel[(triton.cdiv(R, lg["BLOCK_M"]), tiles)](
             h, w, temperature, uniforms, p, tmax, tsum, tw, targ, tsamp, buf.chunk_max, R, H, V, v0, VC, NT, NC, c, float(cap or 0.0), bool(cap), H % lg["BLOCK_K"] == 0,
             lg["BLOCK_M"], tile, lg["BLOCK_K"], emulate, num_warps=lg["num_warps"], num_stages=lg["num_stages"])
-        head_soft_kernel[(triton.cdiv(R, sf["BLOCK_M"]), triton.cdiv(H, sf["BLOCK_N"]))](
-            p, w, tmax, buf.chunk_max, running, R, H, V, v0, VC, NT, NC, c, tiles * tile,
+        per_split = triton.cdiv(triton.cdiv(VC, tile), S) * tile  # whole tiles a split (of a full chunk)
+        head_soft_kernel[soft_grid + (S,)](
+            p, w, tmax, buf.chunk_max, running, R, H, V, v0, VC, NT, NC, c, tiles * tile, per_split,
             c == 0, V % tile == 0, sf["BLOCK_M"], sf["BLOCK_N"], sf["BLOCK_K"], tile, nc_p2, emulate,
             num_warps=sf["num_warps"], num_stages=sf["num_stages"])
     first = buf.first(R)
     head_finish_kernel[(R,)](stats[0], stats[1], stats[2], picks[0], picks[1], first.chunk_max, running, uniforms,
-                             first.soft, first.sample, first.argmax, first.entropy, H, NT, NC, float(scale),
-                             triton.next_power_of_2(NT), nc_p2, triton.next_power_of_2(H), emulate, num_warps=4)
+                             first.soft, first.sample, first.argmax, first.entropy, R, H, NT, NC, float(scale),
+                             triton.next_power_of_2(NT), nc_p2, triton.next_power_of_2(H), S, emulate, num_warps=8)
     return buf
 
 

@@ -180,9 +180,11 @@ KERNELS = {
     # BLOCK_N of H, its running sum read and written unless FIRST; then one CTA a row, loop-free, for the totals
     "head_logits_kernel": Loops(trips=lambda a: [_cdiv(a["H"], a["BLOCK_K"])], elems=lambda a: a["TILE"] * a["H"],
                                 mma=lambda a: 2 * a["BLOCK_M"] * a["TILE"] * _cdiv(a["H"], a["BLOCK_K"]) * a["BLOCK_K"]),
-    "head_soft_kernel": Loops(trips=lambda a: [_cdiv(a["KC"], a["BLOCK_K"])], elems=lambda a: a["BLOCK_N"] * a["KC"],
+    "head_soft_kernel": Loops(trips=lambda a: [_cdiv(min(a["KC"], a["KS"]), a["BLOCK_K"])],
+                              elems=lambda a: a["BLOCK_N"] * min(a["KC"], a["KS"]),
                               passes=lambda a: {"part_ptr": 1 if a["FIRST"] else 2},
-                              mma=lambda a: 2 * a["BLOCK_M"] * a["BLOCK_N"] * _cdiv(a["KC"], a["BLOCK_K"]) * a["BLOCK_K"]),
+                              mma=lambda a: 2 * a["BLOCK_M"] * a["BLOCK_N"] * _cdiv(min(a["KC"], a["KS"]), a["BLOCK_K"])
+                              * a["BLOCK_K"]),
     "head_finish_kernel": Loops(trips=lambda a: [], elems=lambda a: a["H"]),
 }
 
