@@ -358,6 +358,8 @@ class BatchLoop:
         self.row_forwards += A
         self.peak_batch = max(self.peak_batch, A)
         sample, argmax, entropy = (t.view(A, C) for t in sample_step(buf, temperature, [r.gen for r in rows]))
+        if buf.fused is not None:  # the head's buffers are overwritten next step; a row keeps its argmax (history)
+            sample, argmax = sample.clone(), argmax.clone()
         gone = set()
         for a, r in enumerate(rows):
             drawn = argmax if r.job.settings.greedy else sample

@@ -116,24 +116,26 @@ def test_the_servers_batch_loop_through_the_fused_head(fused_head_on):
     """Three requests in the server's loop through the fused head (no canvas x vocab float32 buffer): one row at a
     time, and two rows at once with rows joining and leaving (their soft embeddings move with them), give every
     request the same answer (on the CPU; on a GPU each the demo's): its draws come from its own generator, its rows
-    never mix with another's."""
+    never mix with another's. And one row at a time is the single run of the same seed, step for step, on a slow
+    canvas (one position accepted a step, a stop only when the argmax held for two steps: 20-40 steps), whose length
+    shows that each row compares its argmax with its own earlier ones, not with the head's reused buffer."""
+    import dataclasses
     import threading
 
     from dgemma_cli.batching import BatchLoop, Job, RowDone
     from dgemma_cli.engine import load
 
     engine = load("demo", device=DEVICE, dtype="bfloat16")
-    words = ["hello", "diffusion", "canvas"]
 
-    def answers(max_batch: int) -> dict[str, str]:
+    def answers(words: list[str], max_batch: int, settings) -> dict[str, tuple[str, list[int]]]:
         loop = BatchLoop(engine.model, max_batch=max_batch, max_queue=4)
-        got: dict[str, str] = {}
+        got: dict[str, tuple[str, list[int]]] = {}
         done = threading.Event()
 
         def sink(word):
             def deliver(ev):
                 if isinstance(ev, RowDone):
-                    got[word] = engine.tokenizer.decode(ev.token_ids)
+                    got[word] = (engine.tokenizer.decode(ev.token_ids).strip(), ev.steps_per_canvas)
                     if len(got) == len(words):
                         done.set()
             return deliver
@@ -142,20 +144,26 @@ def test_the_servers_batch_loop_through_the_fused_head(fused_head_on):
             assert loop.buf.fused is not None and loop.buf.logits is None
             for i, word in enumerate(words):
                 ids = engine.prompt_ids(f"upper: {word}")
-                loop.submit(Job(ids, engine.settings, i, engine.check_context(len(ids), engine.settings)),
-                            sink(word))
-            assert done.wait(120)
+                loop.submit(Job(ids, settings, i, engine.check_context(len(ids), settings)), sink(word))
+            assert done.wait(300)
         finally:
             loop.close()
         return got
 
-    alone = answers(1)
-    assert all(w.upper() in alone[w] for w in words), alone  # the demo's (bfloat16) answers
-    together = answers(2)
+    words = ["hello", "diffusion", "canvas"]
+    alone = answers(words, 1, engine.settings)
+    assert all(w.upper() in alone[w][0] for w in words), alone  # the demo's (bfloat16) answers
+    together = answers(words, 2, engine.settings)
     if DEVICE == "cpu":  # bit for bit per row on the CPU (batching.py); a GPU's matmuls may round rows otherwise
         assert together == alone
     else:
-        assert all(w.upper() in together[w] for w in words), together
+        assert all(w.upper() in together[w][0] for w in words), together
+    slow = dict(entropy_bound=1e-6, stability_threshold=2, confidence_threshold=1e9, t_max=2.0)
+    text, steps = answers(["canvas"], 1, dataclasses.replace(engine.settings, **slow))["canvas"]
+    assert steps[0] > 3
+    if DEVICE == "cpu":  # the same draws as the single run of that seed
+        single = engine.generate("upper: canvas", seed=0, **slow)
+        assert (single.texts[0], single.steps_per_canvas[0]) == (text, steps)
 
 
 def test_the_soft_embedding_split_fills_the_gpu():
