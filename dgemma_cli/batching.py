@@ -331,6 +331,8 @@ class BatchLoop:
                             self.failed += 1
                             r.deliver(RowFailed(_describe(e)))
                         self.rows = []
+                        if self.buf.fused is not None:  # a head stopped midway leaves its chunk maxima set
+                            self.buf.fused.reset()
 
     def _leave(self, gone: set[int]) -> None:
         """Remove rows by index, packing the rest to the front of the buffers (their softmax moves with them)."""

@@ -179,3 +179,21 @@ def test_the_soft_embedding_split_fills_the_gpu():
         finally:
             head.arch = original
     assert head._splits(torch.device("cpu"), 88, 256) == 1
+
+
+def test_a_head_stopped_midway_is_reset():
+    """The chunk maxima are the one state a step leaves for the next (-inf): stale ones (a head that raised midway)
+    scale the soft embedding to nothing; HeadBuffers.reset, which the server's loop calls after a failed step, puts
+    them back."""
+    from quant.kernels.head import HeadBuffers, fused_head, head_reference
+
+    h, w, t, u = _head_case(R=5, H=64, V=600, seed=6)
+    buf = HeadBuffers(5, 600, 64, torch.bfloat16, DEVICE, chunk=256, tile=256)
+    args = (h.to(DEVICE), w.to(DEVICE), 30.0, 8.0, t.to(DEVICE), u.to(DEVICE), buf)
+    soft = head_reference(h, w, 30.0, 8.0, t, u, tile=256)[3]
+    buf.chunk_max.fill_(1e4)  # as a step stopped after its first chunks might leave them
+    fused_head(*args)
+    assert (buf.soft.cpu().float() - soft).abs().max() > 0.5 * soft.abs().max()
+    buf.reset()
+    fused_head(*args)
+    assert ((buf.soft.cpu().float() - soft).abs().max() / soft.abs().max()) < 8e-3

@@ -219,6 +219,10 @@ class HeadBuffers:
         self.sample, self.argmax = (torch.empty(rows, dtype=torch.int64, device=device) for _ in range(2))
         self.entropy = torch.empty(rows, dtype=torch.float32, device=device)
 
+    def reset(self) -> None:
+        """The chunk maxima back to -inf, as a completed step leaves them (after a step that stopped midway)."""
+        self.chunk_max.fill_(-float("inf"))
+
     def first(self, rows: int) -> HeadBuffers:
         view = object.__new__(HeadBuffers)
         view.__dict__.update({k: (v[:rows] if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()})
