@@ -19,15 +19,18 @@ Per step, rows R = batch x canvas, chunk c = vocab [c VC, (c + 1) VC):
    s_t = sum 2^(x - m_t), w_t = sum 2^(x - m_t) (x - m_t), the first index of the largest x, and a draw within the
    tile (inverse CDF of 2^(x - m_t) / s_t at the row's second uniform u2). Writes P = bfloat16(2^(x - m_t)) into the
    chunk buffer, and the chunk's row max into M[row, c] (atomic max).
-2. head_soft_kernel (one program per BLOCK_M rows x BLOCK_N of H): acc = sum over the chunk's columns of
-   P 2^(m_t - M_c) (the factor per row and tile, applied to P before the tensor cores, rounded to bfloat16 once more)
-   times W; rows' running sums over the chunks so far are rescaled from their previous max to M_c, the max so far
-   (read from M, so each program needs no other's result), and written back (the first chunk writes).
+2. head_soft_kernel (one program per BLOCK_M rows x BLOCK_N of H x split of the chunk's columns): acc = sum over the
+   split's columns of P 2^(m_t - M_c) (the factor per row and tile, applied to P before the tensor cores, rounded to
+   bfloat16 once more) times W; the split's running sums over the chunks so far are rescaled from their previous max
+   to M_c, the max so far (read from M, so each program needs no other's result), and written back (the first chunk
+   writes). The splits (1-8, `_splits`: the fewest waves for the GPU's SMs) fill a GPU the output tiles alone would
+   not (88 of them at batch 1), each with a running sum of its own.
 3. head_finish_kernel (one program per row, after the last chunk): M = max_t m_t (= the last running max),
    S = sum_t s_t 2^(m_t - M), entropy = ln S - ln 2 sum_t 2^(m_t - M) (w_t + s_t (m_t - M)) / S (of softmax(l / t),
    in nats, as the sampler's), argmax = the first tile holding M's index, the draw = the tile chosen by inverse CDF
-   of the tile masses at the row's first uniform u1, then that tile's draw; soft = running sum / S * sqrt(H) as
-   bfloat16; M reset to -inf for the next step.
+   of the tile masses at the row's first uniform u1, then that tile's draw; soft = the splits' running sums added,
+   / S * sqrt(H), as bfloat16; M reset to -inf for the next step (`HeadBuffers.reset` after a step that stopped
+   midway).
 The draw is exact in distribution: P(v) = P(its tile) P(v | its tile), from two uniforms per row that the caller
 draws (torch's generator or a request's own), so `head_reference` here gives the same tokens from the same uniforms.
 Kernels: 2 x chunks + 1 a step.
