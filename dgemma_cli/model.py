@@ -83,7 +83,9 @@ class RMSNorm(nn.Module):
             return _rms_norm_kernel()(x, self.weight, self.eps, weight2=other.weight, pair_order_y2=pair_order)
         y2 = other(x)
         if pair_order:
-            y2 = y2.reshape(*y2.shape[:-1], -1, 2, 4).transpose(-1, -2).reshape(y2.shape)
+            from quant.kernels.moe_gate_up import pair_ordered
+
+            y2 = pair_ordered(y2.reshape(-1, y2.shape[-1])).view(y2.shape)
         return self(x), y2
 
 
@@ -557,16 +559,18 @@ class DiffusionGemma(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def embed_scale(self) -> torch.Tensor:
-        """sqrt(hidden) rounded to the weight dtype, as the reference's scaled embedding holds it. Made once per
-        device and dtype (a host-to-device copy cannot happen inside a captured CUDA graph)."""
+    def embed_scale(self, as_float: bool = False) -> torch.Tensor | float:
+        """sqrt(hidden) rounded to the weight dtype, as the reference's scaled embedding holds it: a 0-dim tensor on
+        the weight's device, or with `as_float` the same value as a Python float (for a kernel's argument). Made
+        once per device and dtype (neither a host-to-device copy nor a device read can happen inside a captured CUDA
+        graph)."""
         w = self.embed_tokens.weight
         key = (w.device, w.dtype)
         cached = self.__dict__.get("_embed_scale")
         if cached is None or cached[0] != key:
-            value = torch.tensor(self.cfg.text.hidden_size**0.5, dtype=torch.float32).to(w.dtype).to(w.device)
-            self.__dict__["_embed_scale"] = cached = (key, value)
-        return cached[1]
+            value = torch.tensor(self.cfg.text.hidden_size**0.5, dtype=torch.float32).to(w.dtype)
+            self.__dict__["_embed_scale"] = cached = (key, value.to(w.device), value.item())
+        return cached[2] if as_float else cached[1]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.embed_tokens.weight) * self.embed_scale()
@@ -603,13 +607,8 @@ class DiffusionGemma(nn.Module):
         from quant.kernels.head import fused_head
 
         B, T, H = hidden.shape
-        w = self.embed_tokens.weight
-        scale = self.__dict__.get("_embed_scale_float")
-        if scale is None or scale[0] != w.dtype:  # a Python float: no device read in a captured graph
-            value = torch.tensor(H**0.5, dtype=torch.float32).to(w.dtype).item()
-            self.__dict__["_embed_scale_float"] = scale = (w.dtype, value)
-        return fused_head(hidden.reshape(B * T, H), w, self.cfg.text.final_logit_softcapping, scale[1], temperature,
-                          uniforms, buffers)
+        return fused_head(hidden.reshape(B * T, H), self.embed_tokens.weight, self.cfg.text.final_logit_softcapping,
+                          self.embed_scale(as_float=True), temperature, uniforms, buffers)
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         return KVCache(self, batch, capacity, self.device, self.dtype)

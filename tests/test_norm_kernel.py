@@ -117,6 +117,12 @@ def test_two_norms_of_one_input_in_one_kernel(monkeypatch, dtype):
 
     z1, z2 = rms_norm(a.to(DEVICE), w1.to(DEVICE), 1e-6, weight2=w2.to(DEVICE), pair_order_y2=True)
     assert torch.equal(z1, y1) and torch.equal(z2.reshape(-1, D), pair_ordered(y2.reshape(-1, D)))
+    # the model's RMSNorm.pair on the torch path (no fused norms) gives that order too
+    n1, n2 = _norm(w1, D, 1e-6), _norm(w2, D, 1e-6)
+    monkeypatch.setenv("DGEMMA_KERNELS", "torch")
+    with torch.no_grad():
+        t1, t2 = n1.pair(a, n2, pair_order=True)
+    assert torch.equal(t1, n1(a)) and torch.equal(t2.reshape(-1, D), pair_ordered(n2(a).reshape(-1, D)))
 
 
 def test_a_norm_written_into_a_kv_cache_slot():

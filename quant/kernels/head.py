@@ -239,10 +239,6 @@ class HeadBuffers:
     def nbytes(self) -> int:
         return sum(v.untyped_storage().nbytes() for v in self.__dict__.values() if isinstance(v, torch.Tensor))
 
-    def scratch_bytes(self, rows: int, splits: int = 1) -> int:
-        """The scratch one call for `rows` rows allocates (and frees)."""
-        return rows * (2 * self.chunk + 3 * 4 * self.tiles + 2 * 4 * self.tiles + 4 * self.hidden * splits)
-
 
 def _settings(device: torch.device) -> dict:
     cc = arch(device)
@@ -307,8 +303,8 @@ def fused_head(h: torch.Tensor, weight: torch.Tensor, cap: float | None, scale: 
         targ, tsamp = picks[:, :, t0 : t0 + tiles]
         p = probs[:, : tiles * tile]
         head_logits_kernel[(triton.cdiv(R, lg["BLOCK_M"]), tiles)](
-            h, w, temperature, uniforms, p, tmax, tsum, tw, targ, tsamp, buf.chunk_max, R, H, V, v0, VC, NT, NC, c, float(cap or 0.0), bool(cap), H % lg["BLOCK_K"] == 0,
-            lg["BLOCK_M"], tile, lg["BLOCK_K"], emulate, num_warps=lg["num_warps"], num_stages=lg["num_stages"])
+            h, w, temperature, uniforms, p, tmax, tsum, tw, targ, tsamp, buf.chunk_max, R, H, V, v0, VC, NT, NC, c,
+            float(cap or 0.0), bool(cap), H % lg["BLOCK_K"] == 0, lg["BLOCK_M"], tile, lg["BLOCK_K"], emulate, num_warps=lg["num_warps"], num_stages=lg["num_stages"])
         per_split = triton.cdiv(triton.cdiv(VC, tile), S) * tile  # whole tiles a split (of a full chunk)
         head_soft_kernel[soft_grid + (S,)](
             p, w, tmax, buf.chunk_max, running, R, H, V, v0, VC, NT, NC, c, tiles * tile, per_split,

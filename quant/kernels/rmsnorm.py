@@ -134,9 +134,7 @@ def rms_norm(a: torch.Tensor, weight: torch.Tensor | None, eps: float, a2: torch
     a [B, T, heads, D]); returned."""
     D = a.shape[-1]
     a = a.contiguous()
-    if out is not None and (out.shape != a.shape or out.dtype != a.dtype or out.stride(-1) != 1 or a.dim() > 4):
-        raise ValueError(f"out {tuple(out.shape)} {out.dtype} cannot take the norm of {tuple(a.shape)} {a.dtype}")
-    y = torch.empty_like(a) if out is None else out
+    y = _output(a, out)
     y2 = torch.empty_like(a) if weight2 is not None else None
     rows = a.numel() // D
     if rows == 0:
@@ -158,11 +156,8 @@ def rms_norm(a: torch.Tensor, weight: torch.Tensor | None, eps: float, a2: torch
         cos, sin = cos.contiguous(), sin.contiguous()
         cos_bstride = 0 if cos.shape[0] == 1 else T * D
     g = a  # a stand-in pointer for the operands a launch does not have (never read)
-    strided = out is not None and not out.is_contiguous()  # 8 warps then: two addresses an element (no spills)
-    block = triton.next_power_of_2(D)
-    # rows a program: 2,048 elements where rows are short (a token's heads of 256: 8 rows, 16 elements a thread on 4
-    # warps; 8 warps issued a third more), one row of the hidden size
-    per = min(16, max(1, 2048 // block))
+    strided = not y.is_contiguous()
+    block, per, warps = _launch_shape(D, strided)
     rms_norm_kernel[(triton.cdiv(rows, per),)](
         a, a2.contiguous() if a2 is not None else g, weight if weight is not None else g,
         residual.contiguous() if residual is not None else g, scale if scale is not None else g,
@@ -171,7 +166,7 @@ def rms_norm(a: torch.Tensor, weight: torch.Tensor | None, eps: float, a2: torch
         g, g, g, rows, D, float(eps), heads, T, cos_bstride, *_row_strides(y, T, heads, D), 0, 0, 1, 0, 0, 0,
         a2 is not None, weight is not None, residual is not None, scale is not None, rope, a_weight is not None,
         a2_weight is not None, weight2 is not None, strided, False, pair_order_y2, per, block, interpreting(),
-        num_warps=8 if strided or block * per > 2048 else 4)
+        num_warps=warps)
     return y if y2 is None else (y, y2)
 
 
@@ -186,10 +181,7 @@ def rms_norm_rope_pair(a: torch.Tensor, weight: torch.Tensor, b: torch.Tensor, w
         raise ValueError(f"two [B, T, heads, D] tensors with the same B, T and D a power of two are needed (got "
                          f"{tuple(a.shape)} and {tuple(b.shape)})")
     a, b = a.contiguous(), b.contiguous()
-    if out_b is not None and (out_b.shape != b.shape or out_b.dtype != b.dtype or out_b.stride(-1) != 1):
-        raise ValueError(f"out {tuple(out_b.shape)} {out_b.dtype} cannot take the norm of {tuple(b.shape)}")
-    y = torch.empty_like(a)
-    yb = torch.empty_like(b) if out_b is None else out_b
+    y, yb = torch.empty_like(a), _output(b, out_b)
     _, T, heads, _ = a.shape
     heads_b = b.shape[2]
     rows, rows_b = a.numel() // D, b.numel() // D
@@ -197,17 +189,35 @@ def rms_norm_rope_pair(a: torch.Tensor, weight: torch.Tensor, b: torch.Tensor, w
         return y, yb
     cos, sin = cos.contiguous(), sin.contiguous()
     cos_bstride = 0 if cos.shape[0] == 1 else T * D
-    block = triton.next_power_of_2(D)
-    per = min(16, max(1, 2048 // block))
-    pa = triton.cdiv(rows, per)
     strided = not yb.is_contiguous()
+    block, per, warps = _launch_shape(D, strided)
+    pa = triton.cdiv(rows, per)
     g = a
     rms_norm_kernel[(pa + triton.cdiv(rows_b, per),)](
         a, g, weight, g, g, cos, sin, y, g, g, g, g, b, weight_b, yb, rows, D, float(eps), heads, T, cos_bstride,
         *_row_strides(y, T, heads, D), pa, rows_b, heads_b, *_row_strides(yb, T, heads_b, D),
         False, True, False, False, True, False, False, False, strided, True, False, per, block, interpreting(),
-        num_warps=8 if strided or block * per > 2048 else 4)
+        num_warps=warps)
     return y, yb
+
+
+def _output(a: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """Where a's norm goes: `out` (a's shape and dtype, any strides with the last dimension contiguous, at most 4-D:
+    rows are (b, t, head)), else a new tensor like a."""
+    if out is None:
+        return torch.empty_like(a)
+    if out.shape != a.shape or out.dtype != a.dtype or out.stride(-1) != 1 or a.dim() > 4:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} cannot take the norm of {tuple(a.shape)} {a.dtype}")
+    return out
+
+
+def _launch_shape(D: int, strided: bool) -> tuple[int, int, int]:
+    """(BLOCK, rows a program, warps) for rows of D. Rows a program: 2,048 elements where rows are short (a token's
+    heads of 256: 8 rows, 16 elements a thread on 4 warps; 8 warps issued a third more), one row of the hidden size
+    (8 warps). A strided output takes 8 warps: two addresses an element (4 spilled on sm_120)."""
+    block = triton.next_power_of_2(D)
+    per = min(16, max(1, 2048 // block))
+    return block, per, 8 if strided or block * per > 2048 else 4
 
 
 def _row_strides(y: torch.Tensor, T: int, heads: int, D: int) -> tuple[int, int, int]:
