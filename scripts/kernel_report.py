@@ -180,13 +180,15 @@ def whole_step_rows(step_work, jobs, results, job_of, errors: list[str]) -> list
                     except roofline.LoopMismatch as e:
                         unknown.append(f"whole step ({w.label}, batch {w.batch}, sm_{cc}): {e}")
                         continue
-                    us, nbytes, flops = b["bound"], roofline.traffic(roofline.declaration(op.kernel), named), \
-                        b["mma_flops"]
+                    us, least, nbytes, flops = b["bound"], b["least"], \
+                        roofline.traffic(roofline.declaration(op.kernel), named), b["mma_flops"]
                 else:
-                    key, us, nbytes, flops = op.name, torch_op_us(gpu, op), op.bytes, op.flops
-                g = groups.setdefault(key, dict(op=key, n=0, ms=0.0, bytes=0, flops=0))
+                    key, nbytes, flops = op.name, op.bytes, op.flops
+                    us = least = torch_op_us(gpu, op)
+                g = groups.setdefault(key, dict(op=key, n=0, ms=0.0, least_ms=0.0, bytes=0, flops=0))
                 g["n"] += 1
                 g["ms"] += us / 1e3
+                g["least_ms"] += least / 1e3
                 g["bytes"] += nbytes
                 g["flops"] += flops
             for e in unknown:
@@ -199,10 +201,12 @@ def whole_step_rows(step_work, jobs, results, job_of, errors: list[str]) -> list
                         + 2 * f.dense_params * f.rows / (gpu.tensor_tflops * 1e6)) / 1e3
             floor = max(floor_mem, floor_tc)
             bound = None if unknown else sum(g["ms"] for g in groups.values())
+            serial = None if unknown else sum(g["least_ms"] for g in groups.values())
             rows.append(dict(cc=cc, gpu=gpu.name, fmt=w.label, batch=w.batch, prompt=trace.prompt,
                              kernels=trace.kernels, torch_ops=len(trace.torch_ops), launches=len(trace.launches),
                              bound_ms=bound, floor_ms=floor, floor_mem_ms=floor_mem, floor_tc_ms=floor_tc,
-                             ratio=None if bound is None else bound / floor,
+                             ratio=None if bound is None else bound / floor, serial_ms=serial,
+                             serial_ratio=None if serial is None else serial / floor,
                              transient_mb=trace.transient_bytes / MB, weight_gb=f.weight_bytes / 1e9,
                              vocab_f32=[list(shape) for shape in trace.vocab_f32], tags=sorted(tags),
                              groups=sorted(groups.values(), key=lambda g: -g["ms"])))
@@ -217,15 +221,20 @@ def whole_step_markdown(rows) -> list[str]:
            "issued, the busiest SM) from their compiled code (`roofline.launch_bound`). Physical floor: every "
            "weight byte the step reads once at peak bandwidth, or 2 x (active parameters + the soft embedding's "
            "vocab x hidden) x rows FLOPs at the fastest dense rate the format allows, whichever is larger. "
-           "Transient: per request, the sampler's buffers and the step's largest live activations (KV cache "
+           "Serial floor: every op of the step at its own least time (its bytes at peak bandwidth or its useful "
+           "FLOPs, real rows only, at the rate of the tensor-core instructions it uses, whichever is larger), "
+           "summed: what these kernels run one after another cannot beat however well each is written, since a "
+           "memory-bound op (the experts) cannot lend its idle tensor cores to a math-bound one (the dense "
+           "linears, the head). Transient: per request, the sampler's buffers and the step's largest live activations (KV cache "
            "and weights apart).", "",
            "| GPU | format | batch | kernels (torch + Triton) | step bound ms | physical floor ms (memory / math) | "
-           "bound / floor | transient MB per request | canvas x vocab float32 tensors |",
-           "|---|---|---:|---|---:|---|---:|---:|---|"]
+           "bound / floor | serial floor ms (/ floor) | transient MB per request | canvas x vocab float32 tensors |",
+           "|---|---|---:|---|---:|---|---:|---:|---:|---|"]
     for r in rows:
         out.append(f"| {r['gpu']} | {r['fmt']} | {r['batch']} | {r['kernels']:,} ({r['torch_ops']:,} + "
                    f"{r['launches']}) | {_f(r['bound_ms'])} | {r['floor_ms']:.2f} ({r['floor_mem_ms']:.2f} / "
-                   f"{r['floor_tc_ms']:.2f}) | {_f(r['ratio'])} | {r['transient_mb']:,.0f} | "
+                   f"{r['floor_tc_ms']:.2f}) | {_f(r['ratio'])} | {_f(r['serial_ms'])} ({_f(r['serial_ratio'])}) | "
+                   f"{r['transient_mb']:,.0f} | "
                    f"{', '.join('x'.join(map(str, v)) for v in r['vocab_f32']) or 'none'} |")
     return out
 
@@ -234,9 +243,9 @@ def whole_step_detail(rows, top: int = 12) -> list[str]:
     out = []
     for r in rows:
         out += ["", f"{r['gpu']}, {r['fmt']}, batch {r['batch']}: the {top} largest parts of the bound", "",
-                "| op | kernels | ms | GB | GFLOP |", "|---|---:|---:|---:|---:|"]
+                "| op | kernels | ms | its own floor ms | GB | GFLOP |", "|---|---:|---:|---:|---:|---:|"]
         for g in r["groups"][:top]:
-            out.append(f"| {g['op']} | {g['n']} | {g['ms']:.3f} | {g['bytes'] / 1e9:.3f} | "
+            out.append(f"| {g['op']} | {g['n']} | {g['ms']:.3f} | {g['least_ms']:.3f} | {g['bytes'] / 1e9:.3f} | "
                        f"{g['flops'] / GFLOP:,.1f} |")
     return out
 

@@ -158,7 +158,8 @@ def test_launch_bound_counts_what_the_gpu_executes(monkeypatch):
                     first_exit=aot.first_exit(instrs), tc_ops=["HMMA.16816.F32.BF16"])
     assert compiled["straight"] == 12 and compiled["first_exit"] == 12  # up to the EXIT at 0xb0
     decl = roofline.Loops(trips=lambda a: [a["K"] // a["BLOCK_K"]], elems=lambda a: a["BLOCK_N"] * a["K"],
-                          ctas=lambda a, grid: 20, mma=lambda a: 2 * 64 * a["BLOCK_N"] * a["K"])
+                          ctas=lambda a, grid: 20, mma=lambda a: 2 * 64 * a["BLOCK_N"] * a["K"],
+                          useful=lambda a: 2 * 300 * a["BLOCK_N"] * a["K"])
     monkeypatch.setitem(roofline.KERNELS, "k", decl)
     b = roofline.launch_bound(GPU, "k", dict(ARGS), (25,), compiled)
     per_cta = (6 * 64 + (12 - 6)) * 4  # the loop x 64 trips + 6 instructions outside it, x 4 warps
@@ -170,8 +171,26 @@ def test_launch_bound_counts_what_the_gpu_executes(monkeypatch):
     assert b["wave_issue"] == pytest.approx(2 * per_cta / (4 * 2.0e3))
     assert b["wave_tensor"] == pytest.approx(2 * 2 * 64 * 64 * 4096 / (100e6 / 12))
     assert b["bound"] == max(b["dram"], b["tensor"], b["issue"], b["wave_issue"], b["wave_tensor"])
+    # its own floor: the 300 real rows' FLOPs (not the 20 whole tiles' 1,280) at the tensor peak, or its bytes
+    assert b["useful_flops"] == 2 * 300 * 64 * 4096
+    assert b["least"] == pytest.approx(max(b["dram"], 2 * 300 * 64 * 4096 / 100e6)) and b["least"] < b["bound"]
     with pytest.raises(roofline.LoopMismatch, match="no loop declaration"):
         roofline.launch_bound(GPU, "a_kernel_nobody_declared", dict(ARGS), (1,), compiled)
+
+
+def test_useful_flops_count_real_rows_only():
+    """The MoE kernels' useful work is the routed assignments' (not the plan's padded blocks'); the GEMMs' is M x N x
+    K, the gated one's twice."""
+    ids = torch.tensor([0, 5, -1, -1, 9, -1, -1, -1], dtype=torch.int32)  # 3 assignments in 2 blocks of 4
+    moe = dict(ids_ptr=ids, H=64, I=32)
+    assert roofline.KERNELS["moe_gate_up_kernel"].useful(moe) == 2 * 3 * 2 * 32 * 64
+    assert roofline.KERNELS["moe_down_w8a8_kernel"].useful(moe) == 2 * 3 * 64 * 32
+    lin = dict(M=7, N=16, K=32, GATED=True)
+    assert roofline.KERNELS["nvfp4_linear_kernel"].useful(lin) == 2 * 2 * 7 * 16 * 32
+    assert roofline.KERNELS["nvfp4_linear_kernel"].useful(dict(lin, GATED=False)) == 2 * 7 * 16 * 32
+    head = dict(R=5, VC=100, H=8)
+    assert roofline.KERNELS["head_logits_kernel"].useful(head) == roofline.KERNELS["head_soft_kernel"].useful(head)
+    assert roofline.KERNELS["rms_norm_kernel"].useful({}) == 0  # no tensor work
 
 
 def test_eight_bit_and_fp4_tensor_rates():
@@ -208,6 +227,10 @@ def test_whole_step_table_covers_three_gpus_two_formats_two_batches(report):
                                                                for f in ("nvfp4", "w8a8-fp8") for b in (1, 4)}
     for r in rows:
         assert r["bound_ms"] is not None and r["bound_ms"] >= r["floor_ms"] > 0, r["gpu"]
+        # every op at its own least time: no more than its bound, and (the step reads every weight once and does
+        # every product) no less than the physical floor's memory part
+        assert r["floor_mem_ms"] <= r["serial_ms"] <= r["bound_ms"], r["gpu"]
+        assert sum(g["least_ms"] for g in r["groups"]) == pytest.approx(r["serial_ms"])
         assert r["kernels"] == r["torch_ops"] + r["launches"] and r["launches"] > 0
         assert sum(g["n"] for g in r["groups"]) == r["kernels"]
         assert r["transient_mb"] > 0

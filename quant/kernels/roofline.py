@@ -108,6 +108,13 @@ class Loops:
     passes: dict[str, int] | Callable[[dict], dict[str, int]] = field(default_factory=dict)
     # FLOPs one live CTA's tensor-core instructions execute: its whole tile, padded rows and K included (0: none)
     mma: Callable[[dict], int] = lambda a: 0
+    # FLOPs the launch's result needs, whatever its tiles: 2 x real rows x N x K of each product (0: none)
+    useful: Callable[[dict], int] = lambda a: 0
+
+
+def _routed(a: dict) -> int:
+    """MoE kernels: the token-expert assignments the block plan holds (its padding rows have id -1)."""
+    return int((a["ids_ptr"] >= 0).sum())
 
 
 def _tile_mma(tiles: int, k: str) -> Callable[[dict], int]:
@@ -122,31 +129,40 @@ KERNELS = {
     "nvfp4_linear_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])],
                                  elems=lambda a: (2 if a["GATED"] else 1) * a["BLOCK_N"] * a["K"],
                                  passes=lambda a: {k: int(a["GATED"]) for k in ("wu_ptr", "su_ptr", "s2u_ptr")},
-                                 mma=lambda a: (2 if a["GATED"] else 1) * _tile_mma(1, "K")(a)),
+                                 mma=lambda a: (2 if a["GATED"] else 1) * _tile_mma(1, "K")(a),
+                                 useful=lambda a: (2 if a["GATED"] else 1) * 2 * a["M"] * a["N"] * a["K"]),
     "int8_linear_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])],
-                                elems=lambda a: a["BLOCK_N"] * a["K"], mma=_tile_mma(1, "K")),
+                                elems=lambda a: a["BLOCK_N"] * a["K"], mma=_tile_mma(1, "K"),
+                                useful=lambda a: 2 * a["M"] * a["N"] * a["K"]),
     # for k0 in range(0, H, BLOCK_K), gate and up tiles each iteration; only blocks of a real expert run it
     "moe_gate_up_kernel": Loops(trips=lambda a: [_cdiv(a["H"], a["BLOCK_K"])],
                                 elems=lambda a: 2 * a["BLOCK_N"] * a["H"], ctas=_live_blocks,
-                                mma=_tile_mma(2, "H")),
+                                mma=_tile_mma(2, "H"),
+                                useful=lambda a: 2 * _routed(a) * 2 * a["I"] * a["H"]),
     # for k0 in range(0, I, BLOCK_K)
     "moe_down_kernel": Loops(trips=lambda a: [_cdiv(a["I"], a["BLOCK_K"])],
-                             elems=lambda a: a["BLOCK_N"] * a["I"], ctas=_live_blocks, mma=_tile_mma(1, "I")),
+                             elems=lambda a: a["BLOCK_N"] * a["I"], ctas=_live_blocks, mma=_tile_mma(1, "I"),
+                             useful=lambda a: 2 * _routed(a) * a["H"] * a["I"]),
     # W4A4: for k0 in range(0, K, BLOCK_K), FP4 x FP4 dot_scaled; one CTA per BLOCK_M x BLOCK_N tile of y
     "nvfp4_w4a4_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])], elems=lambda a: a["BLOCK_N"] * a["K"],
-                               mma=_tile_mma(1, "K")),
+                               mma=_tile_mma(1, "K"),
+                               useful=lambda a: 2 * a["M"] * a["N"] * a["K"]),
     # W4A4 experts: for k0 in range(0, H or I, BLOCK_K), FP4 x FP4 dot_scaled (gate and up each iteration)
     "moe_gate_up_w4a4_kernel": Loops(trips=lambda a: [_cdiv(a["H"], a["BLOCK_K"])],
                                      elems=lambda a: 2 * a["BLOCK_N"] * a["H"], ctas=_live_blocks,
-                                     mma=_tile_mma(2, "H")),
+                                     mma=_tile_mma(2, "H"),
+                                     useful=lambda a: 2 * _routed(a) * 2 * a["I"] * a["H"]),
     "moe_down_w4a4_kernel": Loops(trips=lambda a: [_cdiv(a["I"], a["BLOCK_K"])],
-                                  elems=lambda a: a["BLOCK_N"] * a["I"], ctas=_live_blocks, mma=_tile_mma(1, "I")),
+                                  elems=lambda a: a["BLOCK_N"] * a["I"], ctas=_live_blocks, mma=_tile_mma(1, "I"),
+                                  useful=lambda a: 2 * _routed(a) * a["H"] * a["I"]),
     # W8A8 experts: for k0 in range(0, H or I, BLOCK_K), int8 x int8 or e4m3 x e4m3 (gate and up each iteration)
     "moe_gate_up_w8a8_kernel": Loops(trips=lambda a: [_cdiv(a["H"], a["BLOCK_K"])],
                                      elems=lambda a: 2 * a["BLOCK_N"] * a["H"], ctas=_live_blocks,
-                                     mma=_tile_mma(2, "H")),
+                                     mma=_tile_mma(2, "H"),
+                                     useful=lambda a: 2 * _routed(a) * 2 * a["I"] * a["H"]),
     "moe_down_w8a8_kernel": Loops(trips=lambda a: [_cdiv(a["I"], a["BLOCK_K"])],
-                                  elems=lambda a: a["BLOCK_N"] * a["I"], ctas=_live_blocks, mma=_tile_mma(1, "I")),
+                                  elems=lambda a: a["BLOCK_N"] * a["I"], ctas=_live_blocks, mma=_tile_mma(1, "I"),
+                                  useful=lambda a: 2 * _routed(a) * a["H"] * a["I"]),
     # activations to INT8 / e4m3 per row, one row per CTA: a sweep for the amax, a second quantizing (x read twice)
     "quantize_rows_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])] * 2, elems=lambda a: a["K"],
                                   passes={"x_ptr": 2}, ctas=_live_rows),
@@ -167,7 +183,8 @@ KERNELS = {
     # BLOCK_T tokens a CTA: a sweep over H for the norm, a sweep over H multiplying by W's tiles (the top-k after,
     # unrolled); the tile's MMA work: BLOCK_T x BLOCK_E x H rounded up to BLOCK_K
     "router_kernel": Loops(trips=lambda a: [_cdiv(a["H"], a["BLOCK_K"])] * 2, elems=lambda a: a["BLOCK_E"] * a["H"],
-                           mma=lambda a: 2 * a["BLOCK_T"] * a["BLOCK_E"] * _cdiv(a["H"], a["BLOCK_K"]) * a["BLOCK_K"]),
+                           mma=lambda a: 2 * a["BLOCK_T"] * a["BLOCK_E"] * _cdiv(a["H"], a["BLOCK_K"]) * a["BLOCK_K"],
+                           useful=lambda a: 2 * a["T"] * a["E"] * a["H"]),
     # the block plan, loop-free: one CTA per chunk of CH assignments
     "moe_count_kernel": Loops(trips=lambda a: [], elems=lambda a: a["CH"]),
     "moe_place_kernel": Loops(trips=lambda a: [], elems=lambda a: a["CH"]),
@@ -179,12 +196,14 @@ KERNELS = {
     # BLOCK_M rows x TILE columns; the soft embedding, for k0 in range(0, KC, BLOCK_K), one CTA per BLOCK_M rows x
     # BLOCK_N of H, its running sum read and written unless FIRST; then one CTA a row, loop-free, for the totals
     "head_logits_kernel": Loops(trips=lambda a: [_cdiv(a["H"], a["BLOCK_K"])], elems=lambda a: a["TILE"] * a["H"],
-                                mma=lambda a: 2 * a["BLOCK_M"] * a["TILE"] * _cdiv(a["H"], a["BLOCK_K"]) * a["BLOCK_K"]),
+                                mma=lambda a: 2 * a["BLOCK_M"] * a["TILE"] * _cdiv(a["H"], a["BLOCK_K"]) * a["BLOCK_K"],
+                                useful=lambda a: 2 * a["R"] * a["VC"] * a["H"]),
     "head_soft_kernel": Loops(trips=lambda a: [_cdiv(min(a["KC"], a["KS"]), a["BLOCK_K"])],
                               elems=lambda a: a["BLOCK_N"] * min(a["KC"], a["KS"]),
                               passes=lambda a: {"part_ptr": 1 if a["FIRST"] else 2},
                               mma=lambda a: 2 * a["BLOCK_M"] * a["BLOCK_N"] * _cdiv(min(a["KC"], a["KS"]), a["BLOCK_K"])
-                              * a["BLOCK_K"]),
+                              * a["BLOCK_K"],
+                              useful=lambda a: 2 * a["R"] * a["VC"] * a["H"]),
     "head_finish_kernel": Loops(trips=lambda a: [], elems=lambda a: a["H"]),
 }
 
@@ -285,4 +304,8 @@ def launch_bound(gpu: GPU, kernel: str, args: dict, grid: tuple, compiled: dict,
                issue=issue_us(gpu, instr), wave_issue=per_sm * per_cta / (ISSUE_PER_CLOCK * gpu.clock_ghz * 1e3),
                wave_tensor=per_sm * mma_cta / (rate / gpu.sms), mma_flops=live * mma_cta, warp_instr=instr)
     out["bound"] = max(out["dram"], out["tensor"], out["issue"], out["wave_issue"], out["wave_tensor"])
+    # what no kernel computing this launch's result can beat: its bytes at peak bandwidth or its useful FLOPs at the
+    # rate of the tensor-core instructions it uses (padding, instructions and idle SMs not counted)
+    out["useful_flops"] = _call(kernel, "useful", decl.useful, args)
+    out["least"] = max(out["dram"], out["useful_flops"] / rate)
     return out
