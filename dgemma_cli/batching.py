@@ -54,6 +54,7 @@ class Job:
     held: list[int] = field(default_factory=list)  # infill: ids held at the end of every canvas
     want_steps: bool = False  # deliver a RowStep per denoising step
     image_features: Any = None  # soft tokens [N, H] of the prompt's images, placed at its image tokens (or None)
+    automaton: Any = None  # constrain.TokenAutomaton the answer is held to (or None): a structured answer
 
 
 @dataclass
@@ -79,6 +80,7 @@ class RowDone:
     steps_per_canvas: list[int]
     ended: bool  # an end-of-sequence id was generated (False: the length limit ended it)
     seconds: float  # from admission to the end
+    satisfied: bool | None = None  # a structured answer: complete (True) or cut short by the length limit
 
 
 @dataclass
@@ -146,6 +148,9 @@ class _Row:
         self.canvases_max = s.canvases_for(self.free)
         self.gen = torch.Generator(device=dev)
         self.gen.manual_seed(job.seed)
+        self.constraint = None
+        if job.automaton is not None:
+            self.constraint = job.automaton.row(s.max_new_tokens, s.eos_token_ids, s.pad_token_id, self.gen)
         self.t0 = time.perf_counter()
         self.cache = model.new_cache(1, job.capacity)
         self.canvases: list[list[int]] = []
@@ -172,15 +177,19 @@ class _Row:
         """This step's temperature, computed as the single run computes it (a float32 tensor)."""
         return step_temperature(self.n, self.settings, self.model.device)
 
-    def after_step(self, sample: torch.Tensor, argmax: torch.Tensor, entropy: torch.Tensor) -> bool:
-        """Accept, renoise and test for the canvas's end, from this row's [1, C] slices of the step's results;
-        returns True when the canvas is finished."""
+    def after_step(self, sample: torch.Tensor, argmax: torch.Tensor, entropy: torch.Tensor,
+                   logp: torch.Tensor | None = None) -> bool:
+        """Accept, renoise and test for the canvas's end, from this row's [1, C] slices of the step's results (and
+        its log-probabilities [C, V], which a structured answer's search reads); returns True when the canvas is
+        finished."""
         s, free = self.settings, self.free
         self.steps += 1
         if self.h:  # held tokens: certain by definition
             entropy[:, free:] = 0
             sample[:, free:] = self.held
             argmax[:, free:] = self.held
+        if self.constraint is not None:  # the best paths through the automaton replace the draws and the argmax
+            self.constraint.step(logp, sample[0], argmax[0], s.greedy)
         accepted = entropy_bound_accept(entropy, s.entropy_bound)
         kept = torch.where(accepted, sample, self.canvas)
         noise = torch.randint(0, self.V, (1, self.C), device=self.model.device, generator=self.gen)
@@ -204,6 +213,8 @@ class _Row:
         run = is_eos.cumsum(dim=-1)
         tokens[(run > 0) & ~((run == 1) & is_eos)] = s.pad_token_id
         ids = tokens[0].tolist()
+        if self.constraint is not None:
+            self.constraint.end_canvas(ids)
         self.canvases.append(ids)
         self.steps_per_canvas.append(self.steps)
         self.deliver(RowCanvas(self.ci, ids, self.steps))
@@ -220,7 +231,8 @@ class _Row:
         cut = next((i for i, t in enumerate(row) if t in ends), len(row))
         ids = row[: min(cut, self.settings.max_new_tokens)]
         ended = self.ended and cut < self.settings.max_new_tokens
-        return RowDone(ids, self.steps_per_canvas, ended, time.perf_counter() - self.t0)
+        satisfied = None if self.constraint is None else self.constraint.satisfied
+        return RowDone(ids, self.steps_per_canvas, ended, time.perf_counter() - self.t0, satisfied)
 
     def deliver(self, event: RowEvent) -> None:
         _deliver(self.ticket, event)
@@ -266,6 +278,12 @@ class BatchLoop:
         self.failed = 0
         self.thread = threading.Thread(target=self._run, name="dgemma-batch-loop", daemon=True)
         self.thread.start()
+
+    @property
+    def structured_ok(self) -> bool:
+        """Whether structured answers can be generated: their search reads a step's log-probabilities, which only
+        the torch path's buffers hold (the fused head keeps no canvas x vocab tensor)."""
+        return self.buf.fused is None
 
     @property
     def buffer_bytes(self) -> int:
@@ -365,7 +383,8 @@ class BatchLoop:
         gone = set()
         for a, r in enumerate(rows):
             drawn = argmax if r.job.settings.greedy else sample
-            if r.after_step(drawn[a : a + 1], argmax[a : a + 1], entropy[a : a + 1]) and r.finish_canvas():
+            logp = buf.logits[a * C : (a + 1) * C] if r.constraint is not None else None  # the torch path's
+            if r.after_step(drawn[a : a + 1], argmax[a : a + 1], entropy[a : a + 1], logp) and r.finish_canvas():
                 gone.add(a)
                 self.completed += 1
                 r.deliver(r.done_event())

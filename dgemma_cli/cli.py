@@ -161,9 +161,20 @@ def run(
                                    "in input order, written as each batch finishes."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size",
                                              help="With --each-line: prompts generated together (default 8)."),
+    json_schema: Optional[str] = typer.Option(
+        None, "--json-schema", metavar="FILE", help="Hold the answer to this JSON Schema: it is valid JSON of the "
+        "schema by construction ('-' reads the schema from stdin; then PROMPT must be an argument)."),
+    regex: Optional[str] = typer.Option(None, "--regex", metavar="PATTERN",
+                                        help="Hold the answer to this regular expression (the whole answer)."),
+    grammar: Optional[str] = typer.Option(
+        None, "--grammar", metavar="FILE", help="Hold the answer to this context-free grammar: llguidance's Lark "
+        "syntax (start: ...), or llama.cpp's GBNF (root ::= ...)."),
     quiet: bool = QUIET_OPTION,
 ) -> None:
     """Generate one answer. Stdout gets only the answer (or one JSON object with --json).
+
+    With --json-schema, --regex or --grammar the answer matches by construction; one that cannot be completed within
+    --max-new-tokens is written as far as it got, said on stderr, and the exit status is 1.
 
     The sampler's settings (--steps to --stability-threshold) default to the model's generation_config.json."""
     # Flags first, all of them before torch is imported: a typo fails at once, and no flag is silently ignored.
@@ -190,6 +201,7 @@ def run(
                                 confidence_threshold=confidence_threshold, stability_threshold=stability_threshold)
     _be_quiet(quiet)
     joined = _prompt_words(prompt)
+    structure = _structure(json_schema, regex, grammar, stdin_prompt=joined is None)
     if (joined is None and sys.stdin is not None and sys.stdin.isatty() and sys.stdout.isatty()
             and not (as_json or each_line or raw or image)):
         # No prompt, and a person at a terminal: a conversation, as `ollama run` and `llm` start one.
@@ -204,7 +216,8 @@ def run(
         text = text.rstrip("\r\n")  # `echo ... |` adds a newline the user did not mean as part of the prompt
     if each_line:
         return _run_each_line(text, model=model, as_json=as_json, batch_size=batch_size or 8, device=device,
-                              dtype=dtype, quiet=quiet, raw=raw, system=system, seed=seed, **sampler)
+                              dtype=dtype, quiet=quiet, raw=raw, system=system, seed=seed, structure=structure,
+                              **sampler)
     if not text.strip():
         raise UsageError("empty prompt")
     model_dir = _model_dir(model, quiet)  # a missing model is said before torch is imported (seconds)
@@ -219,6 +232,9 @@ def run(
 
     engine = load(model_dir, device=device, dtype=dtype)
     kwargs = dict(raw=raw, system=system, seed=seed, **sampler)
+    if structure is not None:
+        engine.automaton(structure)  # compiled before the first step: a schema the vocabulary cannot spell fails here
+        kwargs.update(structure=structure)
     if images:
         kwargs.update(images=images, image_tokens=image_tokens)
     from .answer import FinishedCanvases
@@ -241,7 +257,7 @@ def run(
     # Each finished canvas's text goes to stdout as it settles (a pipe sees the answer grow), unless stdout gets
     # one JSON object or the live view shows the answer growing; Ctrl-C keeps every finished canvas either way.
     streaming = not as_json and view != "live" and engine.tokenizer is not None
-    finished = (FinishedCanvases(engine.tokenizer, engine.settings.override(**sampler), raw=raw,
+    finished = (FinishedCanvases(engine.tokenizer, engine.settings.override(**sampler), raw=raw or bool(structure),
                                  write=write if streaming else None) if engine.tokenizer is not None else None)
 
     def keep(event) -> None:
@@ -287,9 +303,49 @@ def run(
         finished.finish(result.texts[0])
     else:
         write(_answer_line(result, 0, as_json))
+    if result.satisfied is not None and not result.satisfied[0]:
+        _fail(_cut_short(structure, engine.settings.override(**sampler).max_new_tokens), 1)
     notice = _empty_notice(result, 0, as_json)
     if notice and not quiet:
         _note(notice)
+
+
+def _structure(json_schema: Optional[str], regex: Optional[str], grammar: Optional[str], *, stdin_prompt: bool):
+    """--json-schema / --regex / --grammar as a constrain.Structure (None without any), read and checked before
+    the model loads: a schema that is not JSON, a pattern that is not a regular expression, a grammar that does not
+    compile, fail in one line."""
+    given = [(flag, v) for flag, v in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar))
+             if v is not None]
+    if len(given) > 1:
+        raise UsageError(f"{given[0][0]} and {given[1][0]} exclude each other: give one")
+    if not given:
+        return None
+    from .constrain import Structure
+
+    flag, value = given[0]
+    if flag == "--regex":
+        structure = Structure("regex", regex)
+    else:
+        if value == "-":
+            if stdin_prompt:
+                raise UsageError(f"stdin cannot hold both the prompt and {flag}: pass PROMPT as an argument")
+            source = sys.stdin.read()
+        else:
+            from pathlib import Path
+
+            try:
+                source = Path(value).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise UsageError(f"{flag} {value}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+        structure = Structure("json_schema" if flag == "--json-schema" else "grammar", source)
+    structure.check()  # UsageError in one line
+    return structure
+
+
+def _cut_short(structure, limit: int) -> str:
+    what = {"regex": "--regex", "grammar": "--grammar"}.get(structure.kind, "--json-schema")
+    return (f"the answer could not be completed to match {what} within --max-new-tokens {limit}: what was written "
+            "is cut short (raise --max-new-tokens)")
 
 
 def _check_images(paths: List[str], image_tokens: Optional[int], *, stdin_prompt: bool, each_line: bool) -> None:
@@ -418,6 +474,11 @@ def _run_each_line(text: str, *, model, as_json: bool, batch_size: int, device: 
     engine = load(model_dir, device=device, dtype=dtype)
     todo = [i for i, line in enumerate(lines) if line.strip()]
     written = 0  # input lines answered on stdout so far
+    cut_short = 0  # answers that could not complete their --json-schema / --regex
+    if gen.get("structure") is not None:
+        engine.automaton(gen["structure"])  # a schema the vocabulary cannot spell fails before the first line
+    limit = engine.settings.override(**{k: v for k, v in gen.items()
+                                        if k not in ("raw", "system", "seed", "structure")}).max_new_tokens
     try:
         for start in range(0, len(todo), batch_size):
             chunk = todo[start : start + batch_size]
@@ -431,6 +492,9 @@ def _run_each_line(text: str, *, model, as_json: bool, batch_size: int, device: 
                     notice = _empty_notice(result, row[i], as_json)
                     if notice:
                         notices.append(f"line {i + 1}: {notice}")
+                    if result.satisfied is not None and not result.satisfied[row[i]]:
+                        cut_short += 1
+                        notices.append(f"line {i + 1}: " + _cut_short(gen["structure"], limit))
                 elif as_json:
                     out.append(json.dumps({"prompt": lines[i], "text": "", "skipped": True}) + "\n")
                 else:
@@ -447,6 +511,8 @@ def _run_each_line(text: str, *, model, as_json: bool, batch_size: int, device: 
             raise Interrupted("interrupted before any line was answered") from None
         raise Interrupted(f"interrupted after answering {written} of {len(lines)} lines (their answers were "
                           "written)") from None
+    if cut_short:
+        _fail(f"{cut_short} of {len(todo)} answers could not be completed to match their structure", 1)
 
 
 @app.command()

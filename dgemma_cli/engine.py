@@ -19,6 +19,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .config import GenerationSettings, ModelConfig
+from .constrain import Structure, compile_structure
 from .device import SMALL_STEP, fit_cpu_threads, resolve_device, resolve_dtype
 from .errors import ModelError, UsageError
 from .model import DiffusionGemma, KVCache
@@ -161,6 +162,7 @@ class Result:
     steps_per_canvas: list[list[int]]
     tokens_per_forward: list[float]
     seconds: float
+    satisfied: list[bool] | None = None  # with a structure: per answer, whether it completed it (Done.satisfied)
 
 
 class Engine:
@@ -313,12 +315,15 @@ class Engine:
     def events(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], *, raw: bool = False,
                system: str | None = None, seed: int | None = None, enable_thinking: bool = False,
                settings: GenerationSettings | None = None, images: Sequence | None = None,
-               image_tokens: int | None = None, **overrides) -> Iterator[Event]:
+               image_tokens: int | None = None, structure: Structure | None = None,
+               **overrides) -> Iterator[Event]:
         """Yield sampler events for one prompt or a batch (strings, or lists of token ids).
 
         Overrides are GenerationSettings fields (max_new_tokens, max_denoising_steps, ...). With `seed`, torch's
         global generator is seeded first, as `torch.manual_seed(seed)` before the reference's generate.
         `images` (files, PIL images or `image.Patches`) go with a single prompt, at `image_tokens` soft tokens each.
+        `structure` (constrain.Structure): every row's answer held to it (docs/design.md, Constrained canvases); the
+        Done event's `satisfied` says per row whether the answer completed it within max_new_tokens.
         """
         patches = self.image_patches(images, image_tokens)
         ids = self.batch_ids(prompts, raw=raw, system=system, enable_thinking=enable_thinking, images=patches)
@@ -334,10 +339,21 @@ class Engine:
             valid = torch.tensor([[False] * (T - len(x)) + [True] * len(x) for x in ids], device=dev)
         if seed is not None:
             torch.manual_seed(seed)
+        constraints = None
+        if structure is not None:
+            auto = self.automaton(structure)
+            constraints = [auto.row(settings.max_new_tokens, settings.eos_token_ids, pad) for _ in ids]
         denoiser = make_denoiser(self.model, len(ids), capacity)
         if patches:
             denoiser.image_features = self.image_features(patches)
-        yield from _in_inference_mode(generate_events(denoiser, batch, settings, valid), denoiser)
+        yield from _in_inference_mode(generate_events(denoiser, batch, settings, valid, constraints=constraints),
+                                      denoiser)
+
+    def automaton(self, structure: Structure):
+        """`structure` compiled over this model's vocabulary (constrain.TokenAutomaton; cached)."""
+        if self.tokenizer is None:
+            raise ModelError(f"{self.path}: no tokenizer.json, so an answer's structure cannot be compiled")
+        return compile_structure(structure, self.tokenizer, self.config.text.vocab_size)
 
     def infill_events(self, prefix: str, suffix: str, *, held_tokens: int = 8, seed: int | None = None,
                       settings: GenerationSettings | None = None, **overrides) -> Iterator[Event]:
@@ -399,14 +415,14 @@ class Engine:
         texts, thoughts = [], []
         for out in done.token_ids:
             thought, answer = "", ""
-            if self.tokenizer is not None and raw:
-                answer = self.tokenizer.decode(out)
+            if self.tokenizer is not None and (raw or kwargs.get("structure") is not None):
+                answer = self.tokenizer.decode(out)  # a structured answer is its bytes: nothing stripped
             elif self.tokenizer is not None:
                 thought, answer = self.tokenizer.decode_answer(out)
             thoughts.append(thought)
             texts.append(answer)
         return Result(texts, thoughts, done.token_ids, ids, done.steps_per_canvas, done.tokens_per_forward,
-                      done.seconds)
+                      done.seconds, done.satisfied)
 
 
 def _in_inference_mode(events: Iterator[Event], denoiser: ModelDenoiser | None = None) -> Iterator[Event]:

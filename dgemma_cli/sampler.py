@@ -71,6 +71,7 @@ class Done:
     seconds: float
     forward_passes: int = 0  # batched decoder calls
     stats: dict = field(default_factory=dict)
+    satisfied: list[bool] | None = None  # per row, with constraints: the answer is a whole word of its language
 
 
 Event = Step | CanvasDone | Done
@@ -210,9 +211,10 @@ def use_fused_head(device: torch.device, dtype: torch.dtype) -> bool:
     return use_triton(device) and family_ok("head", device, dtype)
 
 
-def new_buffers(rows: int, denoiser: Denoiser, device: torch.device) -> SamplerBuffers:
-    """The buffers for `rows` rows of `denoiser`'s model: the fused head's where it runs, else the torch path's."""
-    head = (denoiser.hidden_size, denoiser.dtype) if use_fused_head(device, denoiser.dtype) else None
+def new_buffers(rows: int, denoiser: Denoiser, device: torch.device, logits: bool = False) -> SamplerBuffers:
+    """The buffers for `rows` rows of `denoiser`'s model: the fused head's where it runs, else the torch path's
+    (always with `logits`: constrained canvases search the step's log-probabilities)."""
+    head = (denoiser.hidden_size, denoiser.dtype) if not logits and use_fused_head(device, denoiser.dtype) else None
     return SamplerBuffers(rows, denoiser.vocab_size, device, head)
 
 
@@ -232,14 +234,14 @@ def entropy_bound_accept(entropy: torch.Tensor, bound: float) -> torch.Tensor:
 
 def settle_step(buf: SamplerBuffers, canvas: torch.Tensor, argmax: torch.Tensor, done: torch.Tensor,
                 history: list[torch.Tensor], temperature: torch.Tensor, settings: GenerationSettings,
-                held: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                           torch.Tensor]:
+                held: torch.Tensor | None = None, constraints: list | None = None) -> tuple[
+                    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """What a step does after its forward pass wrote `buf.logits` [B*C, V]: sample at this step's temperature,
     accept the lowest-entropy positions, renoise the rest, and test each row for convergence. No host round trip.
 
     canvas, argmax [B, C]: this step's input canvas and the last argmax canvas; done [B]: rows converged before;
-    history: the last argmax canvases (`_stable`); temperature: this step's (`step_temperature`); held [B, h] as in
-    `generate_events`. Returns the next canvas, the argmax canvas, the accepted positions, the entropy [B, C] and
+    history: the last argmax canvases (`_stable`); temperature: this step's (`step_temperature`); held [B, h] and
+    constraints as in `generate_events`. Returns the next canvas, the argmax canvas, the accepted positions, the entropy [B, C] and
     the updated done [B].
     """
     B, C = canvas.shape
@@ -252,6 +254,11 @@ def settle_step(buf: SamplerBuffers, canvas: torch.Tensor, argmax: torch.Tensor,
         entropy[:, free:] = 0
         sample[:, free:] = held
         new_argmax[:, free:] = held
+    if constraints is not None:  # the rows' best paths through their automata replace the draws and the argmax
+        logp = buf.logits.view(B, C, V)  # sample_step left the log-probabilities there (the torch path)
+        for b, rc in enumerate(constraints):
+            if rc is not None:
+                rc.step(logp[b], sample[b], new_argmax[b], settings.greedy)
     accepted = entropy_bound_accept(entropy, settings.entropy_bound)
     kept = torch.where(accepted, sample, canvas)
     noise = torch.randint(0, V, (B, C), device=dev)
@@ -266,7 +273,8 @@ def settle_step(buf: SamplerBuffers, canvas: torch.Tensor, argmax: torch.Tensor,
 
 
 def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: GenerationSettings,
-                    prompt_valid: torch.Tensor | None = None, held: torch.Tensor | None = None) -> Iterator[Event]:
+                    prompt_valid: torch.Tensor | None = None, held: torch.Tensor | None = None,
+                    constraints: list | None = None) -> Iterator[Event]:
     """Run the block loop for a batch of prompts.
 
     prompt [B, T] ids (left-padded when lengths differ, with prompt_valid [B, T] False at padding).
@@ -276,6 +284,10 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
     accepted at every step, never renoised, excluded from the entropy budget and the confidence test. The
     free part before them ends at an end-of-sequence token or at `<pad>`; only the free part is kept, appended
     to the cache, and returned.
+
+    constraints (one per row, or None for a free row): `constrain.RowConstraint`s whose `step` replaces a row's
+    draws and argmax each step by its best paths through the row's automaton (from the step's log-probabilities:
+    the torch path's buffers), and whose `end_canvas` follows each kept canvas. Not with held tokens.
     """
     t0 = time.perf_counter()
     B = prompt.shape[0]
@@ -292,7 +304,9 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
     kept_per_row = [0] * B  # tokens the answer keeps, summed over canvases
     batched_calls = 0
     chunk, chunk_valid = prompt, prompt_valid
-    buf = new_buffers(B * C, denoiser, dev)
+    if constraints is not None and held is not None:
+        raise ValueError("constrained canvases cannot hold tokens")
+    buf = new_buffers(B * C, denoiser, dev, logits=constraints is not None)
     h = 0 if held is None else held.shape[1]
     free = C - h
     if h:
@@ -311,6 +325,8 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
         done = torch.zeros(B, dtype=torch.bool, device=dev)  # adaptive stop per row
         history: list[torch.Tensor] = []  # the last `stability_threshold` argmax canvases
         row_steps = torch.zeros(B, dtype=torch.int64, device=dev)
+        # the constraints of rows still generating (a row that ended keeps padding its canvases)
+        live = None if constraints is None else [None if f else c for c, f in zip(constraints, finished_rows.tolist())]
 
         for n in range(N, 0, -1):
             active = ~(done | finished_rows)
@@ -321,7 +337,7 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
             denoiser.denoise(canvas, buf, self_conditioned)
             batched_calls += 1
             canvas, argmax, accepted, entropy, done = settle_step(buf, canvas, argmax, done, history, temperature,
-                                                                  settings, held)
+                                                                  settings, held, live)
             self_conditioned = True
             yield Step(ci, N - n + 1, N, canvas, argmax, accepted, entropy, done.clone())
             if bool(done.all()):
@@ -336,6 +352,10 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
         tokens[(run > 0) & ~((run == 1) & is_eos)] = pad
         finished_rows = finished_rows | ended_here
         canvases.append(tokens)
+        if live is not None:
+            for rc, row in zip(live, tokens.tolist()):
+                if rc is not None:
+                    rc.end_canvas(row)
         room = max(0, min(free, settings.max_new_tokens - ci * free))  # positions of this canvas within the limit
         steps, kept = torch.stack([row_steps, (tokens[:, :room] != pad).sum(dim=-1)]).tolist()  # one transfer
         for b in range(B):
@@ -355,7 +375,8 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
         cut = next((i for i, t in enumerate(row) if t in ends), len(row))
         token_ids.append(row[: min(cut, settings.max_new_tokens)])
     tpf = [tokens_per_forward(k, f) for k, f in zip(kept_per_row, passes)]
-    yield Done(token_ids, steps_per_canvas, tpf, time.perf_counter() - t0, batched_calls)
+    satisfied = None if constraints is None else [c is None or c.satisfied for c in constraints]
+    yield Done(token_ids, steps_per_canvas, tpf, time.perf_counter() - t0, batched_calls, satisfied=satisfied)
 
 
 def _stable(history: list[torch.Tensor], argmax: torch.Tensor, threshold: int) -> torch.Tensor:

@@ -174,6 +174,7 @@ class Prepared:
     include_usage: bool
     stops: list[str]
     infill: bool
+    structured: bool = False  # held to a response_format: the answer is its bytes (nothing stripped)
 
 
 def prepare(server: Server, body: dict, kind: str) -> Prepared:
@@ -199,9 +200,7 @@ def prepare(server: Server, body: dict, kind: str) -> Prepared:
         raise refuse("tools", "no tool calling yet")
     if body.get("tool_choice") not in (None, "none", "auto"):
         raise refuse("tool_choice", "no tool calling yet")
-    fmt = body.get("response_format")
-    if fmt not in (None, {}) and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise refuse("response_format", "no structured output yet (only {'type': 'text'})")
+    structure = response_structure(body.get("response_format"), body)
     if body.get("echo") not in (None, False):
         raise refuse("echo", "the prompt is not returned")
     if get_int(body, "best_of", 1) not in (None, 1):
@@ -261,7 +260,9 @@ def prepare(server: Server, body: dict, kind: str) -> Prepared:
         kwargs = body.get("chat_template_kwargs")
         if isinstance(kwargs, dict) and thinking is None:
             thinking = get_bool(kwargs, "enable_thinking")
-        vision = engine.config.vision is not None
+        # the placeholder only where a picture is sent: a checkpoint whose tokenizer lacks the image token still
+        # answers text
+        vision = engine.config.vision is not None and has_images(body)
         prompt, images = tok_chat(tok, body.get("messages"), bool(thinking),
                                   engine.image_placeholder() if vision else None, max_chars=max_chars(engine))
         if images:  # the tower runs here, in the request's worker thread, not in the batch loop
@@ -310,8 +311,71 @@ def prepare(server: Server, body: dict, kind: str) -> Prepared:
                        param="messages" if kind == "chat" else "prompt", code="context_length_exceeded") from None
     if seed is None:
         seed = secrets.randbits(63)
-    job = Job(prompt, settings, seed, capacity, held, want_steps=stream_steps, image_features=image_features)
-    return Prepared(kind, job, stream, stream_steps, include_usage, stops, infill)
+    automaton = None
+    if structure is not None:
+        if infill:
+            raise refuse("suffix", "an infill's middle cannot also be held to a response_format")
+        if stops:
+            raise refuse("stop", "a stop string would cut a structured answer short of its response_format")
+        if not server.loop.structured_ok:
+            raise refuse("response_format", "the fused sampler head on this GPU keeps no log-probabilities to search; "
+                         "start `dgemma serve` with DGEMMA_SAMPLER=torch for structured output")
+        try:
+            automaton = engine.automaton(structure)
+        except UsageError as e:
+            where = next((k for k in GUIDED if body.get(k) is not None), "response_format")
+            raise ApiError(400, str(e), param=where, code="invalid_value") from None
+    job = Job(prompt, settings, seed, capacity, held, want_steps=stream_steps, image_features=image_features,
+              automaton=automaton)
+    return Prepared(kind, job, stream, stream_steps, include_usage, stops, infill, structure is not None)
+
+
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "grammar"}
+
+
+def response_structure(fmt: Any, body: dict | None = None):
+    """OpenAI's response_format -> a constrain.Structure, or None for free text: {"type": "text"},
+    {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}; or vLLM's
+    fields guided_json (a schema), guided_regex, guided_grammar (Lark or GBNF), so requests written for vLLM work."""
+    from .constrain import Structure
+
+    guided = [k for k in GUIDED if (body or {}).get(k) is not None]
+    if guided:
+        if len(guided) > 1 or fmt not in (None, {}, {"type": "text"}):
+            raise ApiError(400, "give one of response_format, guided_json, guided_regex, guided_grammar",
+                           param=guided[0], code="invalid_value")
+        key = guided[0]
+        value = body[key]
+        if key == "guided_json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError:
+                    raise ApiError(400, "'guided_json' is not JSON", param=key, code="invalid_value") from None
+            if not isinstance(value, (dict, bool)):
+                raise _type_error(key, "a JSON schema", value)
+            return Structure("json_schema", json.dumps(value))
+        if not isinstance(value, str) or not value:
+            raise _type_error(key, "a non-empty string", value)
+        return Structure(GUIDED[key], value)
+    if fmt in (None, {}):
+        return None
+    if not isinstance(fmt, dict):
+        raise _type_error("response_format", "an object", fmt)
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Structure("json_object")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+            raise ApiError(400, "'response_format.json_schema' must be an object with a 'schema' object",
+                           param="response_format", code="invalid_value")
+        schema = spec.get("schema", {})
+        return Structure("json_schema", json.dumps(schema))
+    raise ApiError(400, "'response_format.type' must be 'text', 'json_object' or 'json_schema'",
+                   param="response_format", code="invalid_value")
 
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -426,7 +490,7 @@ class AnswerText:
     """
 
     def __init__(self, tok, prep: Prepared):
-        self.tok, self.chat, self.stops = tok, prep.kind == "chat", prep.stops
+        self.tok, self.chat, self.stops = tok, prep.kind == "chat" and not prep.structured, prep.stops
         s = prep.job.settings
         self.ends = set(s.eos_token_ids) | ({s.pad_token_id} if prep.job.held else set())
         self.limit = s.max_new_tokens
@@ -522,6 +586,10 @@ def usage(prep: Prepared, completion: int) -> dict:
 
 
 def finish_reason(text: AnswerText, done: RowDone | None) -> str:
+    """"stop" at an end token or a stop string; "length" at the token limit, and for a structured answer the
+    limit cut short (its text is then not a whole answer of the schema)."""
+    if done is not None and done.satisfied is False:
+        return "length"
     return "stop" if text.stopped or (done is not None and done.ended) else "length"
 
 

@@ -107,6 +107,7 @@ class Tokenizer:
         self._forgeable_re = re.compile("|".join([*map(re.escape, specials), _SENTINELS]))
         self._plain_lock = threading.Lock()
         self._max_token_chars: int | None = None
+        self._token_bytes: list[bytes | None] | None = None
 
     @classmethod
     def from_dir(cls, path) -> Tokenizer:
@@ -192,6 +193,38 @@ class Tokenizer:
     def token_id(self, token: str) -> int | None:
         """Id of a token string, or None if the vocabulary lacks it."""
         return self._tokenizer.token_to_id(token)
+
+    def token_bytes(self) -> list[bytes | None]:
+        """Per id, the bytes the token stands for in decoded text, or None for an added token (control tokens,
+        placeholders: never part of a constrained answer's text). Byte-fallback tokens ("<0x0A>") are their byte,
+        SentencePiece's "▁" a space (the decoder's Replace steps), GPT-2 byte-level tokens their bytes. Cached."""
+        if self._token_bytes is None:
+            spec = json.loads(self._tokenizer.to_str())
+            model, decoder = spec.get("model") or {}, spec.get("decoder") or {}
+            steps = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+            replaces = [(d["pattern"].get("String"), d["content"]) for d in steps
+                        if d.get("type") == "Replace" and isinstance(d.get("pattern"), dict)
+                        and d["pattern"].get("String")]
+            byte_level = any(d.get("type") == "ByteLevel" for d in steps)
+            fallback = bool(model.get("byte_fallback")) or any(d.get("type") == "ByteFallback" for d in steps)
+            unicode_bytes = {c: b for b, c in _gpt2_byte_chars().items()} if byte_level else None
+            added = set(self._tokenizer.get_added_tokens_decoder())
+            out: list[bytes | None] = [None] * self.vocab_size
+            for token, i in self._tokenizer.get_vocab(with_added_tokens=True).items():
+                if i in added or i >= len(out):
+                    continue
+                m = _BYTE_TOKEN.fullmatch(token) if fallback else None
+                if m:
+                    out[i] = bytes([int(m.group(1), 16)])
+                elif unicode_bytes is not None:
+                    out[i] = bytes(unicode_bytes[c] for c in token) if all(c in unicode_bytes for c in token) \
+                        else None
+                else:
+                    for pattern, content in replaces:
+                        token = token.replace(pattern, content)
+                    out[i] = token.encode()
+            self._token_bytes = out
+        return self._token_bytes
 
     @property
     def max_token_chars(self) -> int:
@@ -316,6 +349,22 @@ class Tokenizer:
             if k < len(ids_at):
                 out.append(ids_at[k])
         return out
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _gpt2_byte_chars() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as the printable character its vocabulary writes it with."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
 
 
 def _compile_template(source: str):

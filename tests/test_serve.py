@@ -34,10 +34,11 @@ WORDS = ["hello diffusions", "abc def 12 ghijk", "the quick brown ", "lorem ipsu
 class ServerProcess:
     """`dgemma serve` in a subprocess; stderr is read in a thread (it says the port, then errors, if any)."""
 
-    def __init__(self, home: Path, *args: str, model: str = "demo"):
+    def __init__(self, home: Path, *args: str, model: str = "demo", name: str | None = None):
+        """name: the id the server serves the model as (default: `model`, a bundled model's name)."""
         env = {**os.environ, "HOME": str(home), "DGEMMA_HOME": str(home / "dgemma"), "HF_HUB_OFFLINE": "1"}
         env.pop("DGEMMA_API_KEY", None)
-        self.model = model
+        self.model = name or model
         cmd = [sys.executable, "-m", "dgemma_cli", "serve", "--model", model, "--device", "cpu", "--port", "0",
                *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

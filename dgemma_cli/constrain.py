@@ -1,0 +1,618 @@
+"""Constrained canvases: answers held to a regular language, valid by construction (docs/design.md, Constrained
+canvases).
+
+A constraint is a regular expression over the answer's bytes: given as it is (`run --regex`), or compiled from a
+JSON Schema (`schema_regex`: outlines-core's compiler, with integer and number ranges, which it ignores, spelled
+out here). outlines-core turns the expression and the tokenizer's vocabulary into a DFA over token ids; it is kept
+as `TokenAutomaton`: from each state, the states it can go to and, per target state, the tokens that lead there.
+
+Each denoise step, after sampling, the canvas's argmax (what the answer would keep) and its sample (what the
+accepted positions keep) are replaced by the best paths through the automaton (`best_path`): dynamic programming
+over (position, state) on the step's per-position log-probabilities, over every token of the vocabulary, so the
+argmax path is the most probable canvas (positions taken as independent, as the sampler takes them) that keeps the
+answer completable; the sample path is the same search on log-probabilities plus Gumbel noise, so different seeds
+give different valid answers. A path may end the answer (an end-of-sequence id from an accepting state; after it
+every position scores as end-of-sequence or pad) or stop at the canvas's end in a state from which the tokens left
+under max_new_tokens can still reach an accepting one. What is exact: every kept canvas is a prefix of a word of the
+language, and an answer that ended is a word of it. What is approximate: the search scores positions independently
+(the model's own distribution is joint), and it is re-run every step, so an accepted token is kept only while the
+best path keeps it.
+
+Nothing here knows the model or the view: the sampler hands `RowConstraint.step` a row's log-probabilities and gets
+its two paths back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import threading
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+import torch
+
+from .errors import UsageError
+
+# ----------------------------------------------------------------------------------------- what the user asked for
+
+
+@dataclass(frozen=True)
+class Structure:
+    """A requested answer shape: kind "regex" (source: the expression), "json_schema" (source: the schema as JSON
+    text), "json_object" (any JSON object) or "grammar" (source: a context-free grammar in llguidance's Lark syntax,
+    or llama.cpp's GBNF, which is converted)."""
+
+    kind: str
+    source: str = ""
+
+    def check(self) -> None:
+        """Raise UsageError (one line) when the structure cannot be compiled, before any model is loaded."""
+        if self.kind == "grammar":
+            lark_grammar(self.source)
+        else:
+            self.regex()
+
+    def regex(self) -> str:
+        if self.kind == "regex":
+            try:
+                re.compile(self.source)
+            except re.error as e:
+                raise UsageError(f"--regex: not a regular expression ({e})") from None
+            return self.source
+        if self.kind == "json_object":
+            return schema_regex({"type": "object"})
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.source)
+            except json.JSONDecodeError as e:
+                raise UsageError(f"the JSON schema is not JSON ({e.msg} at line {e.lineno})") from None
+            return schema_regex(schema)
+        raise UsageError(f"unknown answer structure {self.kind!r}")
+
+
+# ------------------------------------------------------------------------------------ JSON Schema -> expression
+
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def schema_regex(schema) -> str:
+    """A JSON Schema -> a regular expression of its JSON texts (outlines-core's), with the integer and number
+    ranges it leaves out written in: each ranged subschema is swapped for a placeholder constant, compiled, and the
+    placeholder replaced by the range's expression (`integer_regex`, `number_regex`)."""
+    from outlines_core.json_schema import build_regex_from_schema
+
+    if not isinstance(schema, (dict, bool)):
+        raise UsageError("a JSON schema must be an object")
+    ranges: dict[str, str] = {}
+
+    def walk(node):
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        kind = node.get("type")
+        if kind in ("integer", "number") and any(k in node for k in _BOUNDS):
+            mark = f"DGEMMARANGE{len(ranges)}X"
+            ranges[mark] = integer_regex(*_int_bounds(node)) if kind == "integer" else number_regex(node)
+            return {"const": mark}
+        return {k: (v if k in ("const", "enum", "default", "examples") else walk(v)) for k, v in node.items()}
+
+    rewritten = walk(schema)
+    try:
+        regex = build_regex_from_schema(json.dumps(rewritten))
+    except Exception as e:  # the library raises ValueError / TypeError with its own wording
+        raise UsageError(f"the JSON schema cannot be compiled: {str(e).splitlines()[0] if str(e) else e}") from None
+    for mark, rx in ranges.items():
+        quoted = f'"{mark}"'
+        if quoted not in regex:
+            raise UsageError("the JSON schema cannot be compiled: a ranged number is used where it cannot be held")
+        regex = regex.replace(quoted, f"({rx})")
+    return regex
+
+
+def _int_bounds(node: dict) -> tuple[int | None, int | None]:
+    lo = hi = None
+    if "minimum" in node:
+        lo = math.ceil(node["minimum"])
+    if "exclusiveMinimum" in node:
+        lo = max(lo if lo is not None else -math.inf, math.floor(node["exclusiveMinimum"]) + 1)
+    if "maximum" in node:
+        hi = math.floor(node["maximum"])
+    if "exclusiveMaximum" in node:
+        hi = min(hi if hi is not None else math.inf, math.ceil(node["exclusiveMaximum"]) - 1)
+    if lo is not None and hi is not None and lo > hi:
+        raise UsageError(f"the JSON schema's integer range [{lo}, {hi}] holds no integer")
+    return lo, hi
+
+
+def _same_length(a: str, b: str) -> list[str]:
+    """Expressions for the digit strings of len(a) == len(b) from a to b (a <= b; leading zeros allowed)."""
+    if a == b:
+        return [a]
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    head, a, b = a[:i], a[i:], b[i:]
+    if len(a) == 1:
+        return [f"{head}[{a}-{b}]"]
+    n = len(a) - 1
+    out, x, y, tail = [], int(a[0]), int(b[0]), []
+    if a[1:] != "0" * n:  # a's first digit with a partial rest
+        out += [head + a[0] + r for r in _same_length(a[1:], "9" * n)]
+        x += 1
+    if b[1:] != "9" * n:
+        tail = [head + b[0] + r for r in _same_length("0" * n, b[1:])]
+        y -= 1
+    if x <= y:
+        out.append(head + (str(x) if x == y else f"[{x}-{y}]") + "[0-9]" + (f"{{{n}}}" if n > 1 else ""))
+    return out + tail
+
+
+def _nonnegative(lo: int, hi: int | None) -> list[str]:
+    """Alternatives for the integers lo..hi (hi None: unbounded), 0 <= lo, written without leading zeros."""
+    if hi is None:
+        if lo == 0:
+            return ["0", "[1-9][0-9]*"]
+        digits = len(str(lo))  # lo up to the last number of its length, then every longer number
+        return _same_length(str(lo), "9" * digits) + [f"[1-9][0-9]{{{digits},}}"]
+    out = []
+    while lo <= hi:
+        top = min(hi, 10 ** len(str(lo)) - 1)
+        out += _same_length(str(lo), str(top))
+        lo = top + 1
+    return out
+
+
+def integer_regex(lo: int | None, hi: int | None) -> str:
+    """An expression matching exactly the integers in [lo, hi] as JSON writes them (None: unbounded that side)."""
+    parts = []
+    if lo is None or lo < 0:  # negative values -k, k in [max(1, -hi), -lo]
+        k_lo = 1 if hi is None or hi >= 0 else -hi
+        k_hi = None if lo is None else -lo
+        if k_hi is None or k_lo <= k_hi:
+            parts.append("-(" + "|".join(_nonnegative(k_lo, k_hi)) + ")")
+    if hi is None or hi >= 0:
+        parts += _nonnegative(max(lo or 0, 0), hi)
+    return "|".join(parts)
+
+
+def number_regex(node: dict) -> str:
+    """A number in [minimum, maximum] (integer bounds, minimum >= 0): an integer part in [lo, hi - 1] with any
+    fraction, or hi itself (with zeros after the point). Other ranges are refused in one line."""
+    lo, hi = node.get("minimum"), node.get("maximum")
+    ok = (not any(k in node for k in ("exclusiveMinimum", "exclusiveMaximum")) and isinstance(lo, (int, float))
+          and lo >= 0 and float(lo).is_integer() and (hi is None or (isinstance(hi, (int, float))
+                                                                     and float(hi).is_integer() and hi >= lo)))
+    if not ok:
+        raise UsageError("number ranges are supported with whole-number bounds, minimum >= 0 and no exclusive bounds "
+                         "(or use \"type\": \"integer\")")
+    lo, hi = int(lo), None if hi is None else int(hi)
+    frac = r"(\.[0-9]+)?"
+    if hi is None:
+        return f"({integer_regex(lo, None)}){frac}"
+    if hi == lo:
+        return rf"{hi}(\.0+)?"
+    return rf"({integer_regex(lo, hi - 1)}){frac}|{hi}(\.0+)?"
+
+
+# ------------------------------------------------------------------------------------------ the token automaton
+
+
+class TokenAutomaton:
+    """A DFA over token ids, compacted: states 0..S-1 (0 the start), only states from which an accepting one can be
+    reached. Edges are grouped by (source, target): group g goes from src[g] to dst[g] on the tokens
+    tokens[offsets[g]:offsets[g + 1]] (flat, with group_of [T] naming each token's group). dist[s]: the fewest tokens
+    from s to an accepting state. End-of-sequence ids are not in it: the search adds them from accepting states."""
+
+    def __init__(self, transitions: dict[int, dict[int, int]], start: int, finals, vocab_size: int):
+        # reverse reachability from the accepting states: states that cannot reach one are dead
+        back: dict[int, list[int]] = {}
+        for s, edges in transitions.items():
+            for t in set(edges.values()):
+                back.setdefault(t, []).append(s)
+        dist = {f: 0 for f in finals}
+        todo = deque(finals)
+        while todo:
+            s = todo.popleft()
+            for p in back.get(s, ()):
+                if p not in dist:
+                    dist[p] = dist[s] + 1
+                    todo.append(p)
+        if start not in dist:
+            raise UsageError("the constraint accepts no text this vocabulary can spell")
+        order = [start] + sorted(s for s in dist if s != start)
+        ids = {s: i for i, s in enumerate(order)}
+        self.S = len(order)
+        self.vocab_size = vocab_size
+        self.dist = torch.tensor([dist[s] for s in order], dtype=torch.long)
+        self.final = self.dist == 0
+        self.next: list[dict[int, int]] = [{} for _ in order]
+        groups: dict[tuple[int, int], list[int]] = {}
+        for s in order:
+            for tok, t in transitions.get(s, {}).items():
+                if t in ids and 0 <= tok < vocab_size:
+                    self.next[ids[s]][tok] = ids[t]
+                    groups.setdefault((ids[s], ids[t]), []).append(tok)
+        keys = sorted(groups)
+        self.src = torch.tensor([k[0] for k in keys], dtype=torch.long)
+        self.dst = torch.tensor([k[1] for k in keys], dtype=torch.long)
+        flat = [sorted(groups[k]) for k in keys]
+        self.tokens = torch.tensor([t for g in flat for t in g], dtype=torch.long)
+        self.group_of = torch.tensor([i for i, g in enumerate(flat) for _ in g], dtype=torch.long)
+        self.G = len(keys)
+
+    @property
+    def start(self) -> int:
+        return 0
+
+    def row(self, max_new_tokens: int, end_ids, pad_id: int, generator: torch.Generator | None = None):
+        return RowConstraint(self, max_new_tokens, end_ids, pad_id, generator)
+
+    def advance(self, state: int, tokens) -> int | None:
+        """The state after `tokens` from `state`, or None where a token has no edge."""
+        for t in tokens:
+            state = self.next[state].get(int(t))
+            if state is None:
+                return None
+        return state
+
+
+_CACHE: OrderedDict = OrderedDict()  # (regex, tokenizer id, eos ids) -> TokenAutomaton, most recent last
+_CACHE_LOCK = threading.Lock()
+_CACHE_SIZE = 16
+
+
+def compile_structure(structure: Structure, tokenizer, vocab_size: int):
+    """`structure` compiled over `tokenizer`'s vocabulary: a TokenAutomaton (expressions, schemas) or a
+    LarkGrammar (grammars); either makes a request's per-row state with `.row(...)`. Cached per source and tokenizer
+    (a server's requests repeat their schemas)."""
+    if structure.kind == "grammar":
+        source = lark_grammar(structure.source)
+        key = ("grammar", source, id(tokenizer), vocab_size)
+    else:
+        source = structure.regex()
+        key = (source, id(tokenizer), vocab_size)
+    with _CACHE_LOCK:
+        if key in _CACHE:
+            _CACHE.move_to_end(key)
+            return _CACHE[key]
+    if structure.kind == "grammar":
+        auto = LarkGrammar(source, tokenizer, vocab_size)
+    else:
+        _check_size(source)
+        auto = _build(source, tokenizer, vocab_size)
+    with _CACHE_LOCK:
+        _CACHE[key] = auto
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    return auto
+
+
+MAX_REPEAT = 512  # the largest bounded repetition an expression may ask for ({m,n}: the automaton grows with n)
+MAX_EDGES = 20_000_000  # token transitions an automaton may hold (about 320 MB of tensors)
+
+
+def _check_size(regex: str) -> None:
+    """Refuse expressions whose automaton would be huge before building it: bounded repetitions above MAX_REPEAT
+    (a schema's maxLength, maxItems) and expressions over 64 KB."""
+    if len(regex) > 65536:
+        raise UsageError("the constraint is too large (its expression is over 64 KB)")
+    for m in re.finditer(r"(?<!\\)\{(\d+)(?:,(\d*))?\}", regex):
+        if max(int(m.group(1)), int(m.group(2) or 0)) > MAX_REPEAT:
+            raise UsageError(f"the constraint repeats something up to {max(int(m.group(1)), int(m.group(2) or 0))} "
+                             f"times; at most {MAX_REPEAT} are supported (a schema's maxLength or maxItems)")
+
+
+def _build(regex: str, tokenizer, vocab_size: int) -> TokenAutomaton:
+    from outlines_core import Index, Vocabulary
+
+    by_bytes: dict[bytes, list[int]] = {}
+    for i, b in enumerate(tokenizer.token_bytes()):
+        if b and i < vocab_size:
+            by_bytes.setdefault(b, []).append(i)
+    # outlines-core wants an end-of-sequence id that no text token has; every id past the vocabulary is one
+    eos = vocab_size
+    try:
+        index = Index(regex, Vocabulary(eos, by_bytes))
+    except Exception as e:  # ValueError: an expression this vocabulary cannot spell, or one it cannot compile
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UsageError(f"the constraint cannot be compiled for this model's vocabulary: {first[:300]}") from None
+    transitions = index.get_transitions()
+    if sum(len(edges) for edges in transitions.values()) > MAX_EDGES:
+        raise UsageError("the constraint is too large for this vocabulary (over 20 million token transitions)")
+    return TokenAutomaton(transitions, index.get_initial_state(), index.get_final_states(), vocab_size)
+
+
+# ---------------------------------------------------------------------------------------------------- the search
+
+_GATHER = 1 << 23  # score elements gathered at once (positions x tokens): 32 MB of float32
+
+
+def gumbel(shape, generator: torch.Generator | None, device) -> torch.Tensor:
+    """Standard Gumbel noise: adding it to log-probabilities and taking the max draws from the distribution."""
+    u = torch.empty(shape, device=device).uniform_(generator=generator)
+    return -torch.log(-torch.log(u.clamp_(min=1e-20)))
+
+
+def _edge_weights(auto: TokenAutomaton, score: torch.Tensor,
+                  noise: torch.Generator | bool | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """score [P, V] -> (w [P, G]: the best score among each group's tokens, tok [P, G]: that token). noise: add
+    Gumbel noise to every gathered score (from this generator; True: torch's global one)."""
+    P, T, G = score.shape[0], auto.tokens.numel(), auto.G
+    dev = score.device
+    tokens, group_of = auto.tokens.to(dev), auto.group_of.to(dev)
+    w = torch.full((P, G), -math.inf, dtype=score.dtype, device=dev)
+    tok = torch.zeros((P, G), dtype=torch.long, device=dev)
+    step = max(1, _GATHER // max(T, 1))
+    for p0 in range(0, P, step):
+        s = score[p0 : p0 + step, tokens]  # [p, T]
+        if noise is not None and noise is not False:
+            s = s + gumbel(s.shape, None if noise is True else noise, dev)
+        idx = group_of.expand_as(s)
+        wp = torch.full((s.shape[0], G), -math.inf, dtype=s.dtype, device=dev).scatter_reduce(1, idx, s, "amax")
+        pos = torch.where(s == wp.gather(1, idx), torch.arange(T, device=dev).expand_as(s), T)
+        first = torch.full((s.shape[0], G), T, dtype=torch.long, device=dev).scatter_reduce(1, idx, pos, "amin")
+        w[p0 : p0 + step] = wp
+        tok[p0 : p0 + step] = tokens[first.clamp(max=T - 1)]
+    return w, tok
+
+
+def best_path(auto: TokenAutomaton, score: torch.Tensor, state: int, room: int, after: int, end_ids: list[int],
+              pad_id: int, noise: torch.Generator | bool | None = None) -> tuple[torch.Tensor, bool]:
+    """The best-scoring canvas that the automaton accepts a prefix of, from `state`.
+
+    score [C, V]: per-position log-probabilities; noise: search on them plus Gumbel noise (a draw, not the argmax;
+    a generator, or True for torch's global one). room: positions of this canvas within max_new_tokens (the rest
+    are pad); after: tokens allowed after this canvas. A path either ends (an id of end_ids from an accepting state;
+    later positions score as their best end or pad id and hold it) or reaches the canvas's end in a state at most
+    `after` tokens from acceptance. Returns (tokens [C], ok): ok False when no such path exists, the tokens then the
+    best path that ignores the length limit (an answer cut short)."""
+    C = score.shape[0]
+    dev = score.device
+    S, END = auto.S, auto.S
+    out = torch.full((C,), pad_id, dtype=torch.long, device=dev)
+    if room <= 0:
+        return out, bool(auto.final[state])
+    sc = score[:room]
+    w, wtok = _edge_weights(auto, sc, noise)
+    finals = torch.nonzero(auto.final).flatten().to(dev)
+    ends = torch.tensor(sorted(set(end_ids)), dtype=torch.long, device=dev)
+    stop = torch.tensor(sorted(set(end_ids) | {pad_id}), dtype=torch.long, device=dev)
+    end_sc, stop_sc = sc[:, ends], sc[:, stop]
+    if noise is not None and noise is not False:
+        g = None if noise is True else noise
+        end_sc, stop_sc = end_sc + gumbel(end_sc.shape, g, dev), stop_sc + gumbel(stop_sc.shape, g, dev)
+    eos_w, eos_i = end_sc.max(dim=1)
+    stop_w, stop_i = stop_sc.max(dim=1)
+    nf = finals.numel()
+    src = torch.cat([auto.src.to(dev), finals, torch.tensor([END], device=dev)])
+    dst = torch.cat([auto.dst.to(dev), torch.full((nf,), END, device=dev), torch.tensor([END], device=dev)])
+    W = torch.cat([w, eos_w[:, None].expand(room, nf), stop_w[:, None]], dim=1)  # [room, E]
+    tok = torch.cat([wtok, ends[eos_i][:, None].expand(room, nf), stop[stop_i][:, None]], dim=1)
+    edge = torch.arange(src.numel(), device=dev)
+    V = torch.full((S + 1,), -math.inf, dtype=score.dtype, device=dev)
+    V[state] = 0.0
+    back = torch.full((room, S + 1), -1, dtype=torch.long, device=dev)
+    for p in range(room):  # V[s]: the best score of positions < p ending in state s (END: ended)
+        cand = V[src] + W[p]
+        nv = torch.full_like(V, -math.inf).scatter_reduce(0, dst, cand, "amax")
+        best = (cand == nv[dst]) & torch.isfinite(cand)
+        back[p].scatter_(0, dst[best], edge[best])
+        V = nv
+    dist = torch.cat([auto.dist.to(dev), torch.tensor([0], device=dev)])
+    feasible = torch.where(dist <= after, V, torch.tensor(-math.inf, dtype=V.dtype, device=dev))
+    ok = bool(torch.isfinite(feasible).any())
+    last = int((feasible if ok else V).argmax())
+    if not torch.isfinite(V[last]):
+        return out, False
+    for p in range(room - 1, -1, -1):
+        e = int(back[p, last])
+        out[p] = tok[p, e]
+        last = int(src[e])
+    return out, ok
+
+
+class RowConstraint:
+    """One answer's constraint as its canvases are denoised: where the automaton is at the current canvas's start,
+    how many tokens the answer has, and whether it could be kept."""
+
+    def __init__(self, auto: TokenAutomaton, max_new_tokens: int, end_ids, pad_id: int,
+                 generator: torch.Generator | None = None):
+        self.auto, self.limit = auto, max_new_tokens
+        self.end_ids, self.pad_id = [int(i) for i in end_ids], pad_id
+        self.gen = generator
+        self.state = auto.start
+        self.produced = 0  # tokens of finished canvases
+        self.ended = False  # an end id was kept from an accepting state
+        self.ok = True  # every step found a path within the length limit
+
+    def step(self, logp: torch.Tensor, sample: torch.Tensor, argmax: torch.Tensor, greedy: bool) -> None:
+        """logp [C, V]: this step's log-probabilities for the row's canvas; sample, argmax [C]: overwritten in place
+        with the best paths (the sample's on Gumbel-perturbed scores)."""
+        C = logp.shape[0]
+        room = max(0, min(C, self.limit - self.produced))
+        after = self.limit - self.produced - room
+        best, ok = best_path(self.auto, logp, self.state, room, after, self.end_ids, self.pad_id)
+        self.ok = ok
+        argmax.copy_(best)
+        if greedy:
+            sample.copy_(best)
+            return
+        drawn, _ = best_path(self.auto, logp, self.state, room, after, self.end_ids, self.pad_id,
+                             noise=self.gen if self.gen is not None else True)
+        sample.copy_(drawn)
+
+    def end_canvas(self, tokens) -> None:
+        """The canvas kept (its ids, pad after an end id): move the automaton through it."""
+        room = max(0, min(len(tokens), self.limit - self.produced))
+        for t in list(tokens)[:room]:
+            t = int(t)
+            if t in self.end_ids:
+                self.ended = bool(self.auto.final[self.state])
+                self.ok = self.ok and self.ended
+                break
+            nxt = self.auto.next[self.state].get(t)
+            if nxt is None:  # a canvas the search did not produce (it ran out of room): the answer is cut short
+                self.ok = False
+                break
+            self.state = nxt
+        self.produced += len(tokens)
+
+    @property
+    def satisfied(self) -> bool:
+        """The answer is a whole word of the language: it ended from an accepting state, or the length limit came
+        exactly where one is."""
+        return self.ok and (self.ended or bool(self.auto.final[self.state]))
+
+
+# ------------------------------------------------------------------------------------------- grammars (llguidance)
+
+
+def lark_grammar(source: str) -> str:
+    """A grammar's source -> llguidance's grammar text, checked: Lark as it is (llguidance's dialect: `start: ...`,
+    terminals as /regex/ or "strings"), llama.cpp's GBNF (rules with ::=, `root` first) converted. UsageError names
+    the first problem."""
+    import llguidance
+
+    if len(source) > 65536:
+        raise UsageError("the grammar is too large (over 64 KB)")
+    text = source
+    if "::=" in source:
+        try:
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+
+            text = gbnf_to_lark(source)
+        except Exception as e:  # its own parse errors
+            raise UsageError(f"the grammar (GBNF) cannot be read: {_first_line(e)}") from None
+    grammar = llguidance.LLMatcher.grammar_from_lark(text)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise UsageError(f"the grammar cannot be compiled: {(messages or ['unknown error'])[0].splitlines()[0][:300]}")
+    return grammar
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
+class LarkGrammar:
+    """A context-free grammar over this vocabulary: llguidance's tokenizer (every token's bytes; added tokens as
+    special ones, which no grammar spells) and the compiled grammar text. A row's state is an llguidance matcher."""
+
+    def __init__(self, grammar: str, tokenizer, vocab_size: int):
+        import llguidance
+
+        spelled = tokenizer.token_bytes()[:vocab_size]
+        words = [b if b is not None else b"\xff[%d]" % i for i, b in enumerate(spelled)]  # 0xFF: a special token
+        words += [b"\xff[%d]" % i for i in range(len(words), vocab_size)]
+
+        class _Words:  # what llguidance.TokenizerWrapper reads
+            eos_token_id = tokenizer.eos_id if tokenizer.eos_id is not None else 1
+            bos_token_id = tokenizer.bos_id
+            tokens = words
+            special_token_ids = [i for i, b in enumerate(spelled) if b is None]
+
+            def __call__(self, text):
+                return tokenizer.encode_text(text.decode("utf-8", "replace") if isinstance(text, bytes) else text)
+
+        self.vocab_size = vocab_size
+        self.tok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Words()), n_vocab=vocab_size)
+        self.grammar = grammar
+        probe = llguidance.LLMatcher(self.tok, grammar, log_level=0)
+        if probe.is_error():
+            raise UsageError(f"the grammar cannot be compiled for this model's vocabulary: "
+                             f"{probe.get_error().splitlines()[0][:300]}")
+
+    def matcher(self):
+        import llguidance
+
+        return llguidance.LLMatcher(self.tok, self.grammar, log_level=0)
+
+    def row(self, max_new_tokens: int, end_ids, pad_id: int, generator: torch.Generator | None = None):
+        return GrammarRowConstraint(self, max_new_tokens, end_ids, pad_id, generator)
+
+
+def _allowed(matcher, vocab_size: int, device) -> torch.Tensor:
+    """The matcher's next-token mask as bool [vocab_size] (llguidance packs it 32 tokens to a little-endian word)."""
+    bits = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.uint8)
+    mask = ((bits[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).flatten().bool()
+    return mask[:vocab_size].to(device)
+
+
+class GrammarRowConstraint:
+    """One answer held to a grammar. A grammar has no finite automaton to search, so each step walks the canvas
+    left to right from where the answer stands: at each position the best token the grammar allows there (the
+    argmax walk: by log-probability; the sample walk: drawn from the distribution restricted to what is allowed),
+    ending with an end id where the grammar accepts and the model prefers ending. Every kept canvas is a prefix of a
+    sentence of the grammar; the walk does not look ahead, so near max_new_tokens it may not be able to finish,
+    which the answer then says (`satisfied` False). Same interface as RowConstraint."""
+
+    def __init__(self, grammar: LarkGrammar, max_new_tokens: int, end_ids, pad_id: int,
+                 generator: torch.Generator | None = None):
+        self.g, self.limit = grammar, max_new_tokens
+        self.end_ids, self.pad_id = [int(i) for i in end_ids], pad_id
+        self.gen = generator
+        self.m = grammar.matcher()  # at the current canvas's start
+        self.produced = 0
+        self.ended = False
+        self.ok = True
+
+    def _walk(self, logp: torch.Tensor, room: int, draw: bool) -> torch.Tensor:
+        C, V = logp.shape
+        dev = logp.device
+        out = torch.full((C,), self.pad_id, dtype=torch.long, device=dev)
+        ends = torch.tensor(self.end_ids, dtype=torch.long, device=dev)
+        consumed = 0
+        for p in range(room):
+            if self.m.is_error():
+                break
+            allowed = _allowed(self.m, V, dev)
+            can_end = self.m.is_accepting()
+            if can_end:
+                allowed[ends] = True
+            else:
+                allowed[ends] = False
+            if not bool(allowed.any()):
+                break
+            row = logp[p].masked_fill(~allowed, -math.inf)
+            if draw:
+                t = int(torch.multinomial((row - row.max()).exp(), 1, generator=self.gen))
+            else:
+                t = int(row.argmax())
+            out[p] = t
+            if t in self.end_ids:
+                stop = logp[p + 1 : room][:, torch.tensor(sorted(set(self.end_ids) | {self.pad_id}), device=dev)]
+                if stop.numel():
+                    best = torch.tensor(sorted(set(self.end_ids) | {self.pad_id}), device=dev)[stop.argmax(dim=1)]
+                    out[p + 1 : room] = best
+                break
+            if not self.m.consume_token(t):
+                break
+            consumed += 1
+        self.m.rollback(consumed)  # back to the canvas's start: the next step walks again
+        return out
+
+    def step(self, logp: torch.Tensor, sample: torch.Tensor, argmax: torch.Tensor, greedy: bool) -> None:
+        room = max(0, min(logp.shape[0], self.limit - self.produced))
+        best = self._walk(logp, room, draw=False)
+        argmax.copy_(best)
+        sample.copy_(best if greedy else self._walk(logp, room, draw=True))
+
+    def end_canvas(self, tokens) -> None:
+        room = max(0, min(len(tokens), self.limit - self.produced))
+        for t in list(tokens)[:room]:
+            t = int(t)
+            if t in self.end_ids:
+                self.ended = self.m.is_accepting()
+                self.ok = self.ok and self.ended
+                break
+            if not self.m.consume_token(t):
+                self.ok = False
+                break
+        self.produced += len(tokens)
+
+    @property
+    def satisfied(self) -> bool:
+        return self.ok and (self.ended or self.m.is_accepting())

@@ -1,0 +1,364 @@
+"""Constrained canvases (dgemma_cli/constrain.py): answers held to a JSON Schema or a regular expression are valid
+by construction, whatever the weights: a random-weight checkpoint in the real layout, many draws each, through the
+Python API, `dgemma run` and `dgemma serve` (the official `openai` client's structured-output parsing).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dgemma_cli.constrain import (RowConstraint, Structure, best_path, compile_structure, integer_regex,
+                                  number_regex, schema_regex)
+from dgemma_cli.errors import UsageError
+
+jsonschema = pytest.importorskip("jsonschema")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SCHEMAS = {
+    "object": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                                 "ok": {"type": "boolean"}}, "required": ["name", "ok"]},
+    "array of enums": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3},
+    "ranged numbers": {"type": "object", "properties": {"n": {"type": "integer", "minimum": -5, "maximum": 12},
+                                                         "p": {"type": "number", "minimum": 0, "maximum": 1}},
+                       "required": ["n", "p"]},
+    "nested, optional fields": {
+        "type": "object",
+        "properties": {"user": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1},
+                                                                 "nick": {"type": "string", "maxLength": 4}},
+                                "required": ["id"]},
+                       "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
+                       "note": {"type": ["string", "null"], "maxLength": 5}},
+        "required": ["user"]},
+}
+REGEXES = [r"[A-Z]{2}-[0-9]{3}", r"(yes|no|maybe)", r"[a-z]+@[a-z]+\.(com|org)", r"-?[0-9]{1,4}(\.[0-9]{1,2})?"]
+
+
+# ------------------------------------------------------------------------------------------------ the expressions
+
+
+@pytest.mark.parametrize("lo,hi", [(0, 0), (0, 9), (1, 9), (5, 123), (-5, 5), (-120, -3), (17, 4321), (99, 100),
+                                   (None, 5), (3, None), (None, -4), (-4, None), (0, None), (None, None), (100, 999)])
+def test_integer_ranges_match_exactly_their_integers(lo, hi):
+    rx = re.compile(f"(?:{integer_regex(lo, hi)})")
+    for v in range(-5000, 5000):
+        want = (lo is None or v >= lo) and (hi is None or v <= hi)
+        assert (rx.fullmatch(str(v)) is not None) == want, v
+    for text in ["01", "-0", "+1", "1.0", "", "1e3"]:  # not how JSON writes an integer
+        assert rx.fullmatch(text) is None, text
+
+
+def test_number_ranges_and_what_is_refused():
+    rx = re.compile(f"(?:{number_regex({'minimum': 0, 'maximum': 1})})")
+    for text in ["0", "0.5", "0.999", "1", "1.0", "1.00"]:
+        assert rx.fullmatch(text), text
+    for text in ["1.5", "2", "-0.1", "01", "1.01"]:
+        assert not rx.fullmatch(text), text
+    with pytest.raises(UsageError, match="whole-number bounds"):
+        number_regex({"minimum": -1.5, "maximum": 2})
+    with pytest.raises(UsageError, match="holds no integer"):
+        schema_regex({"type": "integer", "minimum": 3, "maximum": 2})
+    with pytest.raises(UsageError, match="not JSON"):
+        Structure("json_schema", "{bad").regex()
+    with pytest.raises(UsageError, match="not a regular expression"):
+        Structure("regex", "[a-").regex()
+
+
+def test_schema_ranges_are_written_in():
+    rx = schema_regex({"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 12}},
+                       "required": ["n"]})
+    assert re.fullmatch(rx, '{"n":12}') and re.fullmatch(rx, '{"n": 1}')
+    assert not re.fullmatch(rx, '{"n":13}') and not re.fullmatch(rx, '{"n":0}')
+
+
+# ---------------------------------------------------------------------------------------------- tokens and search
+
+
+def test_token_bytes_spell_what_decoding_writes(checkpoints):
+    """The automaton is built from each token's bytes: they must be what decoding the token writes."""
+    from dgemma_cli.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(checkpoints["five_to_one"])
+    spelled = tok.token_bytes()
+    ids = [i for i, b in enumerate(spelled) if b]
+    assert len(ids) > 400 and all(spelled[i] is None for i in (0, 1, 2, 105, 106))  # control tokens never spelled
+    g = torch.Generator().manual_seed(0)
+    checked = 0
+    for _ in range(6000):
+        seq = [ids[int(i)] for i in torch.randint(len(ids), (6,), generator=g)]
+        try:  # the automaton spells only valid UTF-8 (its expressions are over characters)
+            text = b"".join(spelled[i] for i in seq).decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        assert tok.decode(seq) == text
+        checked += 1
+    assert checked > 200
+
+
+def test_the_search_finds_the_most_probable_valid_canvas(checkpoints):
+    """On a small vocabulary, the search equals brute force: the best-scoring canvas whose text the expression
+    accepts (ending at an end id, pads after) among every assignment."""
+    from dgemma_cli.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(checkpoints["five_to_one"])
+    auto = compile_structure(Structure("regex", "(ab|a)b?"), tok, 512)
+    spelled = tok.token_bytes()
+    letters = [i for i, b in enumerate(spelled) if b in (b"a", b"b", b"ab")]
+    end, pad = 1, 0
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        score = torch.full((4, 512), -1e4)
+        score[:, letters + [end, pad]] = torch.randn(4, len(letters) + 2, generator=g)
+        got, ok = best_path(auto, score, auto.start, 4, 0, [end], pad)
+        best, best_tokens = -float("inf"), None
+        import itertools
+
+        for combo in itertools.product(letters + [end, pad], repeat=4):
+            cut = next((k for k, t in enumerate(combo) if t in (end, pad)), 4)
+            if cut == 4 or combo[cut] != end or any(t not in (end, pad) for t in combo[cut + 1 :]):
+                continue  # must end at an end id within the canvas (after = 0), then only end or pad ids
+            if not re.fullmatch(b"(ab|a)b?", b"".join(spelled[t] for t in combo[:cut])):
+                continue
+            s = sum(float(score[k, t]) for k, t in enumerate(combo))
+            if s > best:
+                best, best_tokens = s, combo
+        assert ok
+        assert sum(float(score[k, t]) for k, t in enumerate(got.tolist())) == pytest.approx(best)
+        assert got.tolist()[: got.tolist().index(end) + 1] == list(best_tokens[: best_tokens.index(end) + 1])
+
+
+def test_a_constraint_that_cannot_fit_says_so(checkpoints):
+    from dgemma_cli.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(checkpoints["five_to_one"])
+    auto = compile_structure(Structure("regex", "[a-z]{12}"), tok, 512)
+    logp = torch.log_softmax(torch.randn(16, 512), -1)
+    rc = RowConstraint(auto, max_new_tokens=5, end_ids=[1], pad_id=0)  # 12 letters in 5 tokens: only if merged
+    tokens, argmax = torch.zeros(16, dtype=torch.long), torch.zeros(16, dtype=torch.long)
+    rc.step(logp, tokens, argmax, greedy=True)
+    rc.end_canvas(argmax.tolist())
+    assert not rc.satisfied or len(tok.decode(argmax.tolist()[:5]).strip()) == 12
+
+
+# --------------------------------------------------------------------------------------- through every entry point
+
+
+def _valid(text: str, schema: dict) -> None:
+    jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_schemas_hold_on_random_weights(checkpoints, name):
+    """20 draws (a batch of 20 rows) on random weights: every answer parses and validates; the draws differ."""
+    from dgemma_cli.engine import load
+
+    engine = load(str(checkpoints["five_to_one"]), device="cpu")
+    schema = SCHEMAS[name]
+    result = engine.generate(["give me json"] * 20, seed=1, structure=Structure("json_schema", json.dumps(schema)),
+                             max_new_tokens=160, max_denoising_steps=6)
+    assert result.satisfied == [True] * 20
+    for text in result.texts:
+        _valid(text, schema)
+    assert len(set(result.texts)) >= 10
+
+
+@pytest.mark.slow
+def test_regexes_hold_on_random_weights(checkpoints):
+    from dgemma_cli.engine import load
+
+    engine = load(str(checkpoints["five_to_one"]), device="cpu")
+    for rx in REGEXES:
+        result = engine.generate(["x"] * 20, seed=2, structure=Structure("regex", rx), max_new_tokens=48,
+                                 max_denoising_steps=6)
+        assert result.satisfied == [True] * 20, rx
+        assert all(re.fullmatch(rx, t) for t in result.texts), (rx, result.texts)
+        assert len(set(result.texts)) >= 3, rx
+
+
+def _run(args, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dgemma_cli", "run", "--device", "cpu", "-q", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, **kw)
+
+
+@pytest.mark.slow
+def test_run_json_schema_and_regex(checkpoints, tmp_path):
+    schema = SCHEMAS["ranged numbers"]
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    model = str(checkpoints["five_to_one"])
+    answers = set()
+    for seed in (0, 1, 2):
+        p = _run(["--model", model, "--seed", str(seed), "--steps", "6", "--json-schema", str(tmp_path / "s.json"),
+                  "numbers please"])
+        assert p.returncode == 0, p.stderr
+        _valid(p.stdout, schema)
+        answers.add(p.stdout)
+    assert len(answers) >= 2  # different seeds, different valid answers
+    p = _run(["--model", model, "--seed", "0", "--steps", "6", "--regex", REGEXES[0], "a code"])
+    assert p.returncode == 0 and re.fullmatch(REGEXES[0], p.stdout.rstrip("\n")), p
+    # the schema from stdin, and --json's object
+    p = _run(["--model", model, "--seed", "4", "--steps", "6", "--json", "--json-schema", "-", "numbers"],
+             input=json.dumps(schema))
+    assert p.returncode == 0, p.stderr
+    _valid(json.loads(p.stdout)["text"], schema)
+
+
+@pytest.mark.slow
+def test_run_says_when_the_schema_cannot_be_completed(checkpoints, tmp_path):
+    (tmp_path / "s.json").write_text(json.dumps(SCHEMAS["nested, optional fields"]))
+    p = _run(["--model", str(checkpoints["five_to_one"]), "--seed", "0", "--steps", "4", "--max-new-tokens", "4",
+              "--json-schema", str(tmp_path / "s.json"), "x"])
+    assert p.returncode == 1
+    assert p.stderr.count("\n") == 1 and "could not be completed to match --json-schema within --max-new-tokens 4" \
+        in p.stderr
+    assert p.stdout.startswith("{")  # what was written, cut short
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--regex", "[a-"], "not a regular expression"),
+    (["--json-schema", "/nonexistent/s.json"], "cannot read it"),
+    (["--json-schema", "s.json", "--regex", "a"], "exclude each other"),
+    (["--regex", "é+"], "cannot be compiled for this model's vocabulary"),
+])
+def test_run_refuses_bad_structures_in_one_line(args, message):
+    p = _run([*args, "upper: hello diffusions"])  # the bundled demo model: its vocabulary has no é
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and message in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
+
+
+# ------------------------------------------------------------------------------------------------ dgemma serve
+
+
+@pytest.fixture(scope="module")
+def random_server(tmp_path_factory, checkpoints):
+    from test_serve import ServerProcess
+
+    s = ServerProcess(tmp_path_factory.mktemp("serve-structured"), "--max-batch", "8",
+                      model=str(checkpoints["five_to_one"]), name="five_to_one")
+    s.id = "five_to_one"
+    yield s
+    assert s.stop() == 0, "".join(s.lines)
+
+
+@pytest.mark.slow
+def test_openai_parse_with_a_pydantic_model(random_server):
+    """`client.chat.completions.parse` with a pydantic model: 20 seeds, batched by the server, every answer
+    parsed and validated by the client itself."""
+    from concurrent.futures import ThreadPoolExecutor
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Reading(BaseModel):
+        sensor: str = Field(max_length=5)
+        level: int = Field(ge=0, le=9)
+        unit: Literal["C", "F"]
+        ok: bool
+
+    client = random_server.client()
+
+    def ask(seed: int):
+        return client.chat.completions.parse(model=random_server.id, response_format=Reading, seed=seed,
+                                             messages=[{"role": "user", "content": "a reading"}], max_tokens=160,
+                                             extra_body={"steps": 6})
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(20)))
+    readings = [a.choices[0].message.parsed for a in answers]
+    assert all(isinstance(r, Reading) for r in readings)
+    assert all(a.choices[0].finish_reason == "stop" for a in answers)
+    assert len({r.model_dump_json() for r in readings}) >= 5
+
+
+@pytest.mark.slow
+def test_json_object_streamed_and_cut_short(random_server):
+    client = random_server.client()
+    chunks = client.chat.completions.create(model=random_server.id, messages=[{"role": "user", "content": "json"}],
+                                            response_format={"type": "json_object"}, seed=3, max_tokens=160,
+                                            stream=True, extra_body={"steps": 6})
+    text, reasons = "", []
+    for c in chunks:
+        if c.choices:
+            text += c.choices[0].delta.content or ""
+            reasons.append(c.choices[0].finish_reason)
+    # a whole JSON object (it may end where max_tokens does: "length", as OpenAI says when the limit is reached)
+    assert isinstance(json.loads(text), dict) and reasons[-1] in ("stop", "length")
+    short = client.chat.completions.create(
+        model=random_server.id, messages=[{"role": "user", "content": "json"}], max_tokens=3, seed=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMAS["object"]}},
+        extra_body={"steps": 4})
+    assert short.choices[0].finish_reason == "length"  # the schema did not fit: said, not returned as if whole
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(short.choices[0].message.content)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "no"}}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "stop": ["}"]}, "stop"),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": 5,
+                                                                  "maximum": 1}}}}, "response_format"),
+    ({"response_format": {"type": "regex"}}, "response_format"),
+    ({"guided_regex": "[a-"}, "guided_regex"),
+    ({"guided_json": {"type": "object"}, "response_format": {"type": "json_object"}}, "guided_json"),
+    ({"guided_grammar": "start: nothing_defined"}, "guided_grammar"),
+])
+def test_bad_response_formats_are_400s(random_server, body, param):
+    r = random_server.http.post("/v1/chat/completions", json={"model": random_server.id,
+                                                               "messages": [{"role": "user", "content": "x"}],
+                                                               **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+GRAMMAR = 'start: "(" NUM ("+" NUM)* ")"\nNUM: /[0-9]{1,3}/\n'
+GBNF = 'root ::= "[" item ("," item)* "]"\nitem ::= "yes" | "no"\n'
+
+
+def _grammar_ok(text: str) -> bool:
+    return re.fullmatch(r"\([0-9]{1,3}(\+[0-9]{1,3})*\)", text) is not None
+
+
+@pytest.mark.slow
+def test_grammars_hold_on_random_weights(checkpoints):
+    """A Lark grammar and a GBNF one (llama.cpp's), 20 draws each: every answer that completed is a sentence of the
+    grammar, nearly all complete, and an incomplete one says so (the walk does not look ahead)."""
+    from dgemma_cli.engine import load
+
+    engine = load(str(checkpoints["five_to_one"]), device="cpu")
+    for source, ok in ((GRAMMAR, _grammar_ok), (GBNF, lambda t: re.fullmatch(r"\[(yes|no)(,(yes|no))*\]", t))):
+        result = engine.generate(["x"] * 20, seed=3, structure=Structure("grammar", source), max_new_tokens=96,
+                                 max_denoising_steps=6)
+        done = [t for t, sat in zip(result.texts, result.satisfied) if sat]
+        assert len(done) >= 16 and all(ok(t) for t in done), result.texts
+        assert len(set(done)) >= 5
+
+
+@pytest.mark.slow
+def test_run_grammar_and_serve_guided_fields(checkpoints, tmp_path, random_server):
+    (tmp_path / "g.lark").write_text(GRAMMAR)
+    p = _run(["--model", str(checkpoints["five_to_one"]), "--seed", "0", "--steps", "6", "--grammar",
+              str(tmp_path / "g.lark"), "sum"])
+    assert p.returncode in (0, 1), p.stderr
+    assert _grammar_ok(p.stdout.rstrip("\n")) or "could not be completed to match --grammar" in p.stderr
+    client = random_server.client()
+    for extra, check in (({"guided_regex": REGEXES[1]}, lambda t: re.fullmatch(REGEXES[1], t)),
+                         ({"guided_json": SCHEMAS["array of enums"]},
+                          lambda t: jsonschema.validate(json.loads(t), SCHEMAS["array of enums"]) is None),
+                         ({"guided_grammar": GBNF}, lambda t: re.fullmatch(r"\[(yes|no)(,(yes|no))*\]", t))):
+        r = client.chat.completions.create(model=random_server.id, messages=[{"role": "user", "content": "x"}],
+                                           seed=1, max_tokens=96, extra_body={"steps": 6, **extra})
+        if r.choices[0].finish_reason == "stop":
+            assert check(r.choices[0].message.content), (extra, r.choices[0].message.content)
+    # a raw completion can be held too (no suffix)
+    r = client.completions.create(model=random_server.id, prompt="code:", seed=2, max_tokens=16,
+                                  extra_body={"steps": 6, "guided_regex": REGEXES[0]})
+    assert re.fullmatch(REGEXES[0], r.choices[0].text)
