@@ -238,10 +238,27 @@ class TokenAutomaton:
         keys = sorted(groups)
         self.src = torch.tensor([k[0] for k in keys], dtype=torch.long)
         self.dst = torch.tensor([k[1] for k in keys], dtype=torch.long)
-        flat = [sorted(groups[k]) for k in keys]
+        self.G = len(keys)
+        # Small groups are searched token by token (flat, gathered); a big one (a string's characters: most of the
+        # vocabulary) through its membership mask and its complement (_edge_weights), shared by equal groups.
+        flat = [sorted(groups[k]) if len(groups[k]) <= BIG_GROUP else [] for k in keys]
         self.tokens = torch.tensor([t for g in flat for t in g], dtype=torch.long)
         self.group_of = torch.tensor([i for i, g in enumerate(flat) for _ in g], dtype=torch.long)
-        self.G = len(keys)
+        self.big: list[tuple[int, int]] = []  # (group, index into self.masks)
+        self.masks: list[torch.Tensor] = []  # bool [V]: the group's tokens
+        self.complements: list[torch.Tensor] = []  # the tokens not in it (few)
+        seen: dict[bytes, int] = {}
+        for g, k in enumerate(keys):
+            if len(groups[k]) > BIG_GROUP:
+                mask = torch.zeros(vocab_size, dtype=torch.bool)
+                mask[torch.tensor(groups[k])] = True
+                key = mask.numpy().tobytes()
+                if key not in seen:
+                    seen[key] = len(self.masks)
+                    self.masks.append(mask)
+                    self.complements.append(torch.nonzero(~mask).flatten())
+                self.big.append((g, seen[key]))
+        self.edges = sum(len(v) for v in groups.values())
 
     @property
     def start(self) -> int:
@@ -328,6 +345,8 @@ def _build(regex: str, tokenizer, vocab_size: int) -> TokenAutomaton:
 # ---------------------------------------------------------------------------------------------------- the search
 
 _GATHER = 1 << 23  # score elements gathered at once (positions x tokens): 32 MB of float32
+BIG_GROUP = 4096  # tokens above which a group is searched by its mask and complement, not token by token
+_TOP = 64  # the argmax search looks for a big group's best token among each position's top _TOP first
 
 
 def gumbel(shape, generator: torch.Generator | None, device) -> torch.Tensor:
@@ -346,7 +365,7 @@ def _edge_weights(auto: TokenAutomaton, score: torch.Tensor,
     w = torch.full((P, G), -math.inf, dtype=score.dtype, device=dev)
     tok = torch.zeros((P, G), dtype=torch.long, device=dev)
     step = max(1, _GATHER // max(T, 1))
-    for p0 in range(0, P, step):
+    for p0 in range(0, P if T else 0, step):
         s = score[p0 : p0 + step, tokens]  # [p, T]
         if noise is not None and noise is not False:
             s = s + gumbel(s.shape, None if noise is True else noise, dev)
@@ -356,7 +375,69 @@ def _edge_weights(auto: TokenAutomaton, score: torch.Tensor,
         first = torch.full((s.shape[0], G), T, dtype=torch.long, device=dev).scatter_reduce(1, idx, pos, "amin")
         w[p0 : p0 + step] = wp
         tok[p0 : p0 + step] = tokens[first.clamp(max=T - 1)]
+    if auto.big:
+        _big_edge_weights(auto, score, noise, w, tok)
     return w, tok
+
+
+def _big_edge_weights(auto: TokenAutomaton, score: torch.Tensor, noise, w: torch.Tensor, tok: torch.Tensor) -> None:
+    """The big groups' columns of w and tok, without gathering their tokens. Argmax: the first of a position's
+    top _TOP tokens that is in the group (the whole group where none is). With noise (a draw): the max over a
+    group of log-probability plus Gumbel noise is distributed as the group's log-mass plus one Gumbel draw, and
+    its token as a draw from the distribution restricted to the group; the log-mass is taken through the
+    complement (log(1 - its mass)), the draw by drawing from the whole distribution until it lands in the group.
+    Exact in distribution, as the token-by-token search is."""
+    P, dev = score.shape[0], score.device
+    masks = [m.to(dev) for m in auto.masks]
+    if noise is None or noise is False:
+        top_v, top_i = score.topk(min(_TOP, score.shape[1]), dim=1)
+        for g, k in auto.big:
+            hit = masks[k][top_i]  # [P, TOP]
+            first = hit.to(torch.int8).argmax(dim=1, keepdim=True)
+            w[:, g] = top_v.gather(1, first).squeeze(1)
+            tok[:, g] = top_i.gather(1, first).squeeze(1)
+            miss = torch.nonzero(~hit.any(dim=1)).flatten()
+            if miss.numel():  # no top token in the group: search all of it there
+                v, i = score[miss].masked_fill(~masks[k], -math.inf).max(dim=1)
+                w[miss, g], tok[miss, g] = v, i
+        return
+    gen = None if noise is True else noise
+    cand = _draws(score, _TOP, gen)  # [P, TOP] independent draws from each position's distribution
+    mass: dict[int, torch.Tensor] = {}  # per mask: the log of its tokens' probability, per position
+    for k, comp in enumerate(auto.complements):
+        if comp.numel() > auto.vocab_size // 2:  # the group is the smaller side: sum it
+            mass[k] = torch.logsumexp(score[:, torch.nonzero(masks[k]).flatten()], dim=1)
+            continue
+        out_mass = torch.logsumexp(score[:, comp.to(dev)], dim=1) if comp.numel() else \
+            torch.full((P,), -math.inf, device=dev)
+        lse = torch.log(-torch.expm1(out_mass))  # log(1 - mass outside)
+        close = out_mass > -1e-4  # nearly all the mass outside: take the group's own sum
+        if bool(close.any()):
+            lse[close] = torch.logsumexp(score[close].masked_fill(~masks[k], -math.inf), dim=1)
+        mass[k] = lse
+    for g, k in auto.big:
+        lse = mass[k]
+        # the max's value and its token are independent (Gumbel-max): the value from the mass, the token the
+        # first draw that lands in the group (a draw restricted to it), or one from the group where none did
+        w[:, g] = lse + gumbel((P,), gen, dev)
+        hit = masks[k][cand]
+        tok[:, g] = cand.gather(1, hit.to(torch.int8).argmax(dim=1, keepdim=True)).squeeze(1)
+        miss = torch.nonzero(~hit.any(dim=1)).flatten()
+        if miss.numel():
+            tok[miss, g] = _draws(score[miss].masked_fill(~masks[k], -math.inf), 1, gen).squeeze(1)
+
+
+def _draws(score: torch.Tensor, k: int, gen: torch.Generator | None) -> torch.Tensor:
+    """k independent draws per row of softmax(score) [P, V] -> [P, k], by inverse CDF (a cumulative sum and a
+    search per draw), 32 rows at a time (a cumulative sum of the whole canvas would be canvas x vocab floats)."""
+    P, V = score.shape
+    out = torch.empty(P, k, dtype=torch.long, device=score.device)
+    for p0 in range(0, P, 32):
+        sc = score[p0 : p0 + 32]
+        cdf = (sc - sc.max(dim=1, keepdim=True).values).exp_().cumsum_(dim=1)
+        u = torch.rand(sc.shape[0], k, generator=gen, device=score.device) * cdf[:, -1:]
+        out[p0 : p0 + 32] = torch.searchsorted(cdf, u).clamp_(max=V - 1)
+    return out
 
 
 def best_path(auto: TokenAutomaton, score: torch.Tensor, state: int, room: int, after: int, end_ids: list[int],

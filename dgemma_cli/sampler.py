@@ -189,7 +189,8 @@ def sample_step(buf: SamplerBuffers, temperature: torch.Tensor, generators: list
     lse = scratch.exp_().sum(dim=-1, keepdim=True).log_().add_(peak)
     logits.sub_(lse)
     torch.ops.aten._softmax.out(logits, -1, False, out=scratch)
-    entropy = -logits.clamp_(min=torch.finfo(logits.dtype).min).mul_(scratch).sum(dim=-1)
+    # p log p into the scratch buffer: the log-probabilities stay in buf.logits for a constrained row's search
+    entropy = -torch.mul(logits.clamp_(min=torch.finfo(logits.dtype).min), scratch, out=scratch).sum(dim=-1)
     return sample, argmax, entropy
 
 
@@ -255,7 +256,7 @@ def settle_step(buf: SamplerBuffers, canvas: torch.Tensor, argmax: torch.Tensor,
         sample[:, free:] = held
         new_argmax[:, free:] = held
     if constraints is not None:  # the rows' best paths through their automata replace the draws and the argmax
-        logp = buf.logits.view(B, C, V)  # sample_step left the log-probabilities there (the torch path)
+        logp = buf.logits.view(B, C, V)  # sample_step leaves the log-probabilities there (the torch path)
         for b, rc in enumerate(constraints):
             if rc is not None:
                 rc.step(logp[b], sample[b], new_argmax[b], settings.greedy)

@@ -362,3 +362,62 @@ def test_run_grammar_and_serve_guided_fields(checkpoints, tmp_path, random_serve
     r = client.completions.create(model=random_server.id, prompt="code:", seed=2, max_tokens=16,
                                   extra_body={"steps": 6, "guided_regex": REGEXES[0]})
     assert re.fullmatch(REGEXES[0], r.choices[0].text)
+
+
+def test_a_constraint_the_answer_already_meets_changes_nothing():
+    """Greedy on the demo model: its answer matches the expression, so the held run is the free run, step for
+    step (the search finds the model's own argmax where it is valid)."""
+    from dgemma_cli.engine import load
+
+    engine = load("demo", device="cpu")
+    free = engine.generate("upper: hello diffusions", seed=0, temperature=0)
+    held = engine.generate("upper: hello diffusions", seed=0, temperature=0,
+                           structure=Structure("regex", "[A-Z ]{16}"))
+    assert held.texts == free.texts == ["HELLO DIFFUSIONS"]
+    assert held.steps_per_canvas == free.steps_per_canvas and held.satisfied == [True]
+
+
+def test_sample_step_leaves_the_log_probabilities():
+    from dgemma_cli.sampler import SamplerBuffers, sample_step
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=g) * 4
+    buf = SamplerBuffers(6, 50, "cpu")
+    buf.logits.copy_(logits)
+    t = torch.tensor(0.7)
+    _, _, entropy = sample_step(buf, t)
+    want = torch.log_softmax(logits / t, dim=-1)
+    assert torch.allclose(buf.logits, want, atol=1e-5)
+    assert torch.allclose(entropy, -(want.exp() * want).sum(-1), atol=1e-5)
+
+
+def test_big_groups_search_as_token_by_token(checkpoints, monkeypatch):
+    """Groups above BIG_GROUP tokens are searched through masks: the same argmax paths as token by token, and
+    draws distributed as the distribution restricted to the group (the Gumbel-max identity)."""
+    import dgemma_cli.constrain as constrain
+    from dgemma_cli.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(checkpoints["five_to_one"])
+    st = Structure("json_schema", json.dumps(SCHEMAS["nested, optional fields"]))
+    exact = constrain.compile_structure(st, tok, 512)
+    monkeypatch.setattr(constrain, "BIG_GROUP", 8)
+    monkeypatch.setattr(constrain, "_CACHE", type(constrain._CACHE)())
+    masked = constrain.compile_structure(st, tok, 512)
+    assert masked.big and not exact.big
+    g = torch.Generator().manual_seed(0)
+    for _ in range(10):
+        logp = torch.log_softmax(torch.randn(40, 512, generator=g) * 3, -1)
+        a, ok_a = best_path(exact, logp, 0, 40, 0, [1], 0)
+        b, ok_b = best_path(masked, logp, 0, 40, 0, [1], 0)
+        assert ok_a and ok_b and torch.equal(a, b)
+    word = constrain.compile_structure(Structure("regex", "[a-z]+"), tok, 512)  # one big group from the start
+    assert word.big
+    logp = torch.log_softmax(torch.randn(1, 512, generator=g) * 2, -1)
+    draws = torch.stack([best_path(word, logp, 0, 1, 0, [1], 0, noise=g)[0][0] for _ in range(3000)])
+    members = torch.tensor([t for t in range(512) if word.next[0].get(t) is not None
+                            and bool(word.final[word.next[0][t]])])
+    want = torch.zeros(512)
+    want[members] = logp[0, members].softmax(0)
+    seen = torch.bincount(draws, minlength=512).float() / len(draws)
+    assert set(draws.tolist()) <= set(members.tolist())
+    assert (seen - want).abs().max() < 0.03
