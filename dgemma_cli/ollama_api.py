@@ -1,0 +1,315 @@
+"""Ollama's API on `dgemma serve`'s engine and batch loop (docs/serve.md, Ollama's API).
+
+Desktop clients that speak only Ollama reach dgemma through these routes: /api/chat, /api/generate (with `suffix`:
+infill), /api/tags, /api/show, /api/ps, /api/version, and GET / ("Ollama is running"). A request is translated into
+the OpenAI-shaped body `serve.prepare` checks, so both APIs share every limit, refusal and the batch; answers
+stream as Ollama streams them (newline-delimited JSON objects, the last with "done": true and its counts and
+durations in nanoseconds). Errors are Ollama's `{"error": "..."}` with the same status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from datetime import datetime, timezone
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+VERSION = "0.12.0"  # the Ollama API version these routes follow (clients check it for features)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def _model_name(server, value: Any) -> str:
+    """Ollama names carry a tag ("demo:latest"); the served model answers to its id with or without ":latest"."""
+    from .serve import ApiError
+
+    if not isinstance(value, str) or not value:
+        raise ApiError(400, "model is required")
+    name = value[: -len(":latest")] if value.endswith(":latest") else value
+    if name != server.model_id:
+        raise ApiError(404, f"model '{value[:100]}' not found; this server serves '{server.model_id}'")
+    return name
+
+
+def _options(body: dict) -> dict:
+    """Ollama's options -> the OpenAI body's fields: temperature, seed, num_predict (max_tokens; -1 or -2: the
+    model's limit), stop. Others (top_k, top_p, num_ctx, ...) are accepted and ignored, as Ollama ignores what a
+    model does not use."""
+    from .serve import ApiError
+
+    options = body.get("options") or {}
+    if not isinstance(options, dict):
+        raise ApiError(400, "options must be an object")
+    out: dict[str, Any] = {}
+    for key in ("temperature", "seed", "stop"):
+        if options.get(key) is not None:
+            out[key] = options[key]
+    n = options.get("num_predict")
+    if n is not None and not (isinstance(n, int) and n < 0):
+        out["max_tokens"] = n
+    return out
+
+
+def _format(body: dict) -> dict:
+    """Ollama's format: "json", or a JSON schema, as the OpenAI body's response_format."""
+    from .serve import ApiError
+
+    fmt = body.get("format")
+    if fmt in (None, ""):
+        return {}
+    if fmt == "json":
+        return {"response_format": {"type": "json_object"}}
+    if isinstance(fmt, dict):
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}}
+    raise ApiError(400, "format must be \"json\" or a JSON schema object")
+
+
+def _images(images: Any, where: str) -> list[dict]:
+    from .serve import ApiError
+
+    if images is None:
+        return []
+    if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
+        raise ApiError(400, f"{where}.images must be a list of base64 strings")
+    return [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{i}"}} for i in images]
+
+
+def chat_body(server, body: dict) -> dict:
+    """/api/chat -> an OpenAI chat body."""
+    from .serve import ApiError
+
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise ApiError(400, "messages must be a list")
+    if body.get("tools"):
+        raise ApiError(400, "tools are not supported yet")
+    out = []
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ApiError(400, f"messages[{k}] must be an object")
+        pictures = _images(m.get("images"), f"messages[{k}]")
+        content = m.get("content", "")
+        if pictures:
+            content = [{"type": "text", "text": content if isinstance(content, str) else ""}, *pictures]
+        out.append({"role": m.get("role"), "content": content})
+    return {"model": _model_name(server, body.get("model")), "messages": out, "thinking": bool(body.get("think")),
+            **_options(body), **_format(body)}
+
+
+def generate_body(server, body: dict) -> tuple[dict, str]:
+    """/api/generate -> (an OpenAI body, its kind): with `suffix` an infill completion, with `raw` the text exactly
+    as given, else the prompt (and `system`) through the chat template."""
+    from .serve import ApiError
+
+    prompt = body.get("prompt", "")
+    if not isinstance(prompt, str):
+        raise ApiError(400, "prompt must be a string")
+    name = _model_name(server, body.get("model"))
+    common = {"model": name, **_options(body), **_format(body)}
+    if body.get("suffix") is not None:
+        return {**common, "prompt": prompt, "suffix": body["suffix"]}, "completion"
+    if body.get("raw"):
+        return {**common, "prompt": prompt}, "completion"
+    messages = []
+    if isinstance(body.get("system"), str) and body["system"]:
+        messages.append({"role": "system", "content": body["system"]})
+    pictures = _images(body.get("images"), "request")
+    messages.append({"role": "user", "content": [{"type": "text", "text": prompt}, *pictures] if pictures
+                     else prompt})
+    return {**common, "messages": messages, "thinking": bool(body.get("think"))}, "chat"
+
+
+async def _answer(server, prep) -> AsyncIterator[tuple[str, str, Any]]:
+    """(answer delta, thought delta, None) per settled piece, then ("", "", final) with the row's RowDone (or None
+    when a stop string ended it). The row is cancelled when the consumer stops."""
+    from .batching import RowCanvas, RowDone
+    from .serve import AnswerText, next_event, submit
+
+    events, ticket = submit(server, prep)
+    text = AnswerText(server.engine.tokenizer, prep)
+    try:
+        while True:
+            ev = await next_event(events)
+            if isinstance(ev, RowCanvas):
+                delta, thought = text.add(ev.tokens)
+                if delta or thought:
+                    yield delta, thought, None
+                if text.stopped:
+                    yield "", "", (None, text)
+                    return
+            elif isinstance(ev, RowDone):
+                server.finished(ev.seconds)
+                text.ids = ev.token_ids
+                delta, thought = text.finish(ev.token_ids)
+                if delta or thought:
+                    yield delta, thought, None
+                yield "", "", (ev, text)
+                return
+    finally:
+        ticket.cancel()
+
+
+def _final(server, prep, done, text, started: float) -> dict:
+    from .serve import finish_reason
+
+    total = int((time.perf_counter() - started) * 1e9)
+    generated = int((done.seconds if done is not None else time.perf_counter() - started) * 1e9)
+    return {"done": True, "done_reason": finish_reason(text, done), "total_duration": total, "load_duration": 0,
+            "prompt_eval_count": len(prep.job.prompt), "prompt_eval_duration": max(0, total - generated),
+            "eval_count": text.returned_tokens(), "eval_duration": generated}
+
+
+def _piece(server, kind: str, delta: str, thought: str) -> dict:
+    obj: dict[str, Any] = {"model": f"{server.model_id}:latest", "created_at": _now(), "done": False}
+    if kind == "chat":
+        obj["message"] = {"role": "assistant", "content": delta, **({"thinking": thought} if thought else {})}
+    else:
+        obj["response"] = delta
+        if thought:
+            obj["thinking"] = thought
+    return obj
+
+
+async def respond(server, request: Request, openai_body: dict, kind: str, api: str, stream: bool) -> Response:
+    """Run the translated request and answer as Ollama does: NDJSON when streaming (its default), else one object."""
+    from .serve import has_images, prepare
+
+    started = time.perf_counter()
+    pool = server.picture_pool if has_images(openai_body) else None
+    prep = await asyncio.get_running_loop().run_in_executor(pool, prepare, server, openai_body, kind)
+    shape = "chat" if api == "chat" else "generate"
+    if not stream:
+        answer, thought, final = "", "", None
+        async for delta, th, end in _answer(server, prep):
+            answer, thought = answer + delta, thought + th
+            final = end or final
+        done, text = final
+        return JSONResponse({**_piece(server, shape, answer, thought), **_final(server, prep, done, text, started)})
+
+    async def lines() -> AsyncIterator[bytes]:
+        from .serve import ApiError
+
+        try:
+            async for delta, th, end in _answer(server, prep):
+                if end is None:
+                    yield (json.dumps(_piece(server, shape, delta, th), ensure_ascii=False) + "\n").encode()
+                else:
+                    last = {**_piece(server, shape, "", ""), **_final(server, prep, end[0], end[1], started)}
+                    yield (json.dumps(last, ensure_ascii=False) + "\n").encode()
+        except ApiError as e:
+            yield (json.dumps({"error": e.message}) + "\n").encode()
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+def _details(server) -> dict:
+    cfg = server.engine.config
+    params = sum(p.numel() for p in server.engine.model.parameters()) if hasattr(server.engine.model,
+                                                                                   "parameters") else 0
+    fmt = getattr(server.engine, "weight_format", None) or str(server.engine.model.dtype).replace("torch.", "")
+    return {"parent_model": "", "format": "safetensors", "family": "diffusiongemma", "families": ["diffusiongemma"],
+            "parameter_size": f"{params / 1e9:.1f}B" if params >= 1e8 else f"{params / 1e6:.1f}M",
+            "quantization_level": fmt.upper(), "canvas_length": cfg.canvas_length}
+
+
+def routes(server) -> list[Route]:
+    from .serve import ApiError, read_json
+
+    async def guarded(request: Request, work) -> Response:
+        try:
+            server.authorize(request)
+            return await work()
+        except ApiError as e:
+            return _error(e.status, e.message)
+
+    async def chat(request: Request) -> Response:
+        async def work():
+            body = await read_json(request)
+            return await respond(server, request, chat_body(server, body), "chat", "chat", body.get("stream", True)
+                                 is not False)
+        return await guarded(request, work)
+
+    async def generate(request: Request) -> Response:
+        async def work():
+            body = await read_json(request)
+            if body.get("prompt", "") == "" and body.get("suffix") is None and not body.get("images"):
+                _model_name(server, body.get("model"))  # Ollama's way to load a model: answer that it is loaded
+                return JSONResponse({"model": f"{server.model_id}:latest", "created_at": _now(), "response": "",
+                                     "done": True, "done_reason": "load"})
+            openai_body, kind = generate_body(server, body)
+            return await respond(server, request, openai_body, kind, "generate", body.get("stream", True)
+                                 is not False)
+        return await guarded(request, work)
+
+    def entry() -> dict:
+        name = f"{server.model_id}:latest"
+        digest = hashlib.sha256(str(server.engine.path or server.model_id).encode()).hexdigest()
+        modified = datetime.fromtimestamp(server.created, timezone.utc).isoformat().replace("+00:00", "Z")
+        return {"name": name, "model": name, "modified_at": modified, "size": _weight_bytes(server),
+                "digest": digest, "details": _details(server)}
+
+    async def tags(request: Request) -> Response:
+        return await guarded(request, lambda: _json({"models": [entry()]}))
+
+    async def ps(request: Request) -> Response:
+        return await guarded(request, lambda: _json({"models": [{**entry(), "expires_at": "2999-01-01T00:00:00Z",
+                                                                 "size_vram": 0}]}))
+
+    async def show(request: Request) -> Response:
+        async def work():
+            body = await read_json(request)
+            _model_name(server, body.get("model") or body.get("name"))
+            engine = server.engine
+            s = engine.settings
+            params = (f"temperature {s.t_max}\nnum_predict {s.max_new_tokens}\n"
+                      + "".join(f"stop {engine.tokenizer.decode([i], skip_special_tokens=False)}\n"
+                                for i in s.eos_token_ids if engine.tokenizer is not None))
+            capabilities = ["completion", "insert"] + (["vision"] if engine.config.vision is not None else [])
+            cfg = engine.config.text
+            return JSONResponse({
+                "modelfile": f"# dgemma serves {server.model_id}\nFROM {engine.path or server.model_id}\n",
+                "parameters": params, "template": engine.tokenizer.chat_template if engine.tokenizer else "",
+                "details": _details(server), "capabilities": capabilities,
+                "model_info": {"general.architecture": "diffusiongemma", "diffusiongemma.context_length":
+                               cfg.max_position_embeddings, "diffusiongemma.embedding_length": cfg.hidden_size,
+                               "diffusiongemma.block_count": cfg.num_hidden_layers,
+                               "diffusiongemma.canvas_length": engine.config.canvas_length,
+                               "general.parameter_count": sum(p.numel() for p in engine.model.parameters())}})
+        return await guarded(request, work)
+
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": VERSION})
+
+    async def root(request: Request) -> Response:
+        return PlainTextResponse("Ollama is running")
+
+    return [Route("/api/chat", chat, methods=["POST"]), Route("/api/generate", generate, methods=["POST"]),
+            Route("/api/tags", tags, methods=["GET"]), Route("/api/ps", ps, methods=["GET"]),
+            Route("/api/show", show, methods=["POST"]), Route("/api/version", version, methods=["GET"]),
+            Route("/", root, methods=["GET", "HEAD"])]
+
+
+async def _json(obj: dict) -> Response:
+    return JSONResponse(obj)
+
+
+def _weight_bytes(server) -> int:
+    path = server.engine.path
+    try:
+        from pathlib import Path
+
+        return sum(f.stat().st_size for f in Path(path).glob("*.safetensors")) if path else 0
+    except OSError:
+        return 0
