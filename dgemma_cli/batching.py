@@ -36,6 +36,7 @@ import torch
 
 from .config import GenerationSettings
 from .model import DiffusionGemma
+from .prefix_cache import PrefixCache
 from .sampler import (SamplerBuffers, _stable, entropy_bound_accept, prepare_step, sample_step, step_temperature,
                       use_fused_head)
 
@@ -81,6 +82,7 @@ class RowDone:
     ended: bool  # an end-of-sequence id was generated (False: the length limit ended it)
     seconds: float  # from admission to the end
     satisfied: bool | None = None  # a structured answer: complete (True) or cut short by the length limit
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not encoded
 
 
 @dataclass
@@ -134,7 +136,7 @@ class _Row:
     """A request being generated: its cache, its generator and where it is in its current canvas. The per-step
     bookkeeping is `sampler.generate_events`' for a batch of one."""
 
-    def __init__(self, ticket: Ticket, model: DiffusionGemma):
+    def __init__(self, ticket: Ticket, model: DiffusionGemma, prefixes: PrefixCache | None = None):
         job = ticket.job
         self.ticket, self.job, self.model = ticket, job, model
         s = self.settings = job.settings
@@ -157,8 +159,16 @@ class _Row:
         self.steps_per_canvas: list[int] = []
         self.ended = False
         self.ci = -1
-        model.encode(torch.tensor([job.prompt], dtype=torch.long, device=dev), self.cache,
-                     image_features=job.image_features)
+        # a prompt that begins with one already encoded takes its keys and values (prefix_cache.py); pictures never
+        shareable = prefixes is not None and job.image_features is None
+        entry = prefixes.lookup(job.prompt) if shareable else None
+        self.cached = prefixes.restore(entry, self.cache) if entry is not None else 0
+        rest = job.prompt[self.cached :]
+        if rest:
+            model.encode(torch.tensor([rest], dtype=torch.long, device=dev), self.cache,
+                         image_features=job.image_features)
+        if shareable:
+            prefixes.store(job.prompt, self.cache, [spec.is_sliding for spec in model.cfg.text.layers])
         self.start_canvas()
 
     def start_canvas(self) -> None:
@@ -232,7 +242,7 @@ class _Row:
         ids = row[: min(cut, self.settings.max_new_tokens)]
         ended = self.ended and cut < self.settings.max_new_tokens
         satisfied = None if self.constraint is None else self.constraint.satisfied
-        return RowDone(ids, self.steps_per_canvas, ended, time.perf_counter() - self.t0, satisfied)
+        return RowDone(ids, self.steps_per_canvas, ended, time.perf_counter() - self.t0, satisfied, self.cached)
 
     def deliver(self, event: RowEvent) -> None:
         _deliver(self.ticket, event)
@@ -256,10 +266,13 @@ class BatchLoop:
     returns once every admitted and queued job is done.
     """
 
-    def __init__(self, model: DiffusionGemma, max_batch: int = 8, max_queue: int = 64):
+    def __init__(self, model: DiffusionGemma, max_batch: int = 8, max_queue: int = 64,
+                 prefix_cache_bytes: int = 0):
+        """prefix_cache_bytes: the budget of the prompt cache (prefix_cache.py); 0: none."""
         if max_batch < 1 or max_queue < 0:
             raise ValueError("max_batch must be >= 1 and max_queue >= 0")
         self.model = model
+        self.prefixes = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.max_batch, self.max_queue = max_batch, max_queue
         self.C, self.V = model.cfg.canvas_length, model.cfg.text.vocab_size
         self.experts_per_row = model.device.type == "cpu"  # exactly the single run's bits (module docstring)
@@ -337,7 +350,7 @@ class BatchLoop:
                             admit.append(t)
                 for t in admit:
                     try:
-                        self.rows.append(_Row(t, self.model))
+                        self.rows.append(_Row(t, self.model, self.prefixes))
                     except Exception as e:  # noqa: BLE001 (one request's failure is that request's)
                         self.failed += 1
                         _deliver(t, RowFailed(_describe(e)))

@@ -632,6 +632,9 @@ def serve(
                                           help="Require 'Authorization: Bearer KEY' on /v1 routes."),
     max_batch: int = typer.Option(8, "--max-batch", help="Requests generated together."),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests waiting for a slot; past it, 429."),
+    prefix_cache: int = typer.Option(1024, "--prefix-cache", metavar="MB",
+                                     help="Memory for encoded prompts a later request may start with (a resent "
+                                     "conversation encodes only what is new); 0: off."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
     dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto."),
     allow_origin: Optional[List[str]] = typer.Option(
@@ -650,6 +653,8 @@ def serve(
         raise UsageError("--max-batch must be at least 1")
     if max_queue < 0:
         raise UsageError("--max-queue must be at least 0")
+    if prefix_cache < 0:
+        raise UsageError("--prefix-cache must be at least 0 (MB; 0 turns it off)")
     if api_key is not None and not api_key.strip():
         raise UsageError("--api-key must not be empty")
     if not is_loopback(host) and not api_key:
@@ -661,6 +666,7 @@ def serve(
 
     raise typer.Exit(run_server(model, host=host, port=port, api_key=api_key, max_batch=max_batch,
                                 max_queue=max_queue, device=device, dtype=dtype, note=_note,
+                                prefix_cache_bytes=prefix_cache * 2**20,
                                 allow_hosts=tuple(allow_host or ()), allow_origins=tuple(allow_origin or ())))
 
 

@@ -580,9 +580,10 @@ async def next_event(events: asyncio.Queue):
     return ev
 
 
-def usage(prep: Prepared, completion: int) -> dict:
+def usage(prep: Prepared, completion: int, done: RowDone | None = None) -> dict:
     p = len(prep.job.prompt)
-    return {"prompt_tokens": p, "completion_tokens": completion, "total_tokens": p + completion}
+    return {"prompt_tokens": p, "completion_tokens": completion, "total_tokens": p + completion,
+            "prompt_tokens_details": {"cached_tokens": done.cached_tokens if done is not None else 0}}
 
 
 def finish_reason(text: AnswerText, done: RowDone | None) -> str:
@@ -639,7 +640,7 @@ async def answer_whole(server: Server, request: Request, prep: Prepared) -> Resp
     else:
         body = {**base, "object": "text_completion",
                 "choices": [{"index": 0, "text": answer, "finish_reason": reason, "logprobs": None}]}
-    body["usage"] = usage(prep, completion)
+    body["usage"] = usage(prep, completion, done)
     body["dgemma"] = extra
     return JSONResponse(body)
 
@@ -733,7 +734,7 @@ async def answer_stream(server: Server, prep: Prepared) -> Response:
             return
         yield sse(chunk(reason=finish_reason(text, done)))
         if prep.include_usage:
-            yield sse({**base, "choices": [], "usage": usage(prep, text.returned_tokens())})
+            yield sse({**base, "choices": [], "usage": usage(prep, text.returned_tokens(), done)})
         yield "data: [DONE]\n\n"
 
     return EventStream(body(), ticket)
@@ -787,7 +788,10 @@ def build_app(server: Server, hosts: set[str] | None = None, origins: tuple[str,
             "status": "draining" if loop.closing else "ok", "model": server.model_id, "active": active,
             "queued": queued, "max_batch": loop.max_batch, "max_queue": loop.max_queue, "completed": loop.completed,
             "failed": loop.failed, "forwards": loop.forwards, "row_forwards": loop.row_forwards,
-            "peak_batch": loop.peak_batch, "sampler_buffer_bytes": loop.buffer_bytes})
+            "peak_batch": loop.peak_batch, "sampler_buffer_bytes": loop.buffer_bytes,
+            "prefix_cache": None if loop.prefixes is None else {
+                "entries": len(loop.prefixes.entries), "bytes": loop.prefixes.bytes, "hits": loop.prefixes.hits,
+                "reused_tokens": loop.prefixes.reused_tokens}})
 
     async def api_error(request: Request, exc: ApiError) -> Response:
         return exc.response()
@@ -847,7 +851,8 @@ def model_id(model: str) -> str:
 
 
 def serve(model: str, *, host: str, port: int, api_key: str | None, max_batch: int, max_queue: int,
-          device: str, dtype: str, note, allow_hosts: tuple[str, ...] = (), allow_origins: tuple[str, ...] = ()) -> int:
+          device: str, dtype: str, note, allow_hosts: tuple[str, ...] = (), allow_origins: tuple[str, ...] = (),
+          prefix_cache_bytes: int = 0) -> int:
     """Bind, load, serve until SIGTERM or Ctrl-C, then finish every request in flight and return 0."""
     import signal
 
@@ -859,7 +864,7 @@ def serve(model: str, *, host: str, port: int, api_key: str | None, max_batch: i
     engine = load(model, device=device, dtype=dtype)
     if engine.tokenizer is None:
         raise ModelError(f"{engine.path}: no tokenizer.json: the server needs one to read text")
-    loop = BatchLoop(engine.model, max_batch=max_batch, max_queue=max_queue)
+    loop = BatchLoop(engine.model, max_batch=max_batch, max_queue=max_queue, prefix_cache_bytes=prefix_cache_bytes)
     server = Server(engine, loop, model_id(model), api_key)
     # The objects loading made (modules, the model's) live as long as the server: out of the garbage collector's
     # sight, so that a full collection, which a request's many small objects can set off, does not walk them all
