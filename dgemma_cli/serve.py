@@ -175,6 +175,7 @@ class Prepared:
     stops: list[str]
     infill: bool
     structured: bool = False  # held to a response_format: the answer is its bytes (nothing stripped)
+    tools: bool = False  # tools offered: the answer's tool calls are read out of it (tools.py)
 
 
 def prepare(server: Server, body: dict, kind: str) -> Prepared:
@@ -196,11 +197,15 @@ def prepare(server: Server, body: dict, kind: str) -> Prepared:
         raise refuse("top_logprobs", "the sampler keeps no per-token log-probabilities")
     if body.get("logit_bias") not in (None, {}):
         raise refuse("logit_bias", "not applied by the diffusion sampler")
-    if body.get("tools") not in (None, []) or body.get("functions") not in (None, []):
-        raise refuse("tools", "no tool calling yet")
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise refuse("tool_choice", "no tool calling yet")
+    if body.get("functions") not in (None, []) or body.get("function_call") is not None:
+        raise refuse("functions", "the legacy functions field; send 'tools'")
+    functions, call_structure = request_tools(tok, body, kind)
     structure = response_structure(body.get("response_format"), body)
+    if call_structure is not None:
+        if structure is not None:
+            raise ApiError(400, "a tool_choice that requires a call cannot also have a response_format",
+                           param="tool_choice", code="invalid_value")
+        structure = call_structure
     if body.get("echo") not in (None, False):
         raise refuse("echo", "the prompt is not returned")
     if get_int(body, "best_of", 1) not in (None, 1):
@@ -264,7 +269,8 @@ def prepare(server: Server, body: dict, kind: str) -> Prepared:
         # answers text
         vision = engine.config.vision is not None and has_images(body)
         prompt, images = tok_chat(tok, body.get("messages"), bool(thinking),
-                                  engine.image_placeholder() if vision else None, max_chars=max_chars(engine))
+                                  engine.image_placeholder() if vision else None, max_chars=max_chars(engine),
+                                  tools=functions)
         if images:  # the tower runs here, in the request's worker thread, not in the batch loop
             budget = get_int(body, "image_tokens")
             if budget is not None and budget not in IMAGE_TOKEN_BUDGETS:
@@ -327,7 +333,50 @@ def prepare(server: Server, body: dict, kind: str) -> Prepared:
             raise ApiError(400, str(e), param=where, code="invalid_value") from None
     job = Job(prompt, settings, seed, capacity, held, want_steps=stream_steps, image_features=image_features,
               automaton=automaton)
-    return Prepared(kind, job, stream, stream_steps, include_usage, stops, infill, structure is not None)
+    return Prepared(kind, job, stream, stream_steps, include_usage, stops, infill,
+                    structure is not None and call_structure is None, functions is not None)
+
+
+def request_tools(tok, body: dict, kind: str):
+    """`tools` and `tool_choice` -> (the offered functions or None, the structure a required call holds the answer
+    to or None). tool_choice: "auto" (the default with tools: the model may call), "none" (tools not offered),
+    "required" (a call, of any of them), or {"type": "function", "function": {"name": ...}} (that one)."""
+    from .constrain import Structure
+    from .tools import call_grammar, check_tools
+
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools in (None, []):
+        if choice not in (None, "none", "auto"):
+            raise ApiError(400, "'tool_choice' needs 'tools'", param="tool_choice", code="invalid_value")
+        return None, None
+    if kind != "chat":
+        raise refuse("tools", "tools are for chat completions")
+    if choice == "none":
+        return None, None
+    try:
+        functions = check_tools(tools)
+    except UsageError as e:
+        raise ApiError(400, str(e), param="tools", code="invalid_value") from None
+    if choice in (None, "auto"):
+        return functions, None
+    if choice == "required":
+        wanted = functions
+    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        wanted = [f for f in functions if f["name"] == name]
+        if not wanted:
+            raise ApiError(400, f"'tool_choice' names {json.dumps(name)[:60]}, which is not in 'tools'",
+                           param="tool_choice", code="invalid_value")
+    else:
+        raise ApiError(400, "'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', "
+                       "'function': {'name': ...}}", param="tool_choice", code="invalid_value")
+    start, end = tok.token_id("<|tool_call>"), tok.token_id("<tool_call|>")
+    if start is None or end is None:
+        raise ApiError(400, "this model's vocabulary has no tool-call tokens", param="tool_choice",
+                       code="invalid_value")
+    parallel = choice == "required" and body.get("parallel_tool_calls") is not False
+    return functions, Structure("grammar", call_grammar(wanted, start, end, tok.token_id('<|"|>'),
+                                                        most=4 if parallel else 1))
 
 
 GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "grammar"}
@@ -413,7 +462,7 @@ def max_chars(engine) -> int:
 
 
 def tok_chat(tok, messages: Any, thinking: bool, placeholder: str | None = None,
-             max_chars: int | None = None) -> tuple[list[int], list[bytes]]:
+             max_chars: int | None = None, tools: list[dict] | None = None) -> tuple[list[int], list[bytes]]:
     """(the conversation's ids through the chat template, the images of its `image_url` parts in order). Each image
     stands in its message as `placeholder` (the tokenizer's image token, expanded later to the image's soft tokens);
     None: the model reads no images. A conversation of more than `max_chars` characters of text is refused before
@@ -429,10 +478,26 @@ def tok_chat(tok, messages: Any, thinking: bool, placeholder: str | None = None,
         if not isinstance(m, dict):
             raise _type_error(where, "an object", m)
         role = m.get("role")
-        if role not in ROLES:
-            raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)} (got {json.dumps(role)[:40]})",
+        if role not in ROLES and role != "tool":
+            raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}, tool (got {json.dumps(role)[:40]})",
                            param=f"{where}.role", code="invalid_value")
         content = m.get("content")
+        extra: dict[str, Any] = {}
+        if role == "tool":  # a tool's result, answering the call with this id
+            extra["tool_call_id"] = str(m.get("tool_call_id") or "")
+            if isinstance(m.get("name"), str):
+                extra["name"] = m["name"]
+        calls = m.get("tool_calls") if role == "assistant" else None
+        if calls is not None:
+            if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                                      for c in calls):
+                raise _type_error(f"{where}.tool_calls", "a list of calls", calls)
+            extra["tool_calls"] = [{"id": str(c.get("id") or ""), "type": "function",
+                                    "function": {"name": str(c["function"].get("name") or ""),
+                                                 "arguments": c["function"].get("arguments") or "{}"}}
+                                   for c in calls]
+            if content is None:
+                content = ""
         if isinstance(content, list):  # content parts: text, and images as data: URLs
             texts = []
             for k, part in enumerate(content):
@@ -452,12 +517,13 @@ def tok_chat(tok, messages: Any, thinking: bool, placeholder: str | None = None,
         elif not isinstance(content, str):
             raise _type_error(f"{where}.content", "a string or a list of text and image_url parts", content)
         chars += sum(len(t) for t in ([content] if isinstance(content, str) else content) if not isinstance(t, Control))
-        out.append({"role": ROLES[role], "content": content})  # text, or text and image placeholders
+        out.append({"role": ROLES.get(role, role), "content": content, **extra})  # text, or text and images
     if max_chars is not None and chars > max_chars:
         raise ApiError(400, f"the messages' {chars} characters cannot fit the model's context", param="messages",
                        code="context_length_exceeded")  # known before tokenizing: no token holds more characters
     try:
-        return tok.encode_chat(out, enable_thinking=thinking), images
+        return tok.encode_chat(out, enable_thinking=thinking,
+                               tools=[{"type": "function", "function": f} for f in tools] if tools else None), images
     except UsageError as e:
         raise ApiError(400, str(e), param="messages", code="invalid_value") from None
 
@@ -491,6 +557,7 @@ class AnswerText:
 
     def __init__(self, tok, prep: Prepared):
         self.tok, self.chat, self.stops = tok, prep.kind == "chat" and not prep.structured, prep.stops
+        self.tools = prep.tools
         s = prep.job.settings
         self.ends = set(s.eos_token_ids) | ({s.pad_token_id} if prep.job.held else set())
         self.limit = s.max_new_tokens
@@ -536,7 +603,24 @@ class AnswerText:
         return lo
 
     def texts_of(self, ids: list[int]) -> tuple[str, str]:
+        if self.tools:  # as decode_answer, the answer cut where a tool call starts (calls are not content)
+            from .tools import CALL_START
+
+            thought, answer = self.tok.split_thought(self.tok.decode(ids, skip_special_tokens=False))
+            cut = answer.find(CALL_START)
+            answer = answer if cut < 0 else answer[:cut]
+            return self.tok.strip_special(thought).strip(), self.tok.strip_special(answer).strip()
         return self.tok.decode_answer(ids) if self.chat else ("", self.tok.decode(ids))
+
+    def tool_calls(self, ids: list[int]) -> list[dict]:
+        """The calls in the answer's ids (cut as its text is), as OpenAI's message.tool_calls."""
+        if not self.tools:
+            return []
+        from .tools import openai_calls, parse_tool_calls
+
+        cut = next((i for i, t in enumerate(ids) if t in self.ends), len(ids))
+        _, answer = self.tok.split_thought(self.tok.decode(ids[: min(cut, self.limit)], skip_special_tokens=False))
+        return openai_calls(parse_tool_calls(answer)[1])
 
     def add(self, canvas: list[int]) -> tuple[str, str]:
         self.ids += canvas
@@ -628,11 +712,15 @@ async def answer_whole(server: Server, request: Request, prep: Prepared) -> Resp
         text.finish(ids)
     answer, thought = text.sent, text.sent_thought  # what a stream would have sent, in one piece
     reason = finish_reason(text, done)
+    calls = text.tool_calls(ids) if done is not None else []
     completion = text.returned_tokens()
     extra = {"seed": prep.job.seed, "steps_per_canvas": done.steps_per_canvas if done else []}
     base = {"id": new_id(prep), "created": int(time.time()), "model": server.model_id}
     if prep.kind == "chat":
         message = {"role": "assistant", "content": answer, "refusal": None}
+        if calls:
+            message.update(content=answer or None, tool_calls=calls)
+            reason = "tool_calls"
         if thought:
             message["reasoning_content"] = thought
         body = {**base, "object": "chat.completion",
@@ -732,7 +820,12 @@ async def answer_stream(server: Server, prep: Prepared) -> Response:
             yield sse(e.body())
             yield "data: [DONE]\n\n"
             return
-        yield sse(chunk(reason=finish_reason(text, done)))
+        calls = text.tool_calls(text.ids) if done is not None and chat else []
+        if calls:  # each call whole in one delta, as the API allows
+            yield sse({**base, "choices": [{"index": 0, "delta": {"tool_calls": [
+                {"index": i, **c} for i, c in enumerate(calls)]}, "finish_reason": None, "logprobs": None}],
+                **({"usage": None} if prep.include_usage else {})})
+        yield sse(chunk(reason="tool_calls" if calls else finish_reason(text, done)))
         if prep.include_usage:
             yield sse({**base, "choices": [], "usage": usage(prep, text.returned_tokens(), done)})
         yield "data: [DONE]\n\n"

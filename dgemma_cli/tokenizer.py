@@ -277,11 +277,25 @@ class Tokenizer:
             "enable_thinking": enable_thinking,
             **kwargs,
         }
+        uses_tools = bool(variables.get("tools")) or any(m.get("role") == "tool" or m.get("tool_calls")
+                                                          for m in messages)
+        if uses_tools and not self.renders_tools:  # Gemma 4's tool format, written by dgemma (tools.py)
+            from .tools import render_tool_chat
+
+            return render_tool_chat(messages, [t["function"] for t in variables.get("tools") or []],
+                                    bos=self.special_tokens.get("bos_token", "<bos>"),
+                                    enable_thinking=enable_thinking, add_generation_prompt=add_generation_prompt)
         template = self.compiled_template()
         try:
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as e:
             raise UsageError(f"the chat template rejected the conversation: {e}") from None
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template renders tools, tool calls and tool results itself (a shipped Gemma 4 template
+        does); otherwise dgemma writes them in Gemma 4's format (tools.render_tool_chat)."""
+        return "tool_calls" in self.chat_template and "tools" in self.chat_template
 
     def compiled_template(self):
         """The chat template, compiled on first use; ModelError (naming where it came from) if it does not compile."""
@@ -322,7 +336,19 @@ class Tokenizer:
                 return self._forgeable_re.sub(swap, content)
             return content
 
-        safe = [{**m, "content": content_text(m.get("content"))} if "content" in m else m for m in messages]
+        def protect(value):  # every string a client wrote: tool names, descriptions, schemas, call arguments
+            if isinstance(value, str):
+                return self._forgeable_re.sub(swap, value)
+            if isinstance(value, dict):
+                return {k: protect(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [protect(v) for v in value]
+            return value
+
+        safe = [{k: (content_text(v) if k == "content" else v if k == "role" else protect(v)) for k, v in m.items()}
+                for m in messages]
+        if kwargs.get("tools"):
+            kwargs = {**kwargs, "tools": protect(kwargs["tools"])}
         rendered = self.render_chat(safe, add_generation_prompt, enable_thinking, **kwargs)
         if not swapped:
             return self.encode(rendered)
