@@ -93,8 +93,6 @@ def chat_body(server, body: dict) -> dict:
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise ApiError(400, "messages must be a list")
-    if body.get("tools"):
-        raise ApiError(400, "tools are not supported yet")
     out = []
     for k, m in enumerate(messages):
         if not isinstance(m, dict):
@@ -103,9 +101,19 @@ def chat_body(server, body: dict) -> dict:
         content = m.get("content", "")
         if pictures:
             content = [{"type": "text", "text": content if isinstance(content, str) else ""}, *pictures]
-        out.append({"role": m.get("role"), "content": content})
+        message = {"role": m.get("role"), "content": content}
+        if m.get("role") == "tool":  # Ollama names the tool, OpenAI refers to the call
+            message["name"] = m.get("tool_name") or m.get("name") or "tool"
+        if isinstance(m.get("tool_calls"), list):  # Ollama's arguments are an object, OpenAI's a JSON string
+            message["tool_calls"] = [
+                {"id": f"call_{k}_{i}", "type": "function",
+                 "function": {"name": (c.get("function") or {}).get("name", ""),
+                              "arguments": json.dumps((c.get("function") or {}).get("arguments") or {})}}
+                for i, c in enumerate(m["tool_calls"]) if isinstance(c, dict)]
+        out.append(message)
+    tools = {"tools": body["tools"]} if body.get("tools") else {}
     return {"model": _model_name(server, body.get("model")), "messages": out, "thinking": bool(body.get("think")),
-            **_options(body), **_format(body)}
+            **tools, **_options(body), **_format(body)}
 
 
 def generate_body(server, body: dict) -> tuple[dict, str]:
@@ -164,11 +172,16 @@ async def _answer(server, prep) -> AsyncIterator[tuple[str, str, Any]]:
 def _final(server, prep, done, text, started: float) -> dict:
     from .serve import finish_reason
 
+    calls = text.tool_calls(text.ids) if done is not None else []
     total = int((time.perf_counter() - started) * 1e9)
     generated = int((done.seconds if done is not None else time.perf_counter() - started) * 1e9)
-    return {"done": True, "done_reason": finish_reason(text, done), "total_duration": total, "load_duration": 0,
-            "prompt_eval_count": len(prep.job.prompt), "prompt_eval_duration": max(0, total - generated),
-            "eval_count": text.returned_tokens(), "eval_duration": generated}
+    out = {"done": True, "done_reason": finish_reason(text, done), "total_duration": total, "load_duration": 0,
+           "prompt_eval_count": len(prep.job.prompt), "prompt_eval_duration": max(0, total - generated),
+           "eval_count": text.returned_tokens(), "eval_duration": generated}
+    if calls:  # Ollama's shape: the arguments as an object
+        out["tool_calls"] = [{"function": {"name": c["function"]["name"],
+                                           "arguments": json.loads(c["function"]["arguments"])}} for c in calls]
+    return out
 
 
 def _piece(server, kind: str, delta: str, thought: str) -> dict:
@@ -196,7 +209,8 @@ async def respond(server, request: Request, openai_body: dict, kind: str, api: s
             answer, thought = answer + delta, thought + th
             final = end or final
         done, text = final
-        return JSONResponse({**_piece(server, shape, answer, thought), **_final(server, prep, done, text, started)})
+        return JSONResponse(_with_calls(shape, {**_piece(server, shape, answer, thought),
+                                                **_final(server, prep, done, text, started)}))
 
     async def lines() -> AsyncIterator[bytes]:
         from .serve import ApiError
@@ -207,7 +221,7 @@ async def respond(server, request: Request, openai_body: dict, kind: str, api: s
                     yield (json.dumps(_piece(server, shape, delta, th), ensure_ascii=False) + "\n").encode()
                 else:
                     last = {**_piece(server, shape, "", ""), **_final(server, prep, end[0], end[1], started)}
-                    yield (json.dumps(last, ensure_ascii=False) + "\n").encode()
+                    yield (json.dumps(_with_calls(shape, last), ensure_ascii=False) + "\n").encode()
         except ApiError as e:
             yield (json.dumps({"error": e.message}) + "\n").encode()
 
@@ -299,6 +313,14 @@ def routes(server) -> list[Route]:
             Route("/api/tags", tags, methods=["GET"]), Route("/api/ps", ps, methods=["GET"]),
             Route("/api/show", show, methods=["POST"]), Route("/api/version", version, methods=["GET"]),
             Route("/", root, methods=["GET", "HEAD"])]
+
+
+def _with_calls(shape: str, obj: dict) -> dict:
+    """A chat answer's tool calls go in its message, as Ollama sends them."""
+    calls = obj.pop("tool_calls", None)
+    if calls and shape == "chat":
+        obj["message"]["tool_calls"] = calls
+    return obj
 
 
 async def _json(obj: dict) -> Response:

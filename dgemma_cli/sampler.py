@@ -242,8 +242,8 @@ def settle_step(buf: SamplerBuffers, canvas: torch.Tensor, argmax: torch.Tensor,
 
     canvas, argmax [B, C]: this step's input canvas and the last argmax canvas; done [B]: rows converged before;
     history: the last argmax canvases (`_stable`); temperature: this step's (`step_temperature`); held [B, h] and
-    constraints as in `generate_events`. Returns the next canvas, the argmax canvas, the accepted positions, the entropy [B, C] and
-    the updated done [B].
+    constraints as in `generate_events`. Returns the next canvas, the argmax canvas, the accepted positions, the
+    entropy [B, C] and the updated done [B].
     """
     B, C = canvas.shape
     dev, V = canvas.device, buf.vocab

@@ -225,8 +225,8 @@ def whole_step_markdown(rows) -> list[str]:
            "FLOPs, real rows only, at the rate of the tensor-core instructions it uses, whichever is larger), "
            "summed: what these kernels run one after another cannot beat however well each is written, since a "
            "memory-bound op (the experts) cannot lend its idle tensor cores to a math-bound one (the dense "
-           "linears, the head). Transient: per request, the sampler's buffers and the step's largest live activations (KV cache "
-           "and weights apart).", "",
+           "linears, the head). Transient: per request, the sampler's buffers and the step's largest live "
+           "activations (KV cache and weights apart).", "",
            "| GPU | format | batch | kernels (torch + Triton) | step bound ms | physical floor ms (memory / math) | "
            "bound / floor | serial floor ms (/ floor) | transient MB per request | canvas x vocab float32 tensors |",
            "|---|---|---:|---|---:|---|---:|---:|---:|---|"]
