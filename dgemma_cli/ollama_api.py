@@ -23,6 +23,14 @@ from starlette.routing import Route
 VERSION = "0.12.0"  # the Ollama API version these routes follow (clients check it for features)
 
 
+class OllamaError(Exception):
+    """A request this API refuses: answered {"error": message} with the status."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
@@ -33,13 +41,11 @@ def _error(status: int, message: str) -> JSONResponse:
 
 def _model_name(server, value: Any) -> str:
     """Ollama names carry a tag ("demo:latest"); the served model answers to its id with or without ":latest"."""
-    from .serve import ApiError
-
     if not isinstance(value, str) or not value:
-        raise ApiError(400, "model is required")
+        raise OllamaError(400, "model is required")
     name = value[: -len(":latest")] if value.endswith(":latest") else value
     if name != server.model_id:
-        raise ApiError(404, f"model '{value[:100]}' not found; this server serves '{server.model_id}'")
+        raise OllamaError(404, f"model '{value[:100]}' not found; this server serves '{server.model_id}'")
     return name
 
 
@@ -47,11 +53,9 @@ def _options(body: dict) -> dict:
     """Ollama's options -> the OpenAI body's fields: temperature, seed, num_predict (max_tokens; -1 or -2: the
     model's limit), stop. Others (top_k, top_p, num_ctx, ...) are accepted and ignored, as Ollama ignores what a
     model does not use."""
-    from .serve import ApiError
-
     options = body.get("options") or {}
     if not isinstance(options, dict):
-        raise ApiError(400, "options must be an object")
+        raise OllamaError(400, "options must be an object")
     out: dict[str, Any] = {}
     for key in ("temperature", "seed", "stop"):
         if options.get(key) is not None:
@@ -64,8 +68,6 @@ def _options(body: dict) -> dict:
 
 def _format(body: dict) -> dict:
     """Ollama's format: "json", or a JSON schema, as the OpenAI body's response_format."""
-    from .serve import ApiError
-
     fmt = body.get("format")
     if fmt in (None, ""):
         return {}
@@ -73,30 +75,26 @@ def _format(body: dict) -> dict:
         return {"response_format": {"type": "json_object"}}
     if isinstance(fmt, dict):
         return {"response_format": {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}}
-    raise ApiError(400, "format must be \"json\" or a JSON schema object")
+    raise OllamaError(400, "format must be \"json\" or a JSON schema object")
 
 
 def _images(images: Any, where: str) -> list[dict]:
-    from .serve import ApiError
-
     if images is None:
         return []
     if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
-        raise ApiError(400, f"{where}.images must be a list of base64 strings")
+        raise OllamaError(400, f"{where}.images must be a list of base64 strings")
     return [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{i}"}} for i in images]
 
 
 def chat_body(server, body: dict) -> dict:
     """/api/chat -> an OpenAI chat body."""
-    from .serve import ApiError
-
     messages = body.get("messages")
     if not isinstance(messages, list):
-        raise ApiError(400, "messages must be a list")
+        raise OllamaError(400, "messages must be a list")
     out = []
     for k, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise ApiError(400, f"messages[{k}] must be an object")
+            raise OllamaError(400, f"messages[{k}] must be an object")
         pictures = _images(m.get("images"), f"messages[{k}]")
         content = m.get("content", "")
         if pictures:
@@ -119,11 +117,9 @@ def chat_body(server, body: dict) -> dict:
 def generate_body(server, body: dict) -> tuple[dict, str]:
     """/api/generate -> (an OpenAI body, its kind): with `suffix` an infill completion, with `raw` the text exactly
     as given, else the prompt (and `system`) through the chat template."""
-    from .serve import ApiError
-
     prompt = body.get("prompt", "")
     if not isinstance(prompt, str):
-        raise ApiError(400, "prompt must be a string")
+        raise OllamaError(400, "prompt must be a string")
     name = _model_name(server, body.get("model"))
     common = {"model": name, **_options(body), **_format(body)}
     if body.get("suffix") is not None:
@@ -139,17 +135,16 @@ def generate_body(server, body: dict) -> tuple[dict, str]:
     return {**common, "messages": messages, "thinking": bool(body.get("think"))}, "chat"
 
 
-async def _answer(server, prep) -> AsyncIterator[tuple[str, str, Any]]:
+async def _answer(api, server, prep) -> AsyncIterator[tuple[str, str, Any]]:
     """(answer delta, thought delta, None) per settled piece, then ("", "", final) with the row's RowDone (or None
     when a stop string ended it). The row is cancelled when the consumer stops."""
     from .batching import RowCanvas, RowDone
-    from .serve import AnswerText, next_event, submit
 
-    events, ticket = submit(server, prep)
-    text = AnswerText(server.engine.tokenizer, prep)
+    events, ticket = api.submit(server, prep)
+    text = api.AnswerText(server.engine.tokenizer, prep)
     try:
         while True:
-            ev = await next_event(events)
+            ev = await api.next_event(events)
             if isinstance(ev, RowCanvas):
                 delta, thought = text.add(ev.tokens)
                 if delta or thought:
@@ -169,13 +164,11 @@ async def _answer(server, prep) -> AsyncIterator[tuple[str, str, Any]]:
         ticket.cancel()
 
 
-def _final(server, prep, done, text, started: float) -> dict:
-    from .serve import finish_reason
-
+def _final(api, server, prep, done, text, started: float) -> dict:
     calls = text.tool_calls(text.ids) if done is not None else []
     total = int((time.perf_counter() - started) * 1e9)
     generated = int((done.seconds if done is not None else time.perf_counter() - started) * 1e9)
-    out = {"done": True, "done_reason": finish_reason(text, done), "total_duration": total, "load_duration": 0,
+    out = {"done": True, "done_reason": api.finish_reason(text, done), "total_duration": total, "load_duration": 0,
            "prompt_eval_count": len(prep.job.prompt), "prompt_eval_duration": max(0, total - generated),
            "eval_count": text.returned_tokens(), "eval_duration": generated}
     if calls:  # Ollama's shape: the arguments as an object
@@ -195,34 +188,31 @@ def _piece(server, kind: str, delta: str, thought: str) -> dict:
     return obj
 
 
-async def respond(server, request: Request, openai_body: dict, kind: str, api: str, stream: bool) -> Response:
-    """Run the translated request and answer as Ollama does: NDJSON when streaming (its default), else one object."""
-    from .serve import has_images, prepare
-
+async def respond(api, server, openai_body: dict, kind: str, shape: str, stream: bool) -> Response:
+    """Run the translated request and answer as Ollama does: NDJSON when streaming (its default), else one object.
+    shape: "chat" (a message) or "generate" (a response)."""
     started = time.perf_counter()
-    pool = server.picture_pool if has_images(openai_body) else None
-    prep = await asyncio.get_running_loop().run_in_executor(pool, prepare, server, openai_body, kind)
-    shape = "chat" if api == "chat" else "generate"
+    pool = server.picture_pool if api.has_images(openai_body) else None
+    prep = await asyncio.get_running_loop().run_in_executor(pool, api.prepare, server, openai_body, kind)
     if not stream:
         answer, thought, final = "", "", None
-        async for delta, th, end in _answer(server, prep):
+        async for delta, th, end in _answer(api, server, prep):
             answer, thought = answer + delta, thought + th
             final = end or final
         done, text = final
         return JSONResponse(_with_calls(shape, {**_piece(server, shape, answer, thought),
-                                                **_final(server, prep, done, text, started)}))
+                                                **_final(api, server, prep, done, text, started)}))
 
     async def lines() -> AsyncIterator[bytes]:
-        from .serve import ApiError
-
         try:
-            async for delta, th, end in _answer(server, prep):
+            async for delta, th, end in _answer(api, server, prep):
                 if end is None:
                     yield (json.dumps(_piece(server, shape, delta, th), ensure_ascii=False) + "\n").encode()
                 else:
-                    last = {**_piece(server, shape, "", ""), **_final(server, prep, end[0], end[1], started)}
+                    last = {**_piece(server, shape, "", ""),
+                            **_final(api, server, prep, end[0], end[1], started)}
                     yield (json.dumps(_with_calls(shape, last), ensure_ascii=False) + "\n").encode()
-        except ApiError as e:
+        except api.ApiError as e:
             yield (json.dumps({"error": e.message}) + "\n").encode()
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
@@ -238,33 +228,33 @@ def _details(server) -> dict:
             "quantization_level": fmt.upper(), "canvas_length": cfg.canvas_length}
 
 
-def routes(server) -> list[Route]:
-    from .serve import ApiError, read_json
+def routes(server, api) -> list[Route]:
+    """The routes, for serve.build_app; `api` is the serve module (its request checks, batch submission and answer
+    text), handed over rather than imported."""
 
     async def guarded(request: Request, work) -> Response:
         try:
             server.authorize(request)
             return await work()
-        except ApiError as e:
+        except (api.ApiError, OllamaError) as e:
             return _error(e.status, e.message)
 
     async def chat(request: Request) -> Response:
         async def work():
-            body = await read_json(request)
-            return await respond(server, request, chat_body(server, body), "chat", "chat", body.get("stream", True)
-                                 is not False)
+            body = await api.read_json(request)
+            return await respond(api, server, chat_body(server, body), "chat", "chat",
+                                 body.get("stream", True) is not False)
         return await guarded(request, work)
 
     async def generate(request: Request) -> Response:
         async def work():
-            body = await read_json(request)
+            body = await api.read_json(request)
             if body.get("prompt", "") == "" and body.get("suffix") is None and not body.get("images"):
                 _model_name(server, body.get("model"))  # Ollama's way to load a model: answer that it is loaded
                 return JSONResponse({"model": f"{server.model_id}:latest", "created_at": _now(), "response": "",
                                      "done": True, "done_reason": "load"})
             openai_body, kind = generate_body(server, body)
-            return await respond(server, request, openai_body, kind, "generate", body.get("stream", True)
-                                 is not False)
+            return await respond(api, server, openai_body, kind, "generate", body.get("stream", True) is not False)
         return await guarded(request, work)
 
     def entry() -> dict:
@@ -283,7 +273,7 @@ def routes(server) -> list[Route]:
 
     async def show(request: Request) -> Response:
         async def work():
-            body = await read_json(request)
+            body = await api.read_json(request)
             _model_name(server, body.get("model") or body.get("name"))
             engine = server.engine
             s = engine.settings

@@ -34,6 +34,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from . import ollama_api
 from .batching import BatchLoop, Closed, Job, QueueFull, RowCanvas, RowDone, RowFailed, RowStep, Ticket
 from .body import BodyError
 from .body import parse as parse_body
@@ -839,7 +840,6 @@ async def answer_stream(server: Server, prep: Prepared) -> Response:
 def build_app(server: Server, hosts: set[str] | None = None, origins: tuple[str, ...] = ()) -> Guard:
     """The routes, behind the Host / Origin / Content-Type checks (guard.py). hosts: the Host names answered
     (None: any); origins: the web page origins allowed to call it ("*": any)."""
-    from .ollama_api import routes as ollama_routes
 
     async def generate(request: Request, kind: str) -> Response:
         server.authorize(request)
@@ -905,7 +905,7 @@ def build_app(server: Server, hosts: set[str] | None = None, origins: tuple[str,
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{name:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
-        *ollama_routes(server),  # Ollama's API on the same engine and batch (ollama_api.py)
+        *ollama_api.routes(server, sys.modules[__name__]),  # Ollama's API on the same engine and batch
     ]
     # An escaping exception reaches internal_error (one line, a 500), then Starlette raises it again: the guard
     # takes it there, so the HTTP server never sees it (it would log a traceback and close the connection).

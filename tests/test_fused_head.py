@@ -102,7 +102,7 @@ def test_the_demo_answers_the_same_through_the_fused_head(fused_head_on, monkeyp
     engine = load("demo", device=DEVICE, dtype="bfloat16")
     made = []
     original = sampler.new_buffers
-    monkeypatch.setattr(sampler, "new_buffers", lambda *a: made.append(original(*a)) or made[-1])
+    monkeypatch.setattr(sampler, "new_buffers", lambda *a, **kw: made.append(original(*a, **kw)) or made[-1])
     fused = engine.generate("What is the capital of France?", greedy=True, seed=0, max_new_tokens=32)
     assert made[-1].fused is not None and made[-1].logits is None  # no canvas x vocab float32 buffer
     monkeypatch.setattr(sampler, "use_fused_head", lambda device, dtype: False)
