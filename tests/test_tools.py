@@ -144,3 +144,25 @@ def test_bad_tool_requests_are_400s(server, kw, param):
     r = server.http.post("/v1/chat/completions", json={"model": "five_to_one", "tool_choice": "required",
                                                         "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+
+
+@pytest.mark.slow
+def test_ollama_tools(server):
+    """Ollama's /api/chat with tools on the same server: a call, when the model makes one (Ollama has no
+    tool_choice), comes back in the message with its arguments as an object, fitting the schema; a tool result
+    goes back as Ollama sends it."""
+    ollama = pytest.importorskip("ollama")
+    client = ollama.Client(host=server.url, timeout=60)
+    tools = [TOOLS[0]]
+    for seed in range(2):
+        r = client.chat(model="five_to_one", messages=[{"role": "user", "content": "weather?"}], tools=tools,
+                        options={"seed": seed, "num_predict": 96})
+        for call in r.message.tool_calls or []:
+            assert call.function.name == "get_weather"
+            jsonschema.validate(dict(call.function.arguments), WEATHER)
+    r = client.chat(model="five_to_one", tools=tools, options={"seed": 0, "num_predict": 32}, messages=[
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather",
+                                                                         "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_name": "get_weather", "content": "sunny"}])
+    assert r.done
