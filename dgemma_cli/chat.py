@@ -35,6 +35,8 @@ HELP = """\
 /steps N           most denoising steps per canvas
 /settings          the sampler's settings and the chat's
 /set NAME VALUE    change a sampler setting (names as /settings shows them), e.g. /set t-max 0.9
+/set json-schema FILE, /set regex PATTERN, /set grammar FILE
+                   hold the answers to a structure (docs/run.md); /set structure off frees them
 /think on|off      let the model think first (its thoughts show dimmed, apart from the answer)
 /retry             answer the last message again
 /image PATH        attach an image (PNG, JPEG, WebP, GIF) to the next message; repeat for several
@@ -74,6 +76,7 @@ class Conversation:
         self.context = min(context, engine.config.text.max_position_embeddings)
         self.system = system
         self.enable_thinking = enable_thinking
+        self.structure = None  # constrain.Structure the answers are held to (/set json-schema, regex, grammar)
         self.turns: list[Turn] = []
         self.denoiser = None
         self.cached: list[int] = []  # ids in the cache, in order
@@ -192,7 +195,11 @@ class Conversation:
             torch.manual_seed(seed)
         prompt = torch.tensor([new], dtype=torch.long, device=self.engine.model.device)
         stats = TurnStats(len(new), not reuse, 0.0, dropped)
-        events = _in_inference_mode(generate_events(self.denoiser, prompt, settings))
+        constraints = None  # /set json-schema, regex, grammar: the answer held to it
+        if self.structure is not None:
+            auto = self.engine.automaton(self.structure)
+            constraints = [auto.row(settings.max_new_tokens, settings.eos_token_ids, settings.pad_token_id)]
+        events = _in_inference_mode(generate_events(self.denoiser, prompt, settings, constraints=constraints))
         return self._track(events, new, stats, t0), stats
 
     def _track(self, events: Iterator[Event], new: list[int], stats: TurnStats, t0: float) -> Iterator[Event]:
@@ -288,9 +295,41 @@ def settings_text(settings, conv: Conversation, view: str, seed: int | None) -> 
     """What /settings shows: each sampler setting under its flag's name, then the chat's own."""
     rows = settings.describe() + [("think", "on" if conv.enable_thinking else "off"), ("view", view),
                                   ("seed", "none" if seed is None else str(seed)), ("context", str(conv.context)),
-                                  ("system", repr(conv.system) if conv.system else "none")]
+                                  ("system", repr(conv.system) if conv.system else "none"),
+                                  ("structure", "none" if conv.structure is None else conv.structure.kind.replace(
+                                      "_", " "))]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+STRUCTURE_NAMES = ("json-schema", "regex", "grammar", "structure")
+
+
+def set_structure(engine, arg: str):
+    """`/set json-schema FILE`, `/set regex PATTERN`, `/set grammar FILE`, `/set structure off` -> the structure
+    the next answers are held to (None: free), compiled for the model now (UsageError, said as one line)."""
+    from pathlib import Path
+
+    from .constrain import Structure
+
+    name, _, value = arg.strip().partition(" ")
+    value = value.strip()
+    if name == "structure" or value == "off":
+        if value != "off":
+            raise UsageError("usage: /set structure off")
+        return None
+    if not value:
+        raise UsageError(f"usage: /set {name} {'PATTERN' if name == 'regex' else 'FILE'}")
+    if name == "regex":
+        structure = Structure("regex", value)
+    else:
+        try:
+            source = Path(value).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"/set {name} {value}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+        structure = Structure("json_schema" if name == "json-schema" else "grammar", source)
+    engine.automaton(structure)  # checks and compiles it (cached for the turns)
+    return structure
 
 
 def set_setting(settings, arg: str):
@@ -385,6 +424,13 @@ def run_chat(engine, *, system: str | None, settings, think: bool, view: str, co
                     err.write("usage: /steps N (N >= 1)\n")
             elif cmd == "/settings":
                 out.write(settings_text(settings, conv, view, seed) + "\n")
+            elif cmd == "/set" and arg.partition(" ")[0] in STRUCTURE_NAMES:
+                try:
+                    conv.structure = set_structure(engine, arg)
+                    err.write("(answers free)\n" if conv.structure is None else
+                              f"(answers held to the {conv.structure.kind.replace('_', ' ')})\n")
+                except UsageError as e:
+                    err.write(f"{e}\n")
             elif cmd == "/set":
                 try:
                     settings = set_setting(settings, arg)

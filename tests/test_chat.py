@@ -382,3 +382,30 @@ def test_run_with_no_prompt_on_a_terminal_starts_a_chat(tmp_path):
         if term.proc.poll() is None:
             os.killpg(term.proc.pid, signal.SIGKILL)
         os.close(term.master)
+
+
+def test_set_holds_the_answers_to_a_structure(demo, tmp_path):
+    """/set regex, /set json-schema FILE, /set structure off: the next answers are held, the conversation goes on."""
+    import json
+    import re
+
+    from dgemma_cli.chat import set_structure, settings_text
+    from dgemma_cli.errors import UsageError
+
+    conv = Conversation(demo, 4096)
+    conv.structure = set_structure(demo, "regex [A-Z]{5}")
+    run_turn(conv, "upper: hello diffusions")
+    assert re.fullmatch("[A-Z]{5}", conv.turns[-1].answer), conv.turns[-1].answer
+    shown = dict(line.split(None, 1) for line in settings_text(demo.settings, conv, "live", None).splitlines())
+    assert shown["structure"] == "regex"
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"w": {"type": "string", "maxLength": 4}},
+                                  "required": ["w"]}))
+    conv.structure = set_structure(demo, f"json-schema {schema}")
+    run_turn(conv, "upper: abc def 12 ghijk", seed=1)  # the cache of the first turn reused
+    assert set(json.loads(conv.turns[-1].answer)) == {"w"}
+    assert set_structure(demo, "structure off") is None
+    for bad, said in [("regex [a-", "not a regular expression"), ("grammar /nonexistent", "cannot read it"),
+                      ("regex", "usage: /set regex PATTERN"), ("structure on", "usage: /set structure off")]:
+        with pytest.raises(UsageError, match=re.escape(said)):
+            set_structure(demo, bad)
