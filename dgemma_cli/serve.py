@@ -495,8 +495,9 @@ def tok_chat(tok, messages: Any, thinking: bool, placeholder: str | None = None,
                 raise _type_error(f"{where}.tool_calls", "a list of calls", calls)
             extra["tool_calls"] = [{"id": str(c.get("id") or ""), "type": "function",
                                     "function": {"name": str(c["function"].get("name") or ""),
-                                                 "arguments": c["function"].get("arguments") or "{}"}}
-                                   for c in calls]
+                                                 "arguments": call_arguments(c["function"].get("arguments"),
+                                                                             f"{where}.tool_calls[{k}]")}}
+                                   for k, c in enumerate(calls)]
             if content is None:
                 content = ""
         if isinstance(content, list):  # content parts: text, and images as data: URLs
@@ -527,6 +528,22 @@ def tok_chat(tok, messages: Any, thinking: bool, placeholder: str | None = None,
                                tools=[{"type": "function", "function": f} for f in tools] if tools else None), images
     except UsageError as e:
         raise ApiError(400, str(e), param="messages", code="invalid_value") from None
+
+
+def call_arguments(value: Any, where: str) -> dict:
+    """A call's arguments as the API sends them (a JSON string, or an object) -> the object, the string parsed as a
+    body is (body.py: nesting and size limits, a helper process for a huge one): never a bare json.loads here."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        try:
+            value = parse_body(value.encode("utf-8", "surrogatepass"))
+        except BodyError as e:
+            raise ApiError(400, f"{where}.function.arguments: {e.message}", param=f"{where}.function.arguments",
+                           code="invalid_value") from None
+    if not isinstance(value, dict):
+        raise _type_error(f"{where}.function.arguments", "a JSON object (or its text)", value)
+    return value
 
 
 def completion_prompt(value: Any) -> tuple[str | None, list[int] | None]:

@@ -246,6 +246,13 @@ def openai_calls(calls: list[dict]) -> list[dict]:
 # ------------------------------------------------------------------------------------------ holding to a call
 
 
+def _bound(value: Any, default: int) -> int:
+    """A schema's numeric bound as an integer within +-10^10 (a client's schema may hold anything there)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return default
+    return int(max(-(10**10 - 1), min(10**10 - 1, value)))
+
+
 def call_grammar(functions: list[dict], call_start: int, call_end: int, quote: int | None, most: int = 1) -> str:
     """A Lark grammar (llguidance's dialect) for one to `most` calls of `functions`, each with arguments that fit
     its parameters schema, between the call tokens (by id); strings between the quote token (by id) or, where the
@@ -278,9 +285,10 @@ def call_grammar(functions: list[dict], call_start: int, call_end: int, quote: i
             item = rule(schema.get("items", {}), name + "_item")
             body = f'"[" ({item} ("," {item})*)? "]"'
         elif kind == "integer":  # unbounded ones as numbers of at most 10 digits
-            lo, hi = schema.get("minimum"), schema.get("maximum")
-            lo = -(10**10 - 1) if lo is None else int(lo)
-            hi = 10**10 - 1 if hi is None else int(hi)
+            lo = _bound(schema.get("minimum"), -(10**10 - 1))
+            hi = _bound(schema.get("maximum"), 10**10 - 1)
+            if lo > hi:
+                raise UsageError(f"a tool parameter's integer range [{lo}, {hi}] holds no integer")
             body = f"/{integer_regex(lo, hi)}/"
         elif kind == "number":  # digits bounded: a walk without lookahead must be able to finish a number
             body = r"/-?(0|[1-9][0-9]{0,8})(\.[0-9]{1,6})?/"
@@ -290,7 +298,8 @@ def call_grammar(functions: list[dict], call_start: int, call_end: int, quote: i
             body = '"null"'
         else:  # strings, and anything unspecified, as a string (of at most maxLength characters where given)
             most = schema.get("maxLength")
-            body = f"{q} /[^<]*/ {q}" if most is None else f"{q} /[^<]{{0,{min(int(most), 512)}}}/ {q}"
+            most = None if most is None else max(0, min(_bound(most, 512), 512))
+            body = f"{q} /[^<]*/ {q}" if most is None else f"{q} /[^<]{{0,{most}}}/ {q}"
         rules.append(f"{name}: {body}")
         return name
 

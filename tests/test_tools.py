@@ -166,3 +166,22 @@ def test_ollama_tools(server):
                                                                          "arguments": {"city": "Paris"}}}]},
         {"role": "tool", "tool_name": "get_weather", "content": "sunny"}])
     assert r.done
+
+
+def test_hostile_tool_requests_are_400s_not_500s(server):
+    """Arguments nested past the body's limit, a schema with nonsense bounds: one JSON error, no traceback."""
+    deep = "[" * 5000 + "]" * 5000
+    history = [{"role": "user", "content": "x"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c", "type": "function", "function": {"name": "add", "arguments": deep}}]},
+               {"role": "tool", "tool_call_id": "c", "content": "1"}]
+    r = server.http.post("/v1/chat/completions", json={"model": "five_to_one", "messages": history, "tools": TOOLS})
+    assert r.status_code == 400 and "arguments" in r.json()["error"]["param"], r.text
+    odd = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": "low", "maximum": [1]}, "s": {"type": "string", "maxLength": -3}}}}}]
+    r = server.http.post("/v1/chat/completions", json={
+        "model": "five_to_one", "messages": [{"role": "user", "content": "x"}], "tools": odd, "max_tokens": 48,
+        "tool_choice": "required", "steps": 4, "seed": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] in ("tool_calls", "length")
+    assert not any("Traceback" in line or "internal error" in line for line in server.lines)
