@@ -330,7 +330,8 @@ def prepare(server: Server, body: dict, kind: str) -> Prepared:
         try:
             automaton = engine.automaton(structure)
         except UsageError as e:
-            where = next((k for k in GUIDED if body.get(k) is not None), "response_format")
+            where = "tool_choice" if call_structure is not None else next(
+                (k for k in GUIDED if body.get(k) is not None), "response_format")
             raise ApiError(400, str(e), param=where, code="invalid_value") from None
     job = Job(prompt, settings, seed, capacity, held, want_steps=stream_steps, image_features=image_features,
               automaton=automaton)
