@@ -34,7 +34,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import ollama_api
+from . import answer, ollama_api
 from .batching import BatchLoop, Closed, Job, QueueFull, RowCanvas, RowDone, RowFailed, RowStep, Ticket
 from .body import BodyError
 from .body import parse as parse_body
@@ -566,94 +566,15 @@ def completion_prompt(value: Any) -> tuple[str | None, list[int] | None]:
 # ----------------------------------------------------------------------------- text as the canvases finish
 
 
-class AnswerText:
-    """The answer of a row's finished canvases, handed out as deltas that only ever append.
-
-    Chat answers are decoded as `dgemma run` decodes them (thought channel apart, special tokens removed, stripped);
-    completions as `dgemma run --raw` and `dgemma fim` do. Text a later canvas may still change waits: trailing
-    whitespace (chat), an incomplete character, and the start of a possible stop string.
-    """
+class AnswerText(answer.AnswerText):
+    """A request's answer text (answer.AnswerText) as its Prepared says: chat answers as `dgemma run` decodes them,
+    completions and structured answers as their bytes, its stop strings, an infill's middle ending at pad too."""
 
     def __init__(self, tok, prep: Prepared):
-        self.tok, self.chat, self.stops = tok, prep.kind == "chat" and not prep.structured, prep.stops
-        self.tools = prep.tools
         s = prep.job.settings
-        self.ends = set(s.eos_token_ids) | ({s.pad_token_id} if prep.job.held else set())
-        self.limit = s.max_new_tokens
-        self.ids: list[int] = []
-        self.sent, self.sent_thought = "", ""
-        self.stopped = False
-
-    def texts(self, ids: list[int], final: bool) -> tuple[str, str]:
-        cut = next((i for i, t in enumerate(ids) if t in self.ends), len(ids))
-        ids = ids[: min(cut, self.limit)]
-        thought, answer = self.texts_of(ids)
-        hits = [i for i in (answer.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.stopped = True
-            return thought, answer[: min(hits)]
-        if not final:
-            answer = answer.rstrip("\ufffd")
-            for s in self.stops:  # the longest end of the text that could begin a stop string
-                for k in range(min(len(s) - 1, len(answer)), 0, -1):
-                    if answer.endswith(s[:k]):
-                        answer = answer[:-k]
-                        break
-            thought = thought.rstrip("\ufffd")
-        return thought, answer
-
-    def returned_tokens(self) -> int:
-        """Tokens behind the text returned: up to the end token or the limit, and after a stop string's cut only
-        those needed for the text before it (the fewest whose answer reaches its length, trailing whitespace
-        aside: a decoded answer is stripped)."""
-        cut = next((i for i, t in enumerate(self.ids) if t in self.ends), len(self.ids))
-        ids = self.ids[: min(cut, self.limit)]
-        if not self.stopped:
-            return len(ids)
-        want = len(self.sent.rstrip()) + len(self.sent_thought.rstrip())
-        lo, hi = 0, len(ids)  # the answer's length grows with the tokens decoded: the first prefix long enough
-        while lo < hi:
-            mid = (lo + hi) // 2
-            thought, answer = self.texts_of(ids[:mid])
-            if len(thought) + len(answer) >= want:
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
-
-    def texts_of(self, ids: list[int]) -> tuple[str, str]:
-        if self.tools:  # as decode_answer, the answer cut where a tool call starts (calls are not content)
-            from .tools import CALL_START
-
-            thought, answer = self.tok.split_thought(self.tok.decode(ids, skip_special_tokens=False))
-            cut = answer.find(CALL_START)
-            answer = answer if cut < 0 else answer[:cut]
-            return self.tok.strip_special(thought).strip(), self.tok.strip_special(answer).strip()
-        return self.tok.decode_answer(ids) if self.chat else ("", self.tok.decode(ids))
-
-    def tool_calls(self, ids: list[int]) -> list[dict]:
-        """The calls in the answer's ids (cut as its text is), as OpenAI's message.tool_calls."""
-        if not self.tools:
-            return []
-        from .tools import openai_calls, parse_tool_calls
-
-        cut = next((i for i, t in enumerate(ids) if t in self.ends), len(ids))
-        _, answer = self.tok.split_thought(self.tok.decode(ids[: min(cut, self.limit)], skip_special_tokens=False))
-        return openai_calls(parse_tool_calls(answer)[1])
-
-    def add(self, canvas: list[int]) -> tuple[str, str]:
-        self.ids += canvas
-        return self._delta(*self.texts(self.ids, final=False))
-
-    def finish(self, token_ids: list[int]) -> tuple[str, str]:
-        return self._delta(*self.texts(token_ids, final=True))
-
-    def _delta(self, thought: str, answer: str) -> tuple[str, str]:
-        da = answer[len(self.sent) :] if answer.startswith(self.sent) else ""
-        dt = thought[len(self.sent_thought) :] if thought.startswith(self.sent_thought) else ""
-        self.sent += da
-        self.sent_thought += dt
-        return da, dt
+        super().__init__(tok, limit=s.max_new_tokens,
+                         ends=set(s.eos_token_ids) | ({s.pad_token_id} if prep.job.held else set()),
+                         chat=prep.kind == "chat" and not prep.structured, tools=prep.tools, stops=prep.stops)
 
 
 # ----------------------------------------------------------------------------- answering
