@@ -896,6 +896,11 @@ def serve(model: str, *, host: str, port: int, api_key: str | None, max_batch: i
     engine = load(model, device=device, dtype=dtype)
     if engine.tokenizer is None:
         raise ModelError(f"{engine.path}: no tokenizer.json: the server needs one to read text")
+    if engine.model.device.type == "cuda" and prefix_cache_bytes:  # the stored prompts live on the GPU: never more
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(engine.model.device)  # than a quarter of what loading left free
+        prefix_cache_bytes = min(prefix_cache_bytes, free // 4)
     loop = BatchLoop(engine.model, max_batch=max_batch, max_queue=max_queue, prefix_cache_bytes=prefix_cache_bytes)
     server = Server(engine, loop, model_id(model), api_key)
     # The objects loading made (modules, the model's) live as long as the server: out of the garbage collector's
