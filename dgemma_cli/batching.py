@@ -168,7 +168,7 @@ class _Row:
             model.encode(torch.tensor([rest], dtype=torch.long, device=dev), self.cache,
                          image_features=job.image_features)
         if shareable:
-            prefixes.store(job.prompt, self.cache, [spec.is_sliding for spec in model.cfg.text.layers])
+            prefixes.store(job.prompt, self.cache)
         self.start_canvas()
 
     def start_canvas(self) -> None:
@@ -272,7 +272,8 @@ class BatchLoop:
         if max_batch < 1 or max_queue < 0:
             raise ValueError("max_batch must be >= 1 and max_queue >= 0")
         self.model = model
-        self.prefixes = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        self.prefixes = (PrefixCache(prefix_cache_bytes, [spec.is_sliding for spec in model.cfg.text.layers])
+                         if prefix_cache_bytes > 0 else None)
         self.max_batch, self.max_queue = max_batch, max_queue
         self.C, self.V = model.cfg.canvas_length, model.cfg.text.vocab_size
         self.experts_per_row = model.device.type == "cpu"  # exactly the single run's bits (module docstring)

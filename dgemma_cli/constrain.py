@@ -495,6 +495,11 @@ def best_path(auto: TokenAutomaton, score: torch.Tensor, state: int, room: int, 
     return out, ok
 
 
+def _room(limit: int, produced: int, length: int) -> int:
+    """Positions of a canvas (or its kept ids) of `length` within max_new_tokens, `produced` tokens in."""
+    return max(0, min(length, limit - produced))
+
+
 class RowConstraint:
     """One answer's constraint as its canvases are denoised: where the automaton is at the current canvas's start,
     how many tokens the answer has, and whether it could be kept."""
@@ -513,7 +518,7 @@ class RowConstraint:
         """logp [C, V]: this step's log-probabilities for the row's canvas; sample, argmax [C]: overwritten in place
         with the best paths (the sample's on Gumbel-perturbed scores)."""
         C = logp.shape[0]
-        room = max(0, min(C, self.limit - self.produced))
+        room = _room(self.limit, self.produced, C)
         after = self.limit - self.produced - room
         best, ok = best_path(self.auto, logp, self.state, room, after, self.end_ids, self.pad_id)
         self.ok = ok
@@ -527,7 +532,7 @@ class RowConstraint:
 
     def end_canvas(self, tokens) -> None:
         """The canvas kept (its ids, pad after an end id): move the automaton through it."""
-        room = max(0, min(len(tokens), self.limit - self.produced))
+        room = _room(self.limit, self.produced, len(tokens))
         for t in list(tokens)[:room]:
             t = int(t)
             if t in self.end_ids:
@@ -676,13 +681,13 @@ class GrammarRowConstraint:
         return out
 
     def step(self, logp: torch.Tensor, sample: torch.Tensor, argmax: torch.Tensor, greedy: bool) -> None:
-        room = max(0, min(logp.shape[0], self.limit - self.produced))
+        room = _room(self.limit, self.produced, logp.shape[0])
         best = self._walk(logp, room, draw=False)
         argmax.copy_(best)
         sample.copy_(best if greedy else self._walk(logp, room, draw=True))
 
     def end_canvas(self, tokens) -> None:
-        room = max(0, min(len(tokens), self.limit - self.produced))
+        room = _room(self.limit, self.produced, len(tokens))
         for t in list(tokens)[:room]:
             t = int(t)
             if t in self.end_ids:

@@ -30,8 +30,10 @@ class _Entry:
 
 
 class PrefixCache:
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, sliding: list[bool]):
+        """sliding: per layer, whether it keeps only a window (model.cfg.text.layers' is_sliding)."""
         self.max_bytes = max_bytes
+        self.sliding = sliding
         self.entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
         self.bytes = 0
         self.hits = 0  # requests that reused an entry
@@ -60,14 +62,14 @@ class PrefixCache:
         self.reused_tokens += n
         return n
 
-    def store(self, prompt: list[int], cache, sliding: list[bool]) -> None:
+    def store(self, prompt: list[int], cache) -> None:
         """Keep a copy of one-row `cache` right after `prompt` was encoded into it (cache.length == len(prompt))."""
         key = tuple(prompt)
         if not key or key in self.entries or self.max_bytes <= 0:
             return
         n = cache.length
         ks, vs = [], []
-        for layer, is_sliding in enumerate(sliding):
+        for layer, is_sliding in enumerate(self.sliding):
             slots = cache.window if is_sliding else n
             ks.append(cache.k[layer][0, :, :slots].clone())
             vs.append(cache.v[layer][0, :, :slots].clone())

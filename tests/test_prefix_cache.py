@@ -28,19 +28,19 @@ def test_lookup_takes_the_longest_prefix_and_evicts_the_oldest():
     model = engine.model
     sliding = [s.is_sliding for s in model.cfg.text.layers]
     caches = {}
-    pc = PrefixCache(10**9)
+    pc = PrefixCache(10**9, sliding)
     for ids in ([2, 5, 6], [2, 5, 6, 7, 8], [2, 9]):
         cache = model.new_cache(1, 64)
         model.encode(torch.tensor([ids]), cache)
-        pc.store(ids, cache, sliding)
+        pc.store(ids, cache)
         caches[tuple(ids)] = cache
     assert pc.lookup([2, 5, 6, 7, 8, 9]).ids == (2, 5, 6, 7, 8)
     assert pc.lookup([2, 5, 6, 7]).ids == (2, 5, 6)
     assert pc.lookup([2, 5]) is None and pc.lookup([3, 5, 6]) is None
     one = pc.entries[(2, 9)].nbytes
-    small = PrefixCache(2 * one + 1)  # room for two entries of this size
+    small = PrefixCache(2 * one + 1, sliding)  # room for two entries of this size
     for ids in ([2, 5, 6], [2, 9], [2, 8]):
-        small.store(ids, caches.get(tuple(ids)) or caches[(2, 9)], sliding)
+        small.store(ids, caches.get(tuple(ids)) or caches[(2, 9)])
     assert list(small.entries) == [(2, 9), (2, 8)] and small.bytes <= small.max_bytes
 
 
@@ -72,10 +72,10 @@ def test_a_resent_conversation_answers_as_encoded_whole(checkpoints):
     # the restored state is the whole prompt's, layer by layer (sliding windows included)
     whole = model.new_cache(1, cap)
     model.encode(torch.tensor([turn2]), whole)
-    pc = PrefixCache(2**26)
+    pc = PrefixCache(2**26, [s.is_sliding for s in model.cfg.text.layers])
     part = model.new_cache(1, cap)
     model.encode(torch.tensor([turn1]), part)
-    pc.store(turn1, part, [s.is_sliding for s in model.cfg.text.layers])
+    pc.store(turn1, part)
     resumed = model.new_cache(1, cap)
     pc.restore(pc.lookup(turn2), resumed)
     model.encode(torch.tensor([turn2[len(turn1):]]), resumed)
