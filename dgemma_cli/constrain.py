@@ -452,13 +452,13 @@ def best_path(auto: TokenAutomaton, score: torch.Tensor, state: int, room: int, 
     best path that ignores the length limit (an answer cut short)."""
     C = score.shape[0]
     dev = score.device
-    S, END = auto.S, auto.S
+    END = auto.S
     out = torch.full((C,), pad_id, dtype=torch.long, device=dev)
     if room <= 0:
         return out, bool(auto.final[state])
     sc = score[:room]
     w, wtok = _edge_weights(auto, sc, noise)
-    finals = torch.nonzero(auto.final).flatten().to(dev)
+    finals = torch.nonzero(auto.final).flatten()
     ends = torch.tensor(sorted(set(end_ids)), dtype=torch.long, device=dev)
     stop = torch.tensor(sorted(set(end_ids) | {pad_id}), dtype=torch.long, device=dev)
     end_sc, stop_sc = sc[:, ends], sc[:, stop]
@@ -467,32 +467,51 @@ def best_path(auto: TokenAutomaton, score: torch.Tensor, state: int, room: int, 
         end_sc, stop_sc = end_sc + gumbel(end_sc.shape, g, dev), stop_sc + gumbel(stop_sc.shape, g, dev)
     eos_w, eos_i = end_sc.max(dim=1)
     stop_w, stop_i = stop_sc.max(dim=1)
+    # The dynamic programme runs on the host over [room, edges] tables (edges: the automaton's groups, a few
+    # hundred to a few thousand): on a GPU its per-position loop would be hundreds of tiny kernels and a host
+    # round trip per position of the back-trace; the device's work is the vocabulary-wide gathers above.
     nf = finals.numel()
-    src = torch.cat([auto.src.to(dev), finals, torch.tensor([END], device=dev)])
-    dst = torch.cat([auto.dst.to(dev), torch.full((nf,), END, device=dev), torch.tensor([END], device=dev)])
-    W = torch.cat([w, eos_w[:, None].expand(room, nf), stop_w[:, None]], dim=1)  # [room, E]
-    tok = torch.cat([wtok, ends[eos_i][:, None].expand(room, nf), stop[stop_i][:, None]], dim=1)
-    edge = torch.arange(src.numel(), device=dev)
-    V = torch.full((S + 1,), -math.inf, dtype=score.dtype, device=dev)
+    cpu = torch.device("cpu")
+    src = torch.cat([auto.src, finals, torch.tensor([END])])
+    dst = torch.cat([auto.dst, torch.full((nf,), END), torch.tensor([END])])
+    W = torch.cat([w, eos_w[:, None].expand(room, nf), stop_w[:, None]], dim=1).to(cpu)  # [room, E]
+    tok = torch.cat([wtok, ends[eos_i][:, None].expand(room, nf), stop[stop_i][:, None]], dim=1).to(cpu)
+    dist = torch.cat([auto.dist, torch.tensor([0])])
+    path, ok = host_path(W, tok, src, dst, dist, state, after)
+    if path is None:
+        return out, False
+    out[:room] = path.to(dev)
+    return out, ok
+
+
+def host_path(W: torch.Tensor, tok: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, dist: torch.Tensor,
+              state: int, after: int) -> tuple[torch.Tensor | None, bool]:
+    """best_path's dynamic programme, on the host. W, tok [room, E]: each edge's score and token per position; src,
+    dst [E]: its states (the last one, END, absorbs); dist [S + 1]: tokens to acceptance. Returns (tokens [room],
+    ok), or (None, False) when no path exists at all."""
+    room, S1 = W.shape[0], dist.numel()
+    edge = torch.arange(src.numel())
+    V = torch.full((S1,), -math.inf, dtype=W.dtype)
     V[state] = 0.0
-    back = torch.full((room, S + 1), -1, dtype=torch.long, device=dev)
+    back = torch.full((room, S1), -1, dtype=torch.long)
     for p in range(room):  # V[s]: the best score of positions < p ending in state s (END: ended)
         cand = V[src] + W[p]
         nv = torch.full_like(V, -math.inf).scatter_reduce(0, dst, cand, "amax")
         best = (cand == nv[dst]) & torch.isfinite(cand)
         back[p].scatter_(0, dst[best], edge[best])
         V = nv
-    dist = torch.cat([auto.dist.to(dev), torch.tensor([0], device=dev)])
-    feasible = torch.where(dist <= after, V, torch.tensor(-math.inf, dtype=V.dtype, device=dev))
+    feasible = torch.where(dist <= after, V, torch.tensor(-math.inf, dtype=V.dtype))
     ok = bool(torch.isfinite(feasible).any())
     last = int((feasible if ok else V).argmax())
     if not torch.isfinite(V[last]):
-        return out, False
+        return None, False
+    back_l, tok_l, src_l = back.tolist(), tok.tolist(), src.tolist()
+    path = [0] * room
     for p in range(room - 1, -1, -1):
-        e = int(back[p, last])
-        out[p] = tok[p, e]
-        last = int(src[e])
-    return out, ok
+        e = back_l[p][last]
+        path[p] = tok_l[p][e]
+        last = src_l[e]
+    return torch.tensor(path, dtype=torch.long), ok
 
 
 def _room(limit: int, produced: int, length: int) -> int:

@@ -5,6 +5,10 @@
    synthetic byte vocabulary: every printable ASCII string of one to three characters, then four-character ones,
    as many as a real vocabulary has ids), for a JSON Schema and a grammar: compile time, and per step the argmax
    and the sample search (dgemma_cli/constrain.py), from random log-probabilities.
+3. The same search in the kernel report's terms (what a CUDA device would run; no GPU needed): every torch op the
+   step launches, metered as the whole-step trace meters them (dgemma_cli.step_trace's meter: bytes each op reads
+   and writes), each at its bytes at the GPU's peak bandwidth, summed; and the kernels launched and host round
+   trips (a Python int() or bool() of a device tensor) the step makes, each of which serialises the GPU.
 
     .venv/bin/python scripts/bench_structured.py
 """
@@ -76,6 +80,38 @@ def search_cost(structure: Structure, tok, vocab: int, canvas: int = 256, steps:
                 edges=getattr(auto, "edges", 0), states=getattr(auto, "S", None))
 
 
+SYNCS = ("aten::_local_scalar_dense", "aten::is_nonzero", "aten::item", "aten::nonzero")  # the host waits
+
+
+def search_ops(structure: Structure, tok, vocab: int, canvas: int = 256) -> dict:
+    """One step's search (argmax and draw) on random log-probabilities, every torch op on the device metered:
+    kernels launched, bytes read and written, host round trips (a nonzero's size, an int() or bool())."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from dgemma_cli import constrain
+    from dgemma_cli.step_trace import _Meter
+
+    def unmetered(*args, host=constrain.host_path):  # the dynamic programme runs on the host: no kernels
+        with _disable_current_modes():
+            return host(*args)
+
+    auto = compile_structure(structure, tok, vocab)
+    g = torch.Generator().manual_seed(0)
+    logp = torch.log_softmax(torch.randn(canvas, vocab, generator=g) * 3, dim=-1)
+    row = auto.row(max_new_tokens=4096, end_ids=[1], pad_id=0, generator=g)
+    sample, argmax = torch.zeros(canvas, dtype=torch.long), torch.zeros(canvas, dtype=torch.long)
+    ops: list = []
+    constrain.host_path = unmetered
+    try:
+        with _Meter(ops, persistent=set()):
+            row.step(logp, sample, argmax, greedy=False)
+    finally:
+        constrain.host_path = unmetered.__kwdefaults__["host"]
+    syncs = sum(o.name in SYNCS for o in ops)
+    kernels = [o for o in ops if o.name not in SYNCS]
+    return dict(kernels=len(kernels), syncs=syncs, bytes=sum(o.bytes for o in kernels))
+
+
 def demo_rows() -> list[dict]:
     from dgemma_cli.engine import load
 
@@ -114,6 +150,16 @@ def main() -> None:
                      ("Lark grammar (sums)", Structure("grammar", GRAMMAR))):
         c = search_cost(st, tok, vocab)
         print(f"| {name} | {c['compile_s']:.2f} | {c['edges']:,} | {c['step_ms']:.0f} |")
+    from quant.kernels.roofline import GPUS, dram_us
+
+    print("\nthe same step in the kernel report's terms (torch ops as a CUDA device would launch them):")
+    print("| structure | kernels | host round trips | GB read + written | " +
+          " | ".join(f"{GPUS[cc].name} bytes at peak (ms)" for cc in (89, 90, 120)) + " |")
+    print("|---|---:|---:|---:|" + "---:|" * 3)
+    st = Structure("json_schema", json.dumps(SCHEMA))
+    c = search_ops(st, tok, vocab)
+    print(f"| JSON Schema | {c['kernels']:,} | {c['syncs']:,} | {c['bytes'] / 1e9:.3f} | " +
+          " | ".join(f"{dram_us(GPUS[cc], c['bytes']) / 1e3:.2f}" for cc in (89, 90, 120)) + " |")
 
 
 if __name__ == "__main__":
