@@ -277,7 +277,8 @@ class BatchLoop:
         self.max_batch, self.max_queue = max_batch, max_queue
         self.C, self.V = model.cfg.canvas_length, model.cfg.text.vocab_size
         self.experts_per_row = model.device.type == "cpu"  # exactly the single run's bits (module docstring)
-        head = (model.cfg.text.hidden_size, model.dtype) if use_fused_head(model.device, model.dtype) else None
+        head = (model.cfg.text.hidden_size, model.dtype) \
+            if use_fused_head(model.device, model.dtype) and not model.token_rows else None
         self.buf = SamplerBuffers(max_batch * self.C, self.V, model.device, head)
         self.pending: deque[Ticket] = deque()
         self.rows: list[_Row] = []

@@ -99,6 +99,19 @@ def _check_device_dtype(device: str, dtype: str) -> None:
     check_dtype_name(dtype)
 
 
+ADAPTER_OPTION = typer.Option(
+    None, "--adapter", metavar="DIR[:SCALE]", help="A LoRA adapter in PEFT's format (a directory, or a bundled or "
+    "stored adapter's name), applied unmerged to any base format; :SCALE weighs it (default 1). Repeat to add "
+    "several.")
+
+
+def _adapters(args: Optional[List[str]]) -> list:
+    """--adapter values -> [(directory, scale)], each checked before torch is imported."""
+    from .names import resolve_adapter
+
+    return [resolve_adapter(a) for a in args or []]
+
+
 def _model_dir(model: Optional[str], quiet: bool = False) -> str:
     """--model, else $DGEMMA_MODEL (an error then names the variable), else the bundled demo model (said on stderr
     unless quiet). Resolved and checked here, before anything imports torch: a missing model is said at once."""
@@ -169,6 +182,7 @@ def run(
     grammar: Optional[str] = typer.Option(
         None, "--grammar", metavar="FILE", help="Hold the answer to this context-free grammar: llguidance's Lark "
         "syntax (start: ...), or llama.cpp's GBNF (root ::= ...)."),
+    adapter: Optional[List[str]] = ADAPTER_OPTION,
     quiet: bool = QUIET_OPTION,
 ) -> None:
     """Generate one answer. Stdout gets only the answer (or one JSON object with --json).
@@ -199,6 +213,7 @@ def run(
     sampler = _sampler_settings(max_new_tokens=max_new_tokens, max_denoising_steps=steps, t_max=t_max,
                                 t_min=t_min, temperature=temperature, entropy_bound=entropy_bound,
                                 confidence_threshold=confidence_threshold, stability_threshold=stability_threshold)
+    adapters = _adapters(adapter)
     _be_quiet(quiet)
     joined = _prompt_words(prompt)
     structure = _structure(json_schema, regex, grammar, stdin_prompt=joined is None)
@@ -209,7 +224,8 @@ def run(
         return chat(model=model, system=system, max_new_tokens=max_new_tokens, steps=steps, t_max=t_max,
                     t_min=t_min, temperature=temperature, entropy_bound=entropy_bound,
                     confidence_threshold=confidence_threshold, stability_threshold=stability_threshold, think=False,
-                    view=view or "live", context=None, seed=seed, device=device, dtype=dtype, quiet=quiet)
+                    view=view or "live", context=None, seed=seed, device=device, dtype=dtype, adapter=adapter,
+                    quiet=quiet)
     _check_images(image or [], image_tokens, stdin_prompt=joined is None, each_line=each_line)
     text = _read_prompt(joined)
     if joined is None and not raw and not each_line:
@@ -217,7 +233,7 @@ def run(
     if each_line:
         return _run_each_line(text, model=model, as_json=as_json, batch_size=batch_size or 8, device=device,
                               dtype=dtype, quiet=quiet, raw=raw, system=system, seed=seed, structure=structure,
-                              **sampler)
+                              adapters=adapters, **sampler)
     if not text.strip():
         raise UsageError("empty prompt")
     model_dir = _model_dir(model, quiet)  # a missing model is said before torch is imported (seconds)
@@ -230,7 +246,7 @@ def run(
 
     from .engine import load  # heavy: torch
 
-    engine = load(model_dir, device=device, dtype=dtype)
+    engine = load(model_dir, device=device, dtype=dtype, adapters=adapters)
     kwargs = dict(raw=raw, system=system, seed=seed, **sampler)
     if structure is not None:
         engine.automaton(structure)  # compiled before the first step: a schema the vocabulary cannot spell fails here
@@ -454,7 +470,7 @@ class _CtrlCHeld:
 
 
 def _run_each_line(text: str, *, model, as_json: bool, batch_size: int, device: str, dtype: str,
-                   quiet: bool = False, **gen) -> None:
+                   quiet: bool = False, adapters=(), **gen) -> None:
     """One answer (or JSON Lines object) per input line, in input order; blank lines give blank answers.
 
     Each batch's answers are written and flushed as soon as it is done, so a reader sees them arrive; what is on
@@ -471,7 +487,7 @@ def _run_each_line(text: str, *, model, as_json: bool, batch_size: int, device: 
     model_dir = _model_dir(model, quiet)  # before torch is imported
     from .engine import load  # heavy: torch
 
-    engine = load(model_dir, device=device, dtype=dtype)
+    engine = load(model_dir, device=device, dtype=dtype, adapters=adapters)
     todo = [i for i, line in enumerate(lines) if line.strip()]
     written = 0  # input lines answered on stdout so far
     cut_short = 0  # answers that could not complete their --json-schema / --regex
@@ -535,6 +551,7 @@ def chat(
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed each turn's generation."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
     dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto."),
+    adapter: Optional[List[str]] = ADAPTER_OPTION,
     quiet: bool = QUIET_OPTION,
 ) -> None:
     """Chat in the terminal; the KV cache carries over between turns. /help lists the commands.
@@ -551,12 +568,13 @@ def chat(
         raise UsageError("--context must be at least 64")
     if not sys.stdin.isatty():
         raise UsageError("dgemma chat needs a terminal; for pipes use `dgemma run` (--each-line for many prompts)")
+    adapters = _adapters(adapter)
     _be_quiet(quiet)
     model_dir = _model_dir(model, quiet)
     from .chat import run_chat
     from .engine import load
 
-    engine = load(model_dir, device=device, dtype=dtype)
+    engine = load(model_dir, device=device, dtype=dtype, adapters=adapters)
     settings = engine.settings.override(**sampler)
     raise typer.Exit(run_chat(engine, system=system, settings=settings, think=think, view=view, context=context,
                               seed=seed, quiet=quiet))

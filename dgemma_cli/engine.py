@@ -75,6 +75,7 @@ class ModelDenoiser:
         self.canvas_length = model.cfg.canvas_length
         self.hidden_size = model.cfg.text.hidden_size
         self.dtype = model.dtype
+        self.plain_head = not model.token_rows  # the fused head reads the embedding as it is, without adapter rows
         self.ctx = None
         # Soft tokens [N, H] of the images in the next encoded chunk (the prompt): used once, then dropped.
         self.image_features: torch.Tensor | None = None
@@ -440,8 +441,13 @@ def _in_inference_mode(events: Iterator[Event], denoiser: ModelDenoiser | None =
         yield event
 
 
-def load(model: str | Path, device: str = "auto", dtype: str = "auto") -> Engine:
-    """Load a checkpoint directory (Hugging Face layout), or 'demo', with its tokenizer and generation defaults."""
+def load(model: str | Path, device: str = "auto", dtype: str = "auto", adapters=()) -> Engine:
+    """Load a checkpoint directory (Hugging Face layout), or 'demo', with its tokenizer and generation defaults.
+    adapters: (directory, scale) pairs of PEFT LoRA adapters, attached unmerged (dgemma_cli/lora.py); each is read
+    and checked before the model's weights are."""
+    from .lora import attach, read_adapter
+
+    read = [(read_adapter(d), float(s)) for d, s in adapters]
     path = resolve_model(model)
     if not path.exists():
         raise ModelError(f"{path}: no such model directory")
@@ -451,6 +457,7 @@ def load(model: str | Path, device: str = "auto", dtype: str = "auto") -> Engine
     dt = resolve_dtype(dtype, dev)
     check_kernels(dev)
     net, cfg = load_model(path, device=dev, dtype=dt)
+    attach(net, read)
     if dev.type == "cpu":  # no more threads than usable cores, one for a demo-size model (see device.py)
         fit_cpu_threads(small=cfg.canvas_length * cfg.text.vocab_size < SMALL_STEP)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None

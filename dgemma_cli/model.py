@@ -346,6 +346,7 @@ class Experts(nn.Module):
         self.num_experts = E
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
+        self.low_rank = None  # adapters' per-expert low-rank terms (lora.ExpertLowRank), added to each projection
 
     def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [E, 2I, H], down [E, H, I]) in the compute dtype (the parameters' own)."""
@@ -360,8 +361,18 @@ class Experts(nn.Module):
         order = torch.sort(flat).indices
         offsets = torch.cumsum(expert_counts(flat, self.num_experts), 0).to(torch.int32)
         gate_up, down = self.weights(x.dtype)
-        gate, up = grouped_linear(x[order // K], gate_up, offsets).chunk(2, dim=-1)  # [N*K, I] each
-        ys = grouped_linear(gelu_tanh(gate) * up, down, offsets)  # [N*K, H], grouped by expert
+        lr = self.low_rank if self.low_rank is not None and self.low_rank.active() else None
+        if lr is not None and lr.folds(x):  # adapters' deltas folded into this call's weights (lora.py)
+            gate_up, down, lr = lr.fold("gate_up", gate_up), lr.fold("down", down), None
+        xs = x[order // K]
+        gu = grouped_linear(xs, gate_up, offsets)
+        if lr is not None and (extra := lr("gate_up", xs, offsets)) is not None:
+            gu = gu + extra
+        gate, up = gu.chunk(2, dim=-1)  # [N*K, I] each
+        hs = gelu_tanh(gate) * up
+        ys = grouped_linear(hs, down, offsets)  # [N*K, H], grouped by expert
+        if lr is not None and (extra := lr("down", hs, offsets)) is not None:
+            ys = ys + extra
         y = torch.empty_like(ys)
         y[order] = ys  # back to (token, slot) order
         weighted = y * top_k_weights.reshape(-1, 1)  # float32 (router weights are float32)
@@ -379,6 +390,7 @@ class QuantizedExperts(Experts):
         self.num_experts = num_experts
         self.gate_up_proj = gate_up_proj
         self.down_proj = down_proj
+        self.low_rank = None
 
     def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gate_up_proj.dequantize(dtype), self.down_proj.dequantize(dtype)
@@ -394,6 +406,8 @@ class QuantizedExperts(Experts):
         """The fused kernels when the packed modules provide them for x's device, else the reference path. ordered:
         x's columns are in the NVFP4 decode's pair order (`takes_pair_order`)."""
         fused = getattr(self.gate_up_proj, "fused_experts", None)
+        if self.low_rank is not None and self.low_rank.active():
+            fused = None  # the fused kernels add no low-rank terms: the reference path, layer by layer dequantized
         extra = (True,) if ordered else ()  # only stacks that take the pair order are ever handed it
         y = fused(self.down_proj, x, top_k_index, top_k_weights, *extra) if fused is not None else None
         if y is None and ordered:  # not the kernels that read that order after all: K order again
@@ -527,6 +541,12 @@ class DenoiseContext:
 # ----------------------------------------------------------------------------- the network
 
 
+class Phase:
+    """Which of the model's two passes is running: the causal encoder (`encode`) or the decoder (`denoise`)."""
+
+    encoding = False
+
+
 class DiffusionGemma(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -548,6 +568,9 @@ class DiffusionGemma(nn.Module):
         # layer_scalar is stored once per mode in the checkpoint: [L] each.
         self.encoder_layer_scalar = nn.Parameter(torch.ones(t.num_hidden_layers))
         self.decoder_layer_scalar = nn.Parameter(torch.ones(t.num_hidden_layers))
+        self.phase = Phase()  # which pass runs: adapters (lora.py) hold a delta per pass, as the reference's two trees
+        self.token_rows: dict = {}  # "encoder"/"decoder" -> embedding rows an adapter replaces (lora.TokenRows)
+        self.adapters: list = []  # (name, scale) of the adapters attached (lora.attach)
         # RoPE tables are derived from the config, never loaded: plain tensors, moved on use.
         self.inv_freq = {k: rope_inv_freq(t.rope_parameters[k], t.head_dim_of(k)) for k in set(t.layer_types)}
 
@@ -573,7 +596,11 @@ class DiffusionGemma(nn.Module):
         return cached[2] if as_float else cached[1]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.embed_tokens.weight) * self.embed_scale()
+        x = F.embedding(ids, self.embed_tokens.weight)
+        rows = self.token_rows.get("encoder" if self.phase.encoding else "decoder")
+        if rows is not None:  # an adapter's replaced rows (peft's trainable tokens), this pass's lookups
+            x = rows.lookup(ids, x)
+        return x * self.embed_scale()
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Final-normed hidden [B, T, H] -> soft-capped float32 logits [B, T, V] (tied embedding).
@@ -584,9 +611,16 @@ class DiffusionGemma(nn.Module):
         B, T, H = hidden.shape
         w = self.embed_tokens.weight
         cap = self.cfg.text.final_logit_softcapping
-        if out is None:  # out of place (differentiable): the same values
+        rows = self.token_rows.get("encoder")  # the tied head takes the encoder's embedding rows, as peft ties them
+        if out is None or rows is not None:  # out of place (differentiable): the same values
             logits = F.linear(hidden, w).float()
-            return torch.tanh(logits / cap) * cap if cap else logits
+            if rows is not None:
+                logits = logits.index_copy(-1, rows.ids, F.linear(hidden, rows.rows.to(hidden.dtype)).float())
+            logits = torch.tanh(logits / cap) * cap if cap else logits
+            if out is None:
+                return logits
+            out.copy_(logits.view(B * T, -1))
+            return out.view(B, T, -1)
         if w.dtype == torch.float32:
             torch.matmul(hidden.reshape(B * T, H), w.t(), out=out)
         elif cap and _fused_softcap(out):  # the conversion and the cap in one pass (quant/kernels/softcap.py)
@@ -625,6 +659,14 @@ class DiffusionGemma(nn.Module):
         image) also attends to itself in both directions, in every layer.
         Returns the final-normed hidden states [B, T, H] only if asked (the sampler never needs them).
         """
+        self.phase.encoding = True
+        try:
+            return self._encode(ids, cache, valid, return_hidden, image_features)
+        finally:
+            self.phase.encoding = False
+
+    def _encode(self, ids: torch.Tensor, cache: KVCache, valid: torch.Tensor | None,
+                return_hidden: bool, image_features: torch.Tensor | None) -> torch.Tensor | None:
         B, T = ids.shape
         L0, W = cache.length, self.cfg.text.sliding_window
         if L0 + T > cache.capacity:

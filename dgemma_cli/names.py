@@ -168,6 +168,41 @@ def resolve(ref: str, demo: Path) -> Path:
     raise ModelError(f"{ref}: no such model directory, and not in the store ({store_root()}); {hint}")
 
 
+ADAPTER_CONFIG = "adapter_config.json"
+BUNDLED_ADAPTERS: dict[str, Path] = {}  # name -> directory of an adapter shipped with dgemma
+
+
+def resolve_adapter(arg: str) -> tuple[Path, float]:
+    """An `--adapter` value, DIR or NAME with an optional :SCALE (default 1) -> (adapter directory, scale). A name is
+    a bundled adapter or one in the store; checked here, before torch is imported."""
+    import math
+
+    ref, scale = arg, 1.0
+    head, sep, tail = arg.rpartition(":")
+    if sep and head:
+        try:
+            scale, ref = float(tail), head
+        except ValueError:
+            pass
+    if not math.isfinite(scale):
+        raise UsageError(f"--adapter {arg}: the scale after ':' must be a finite number")
+    if ref in BUNDLED_ADAPTERS:
+        path = BUNDLED_ADAPTERS[ref]
+    elif looks_like_path(ref):
+        path = Path(ref).expanduser()
+    else:
+        found = [e for e in find(ref) if (e.path / ADAPTER_CONFIG).is_file()] if STORE_NAME.match(ref) else []
+        if len(found) != 1:
+            raise UsageError(f"--adapter {ref}: no such adapter directory" +
+                             (", and not in the store" if STORE_NAME.match(ref) else ""))
+        path = found[0].path
+    if not path.is_dir():
+        raise UsageError(f"--adapter {ref}: no such adapter directory")
+    if not (path / ADAPTER_CONFIG).is_file():
+        raise UsageError(f"--adapter {ref}: {path} has no {ADAPTER_CONFIG} (not a PEFT adapter)")
+    return path, scale
+
+
 def resolve_model(model: str | Path) -> Path:
     """'demo' (the bundled demo model), a directory, or a name in the store (see the module docstring)."""
     if isinstance(model, Path):

@@ -215,6 +215,7 @@ def use_fused_head(device: torch.device, dtype: torch.dtype) -> bool:
 def new_buffers(rows: int, denoiser: Denoiser, device: torch.device, logits: bool = False) -> SamplerBuffers:
     """The buffers for `rows` rows of `denoiser`'s model: the fused head's where it runs, else the torch path's
     (always with `logits`: constrained canvases search the step's log-probabilities)."""
+    logits = logits or not getattr(denoiser, "plain_head", True)  # an adapter's head rows: the torch path's logits
     head = (denoiser.hidden_size, denoiser.dtype) if not logits and use_fused_head(device, denoiser.dtype) else None
     return SamplerBuffers(rows, denoiser.vocab_size, device, head)
 

@@ -1,0 +1,379 @@
+"""LoRA adapters in PEFT's format, applied unmerged to a loaded DiffusionGemma (any base format).
+
+An adapter directory is what `peft`'s save_pretrained writes: adapter_config.json (r, lora_alpha, rank_pattern,
+alpha_pattern, use_rslora, target_modules, target_parameters, trainable_token_indices) and
+adapter_model.safetensors. Its tensor names follow the reference model (transformers' DiffusionGemma), where the
+causal encoder and the bidirectional decoder are two module trees over the same weights, so an adapter may hold a
+different low-rank delta for each pass:
+
+    base_model.model.model.encoder.language_model.layers.{i}.self_attn.q_proj.lora_A.weight   [r, in]  (encoder)
+    base_model.model.model.decoder.layers.{i}.mlp.down_proj.lora_B.weight                      [out, r] (decoder)
+    base_model.model.model.decoder.self_conditioning.gate_proj.lora_A.weight                   (decoder only)
+    ...layers.{i}.experts[.base_layer].lora_A.weight  [r*E, in], lora_B.weight [out, r*E]   (target_parameters:
+        the routed experts' gate_up_proj [E, 2I, H] and down_proj [E, H, I], told apart by their shapes; expert e's
+        delta is B[:, e::E]-ordered: peft's ParamWrapper reshapes A to [E, r, in] and B to [out, r, E])
+    ...embed_tokens.token_adapter.trainable_tokens_delta   [n, H]: new rows for the config's token indices
+
+dgemma's model (model.py) has one module per weight, used by both passes; each adapted projection is wrapped in a
+`LoRALinear` that adds scale x (x A^T) B^T for the pass that runs (`DiffusionGemma.phase`), the routed experts get a
+per-expert low-rank term through `Experts.low_rank`, and replaced token rows are applied where the reference applies
+them. Nothing is merged into the base weights: a quantized base stays quantized, several adapters add up, each with
+its own scale (`--adapter DIR:0.5`), and the base is unchanged when the adapters are taken off.
+
+Scale per module: lora_alpha / r (or / sqrt(r) with use_rslora), with alpha_pattern and rank_pattern's keys matched
+as peft matches them (a key matches a module name that ends with it, as a regular expression), times the user's
+scale.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .errors import ModelError
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+PREFIX = "base_model.model."
+ENCODER, DECODER = "encoder", "decoder"
+# reference module prefixes -> (pass, dgemma module prefix)
+_TREES = (("model.encoder.language_model.", ENCODER), ("model.decoder.", DECODER))
+_TREE_OF = {side: prefix for prefix, side in _TREES}
+_LINEARS = re.compile(r"^(layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|router\.proj)"
+                      r"|self_conditioning\.(gate|up|down)_proj)$")
+_EXPERTS = re.compile(r"^layers\.(\d+)\.experts(\.base_layer)?$")
+_UNSUPPORTED = ("use_dora", "lora_bias", "fan_in_fan_out")
+
+
+class AdapterError(ModelError):
+    """An adapter that cannot be read or does not fit the model: one line for the user."""
+
+
+@dataclass
+class LowRank:
+    """One adapter's delta on one projection: y += scale * (x @ A^T) @ B^T. A [r, in], B [out, r]."""
+
+    A: torch.Tensor
+    B: torch.Tensor
+    scale: float
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # in peft's order (B(A(x)) * scale, added to the base's output): on the CPU in float32, peft's very bits
+        return F.linear(F.linear(x, self.A.to(x.dtype)), self.B.to(x.dtype)) * self.scale
+
+
+@dataclass
+class Adapter:
+    """A PEFT LoRA adapter read from disk: its config and its deltas by (pass, dgemma module name)."""
+
+    path: Path
+    config: dict
+    linears: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=dict)
+    experts: dict[tuple[str, int], list[tuple[torch.Tensor, torch.Tensor, float]]] = field(default_factory=dict)
+    tokens: dict[str, tuple[list[int], torch.Tensor]] = field(default_factory=dict)  # pass -> (ids, rows [n, H])
+
+    @property
+    def base(self) -> str:
+        return str(self.config.get("base_model_name_or_path") or "")
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    """peft's rule: the first key that, as a regular expression, matches the module name's end (after a dot)."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _scale(cfg: dict, module: str, r: int) -> float:
+    alpha = _pattern_value(cfg.get("alpha_pattern") or {}, module, cfg.get("lora_alpha", 8))
+    return alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+
+
+def _expert_scale(cfg: dict, module: str, rows: int, experts: int) -> float:
+    """The experts' factors hold r rows per expert (A is [r * E, in])."""
+    return _scale(cfg, module, rows // experts)
+
+
+def _where(name: str) -> tuple[str, str]:
+    """A reference module name (without base_model.model.) -> (pass, dgemma module name)."""
+    for prefix, side in _TREES:
+        if name.startswith(prefix):
+            return side, name[len(prefix):]
+    raise AdapterError(f"adapts {name!r}, which dgemma does not run (only the text layers, the self-conditioning "
+                       "MLP and the token embedding)")
+
+
+def read_adapter(path: str | Path) -> Adapter:
+    """Read and check an adapter directory's files (not yet against a model: `attach` does that)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not (path / CONFIG).is_file():
+        raise AdapterError(f"{path}: no {CONFIG} (not a PEFT adapter directory)")
+    try:
+        cfg = json.loads((path / CONFIG).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AdapterError(f"{path / CONFIG}: cannot read it ({e})") from None
+    if not isinstance(cfg, dict) or str(cfg.get("peft_type", "")).upper() != "LORA":
+        raise AdapterError(f"{path / CONFIG}: peft_type is {cfg.get('peft_type') if isinstance(cfg, dict) else None!r}, "
+                           "dgemma runs LORA adapters")
+    for key in _UNSUPPORTED:
+        if cfg.get(key):
+            raise AdapterError(f"{path / CONFIG}: {key} is set; dgemma runs plain LoRA (no {key})")
+    if not (path / WEIGHTS).is_file():
+        raise AdapterError(f"{path}: no {WEIGHTS}")
+    try:
+        tensors = load_file(str(path / WEIGHTS))
+    except (OSError, SafetensorError) as e:
+        raise AdapterError(f"{path / WEIGHTS}: cannot read it ({e})") from None
+    ad = Adapter(path, cfg)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        name = key[len(PREFIX):] if key.startswith(PREFIX) else key
+        m = re.match(r"^(.*)\.lora_([AB])\.weight$", name)
+        if m:
+            pairs.setdefault(m.group(1), {})[m.group(2)] = t.float()
+            continue
+        m = re.match(r"^(.*)\.token_adapter\.trainable_tokens_delta$", name)
+        if m:
+            side, module = _where(m.group(1))
+            if module != "embed_tokens":
+                raise AdapterError(f"{path.name}: trainable tokens on {m.group(1)!r} (dgemma takes them on "
+                                   "embed_tokens)")
+            ids = _token_indices(cfg)
+            if len(ids) != t.shape[0]:
+                raise AdapterError(f"{path.name}: {key} has {t.shape[0]} rows for {len(ids)} token indices")
+            ad.tokens[side] = (ids, t.float())
+            continue
+        raise AdapterError(f"{path.name}: tensor {key!r} is not a LoRA A/B matrix or trainable token rows")
+    for module, ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(f"{path.name}: {module} has lora_{'A' if 'A' in ab else 'B'} without its pair")
+        A, B = ab["A"], ab["B"]
+        if A.dim() != 2 or B.dim() != 2 or A.shape[0] != B.shape[1]:
+            raise AdapterError(f"{path.name}: {module}: lora_A {tuple(A.shape)} and lora_B {tuple(B.shape)} do not "
+                               "make a low-rank product")
+        side, local = _where(module)
+        m = _EXPERTS.match(local)
+        if m:
+            ad.experts.setdefault((side, int(m.group(1))), []).append((A, B, 0.0))
+            continue
+        if not _LINEARS.match(local):
+            raise AdapterError(f"{path.name}: adapts {module!r}, which dgemma does not run")
+        ad.linears[(side, local)] = (A, B, _scale(cfg, module, A.shape[0]))
+    if not ad.linears and not ad.experts and not ad.tokens:
+        raise AdapterError(f"{path / WEIGHTS}: holds no LoRA weights")
+    return ad
+
+
+def _token_indices(cfg: dict) -> list[int]:
+    spec = cfg.get("trainable_token_indices")
+    if isinstance(spec, dict):
+        spec = spec.get("embed_tokens", next(iter(spec.values()), None))
+    if not isinstance(spec, list) or not all(isinstance(i, int) for i in spec):
+        raise AdapterError("adapter_config.json: trainable_token_indices must list token ids for embed_tokens")
+    return spec
+
+
+# ---------------------------------------------------------------------------------------------- attaching
+
+
+class LoRALinear(nn.Module):
+    """A projection (nn.Linear or a quantized module) plus low-rank deltas per pass: base(x) + sum of deltas."""
+
+    def __init__(self, base: nn.Module, phase):
+        super().__init__()
+        self.base = base
+        self.phase = phase  # the model's Phase (not a module): which pass runs
+        self.deltas: dict[str, list[LowRank]] = {ENCODER: [], DECODER: []}
+
+    @property
+    def in_features(self) -> int:
+        return _features(self.base)[0]
+
+    @property
+    def out_features(self) -> int:
+        return _features(self.base)[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        for d in self.deltas[ENCODER if self.phase.encoding else DECODER]:
+            y = y + d(x)
+        return y
+
+
+def _features(module: nn.Module) -> tuple[int, int]:
+    if hasattr(module, "in_features"):
+        return module.in_features, module.out_features
+    w = module.weight
+    return w.shape[1], w.shape[0]
+
+
+class ExpertLowRank:
+    """The routed experts' low-rank terms for one layer, per pass: gate_up and down lists of (A, B, scale) in peft's
+    layout (A [r * E, in], B [out, r * E]; `_per_expert` views them as [E, r, in] and [E, out, r] at each use, so a
+    trained A and B get their gradients), applied to rows grouped by expert (Experts.forward's grouped matmuls)."""
+
+    def __init__(self, phase):
+        self.phase = phase
+        self.parts: dict[str, dict[str, list]] = {ENCODER: {"gate_up": [], "down": []},
+                                                  DECODER: {"gate_up": [], "down": []}}
+
+    def active(self) -> bool:
+        p = self.parts[ENCODER if self.phase.encoding else DECODER]
+        return bool(p["gate_up"] or p["down"])
+
+    def folds(self, x: torch.Tensor) -> bool:
+        """On the CPU the deltas are folded into the layer's weights for the call, as peft folds them (the same
+        bits as peft); elsewhere they run as low-rank terms beside the base's matmuls."""
+        return x.device.type == "cpu"
+
+    def fold(self, which: str, w: torch.Tensor) -> torch.Tensor:
+        """w [E, out, in] -> w + scale * B @ A per adapter (peft's baddbmm), a new tensor: the base is untouched."""
+        for A, B, scale in self.parts[ENCODER if self.phase.encoding else DECODER][which]:
+            a, b = _per_expert(A, B, w.shape[0])
+            w = torch.baddbmm(w, b.to(w.dtype), a.to(w.dtype), alpha=scale)
+        return w
+
+    def __call__(self, which: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor | None:
+        """x [S, in] grouped by expert (group e ends at offsets[e]) -> the sum of the low-rank terms [S, out]."""
+        from .model import grouped_linear
+
+        out = None
+        for A, B, scale in self.parts[ENCODER if self.phase.encoding else DECODER][which]:
+            a, b = _per_expert(A, B, offsets.numel())
+            t = grouped_linear(grouped_linear(x, a.to(x.dtype), offsets), b.to(x.dtype), offsets) * scale
+            out = t if out is None else out + t
+        return out
+
+
+class TokenRows:
+    """Embedding rows an adapter replaces (peft's trainable tokens) for one pass: ids [n] -> rows [n, H]."""
+
+    def __init__(self, ids: torch.Tensor, rows: torch.Tensor, vocab: int):
+        self.ids, self.rows = ids, rows
+        self.slot = torch.full((vocab,), -1, dtype=torch.long, device=ids.device)  # id -> its row, or -1
+        self.slot[ids] = torch.arange(ids.numel(), device=ids.device)
+
+    def lookup(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [..., H]: the base embedding of ids [...] -> the same with the replaced ids' rows (no vocab-size copy)."""
+        s = self.slot[ids]
+        return torch.where((s >= 0)[..., None], self.rows.to(x.dtype)[s.clamp(min=0)], x)
+
+
+def attach(model, adapters: list[tuple[Adapter, float]]) -> None:
+    """Wrap `model`'s adapted projections and experts with the adapters' deltas (each times its scale). Checks every
+    adapter against the model first and raises AdapterError naming the first mismatch, changing nothing then."""
+    if not adapters:
+        return
+    for ad, _ in adapters:
+        check_fits(model, ad)
+    phase = model.phase
+    modules = dict(model.named_modules())
+    dev = model.device
+    for ad, user_scale in adapters:
+        for (side, name), (A, B, scale) in ad.linears.items():
+            parent, attr = name.rsplit(".", 1)
+            owner = modules[parent]
+            cur = getattr(owner, attr)
+            if not isinstance(cur, LoRALinear):
+                cur = LoRALinear(cur, phase)
+                setattr(owner, attr, cur)
+            cur.deltas[side].append(LowRank(A.to(dev), B.to(dev), scale * user_scale))
+        for (side, i), parts in ad.experts.items():
+            experts = model.layers[i].experts
+            if getattr(experts, "low_rank", None) is None:
+                experts.low_rank = ExpertLowRank(phase)
+            E, H, I = _expert_shape(experts)
+            for A, B, _ in parts:
+                which = _expert_which(experts, A, B)
+                scale = _expert_scale(ad.config, _TREE_OF[side] + f"layers.{i}.experts", A.shape[0], E)
+                experts.low_rank.parts[side][which].append((A.to(dev), B.to(dev), scale * user_scale))
+        for side, (ids, rows) in ad.tokens.items():
+            model.token_rows[side] = TokenRows(torch.tensor(ids, device=dev), rows.to(dev),
+                                               model.embed_tokens.weight.shape[0])
+    model.adapters = [(ad.name, s) for ad, s in adapters]
+
+
+def _expert_shape(experts) -> tuple[int, int, int]:
+    """(E, H, I) of a layer's routed experts, quantized or not."""
+    gu = experts.gate_up_proj
+    shape = tuple(gu.shape)  # nn.Parameter [E, 2I, H] or a stack's .shape
+    return shape[0], shape[2], shape[1] // 2
+
+
+def _expert_which(experts, A: torch.Tensor, B: torch.Tensor) -> str:
+    """Which expert weight a pair of peft ParamWrapper factors adapts, from its shapes: gate_up_proj takes H in and
+    gives 2I, down_proj takes I in and gives H (their names are not in the tensor names)."""
+    E, H, I = _expert_shape(experts)
+    return "gate_up" if (A.shape[1], B.shape[0]) == (H, 2 * I) else "down"
+
+
+def _per_expert(A: torch.Tensor, B: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """peft's ParamWrapper factors A [r * E, in], B [out, r * E] -> views [E, r, in] and [E, out, r] (rows of A are
+    expert-major, columns of B rank-major, as peft reshapes them)."""
+    r = A.shape[0] // E
+    return A.view(E, r, A.shape[1]), B.view(B.shape[0], r, E).permute(2, 0, 1)
+
+
+def check_fits(model, ad: Adapter) -> None:
+    """Raise AdapterError naming the first module whose shape, or whose presence, the adapter does not match."""
+    modules = dict(model.named_modules())
+    for (side, name), (A, B, _) in sorted(ad.linears.items()):
+        mod = modules.get(name)
+        if isinstance(mod, LoRALinear):
+            mod = mod.base
+        if mod is None:
+            raise AdapterError(f"adapter {ad.name} does not fit this model: it adapts {side} {name}, which this "
+                               "model does not have")
+        fin, fout = _features(mod)
+        if (A.shape[1], B.shape[0]) != (fin, fout):
+            raise AdapterError(f"adapter {ad.name} does not fit this model: {name} is {fin} -> {fout}, the adapter's "
+                               f"is {A.shape[1]} -> {B.shape[0]}")
+        if A.shape[0] > min(fin, fout):
+            raise AdapterError(f"adapter {ad.name}: rank {A.shape[0]} on {name} is above the layer's size "
+                               f"({fin} -> {fout})")
+    L = len(model.layers)
+    for (side, i), parts in sorted(ad.experts.items()):
+        if i >= L:
+            raise AdapterError(f"adapter {ad.name} does not fit this model: it adapts layer {i}'s experts, the model "
+                               f"has {L} layers")
+        E, H, I = _expert_shape(model.layers[i].experts)
+        for A, B, _ in parts:
+            if A.shape[0] % E or B.shape[1] != A.shape[0] or (A.shape[1], B.shape[0]) not in ((H, 2 * I), (I, H)):
+                raise AdapterError(f"adapter {ad.name} does not fit this model: layers.{i}.experts are {E} x "
+                                   f"({H} -> {2 * I}, {I} -> {H}), the adapter's factors are {tuple(A.shape)} and "
+                                   f"{tuple(B.shape)}")
+    V, H = model.embed_tokens.weight.shape
+    for side, (ids, rows) in ad.tokens.items():
+        if rows.shape[1] != H or max(ids) >= V or min(ids) < 0:
+            raise AdapterError(f"adapter {ad.name} does not fit this model: token rows {tuple(rows.shape)} for ids "
+                               f"up to {max(ids)}, the embedding is {V} x {H}")
+
+
+def parse_adapter_arg(arg: str) -> tuple[str, float]:
+    """`DIR` or `DIR:SCALE` (a name from the store or a directory) -> (where, scale)."""
+    where, scale = arg, 1.0
+    head, sep, tail = arg.rpartition(":")
+    if sep and head:
+        try:
+            scale = float(tail)
+            where = head
+        except ValueError:
+            pass
+    if not math.isfinite(scale):
+        raise AdapterError(f"--adapter {arg}: the scale must be a number")
+    return where, scale

@@ -1,0 +1,179 @@
+"""LoRA adapters in PEFT's format (dgemma_cli/lora.py) against transformers + peft on tiny random checkpoints.
+
+Adapters are made by peft itself (get_peft_model on transformers' DiffusionGemma, random A and B, saved with
+save_pretrained); dgemma applies them unmerged and must give peft's tokens (generation) and logits."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from cli_helpers import run_main
+from test_exactness import random_prompt, ref_generate, rel_err
+
+peft = pytest.importorskip("peft")
+
+# every kind of module an adapter may hold: attention and dense MLP on both passes (different deltas per pass, as
+# the reference's two module trees allow), the self-conditioning MLP, the routed experts through target_parameters;
+# per-module rank and alpha
+TARGETS = (r".*language_model.*\.(q_proj|k_proj|o_proj|gate_proj)"
+           r"|.*decoder.*\.(q_proj|v_proj|o_proj|up_proj|down_proj)")
+
+
+def make_adapter(path, out, seed=0, tokens=None, **extra):
+    """A peft adapter with random A and B for the checkpoint at `path`, written to `out`; returns peft's model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    torch.manual_seed(seed)
+    ref = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype="float32").eval()
+    kw = dict(r=4, lora_alpha=8, target_modules=TARGETS, target_parameters=["experts.gate_up_proj",
+                                                                           "experts.down_proj"],
+              init_lora_weights=False, rank_pattern={"o_proj": 2}, alpha_pattern={"v_proj": 3}, use_rslora=True)
+    kw.update(extra)
+    if tokens:
+        kw["trainable_token_indices"] = {"embed_tokens": tokens}
+    m = get_peft_model(ref, LoraConfig(**kw))
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "lora_" in n:
+                p.mul_(3)  # deltas large enough to change the tokens
+            if "trainable_tokens_delta" in n:
+                p.copy_(torch.randn_like(p))
+    m.save_pretrained(out)
+    return m.eval()
+
+
+def test_run_with_a_peft_adapter_gives_peft_tokens(checkpoints, tmp_path, capsys):
+    path = checkpoints["five_to_one"]
+    peft_model = make_adapter(path, tmp_path / "ad")
+    ref = peft_model.base_model.model  # transformers' model with peft's layers in it
+    from dgemma_cli.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(path)
+    ids = tok.encode("Write a function that adds two numbers, then explain it line by line.")
+    C = json.loads((path / "config.json").read_text())["canvas_length"]
+    base_args = ["run", "--model", str(path), "--raw", "--seed", "3", "--max-new-tokens", str(3 * C), "--steps", "12",
+                 "--json", "--device", "cpu", "--dtype", "float32"]
+    text = "Write a function that adds two numbers, then explain it line by line."
+    with torch.no_grad():
+        expected, _ = ref_generate(ref, [ids], 3, max_new_tokens=3 * C, max_denoising_steps=12)
+    assert run_main([*base_args, text, "--adapter", str(tmp_path / "ad")]) == 0
+    got = json.loads(capsys.readouterr().out)["token_ids"]
+    assert got == expected[0]
+    assert run_main([*base_args, text]) == 0  # the base alone answers otherwise: the adapter mattered
+    base = json.loads(capsys.readouterr().out)["token_ids"]
+    assert base != got
+    assert run_main([*base_args, text, "--adapter", f"{tmp_path / 'ad'}:0"]) == 0  # scale 0: the base's tokens
+    assert json.loads(capsys.readouterr().out)["token_ids"] == base
+
+
+def test_adapter_logits_match_peft_per_pass_with_token_rows(checkpoints, tmp_path):
+    """Encoder and decoder logits, with trainable token rows (peft replaces embedding rows per module tree; the
+    tied head takes the encoder's) and two adapters whose halves add up."""
+    from transformers.cache_utils import DynamicCache
+
+    from dgemma_cli.lora import attach, read_adapter
+    from dgemma_cli.weights import load_model
+
+    path = checkpoints["five_to_one"]
+    m = make_adapter(path, tmp_path / "ad", seed=1, tokens=[5, 7, 300])
+    ref = m.base_model.model
+    model, cfg = load_model(path, dtype=torch.float32)
+    attach(model, [(read_adapter(tmp_path / "ad"), 0.5), (read_adapter(tmp_path / "ad"), 0.5)])
+    assert model.adapters == [("ad", 0.5), ("ad", 0.5)]
+    V, C = cfg.text.vocab_size, cfg.canvas_length
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, V, (2, 25), generator=g)
+    prompt[0, 3], prompt[1, 4] = 5, 300
+    canvas = torch.randint(0, V, (2, C), generator=g)
+    canvas[0, 2] = 7
+    cache = DynamicCache(config=ref.config.get_text_config(decoder=True))
+    kv = model.new_cache(2, prompt.shape[1] + C)
+    with torch.no_grad():
+        enc = ref.model.encoder(input_ids=prompt, cache=cache).last_hidden_state
+        ref_enc = torch.tanh(ref.lm_head(enc).float() / 30) * 30
+        assert rel_err(model.logits(model.encode(prompt, kv, return_hidden=True)), ref_enc) < 1e-4
+        first = ref(decoder_input_ids=canvas, cache=cache).logits
+        ours = model.denoise(canvas, kv, model.denoise_context(kv, 2))
+        assert rel_err(ours, first) < 1e-3  # two halves against one whole: rounding, through six layers
+        plain, _ = load_model(path, dtype=torch.float32)
+        kv2 = plain.new_cache(2, prompt.shape[1] + C)
+        plain.encode(prompt, kv2)
+        assert rel_err(plain.denoise(canvas, kv2, plain.denoise_context(kv2, 2)), first) > 0.1
+
+
+def test_adapter_bad_inputs_one_line(checkpoints, tmp_path, capsys):
+    small, other = checkpoints["five_to_one"], checkpoints["alternating"]
+    make_adapter(other, tmp_path / "other", target_parameters=None)
+    args = ["run", "hello", "--model", str(small), "--raw", "--device", "cpu", "--max-new-tokens", "8"]
+    cases = {"missing": (["--adapter", str(tmp_path / "nope")], "no such adapter directory"),
+             "scale": (["--adapter", f"{tmp_path / 'other'}:inf"], "finite number"),
+             "other base": (["--adapter", str(tmp_path / "other")], "does not fit this model")}  # other sizes
+    bad = tmp_path / "bad"
+    shutil.copytree(tmp_path / "other", bad)
+    (bad / "adapter_config.json").write_text("{not json")
+    cases["config"] = (["--adapter", str(bad)], "cannot read it")
+    dora = tmp_path / "dora"
+    shutil.copytree(tmp_path / "other", dora)
+    c = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**c, "use_dora": True}))
+    cases["dora"] = (["--adapter", str(dora)], "use_dora")
+    capsys.readouterr()  # transformers' progress bars while the adapter was made
+    for name, (extra, words) in cases.items():
+        assert run_main([*args, *extra]) != 0, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0] and "Traceback" not in err[0], (name, err)
+
+
+def test_rank_above_the_layer_is_refused(checkpoints, tmp_path):
+    from safetensors.torch import save_file
+
+    from dgemma_cli.lora import AdapterError, attach, read_adapter
+    from dgemma_cli.weights import load_model
+
+    path = checkpoints["five_to_one"]
+    model, cfg = load_model(path, dtype=torch.float32)
+    H = cfg.text.hidden_size
+    r = H + 1
+    out = tmp_path / "wide"
+    out.mkdir()
+    (out / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": r,
+                                                         "target_modules": ["q_proj"]}))
+    q = model.layers[0].self_attn.q_proj
+    key = "base_model.model.model.decoder.layers.0.self_attn.q_proj"
+    save_file({f"{key}.lora_A.weight": torch.zeros(r, H), f"{key}.lora_B.weight": torch.zeros(q.out_features, r)},
+              str(out / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match="above the layer's size"):
+        attach(model, [(read_adapter(out), 1.0)])
+    assert type(model.layers[0].self_attn.q_proj) is torch.nn.Linear and model.adapters == []  # nothing changed
+
+
+def test_unmerged_expert_terms_equal_the_fold(checkpoints, tmp_path, monkeypatch):
+    """Off the CPU the experts' deltas run as grouped low-rank matmuls beside the base's (never folded): the same
+    logits as the fold, to float32 rounding."""
+    from dgemma_cli.lora import ExpertLowRank, attach, read_adapter
+    from dgemma_cli.weights import load_model
+
+    path = checkpoints["five_to_one"]
+    make_adapter(path, tmp_path / "ad", seed=2, target_modules=[])
+    model, cfg = load_model(path, dtype=torch.float32)
+    attach(model, [(read_adapter(tmp_path / "ad"), 1.0)])
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, cfg.text.vocab_size, (1, 20), generator=g)
+    canvas = torch.randint(0, cfg.text.vocab_size, (1, cfg.canvas_length), generator=g)
+
+    def logits():
+        kv = model.new_cache(1, 20 + cfg.canvas_length)
+        with torch.no_grad():
+            enc = model.logits(model.encode(prompt, kv, return_hidden=True))
+            return enc, model.denoise(canvas, kv, model.denoise_context(kv, 1))
+
+    folded = logits()
+    monkeypatch.setattr(ExpertLowRank, "folds", lambda self, x: False)
+    unmerged = logits()
+    for a, b in zip(folded, unmerged):
+        assert rel_err(b, a) < 1e-4
+    model.layers[0].experts.low_rank = None  # and the terms matter
+    assert rel_err(logits()[1], folded[1]) > 1e-3
