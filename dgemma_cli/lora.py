@@ -300,7 +300,8 @@ def attach(model, adapters: list[tuple[Adapter, float]]) -> None:
             E, H, I = _expert_shape(experts)
             for A, B, _ in parts:
                 which = _expert_which(experts, A, B)
-                scale = _expert_scale(ad.config, _TREE_OF[side] + f"layers.{i}.experts", A.shape[0], E)
+                # peft matches patterns against the parameter's name: ...experts.gate_up_proj / ...experts.down_proj
+                scale = _expert_scale(ad.config, _TREE_OF[side] + f"layers.{i}.experts.{which}_proj", A.shape[0], E)
                 experts.low_rank.parts[side][which].append((A.to(dev), B.to(dev), scale * user_scale))
         for side, (ids, rows) in ad.tokens.items():
             model.token_rows[side] = TokenRows(torch.tensor(ids, device=dev), rows.to(dev),
@@ -377,3 +378,116 @@ def parse_adapter_arg(arg: str) -> tuple[str, float]:
     if not math.isfinite(scale):
         raise AdapterError(f"--adapter {arg}: the scale must be a number")
     return where, scale
+
+
+# ---------------------------------------------------------------------------------------------- making adapters
+
+
+LINEAR_KINDS = {  # dgemma's names for the projections an adapter may target (`new_adapter`'s targets)
+    "attention": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
+    "mlp": ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+    "self_conditioning": ("gate_proj", "up_proj", "down_proj"),
+}
+
+
+def new_adapter(model, rank: int, alpha: float, targets=("attention", "mlp"), expert_rank: int = 0,
+                generator: torch.Generator | None = None, base: str = "") -> Adapter:
+    """A fresh adapter for `model` as peft initialises one (A Kaiming-uniform, B zero: the model is unchanged until
+    trained), the same factors for both passes (tied: one set of weights to train, saved under both of the
+    reference's trees). targets: kinds of LINEAR_KINDS; expert_rank > 0 adds the routed experts' gate_up and down
+    (peft's target_parameters). Raises AdapterError for a rank above a targeted layer's size."""
+    cfg = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "base_model_name_or_path": base,
+           "use_rslora": False, "bias": "none", "lora_dropout": 0.0, "fan_in_fan_out": False}
+    ad = Adapter(Path("new"), cfg)
+    modules = dict(model.named_modules())
+    names = []
+    for i in range(len(model.layers)):
+        for kind in targets:
+            if kind in ("attention", "mlp"):
+                names += [f"layers.{i}.{n}" for n in LINEAR_KINDS[kind] if modules.get(f"layers.{i}.{n}") is not None]
+    if "self_conditioning" in targets:
+        names += [f"self_conditioning.{n}" for n in LINEAR_KINDS["self_conditioning"]]
+    dev = model.device
+    for name in names:
+        fin, fout = _features(modules[name].base if isinstance(modules[name], LoRALinear) else modules[name])
+        if rank > min(fin, fout):
+            raise AdapterError(f"rank {rank} is above {name}'s size ({fin} -> {fout})")
+        A = torch.empty(rank, fin, device=dev)
+        nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=generator)
+        pair = (A, torch.zeros(fout, rank, device=dev), alpha / rank)
+        for side in (ENCODER, DECODER) if name.startswith("layers.") else (DECODER,):  # self-conditioning: decoder
+            ad.linears[(side, name)] = pair
+    if expert_rank:
+        for i, layer in enumerate(model.layers):
+            E, H, I = _expert_shape(layer.experts)
+            if expert_rank > min(H, I):
+                raise AdapterError(f"expert rank {expert_rank} is above layers.{i}.experts' size ({H}, {I})")
+            parts = []
+            for fin, fout in ((H, 2 * I), (I, H)):  # gate_up, then down: peft's nesting order (save_adapter)
+                A = torch.empty(expert_rank * E, fin, device=dev)
+                nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=generator)
+                parts.append((A, torch.zeros(fout, expert_rank * E, device=dev), 0.0))
+            for side in (ENCODER, DECODER):
+                ad.experts[(side, i)] = parts
+        cfg["rank_pattern"] = {r"experts\.(gate_up_proj|down_proj)": expert_rank}  # peft: parameter names
+    cfg["target_modules"] = _target_regex(names)
+    cfg["target_parameters"] = ["experts.gate_up_proj", "experts.down_proj"] if expert_rank else None
+    return ad
+
+
+def trainable(ad: Adapter) -> list[torch.Tensor]:
+    """The adapter's factors, each once (both passes share them), set to require gradients."""
+    seen, out = set(), []
+    for A, B, _ in list(ad.linears.values()) + [p for parts in ad.experts.values() for p in parts]:
+        for t in (A, B):
+            if id(t) not in seen:
+                seen.add(id(t))
+                out.append(t.requires_grad_(True))
+    return out
+
+
+def _target_regex(names: list[str]) -> str:
+    """peft's target_modules as one regular expression (peft full-matches it against module names) for dgemma's
+    module names, in both of the reference's trees."""
+    local = "|".join(sorted({re.escape(n.split(".", 2)[2]) if n.startswith("layers.") else re.escape(n)
+                             for n in names}))
+    return rf"model\.(encoder\.language_model|decoder)\.(layers\.\d+\.)?({local})"
+
+
+def save_adapter(ad: Adapter, out: str | Path) -> None:
+    """Write `ad` in PEFT's format (adapter_config.json, adapter_model.safetensors), atomically: the files appear
+    whole or not at all, and an older adapter there stays until the new one is complete."""
+    import os
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    tensors: dict[str, torch.Tensor] = {}
+    for (side, name), (A, B, _) in ad.linears.items():
+        key = PREFIX + _TREE_OF[side] + name
+        tensors[f"{key}.lora_A.weight"] = A.detach().float().cpu().clone()  # each pass its own copy (tied here)
+        tensors[f"{key}.lora_B.weight"] = B.detach().float().cpu().clone()
+    for (side, i), parts in ad.experts.items():
+        key = PREFIX + _TREE_OF[side] + f"layers.{i}.experts"
+        # peft nests one wrapper per target parameter: the first (gate_up_proj) innermost, as base_layer
+        inner = [".base_layer", ""] if len(parts) == 2 else [""]
+        for (A, B, _), at in zip(parts, inner):
+            tensors[f"{key}{at}.lora_A.weight"] = A.detach().float().cpu().clone()
+            tensors[f"{key}{at}.lora_B.weight"] = B.detach().float().cpu().clone()
+    if ad.tokens:
+        raise AdapterError("saving trainable token rows is not supported yet")
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out, prefix=".saving-"))
+    try:
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        (tmp / CONFIG).write_text(json.dumps(ad.config, indent=2, sort_keys=True) + "\n")
+        for f in (WEIGHTS, CONFIG):
+            with open(tmp / f, "rb") as fh:
+                os.fsync(fh.fileno())
+        os.replace(tmp / WEIGHTS, out / WEIGHTS)
+        os.replace(tmp / CONFIG, out / CONFIG)
+    finally:
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()

@@ -177,3 +177,39 @@ def test_unmerged_expert_terms_equal_the_fold(checkpoints, tmp_path, monkeypatch
         assert rel_err(b, a) < 1e-4
     model.layers[0].experts.low_rank = None  # and the terms matter
     assert rel_err(logits()[1], folded[1]) > 1e-3
+
+
+def test_a_dgemma_adapter_loads_in_peft_with_the_same_tokens(checkpoints, tmp_path, capsys):
+    """new_adapter + save_adapter (what dgemma tune writes), B made non-zero: peft's PeftModel.from_pretrained on
+    transformers' model generates dgemma's tokens."""
+    from peft import PeftModel
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    from dgemma_cli.lora import new_adapter, save_adapter
+    from dgemma_cli.weights import load_model
+
+    path = checkpoints["five_to_one"]
+    model, cfg = load_model(path, dtype=torch.float32)
+    g = torch.Generator().manual_seed(4)
+    ad = new_adapter(model, rank=4, alpha=8, targets=("attention", "mlp", "self_conditioning"), expert_rank=2,
+                     generator=g, base=str(path))
+    with torch.no_grad():
+        for A, B, _ in list(ad.linears.values()) + [p for parts in ad.experts.values() for p in parts]:
+            B.copy_(torch.randn(B.shape, generator=g) * 0.5)
+    save_adapter(ad, tmp_path / "mine")
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["adapter_config.json",
+                                                                   "adapter_model.safetensors"]
+    ref = PeftModel.from_pretrained(DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype="float32"),
+                                    tmp_path / "mine").eval()
+    V, C = cfg.text.vocab_size, cfg.canvas_length
+    prompt = random_prompt(19, V, 8)
+    with torch.no_grad():
+        expected, _ = ref_generate(ref.base_model.model, [prompt], 6, max_new_tokens=3 * C, max_denoising_steps=10)
+    from dgemma_cli.engine import load
+
+    ours = load(path, device="cpu", dtype="float32", adapters=[(tmp_path / "mine", 1.0)])
+    got = ours.generate([prompt], seed=6, max_new_tokens=3 * C, max_denoising_steps=10).token_ids
+    assert got == expected
+    plain = load(path, device="cpu", dtype="float32").generate([prompt], seed=6, max_new_tokens=3 * C,
+                                                                max_denoising_steps=10).token_ids
+    assert plain != got
