@@ -482,9 +482,12 @@ def save_adapter(ad: Adapter, out: str | Path) -> None:
     try:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / CONFIG).write_text(json.dumps(ad.config, indent=2, sort_keys=True) + "\n")
+        umask = os.umask(0)
+        os.umask(umask)
         for f in (WEIGHTS, CONFIG):
             with open(tmp / f, "rb") as fh:
                 os.fsync(fh.fileno())
+            os.chmod(tmp / f, 0o666 & ~umask)  # as any file the user writes (mkdtemp's directory is private)
         os.replace(tmp / WEIGHTS, out / WEIGHTS)
         os.replace(tmp / CONFIG, out / CONFIG)
     finally:
