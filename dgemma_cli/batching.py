@@ -26,6 +26,8 @@ is replaced by the last one), so a step works on the first A canvases.
 
 from __future__ import annotations
 
+import contextlib
+
 import threading
 import time
 from collections import deque
@@ -56,6 +58,7 @@ class Job:
     want_steps: bool = False  # deliver a RowStep per denoising step
     image_features: Any = None  # soft tokens [N, H] of the prompt's images, placed at its image tokens (or None)
     automaton: Any = None  # constrain.TokenAutomaton the answer is held to (or None): a structured answer
+    adapter: int = 0  # the LoRA adapter this request runs with (its slot, lora.attach; 0: the base alone)
 
 
 @dataclass
@@ -125,8 +128,23 @@ def denoise_rows(model: DiffusionGemma, rows: list[_Row], canvas: torch.Tensor, 
     `experts_per_row`: see the module docstring."""
     from .engine import denoise_into
 
-    denoise_into(model, canvas, [r.cache for r in rows], [r.ctx for r in rows], buf, True,
-                 sc_rows=[a for a, r in enumerate(rows) if r.sc], experts_per_row=experts_per_row)
+    with rows_choose_adapters(model, [r.job.adapter for r in rows]):
+        denoise_into(model, canvas, [r.cache for r in rows], [r.ctx for r in rows], buf, True,
+                     sc_rows=[a for a, r in enumerate(rows) if r.sc], experts_per_row=experts_per_row)
+
+
+@contextlib.contextmanager
+def rows_choose_adapters(model: DiffusionGemma, slots: list[int]):
+    """Around a forward of the server's: row b runs with adapter slots[b] (0: the base alone), when adapters are
+    attached (lora.attach); otherwise nothing to choose."""
+    if not model.adapters:
+        yield
+        return
+    model.phase.row_slots = torch.tensor(slots, dtype=torch.long, device=model.device)
+    try:
+        yield
+    finally:
+        model.phase.row_slots = None
 
 
 # ----------------------------------------------------------------------------- one request's state
@@ -160,15 +178,17 @@ class _Row:
         self.ended = False
         self.ci = -1
         # a prompt that begins with one already encoded takes its keys and values (prefix_cache.py); pictures never
+        # (keys and values depend on the adapter: each adapter's prompts are cached apart)
         shareable = prefixes is not None and job.image_features is None
-        entry = prefixes.lookup(job.prompt) if shareable else None
+        entry = prefixes.lookup(job.prompt, job.adapter) if shareable else None
         self.cached = prefixes.restore(entry, self.cache) if entry is not None else 0
         rest = job.prompt[self.cached :]
         if rest:
-            model.encode(torch.tensor([rest], dtype=torch.long, device=dev), self.cache,
-                         image_features=job.image_features)
+            with rows_choose_adapters(model, [job.adapter]):
+                model.encode(torch.tensor([rest], dtype=torch.long, device=dev), self.cache,
+                             image_features=job.image_features)
         if shareable:
-            prefixes.store(job.prompt, self.cache)
+            prefixes.store(job.prompt, self.cache, job.adapter)
         self.start_canvas()
 
     def start_canvas(self) -> None:
@@ -231,7 +251,8 @@ class _Row:
         if ended_here or self.ci + 1 >= self.canvases_max:
             self.ended = ended_here
             return True
-        self.model.encode(tokens, self.cache)
+        with rows_choose_adapters(self.model, [self.job.adapter]):
+            self.model.encode(tokens, self.cache)
         self.start_canvas()
         return False
 

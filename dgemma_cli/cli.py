@@ -661,10 +661,26 @@ def serve(
     allow_host: Optional[List[str]] = typer.Option(
         None, "--allow-host", metavar="NAME", help="A name clients may reach the server by (its Host header), "
         "besides the --host address and localhost; repeatable; '*' for any."),
+    adapter: Optional[List[str]] = typer.Option(
+        None, "--adapter", metavar="NAME=DIR[:SCALE]", help="Serve a LoRA adapter (PEFT's format) as the model id "
+        "NAME beside the base; repeatable. Requests choose by 'model'; requests for different adapters share a "
+        "batch."),
     quiet: bool = QUIET_OPTION,
 ) -> None:
     """An OpenAI-compatible HTTP server (chat, completions with suffix infill, models), batching requests."""
     _be_quiet(quiet)
+    named = []
+    for a in adapter or []:
+        name, sep, where = a.partition("=")
+        if not sep or not name or not where:
+            raise UsageError(f"--adapter {a}: give it as NAME=DIR (the model id clients send, then the adapter)")
+        if not all(c.isalnum() or c in "-_.:/" for c in name) or len(name) > 128:
+            raise UsageError(f"--adapter {a}: NAME may hold letters, digits and - _ . : / only")
+        if name in (n for n, _, _ in named):
+            raise UsageError(f"--adapter {name}: named twice")
+        from .names import resolve_adapter
+
+        named.append((name, *resolve_adapter(where)))
     if not 0 <= port <= 65535:
         raise UsageError(f"--port must be between 0 and 65535 (got {port})")
     if max_batch < 1:
@@ -684,7 +700,7 @@ def serve(
 
     raise typer.Exit(run_server(model, host=host, port=port, api_key=api_key, max_batch=max_batch,
                                 max_queue=max_queue, device=device, dtype=dtype, note=_note,
-                                prefix_cache_bytes=prefix_cache * 2**20,
+                                prefix_cache_bytes=prefix_cache * 2**20, adapters=named,
                                 allow_hosts=tuple(allow_host or ()), allow_origins=tuple(allow_origin or ())))
 
 

@@ -441,10 +441,11 @@ def _in_inference_mode(events: Iterator[Event], denoiser: ModelDenoiser | None =
         yield event
 
 
-def load(model: str | Path, device: str = "auto", dtype: str = "auto", adapters=()) -> Engine:
+def load(model: str | Path, device: str = "auto", dtype: str = "auto", adapters=(), adapter_slots=None) -> Engine:
     """Load a checkpoint directory (Hugging Face layout), or 'demo', with its tokenizer and generation defaults.
     adapters: (directory, scale) pairs of PEFT LoRA adapters, attached unmerged (dgemma_cli/lora.py); each is read
-    and checked before the model's weights are."""
+    and checked before the model's weights are. adapter_slots: each adapter's slot when rows choose theirs (the
+    server); None: all apply together."""
     from .lora import attach, read_adapter
 
     read = [(read_adapter(d), float(s)) for d, s in adapters]
@@ -457,7 +458,7 @@ def load(model: str | Path, device: str = "auto", dtype: str = "auto", adapters=
     dt = resolve_dtype(dtype, dev)
     check_kernels(dev)
     net, cfg = load_model(path, device=dev, dtype=dt)
-    attach(net, read)
+    attach(net, read, adapter_slots)
     if dev.type == "cpu":  # no more threads than usable cores, one for a demo-size model (see device.py)
         fit_cpu_threads(small=cfg.canvas_length * cfg.text.vocab_size < SMALL_STEP)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None

@@ -58,11 +58,13 @@ class AdapterError(ModelError):
 
 @dataclass
 class LowRank:
-    """One adapter's delta on one projection: y += scale * (x @ A^T) @ B^T. A [r, in], B [out, r]."""
+    """One adapter's delta on one projection: y += scale * (x @ A^T) @ B^T. A [r, in], B [out, r]. slot: the
+    adapter's number when rows choose their adapter (the server: `Phase.row_slots`)."""
 
     A: torch.Tensor
     B: torch.Tensor
     scale: float
+    slot: int = 1
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # in peft's order (B(A(x)) * scale, added to the base's output): on the CPU in float32, peft's very bits
@@ -210,8 +212,12 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
+        slots = self.phase.row_slots  # None: every adapter on every row; else [B], each row's adapter (0: none)
         for d in self.deltas[ENCODER if self.phase.encoding else DECODER]:
-            y = y + d(x)
+            if slots is None:
+                y = y + d(x)
+            else:  # every row computes it, the others' share multiplied by zero: no host sync, one shape
+                y = y + d(x) * (slots == d.slot).to(x.dtype).view(-1, *[1] * (x.dim() - 1))
         return y
 
 
@@ -241,21 +247,38 @@ class ExpertLowRank:
         bits as peft); elsewhere they run as low-rank terms beside the base's matmuls."""
         return x.device.type == "cpu"
 
-    def fold(self, which: str, w: torch.Tensor) -> torch.Tensor:
-        """w [E, out, in] -> w + scale * B @ A per adapter (peft's baddbmm), a new tensor: the base is untouched."""
-        for A, B, scale in self.parts[ENCODER if self.phase.encoding else DECODER][which]:
+    def fold(self, which: str, w: torch.Tensor, slot: int | None = None) -> torch.Tensor:
+        """w [E, out, in] -> w + scale * B @ A per adapter (peft's baddbmm), a new tensor: the base is untouched.
+        slot: only that adapter's (None: all)."""
+        for A, B, scale, s in self.parts[ENCODER if self.phase.encoding else DECODER][which]:
+            if slot is not None and s != slot:
+                continue
             a, b = _per_expert(A, B, w.shape[0])
             w = torch.baddbmm(w, b.to(w.dtype), a.to(w.dtype), alpha=scale)
         return w
 
-    def __call__(self, which: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor | None:
-        """x [S, in] grouped by expert (group e ends at offsets[e]) -> the sum of the low-rank terms [S, out]."""
+    def slots(self, rows: int, tokens: int, row: int | None = None) -> torch.Tensor | None:
+        """Each token's adapter slot [tokens] for a call on `tokens` tokens of `rows` rows (row: the call is that row's
+        alone), or None when every adapter applies to every token."""
+        rs = self.phase.row_slots
+        if rs is None:
+            return None
+        if row is not None:
+            rs = rs[row : row + 1]
+        return rs.repeat_interleave(tokens // rs.numel())
+
+    def __call__(self, which: str, x: torch.Tensor, offsets: torch.Tensor,
+                 slots: torch.Tensor | None = None) -> torch.Tensor | None:
+        """x [S, in] grouped by expert (group e ends at offsets[e]) -> the sum of the low-rank terms [S, out].
+        slots [S]: each assignment's adapter slot (None: all adapters on all)."""
         from .model import grouped_linear
 
         out = None
-        for A, B, scale in self.parts[ENCODER if self.phase.encoding else DECODER][which]:
+        for A, B, scale, s in self.parts[ENCODER if self.phase.encoding else DECODER][which]:
             a, b = _per_expert(A, B, offsets.numel())
             t = grouped_linear(grouped_linear(x, a.to(x.dtype), offsets), b.to(x.dtype), offsets) * scale
+            if slots is not None:
+                t = t * (slots == s).to(t.dtype)[:, None]
             out = t if out is None else out + t
         return out
 
@@ -274,17 +297,24 @@ class TokenRows:
         return torch.where((s >= 0)[..., None], self.rows.to(x.dtype)[s.clamp(min=0)], x)
 
 
-def attach(model, adapters: list[tuple[Adapter, float]]) -> None:
+def attach(model, adapters: list[tuple[Adapter, float]], slots: list[int] | None = None) -> None:
     """Wrap `model`'s adapted projections and experts with the adapters' deltas (each times its scale). Checks every
-    adapter against the model first and raises AdapterError naming the first mismatch, changing nothing then."""
+    adapter against the model first and raises AdapterError naming the first mismatch, changing nothing then.
+
+    slots: each adapter's number (from 1) when each row of a batch chooses one (`Phase.row_slots`, set by the server
+    around its forwards; 0 is the base alone); None: all of them apply together (run, chat)."""
     if not adapters:
         return
+    slots = slots or [1] * len(adapters)
     for ad, _ in adapters:
         check_fits(model, ad)
+        if ad.tokens and len(set(slots)) > 1:
+            raise AdapterError(f"adapter {ad.name} replaces embedding rows (trainable tokens), which rows of one "
+                               "batch cannot choose apart; serve it alone")
     phase = model.phase
     modules = dict(model.named_modules())
     dev = model.device
-    for ad, user_scale in adapters:
+    for (ad, user_scale), slot in zip(adapters, slots):
         for (side, name), (A, B, scale) in ad.linears.items():
             parent, attr = name.rsplit(".", 1)
             owner = modules[parent]
@@ -292,7 +322,7 @@ def attach(model, adapters: list[tuple[Adapter, float]]) -> None:
             if not isinstance(cur, LoRALinear):
                 cur = LoRALinear(cur, phase)
                 setattr(owner, attr, cur)
-            cur.deltas[side].append(LowRank(A.to(dev), B.to(dev), scale * user_scale))
+            cur.deltas[side].append(LowRank(A.to(dev), B.to(dev), scale * user_scale, slot))
         for (side, i), parts in ad.experts.items():
             experts = model.layers[i].experts
             if getattr(experts, "low_rank", None) is None:
@@ -302,11 +332,12 @@ def attach(model, adapters: list[tuple[Adapter, float]]) -> None:
                 which = _expert_which(experts, A, B)
                 # peft matches patterns against the parameter's name: ...experts.gate_up_proj / ...experts.down_proj
                 scale = _expert_scale(ad.config, _TREE_OF[side] + f"layers.{i}.experts.{which}_proj", A.shape[0], E)
-                experts.low_rank.parts[side][which].append((A.to(dev), B.to(dev), scale * user_scale))
+                experts.low_rank.parts[side][which].append((A.to(dev), B.to(dev), scale * user_scale, slot))
         for side, (ids, rows) in ad.tokens.items():
             model.token_rows[side] = TokenRows(torch.tensor(ids, device=dev), rows.to(dev),
                                                model.embed_tokens.weight.shape[0])
     model.adapters = [(ad.name, s) for ad, s in adapters]
+    model.adapter_slots = dict(zip((ad.name for ad, _ in adapters), slots))
 
 
 def _expert_shape(experts) -> tuple[int, int, int]:

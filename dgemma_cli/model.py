@@ -352,8 +352,10 @@ class Experts(nn.Module):
         """(gate_up [E, 2I, H], down [E, H, I]) in the compute dtype (the parameters' own)."""
         return self.gate_up_proj, self.down_proj
 
-    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        """x [N, H], top_k_index / top_k_weights [N, K] -> [N, H]."""
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                row: int | None = None, row_count: int = 1) -> torch.Tensor:
+        """x [N, H], top_k_index / top_k_weights [N, K] -> [N, H]. x holds `row_count` rows' tokens, or row `row`'s
+        alone (Layer.feed_forward's experts_per_row): which adapter each token takes when rows choose (lora.py)."""
         N, K = top_k_index.shape
         flat = top_k_index.reshape(-1)  # [N*K], entry t*K + k
         # Group by expert with the reference's own sort call: BLAS results depend on where a row sits in its block,
@@ -362,16 +364,23 @@ class Experts(nn.Module):
         offsets = torch.cumsum(expert_counts(flat, self.num_experts), 0).to(torch.int32)
         gate_up, down = self.weights(x.dtype)
         lr = self.low_rank if self.low_rank is not None and self.low_rank.active() else None
-        if lr is not None and lr.folds(x):  # adapters' deltas folded into this call's weights (lora.py)
-            gate_up, down, lr = lr.fold("gate_up", gate_up), lr.fold("down", down), None
+        slots = None
+        if lr is not None:
+            token_slots = lr.slots(row_count, N, row)  # [N] each token's adapter, or None (all apply)
+            if lr.folds(x) and (token_slots is None or bool((token_slots == token_slots[0]).all())):
+                # one adapter (or all) for the whole call: its deltas folded into this call's weights (lora.py)
+                one = None if token_slots is None else int(token_slots[0])
+                gate_up, down, lr = lr.fold("gate_up", gate_up, one), lr.fold("down", down, one), None
+            elif token_slots is not None:
+                slots = token_slots[order // K]  # each assignment's adapter, in expert order
         xs = x[order // K]
         gu = grouped_linear(xs, gate_up, offsets)
-        if lr is not None and (extra := lr("gate_up", xs, offsets)) is not None:
+        if lr is not None and (extra := lr("gate_up", xs, offsets, slots)) is not None:
             gu = gu + extra
         gate, up = gu.chunk(2, dim=-1)  # [N*K, I] each
         hs = gelu_tanh(gate) * up
         ys = grouped_linear(hs, down, offsets)  # [N*K, H], grouped by expert
-        if lr is not None and (extra := lr("down", hs, offsets)) is not None:
+        if lr is not None and (extra := lr("down", hs, offsets, slots)) is not None:
             ys = ys + extra
         y = torch.empty_like(ys)
         y[order] = ys  # back to (token, slot) order
@@ -402,7 +411,7 @@ class QuantizedExperts(Experts):
         return bool(takes is not None and takes(self.down_proj, x))
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                ordered: bool = False) -> torch.Tensor:
+                ordered: bool = False, row: int | None = None, row_count: int = 1) -> torch.Tensor:
         """The fused kernels when the packed modules provide them for x's device, else the reference path. ordered:
         x's columns are in the NVFP4 decode's pair order (`takes_pair_order`)."""
         fused = getattr(self.gate_up_proj, "fused_experts", None)
@@ -414,7 +423,7 @@ class QuantizedExperts(Experts):
             from quant.modules import pair_unordered
 
             x = pair_unordered(x)
-        return super().forward(x, top_k_index, top_k_weights) if y is None else y
+        return super().forward(x, top_k_index, top_k_weights, row, row_count) if y is None else y
 
 
 class Layer(nn.Module):
@@ -450,9 +459,13 @@ class Layer(nn.Module):
         weights, index = self.router(flat)  # routed on the un-normed residual
         normed = pre2.reshape(-1, H)
         kw = {"ordered": True} if ordered else {}
+        if getattr(self.experts, "low_rank", None) is not None:  # adapters: which rows the call holds
+            kw["row_count"] = B
         if experts_per_row and B > 1:
             moe = torch.cat([self.experts(normed[b * T : (b + 1) * T], index[b * T : (b + 1) * T],
-                                          weights[b * T : (b + 1) * T], **kw) for b in range(B)]).reshape(x.shape)
+                                          weights[b * T : (b + 1) * T], **kw, **({"row": b} if "row_count" in kw
+                                                                                 else {}))
+                             for b in range(B)]).reshape(x.shape)
         else:
             moe = self.experts(normed, index, weights, **kw).reshape(x.shape)
         # (x + norm(norm_1(dense) + norm_2(moe))) * s
@@ -542,9 +555,11 @@ class DenoiseContext:
 
 
 class Phase:
-    """Which of the model's two passes is running: the causal encoder (`encode`) or the decoder (`denoise`)."""
+    """Which of the model's two passes is running: the causal encoder (`encode`) or the decoder (`denoise`); and,
+    when rows of a batch choose their adapter (the server), each row's adapter slot (lora.py)."""
 
     encoding = False
+    row_slots: torch.Tensor | None = None  # [B] int64, 0: the base alone; None: every attached adapter
 
 
 class DiffusionGemma(nn.Module):

@@ -44,8 +44,9 @@ def _model_name(server, value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise OllamaError(400, "model is required")
     name = value[: -len(":latest")] if value.endswith(":latest") else value
-    if name != server.model_id:
-        raise OllamaError(404, f"model '{value[:100]}' not found; this server serves '{server.model_id}'")
+    if server.slot_of(name) is None:
+        raise OllamaError(404, f"model '{value[:100]}' not found; this server serves "
+                          f"{', '.join(repr(m) for m in server.model_ids)}")
     return name
 
 

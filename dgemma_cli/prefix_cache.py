@@ -24,6 +24,7 @@ import torch
 @dataclass
 class _Entry:
     ids: tuple[int, ...]
+    space: int  # prompts of one space share entries (the server: one space per adapter, whose keys differ)
     k: list[torch.Tensor]  # per layer: [Hkv, L or W - 1, D]
     v: list[torch.Tensor]
     nbytes: int
@@ -34,20 +35,21 @@ class PrefixCache:
         """sliding: per layer, whether it keeps only a window (model.cfg.text.layers' is_sliding)."""
         self.max_bytes = max_bytes
         self.sliding = sliding
-        self.entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
+        self.entries: OrderedDict[tuple[int, tuple[int, ...]], _Entry] = OrderedDict()  # (space, ids) -> entry
         self.bytes = 0
         self.hits = 0  # requests that reused an entry
         self.reused_tokens = 0  # prompt tokens not encoded thanks to it
 
-    def lookup(self, prompt: list[int]) -> _Entry | None:
-        """The longest entry whose ids begin `prompt` (None: no entry does); it becomes the most recently used."""
+    def lookup(self, prompt: list[int], space: int = 0) -> _Entry | None:
+        """The longest entry of `space` whose ids begin `prompt` (None: no entry does); it becomes the most recently
+        used."""
         best = None
-        for ids, entry in self.entries.items():
-            if len(ids) <= len(prompt) and (best is None or len(ids) > len(best.ids)) and \
+        for (sp, ids), entry in self.entries.items():
+            if sp == space and len(ids) <= len(prompt) and (best is None or len(ids) > len(best.ids)) and \
                     tuple(prompt[: len(ids)]) == ids:
                 best = entry
         if best is not None:
-            self.entries.move_to_end(best.ids)
+            self.entries.move_to_end((space, best.ids))
         return best
 
     def restore(self, entry: _Entry, cache) -> int:
@@ -62,10 +64,10 @@ class PrefixCache:
         self.reused_tokens += n
         return n
 
-    def store(self, prompt: list[int], cache) -> None:
+    def store(self, prompt: list[int], cache, space: int = 0) -> None:
         """Keep a copy of one-row `cache` right after `prompt` was encoded into it (cache.length == len(prompt))."""
-        key = tuple(prompt)
-        if not key or key in self.entries or self.max_bytes <= 0:
+        key = (space, tuple(prompt))
+        if not prompt or key in self.entries or self.max_bytes <= 0:
             return
         n = cache.length
         ks, vs = [], []
@@ -79,5 +81,5 @@ class PrefixCache:
         while self.entries and self.bytes + nbytes > self.max_bytes:
             _, old = self.entries.popitem(last=False)
             self.bytes -= old.nbytes
-        self.entries[key] = _Entry(key, ks, vs, nbytes)
+        self.entries[key] = _Entry(key[1], space, ks, vs, nbytes)
         self.bytes += nbytes

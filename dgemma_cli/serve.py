@@ -76,6 +76,16 @@ class Server:
     loop: BatchLoop
     model_id: str
     api_key: str | None = None
+    adapters: dict[str, int] = field(default_factory=dict)  # model id -> LoRA adapter slot (lora.attach), beside
+    # the base (slot 0)
+
+    def slot_of(self, model: str) -> int | None:
+        """The adapter slot a request's `model` names (0: the base), None: no such model here."""
+        return 0 if model == self.model_id else self.adapters.get(model)
+
+    @property
+    def model_ids(self) -> list[str]:
+        return [self.model_id, *self.adapters]
     created: int = field(default_factory=lambda: int(time.time()))
     picture_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "dgemma-picture"))
     seconds_per_request: float = 1.0  # moving average, for Retry-After
@@ -177,6 +187,7 @@ class Prepared:
     infill: bool
     structured: bool = False  # held to a response_format: the answer is its bytes (nothing stripped)
     tools: bool = False  # tools offered: the answer's tool calls are read out of it (tools.py)
+    model: str = ""  # the model id the request named (the base's or an adapter's): answers name it back
 
 
 def prepare(server: Server, body: dict, kind: str) -> Prepared:
@@ -185,9 +196,10 @@ def prepare(server: Server, body: dict, kind: str) -> Prepared:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError(400, "'model' is required (GET /v1/models lists it)", param="model", code="invalid_type")
-    if model != server.model_id:
-        raise ApiError(404, f"the model '{model[:100]}' does not exist; this server serves '{server.model_id}'",
-                       param="model", code="model_not_found")
+    slot = server.slot_of(model)
+    if slot is None:
+        raise ApiError(404, f"the model '{model[:100]}' does not exist; this server serves "
+                       f"{', '.join(repr(m) for m in server.model_ids)}", param="model", code="model_not_found")
 
     # Fields dgemma cannot honour, where ignoring them would give the client something other than it asked for.
     if get_int(body, "n", 1) not in (None, 1):
@@ -334,9 +346,9 @@ def prepare(server: Server, body: dict, kind: str) -> Prepared:
                 (k for k in GUIDED if body.get(k) is not None), "response_format")
             raise ApiError(400, str(e), param=where, code="invalid_value") from None
     job = Job(prompt, settings, seed, capacity, held, want_steps=stream_steps, image_features=image_features,
-              automaton=automaton)
+              automaton=automaton, adapter=slot)
     return Prepared(kind, job, stream, stream_steps, include_usage, stops, infill,
-                    structure is not None and call_structure is None, functions is not None)
+                    structure is not None and call_structure is None, functions is not None, model)
 
 
 def request_tools(tok, body: dict, kind: str):
@@ -655,7 +667,7 @@ async def answer_whole(server: Server, request: Request, prep: Prepared) -> Resp
     calls = text.tool_calls(ids) if done is not None else []
     completion = text.returned_tokens()
     extra = {"seed": prep.job.seed, "steps_per_canvas": done.steps_per_canvas if done else []}
-    base = {"id": new_id(prep), "created": int(time.time()), "model": server.model_id}
+    base = {"id": new_id(prep), "created": int(time.time()), "model": prep.model or server.model_id}
     if prep.kind == "chat":
         message = {"role": "assistant", "content": answer, "refusal": None}
         if calls:
@@ -711,7 +723,7 @@ async def answer_stream(server: Server, prep: Prepared) -> Response:
     text = AnswerText(tok, prep)
     chat = prep.kind == "chat"
     base = {"id": new_id(prep), "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()), "model": server.model_id}
+            "created": int(time.time()), "model": prep.model or server.model_id}
 
     def chunk(delta: str = "", thought: str = "", reason: str | None = None, first: bool = False) -> dict:
         if chat:
@@ -797,27 +809,31 @@ def build_app(server: Server, hosts: set[str] | None = None, origins: tuple[str,
     async def completions(request: Request) -> Response:
         return await generate(request, "completion")
 
-    def model_card() -> dict:
+    def model_card(name: str) -> dict:
         cfg = server.engine.config
-        return {"id": server.model_id, "object": "model", "created": server.created, "owned_by": "dgemma",
+        card = {"id": name, "object": "model", "created": server.created, "owned_by": "dgemma",
                 "max_model_len": cfg.text.max_position_embeddings, "canvas_length": cfg.canvas_length}
+        if name != server.model_id:  # a LoRA adapter on the base (vLLM's cards say the same with root/parent)
+            card.update(root=name, parent=server.model_id)
+        return card
 
     async def models(request: Request) -> Response:
         server.authorize(request)
-        return JSONResponse({"object": "list", "data": [model_card()]})
+        return JSONResponse({"object": "list", "data": [model_card(m) for m in server.model_ids]})
 
     async def model(request: Request) -> Response:
         server.authorize(request)
-        if request.path_params["name"] != server.model_id:
+        if server.slot_of(request.path_params["name"]) is None:
             raise ApiError(404, f"the model '{request.path_params['name'][:100]}' does not exist", param="model",
                            code="model_not_found")
-        return JSONResponse(model_card())
+        return JSONResponse(model_card(request.path_params["name"]))
 
     async def health(request: Request) -> Response:
         loop = server.loop
         active, queued = loop.load()
         return JSONResponse({
-            "status": "draining" if loop.closing else "ok", "model": server.model_id, "active": active,
+            "status": "draining" if loop.closing else "ok", "model": server.model_id,
+            "adapters": list(server.adapters), "active": active,
             "queued": queued, "max_batch": loop.max_batch, "max_queue": loop.max_queue, "completed": loop.completed,
             "failed": loop.failed, "forwards": loop.forwards, "row_forwards": loop.row_forwards,
             "peak_batch": loop.peak_batch, "sampler_buffer_bytes": loop.buffer_bytes,
@@ -884,7 +900,8 @@ def model_id(model: str) -> str:
 
 def serve(model: str, *, host: str, port: int, api_key: str | None, max_batch: int, max_queue: int,
           device: str, dtype: str, note, allow_hosts: tuple[str, ...] = (), allow_origins: tuple[str, ...] = (),
-          prefix_cache_bytes: int = 0) -> int:
+          prefix_cache_bytes: int = 0, adapters=()) -> int:
+    """adapters: (model id, directory, scale) of LoRA adapters served beside the base, each chosen per request."""
     """Bind, load, serve until SIGTERM or Ctrl-C, then finish every request in flight and return 0."""
     import signal
 
@@ -893,7 +910,11 @@ def serve(model: str, *, host: str, port: int, api_key: str | None, max_batch: i
     from .engine import load
 
     sock = listen(host, port)
-    engine = load(model, device=device, dtype=dtype)
+    names = [a[0] for a in adapters]
+    if model_id(model) in names:
+        raise UsageError(f"--adapter {model_id(model)}: the base model answers to that name already")
+    engine = load(model, device=device, dtype=dtype, adapters=[(d, s) for _, d, s in adapters],
+                  adapter_slots=list(range(1, len(adapters) + 1)) or None)
     if engine.tokenizer is None:
         raise ModelError(f"{engine.path}: no tokenizer.json: the server needs one to read text")
     if engine.model.device.type == "cuda" and prefix_cache_bytes:  # the stored prompts live on the GPU: never more
@@ -902,7 +923,7 @@ def serve(model: str, *, host: str, port: int, api_key: str | None, max_batch: i
         free, _ = torch.cuda.mem_get_info(engine.model.device)  # than a quarter of what loading left free
         prefix_cache_bytes = min(prefix_cache_bytes, free // 4)
     loop = BatchLoop(engine.model, max_batch=max_batch, max_queue=max_queue, prefix_cache_bytes=prefix_cache_bytes)
-    server = Server(engine, loop, model_id(model), api_key)
+    server = Server(engine, loop, model_id(model), api_key, adapters={n: i + 1 for i, n in enumerate(names)})
     # The objects loading made (modules, the model's) live as long as the server: out of the garbage collector's
     # sight, so that a full collection, which a request's many small objects can set off, does not walk them all
     # while holding the GIL (seen: 150 ms without an answer from /health).
@@ -917,7 +938,8 @@ def serve(model: str, *, host: str, port: int, api_key: str | None, max_batch: i
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     bound = sock.getsockname()
     shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
-    note(f"serving {server.model_id} at http://{shown}:{bound[1]}/v1 (batch {max_batch}, queue {max_queue}"
+    also = f"; adapters {', '.join(server.adapters)}" if server.adapters else ""
+    note(f"serving {server.model_id} at http://{shown}:{bound[1]}/v1 (batch {max_batch}, queue {max_queue}{also}"
          f"{', API key required' if api_key else ''}); SIGTERM or Ctrl-C stops after the requests in flight")
     try:
         asyncio.run(http.serve(sockets=[sock]))

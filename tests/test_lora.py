@@ -213,3 +213,100 @@ def test_a_dgemma_adapter_loads_in_peft_with_the_same_tokens(checkpoints, tmp_pa
     plain = load(path, device="cpu", dtype="float32").generate([prompt], seed=6, max_new_tokens=3 * C,
                                                                 max_denoising_steps=10).token_ids
     assert plain != got
+
+
+def demo_adapters(tmp_path, n=2):
+    """n adapters for the bundled demo model with random B (so each changes the answers), saved as peft does."""
+    from dgemma_cli.lora import new_adapter, save_adapter
+    from dgemma_cli.weights import load_model
+    from dgemma_cli.names import DEMO_MODEL
+
+    model, _ = load_model(DEMO_MODEL, dtype=torch.float32)
+    dirs = []
+    for k in range(n):
+        g = torch.Generator().manual_seed(20 + k)
+        ad = new_adapter(model, rank=4, alpha=8, targets=("attention", "mlp"), expert_rank=2, generator=g)
+        with torch.no_grad():
+            for A, B, _ in list(ad.linears.values()) + [p for parts in ad.experts.values() for p in parts]:
+                B.copy_(torch.randn(B.shape, generator=g) * 0.3)
+        save_adapter(ad, tmp_path / f"ad{k}")
+        dirs.append(tmp_path / f"ad{k}")
+    return dirs
+
+
+def test_rows_of_one_batch_choose_their_adapter(tmp_path):
+    """Rows with adapter slots 0 (base), 1 and 2 in one forward: each row's logits are bit for bit the logits of
+    that row alone with only its adapter."""
+    from dgemma_cli.lora import attach, read_adapter
+    from dgemma_cli.names import DEMO_MODEL
+    from dgemma_cli.weights import load_model
+
+    dirs = demo_adapters(tmp_path)
+    both, cfg = load_model(DEMO_MODEL, dtype=torch.float32)
+    attach(both, [(read_adapter(d), 1.0) for d in dirs], slots=[1, 2])
+    g = torch.Generator().manual_seed(3)
+    V, C = cfg.text.vocab_size, cfg.canvas_length
+    prompt = torch.randint(107, V, (1, 12), generator=g)
+    canvas = torch.randint(0, V, (3, C), generator=g)
+
+    def forward(model, rows, slots):
+        """rows of canvas, one cache each (the server's layout), each row's adapter slot (None: as attached)."""
+        caches = []
+        for s in slots:
+            kv = model.new_cache(1, 12 + C)
+            model.phase.row_slots = None if s is None else torch.tensor([s])
+            model.encode(prompt, kv)
+            caches.append(kv)
+        model.phase.row_slots = None if None in slots else torch.tensor(slots)
+        with torch.no_grad():
+            out = model.denoise(canvas[rows], caches, [model.denoise_context(kv, 1) for kv in caches],
+                                experts_per_row=True)
+        model.phase.row_slots = None
+        return out
+
+    mixed = forward(both, [0, 1, 2], [0, 1, 2])
+    for row, d in zip((1, 2), dirs):
+        alone, _ = load_model(DEMO_MODEL, dtype=torch.float32)
+        attach(alone, [(read_adapter(d), 1.0)])
+        assert torch.equal(mixed[row], forward(alone, [row], [None])[0])
+    plain, _ = load_model(DEMO_MODEL, dtype=torch.float32)
+    assert torch.equal(mixed[0], forward(plain, [0], [None])[0])
+    assert not torch.equal(mixed[1], mixed[2])
+
+
+def test_serve_answers_each_adapter_as_run_does(tmp_path):
+    """`dgemma serve --adapter a=DIR --adapter b=DIR`: /v1/models lists them on the base; concurrent requests for
+    the base and each adapter get exactly what the engine gives alone with that adapter."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dgemma_cli.engine import load
+    from test_serve import ServerProcess
+
+    dirs = demo_adapters(tmp_path)
+    s = ServerProcess(tmp_path, "--adapter", f"a={dirs[0]}", "--adapter", f"b={dirs[1]}:0.5")
+    try:
+        cards = {m["id"]: m for m in s.http.get("/v1/models").json()["data"]}
+        assert set(cards) == {"demo", "a", "b"} and cards["a"]["parent"] == "demo"
+        prompts = ["upper: hello diffusions", "upper: abc def 12 ghijk"]
+        jobs = [(m, p) for m in ("demo", "a", "b") for p in prompts]
+
+        def ask(job):
+            m, p = job
+            r = s.http.post("/v1/chat/completions", json={"model": m, "seed": 4,
+                                                          "messages": [{"role": "user", "content": p}]})
+            assert r.status_code == 200, r.text
+            return r.json()["model"], r.json()["choices"][0]["message"]["content"]
+
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(ask, jobs))
+        engines = {"demo": load("demo", device="cpu", dtype="float32"),
+                   "a": load("demo", device="cpu", dtype="float32", adapters=[(dirs[0], 1.0)]),
+                   "b": load("demo", device="cpu", dtype="float32", adapters=[(dirs[1], 0.5)])}
+        for (m, p), (named, text) in zip(jobs, got):
+            assert named == m
+            assert text == engines[m].generate(p, seed=4).texts[0], (m, p)
+        assert got[0][1] != got[2][1] or got[0][1] != got[4][1]  # the adapters changed something
+        r = s.http.post("/v1/chat/completions", json={"model": "c", "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 404 and "'a'" in r.json()["error"]["message"]
+    finally:
+        assert s.stop() == 0, "".join(s.lines)

@@ -113,7 +113,7 @@ def test_ollama_messages_become_openai_ones():
 
     from dgemma_cli.ollama_api import _with_calls, chat_body
 
-    body = chat_body(SimpleNamespace(model_id="demo"), {
+    body = chat_body(SimpleNamespace(model_id="demo", slot_of=lambda m: 0 if m == "demo" else None), {
         "model": "demo:latest", "tools": [{"type": "function", "function": {"name": "f"}}], "options": {"seed": 4},
         "messages": [{"role": "user", "content": "x"},
                      {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f",

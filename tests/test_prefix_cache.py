@@ -37,11 +37,12 @@ def test_lookup_takes_the_longest_prefix_and_evicts_the_oldest():
     assert pc.lookup([2, 5, 6, 7, 8, 9]).ids == (2, 5, 6, 7, 8)
     assert pc.lookup([2, 5, 6, 7]).ids == (2, 5, 6)
     assert pc.lookup([2, 5]) is None and pc.lookup([3, 5, 6]) is None
-    one = pc.entries[(2, 9)].nbytes
+    assert pc.lookup([2, 5, 6, 7], space=1) is None  # another adapter's prompts: keys and values differ
+    one = pc.entries[(0, (2, 9))].nbytes
     small = PrefixCache(2 * one + 1, sliding)  # room for two entries of this size
     for ids in ([2, 5, 6], [2, 9], [2, 8]):
         small.store(ids, caches.get(tuple(ids)) or caches[(2, 9)])
-    assert list(small.entries) == [(2, 9), (2, 8)] and small.bytes <= small.max_bytes
+    assert list(small.entries) == [(0, (2, 9)), (0, (2, 8))] and small.bytes <= small.max_bytes
 
 
 @pytest.mark.slow
