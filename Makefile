@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test bench bench-gpu kernel-report demo demo-picture demo-image venv clean
+.PHONY: test bench bench-gpu kernel-report demo demo-picture demo-image demo-lora venv clean
 
 venv: $(STAMP)
 
@@ -51,6 +51,15 @@ clean:
 DEMO_PROMPT ?= sudoku: ..4./..../.2.1/3...
 demo: $(STAMP)
 	$(VENV)/bin/dgemma run --model demo-sudoku --device cpu --seed 0 --view-delay 0.7 "$(DEMO_PROMPT)"
+
+# The LoRA demo: the bundled upper-casing model (demo) solves no sudoku; the bundled adapter demo-sudoku-lora, made
+# by `dgemma tune` (the command is in docs/adapters.md), makes it solve the same held-out puzzle in at most 10 steps.
+demo-lora: $(STAMP)
+	@echo "demo alone, 10 steps at most:"
+	$(VENV)/bin/dgemma run --model demo --device cpu --seed 0 --steps 10 --view none "$(DEMO_PROMPT)"
+	@echo "demo with the demo-sudoku-lora adapter, 10 steps at most:"
+	$(VENV)/bin/dgemma run --model demo --adapter demo-sudoku-lora --device cpu --seed 0 --steps 10 \
+		--view-delay 0.5 "$(DEMO_PROMPT)"
 
 # docs/demo.svg, the README's picture: every step of `make demo`'s run as the live view draws it, recorded by Rich.
 demo-picture: $(STAMP)

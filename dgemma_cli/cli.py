@@ -882,26 +882,35 @@ def list_models(as_json: bool = typer.Option(False, "--json", help="JSON Lines i
                 quiet: bool = QUIET_OPTION) -> None:
     """The models in the store, and the small demo models bundled with dgemma."""
     _be_quiet(quiet)
-    from .names import BUNDLED, BUNDLED_ABOUT
+    from .names import BUNDLED, BUNDLED_ABOUT, BUNDLED_ADAPTERS, BUNDLED_ADAPTERS_ABOUT
     from .store import entries, store_root
 
     found = entries()
     bundled = [(name, path, sum(f.stat().st_size for f in path.iterdir() if f.is_file()))
                for name, path in BUNDLED.items()]
+    adapters = [(name, path, sum(f.stat().st_size for f in path.iterdir() if f.is_file()))
+                for name, path in BUNDLED_ADAPTERS.items() if path.is_dir()]
     if as_json:
         for name, path, size in bundled:
             sys.stdout.write(json.dumps({"name": name, "format": "unquantized", "size": size, "path": str(path),
                                          "bundled": True, "about": BUNDLED_ABOUT[name]}) + "\n")
+        for name, path, size in adapters:
+            base, about = BUNDLED_ADAPTERS_ABOUT[name]
+            sys.stdout.write(json.dumps({"name": name, "format": "lora", "size": size, "path": str(path),
+                                         "bundled": True, "adapter_of": base, "about": about}) + "\n")
         for e in found:
             sys.stdout.write(json.dumps({"name": e.name, "format": e.quant, "size": e.size, "path": str(e.path),
                                          "revision": e.manifest["store"].get("revision")}) + "\n")
         return
-    width = max(len(n) for n in [*BUNDLED, *(e.name for e in found)])
+    width = max(len(n) for n in [*BUNDLED, *BUNDLED_ADAPTERS, *(e.name for e in found)])
     sys.stdout.write(f"{'NAME':<{width}}  {'SIZE':>9}  WHERE\n")
     for e in found:
         sys.stdout.write(f"{e.name:<{width}}  {_gb(e.size):>9}  {e.path}\n")
     for name, _, size in bundled:
         sys.stdout.write(f"{name:<{width}}  {_gb(size):>9}  bundled: {BUNDLED_ABOUT[name]}\n")
+    for name, _, size in adapters:
+        base, about = BUNDLED_ADAPTERS_ABOUT[name]
+        sys.stdout.write(f"{name:<{width}}  {_gb(size):>9}  bundled LoRA adapter of {base}: {about}\n")
     if not found and not quiet:
         _note(f"the store is empty ({store_root()}); `dgemma pull` fetches a model")
 
@@ -912,17 +921,48 @@ def info(
     as_json: bool = typer.Option(False, "--json", help="One JSON object."),
     quiet: bool = QUIET_OPTION,
 ) -> None:
-    """Format, sizes, estimated GPU memory and location of a model."""
+    """Format, sizes, estimated GPU memory and location of a model; or what a LoRA adapter adapts."""
+    from pathlib import Path
+
     _be_quiet(quiet)
-    from .names import resolve_model
+    from .names import ADAPTER_CONFIG, BUNDLED_ADAPTERS, resolve_model
     from .store import describe
 
+    if model in BUNDLED_ADAPTERS or ((Path(model).expanduser() / ADAPTER_CONFIG).is_file()):
+        return _adapter_info(model, as_json)
     path = resolve_model(_model_dir(model))
     d = describe(path)
     if as_json:
         sys.stdout.write(json.dumps(d) + "\n")
         return
     _info_rows(d)
+
+
+def _adapter_info(ref: str, as_json: bool) -> None:
+    """`dgemma info` of a LoRA adapter: its base, rank, targets, tensors and size (read from its files only)."""
+    from .lora import read_adapter
+    from .names import BUNDLED_ADAPTERS_ABOUT, resolve_adapter
+
+    path, _ = resolve_adapter(ref)
+    ad = read_adapter(path)
+    ranks = sorted({a.shape[0] for a, _, _ in ad.linears.values()})
+    modules = sorted({name.split(".", 2)[-1] if name.startswith("layers.") else name for _, name in ad.linears})
+    base = BUNDLED_ADAPTERS_ABOUT[ref][0] if ref in BUNDLED_ADAPTERS_ABOUT else ad.base or "(not recorded)"
+    d = {"path": str(path), "format": "lora (PEFT)", "base": base, "ranks": ranks, "modules": modules,
+         "experts": bool(ad.experts), "token_rows": sorted({i for ids, _ in ad.tokens.values() for i in ids}),
+         "alpha": ad.config.get("lora_alpha"), "size_on_disk": sum(f.stat().st_size for f in path.iterdir()
+                                                                    if f.is_file())}
+    if as_json:
+        sys.stdout.write(json.dumps(d) + "\n")
+        return
+    rows = [("path", d["path"]), ("format", d["format"]), ("adapts", d["base"]),
+            ("rank", ", ".join(map(str, ranks)) or "-"), ("alpha", d["alpha"]),
+            ("modules", ", ".join(modules) or "-"), ("routed experts", "yes" if d["experts"] else "no"),
+            ("size on disk", _gb(d["size_on_disk"]))]
+    if d["token_rows"]:
+        rows.append(("token rows", ", ".join(map(str, d["token_rows"]))))
+    for k, v in rows:
+        sys.stdout.write(f"{k + ':':<24}{v}\n")
 
 
 def _info_rows(d: dict) -> None:

@@ -237,6 +237,7 @@ class ExpertLowRank:
         self.phase = phase
         self.parts: dict[str, dict[str, list]] = {ENCODER: {"gate_up": [], "down": []},
                                                   DECODER: {"gate_up": [], "down": []}}
+        self._kept: dict = {}  # (id(A), id(B)) -> (versions, a, b): contiguous per-expert factors
 
     def active(self) -> bool:
         p = self.parts[ENCODER if self.phase.encoding else DECODER]
@@ -257,6 +258,18 @@ class ExpertLowRank:
             w = torch.baddbmm(w, b.to(w.dtype), a.to(w.dtype), alpha=scale)
         return w
 
+    def _contiguous(self, A: torch.Tensor, B: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-expert factors, contiguous (what a grouped matmul takes; a view would fall back to a loop over
+        experts with a host sync): made once and kept while A and B are unchanged; views while training them."""
+        if torch.is_grad_enabled() and (A.requires_grad or B.requires_grad):
+            return _per_expert(A, B, E)
+        key = (id(A), id(B))
+        hit = self._kept.get(key)
+        if hit is None or hit[0] != (A._version, B._version):
+            a, b = _per_expert(A, B, E)
+            hit = self._kept[key] = ((A._version, B._version), a.contiguous(), b.contiguous())
+        return hit[1], hit[2]
+
     def slots(self, rows: int, tokens: int, row: int | None = None) -> torch.Tensor | None:
         """Each token's adapter slot [tokens] for a call on `tokens` tokens of `rows` rows (row: the call is that row's
         alone), or None when every adapter applies to every token."""
@@ -275,7 +288,7 @@ class ExpertLowRank:
 
         out = None
         for A, B, scale, s in self.parts[ENCODER if self.phase.encoding else DECODER][which]:
-            a, b = _per_expert(A, B, offsets.numel())
+            a, b = self._contiguous(A, B, offsets.numel())
             t = grouped_linear(grouped_linear(x, a.to(x.dtype), offsets), b.to(x.dtype), offsets) * scale
             if slots is not None:
                 t = t * (slots == s).to(t.dtype)[:, None]

@@ -301,7 +301,7 @@ def _grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     if x.device.type == "cuda":
         if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0):
             return False
-    elif x.device.type != "cpu":
+    elif x.device.type not in ("cpu", "meta"):  # meta: a traced step (step_trace.py) takes the CUDA path's op
         return False
     size = x.element_size()
     strides = (*x.stride()[:-1], *w.stride()[:-1])

@@ -169,7 +169,12 @@ def resolve(ref: str, demo: Path) -> Path:
 
 
 ADAPTER_CONFIG = "adapter_config.json"
-BUNDLED_ADAPTERS: dict[str, Path] = {}  # name -> directory of an adapter shipped with dgemma
+# LoRA adapters that ship inside dgemma: name -> (directory, the bundled model it adapts, what it does)
+BUNDLED_ADAPTERS = {"demo-sudoku-lora": Path(__file__).resolve().parent / "demo_sudoku_lora"}
+BUNDLED_ADAPTERS_ABOUT = {
+    "demo-sudoku-lora": ("demo", "teaches demo 4x4 sudoku (dgemma run --model demo --adapter demo-sudoku-lora "
+                                 "\"sudoku: ..4./..../.2.1/3...\")"),
+}
 
 
 def resolve_adapter(arg: str) -> tuple[Path, float]:

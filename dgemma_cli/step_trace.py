@@ -258,10 +258,12 @@ def _install_format(model, fmt: str) -> None:
 
 
 def trace_step(batch: int = 1, prompt: int = 256, target: int = 90, fmt: str = "nvfp4", config: dict | None = None,
+               adapter: dict | None = None,
                dtype: torch.dtype = torch.bfloat16) -> StepTrace:
     """Trace one denoise step (self-conditioning on) of `batch` canvases after `prompt` cached tokens, as it runs on
     a GPU of compute capability `target` (89 RTX 4090, 90 H200, 120 RTX 5090, ...). `config`: a config.json dict
-    (default: DiffusionGemma 26B-A4B's). Needs triton importable without TRITON_INTERPRET=1 (the launches are
+    (default: DiffusionGemma 26B-A4B's). `adapter`: lora.new_adapter's arguments (rank, alpha, targets,
+    expert_rank) for a LoRA adapter attached as dgemma runs one. Needs triton importable without TRITON_INTERPRET=1 (the launches are
     recorded, not run)."""
     from quant.kernels import aot
 
@@ -281,6 +283,13 @@ def trace_step(batch: int = 1, prompt: int = 256, target: int = 90, fmt: str = "
         torch.set_default_dtype(default)
     _install_format(model, fmt)
     model.eval()
+    adapter_tensors = []
+    if adapter is not None:  # a LoRA adapter (lora.new_adapter's shapes) on the meta model, unmerged as dgemma runs it
+        from .lora import attach, new_adapter, trainable
+
+        ad = new_adapter(model, **adapter)
+        attach(model, [(ad, 1.0)])
+        adapter_tensors = [t.detach() for t in trainable(ad)]
     C, V = cfg.canvas_length, cfg.text.vocab_size
     trace = StepTrace(config=config, fmt=fmt, batch=batch, prompt=prompt, target=target)
     denoiser = ModelDenoiser(model, batch, prompt)  # the engine's (its CUDA graph replays the same kernels)
@@ -300,7 +309,7 @@ def trace_step(batch: int = 1, prompt: int = 256, target: int = 90, fmt: str = "
     settings = GenerationSettings()
     history = [torch.zeros_like(canvas)] * settings.stability_threshold
 
-    weights = {_sid(t): t for t in list(model.parameters()) + list(model.buffers())}
+    weights = {_sid(t): t for t in list(model.parameters()) + list(model.buffers()) + adapter_tensors}
     trace.cache_bytes = sum(t.untyped_storage().nbytes() for t in cache.k + cache.v)
     persistent = set(weights) | {_sid(t) for t in cache.k + cache.v}
     # made once per generation: per-request memory, not per-step traffic

@@ -89,12 +89,13 @@ def validation(n: int) -> list[tuple[str, str]]:
     return [x for x in validation_puzzles(0, max(n, 64)) if x[0] not in held][:n]
 
 
-def eval_dgemma(model_dir, puzzles: list[tuple[str, str]], seed: int = 0, batch: int = 50, **overrides) -> dict:
+def eval_dgemma(model_dir, puzzles: list[tuple[str, str]], seed: int = 0, batch: int = 50, adapters=(),
+                **overrides) -> dict:
     """Solve the puzzles through dgemma's engine (batches of `batch`, batch i seeded with seed + i); overrides are
-    GenerationSettings fields (entropy_bound, ...)."""
+    GenerationSettings fields (entropy_bound, ...); adapters: (directory, scale) of LoRA adapters."""
     from dgemma_cli.engine import load
 
-    engine = load(model_dir, device="cpu", dtype="float32")
+    engine = load(model_dir, device="cpu", dtype="float32", adapters=adapters)
     solved, steps, settles, answers = 0, [], [], []
     t0 = time.perf_counter()
     for i in range(0, len(puzzles), batch):
@@ -184,6 +185,8 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=200)
     ap.add_argument("--model", default="demo-sudoku")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--adapter", action="append", default=[], metavar="DIR[:SCALE]",
+                    help="a LoRA adapter on the model (a directory or a bundled adapter's name), as --adapter does")
     ap.add_argument("--reference", action="store_true", help="also score the reference implementation")
     ap.add_argument("--puzzles", choices=("held-out", "validation"), default="held-out")
     ap.add_argument("--entropy-bound", type=float, help="instead of the checkpoint's (this and the next three: "
@@ -210,7 +213,12 @@ def main() -> int:
         overrides = {"max_denoising_steps": G.max_denoising_steps, "t_max": G.t_max, "t_min": G.t_min,
                      "entropy_bound": args.entropy_bound or G.entropy_bound}
     puzzles = held_out(args.n) if args.puzzles == "held-out" else validation(args.n)
-    ours = eval_dgemma(args.model, puzzles, seed=args.seed, **overrides)
+    from dgemma_cli.names import resolve_adapter
+
+    if args.adapter and args.reference:
+        ap.error("--adapter applies to dgemma only")
+    ours = eval_dgemma(args.model, puzzles, seed=args.seed, adapters=[resolve_adapter(a) for a in args.adapter],
+                       **overrides)
     order = order_report(puzzles, ours["settle"])
     blanks = sum(p.count(".") for p, _ in puzzles) / len(puzzles)
     print(f"dgemma:    {ours['accuracy']:.1%} solved of {ours['n']} {args.puzzles} puzzles ({blanks:.1f} blank cells "
