@@ -65,6 +65,9 @@ def test_tune_trains_repeats_and_resumes_exactly(tmp_path, capsys, monkeypatch):
     assert run_main(tune_args(data, tmp_path / "c", "--rank", "8")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "another rank" in err[0]
+    assert run_main(tune_args(data, tmp_path / "c", "--model", "demo-sudoku")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "another base ('demo', now 'demo-sudoku')" in err[0], err
 
 
 def test_bad_jsonl_lines_are_named_and_nothing_is_trained(tmp_path, capsys):
