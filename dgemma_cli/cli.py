@@ -817,7 +817,13 @@ def tune(
     _note(f"{len(tuner.train):,} training examples, {len(tuner.held):,} held out; adapter: "
           f"{est['parameters']:,} parameters; memory: base {_gb(est['base'])}, adapter with AdamW "
           f"{_gb(est['adapter'])}, activations up to {_gb(est['activations'])}: {_gb(est['total'])} in all")
-    tuner.run()
+    from .errors import Interrupted
+
+    try:
+        tuner.run()
+    except KeyboardInterrupt:
+        kept = f"the state at step {tuner.saved} is kept" if tuner.saved else "no state was saved yet"
+        raise Interrupted(f"interrupted; {kept}: run the same command again to resume") from None
     _note(f"adapter written to {out_dir} (run it: dgemma run --model {model or 'demo'} --adapter {out_dir} ...)")
 
 
@@ -838,8 +844,8 @@ def _tune_reporter(quiet: bool):
             bar["p"], bar["t"] = p, p.add_task("tune", total=kw["steps"], completed=kw["step"], loss="-")
         elif kind == "step" and "p" in bar:
             bar["p"].update(bar["t"], completed=kw["step"], loss=f"{kw['loss']:.3f}")
-            if kw["step"] == kw["steps"]:
-                bar["p"].stop()
+        elif kind == "end" and "p" in bar:
+            bar.pop("p").stop()
         elif kind == "eval":
             ev = kw["evaluation"]
             held = "-" if ev.held_loss is None else f"{ev.held_loss:.3f}"

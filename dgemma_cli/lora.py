@@ -319,8 +319,13 @@ def attach(model, adapters: list[tuple[Adapter, float]], slots: list[int] | None
     if not adapters:
         return
     slots = slots or [1] * len(adapters)
-    for ad, _ in adapters:
+    if sum(bool(ad.tokens) for ad, _ in adapters) > 1:
+        raise AdapterError("two adapters replace embedding rows (trainable tokens); only one of them can be used")
+    for ad, scale in adapters:
         check_fits(model, ad)
+        if ad.tokens and scale != 1:
+            raise AdapterError(f"adapter {ad.name} replaces embedding rows (trainable tokens), which a scale cannot "
+                               "weigh; use it at scale 1")
         if ad.tokens and len(set(slots)) > 1:
             raise AdapterError(f"adapter {ad.name} replaces embedding rows (trainable tokens), which rows of one "
                                "batch cannot choose apart; serve it alone")

@@ -340,13 +340,14 @@ class Experts(nn.Module):
     sums, same bits). `QuantizedExperts` only overrides `weights()`.
     """
 
+    low_rank = None  # adapters' per-expert low-rank terms (lora.ExpertLowRank), added to each projection
+
     def __init__(self, cfg: TextConfig):
         super().__init__()
         E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.num_experts = E
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
-        self.low_rank = None  # adapters' per-expert low-rank terms (lora.ExpertLowRank), added to each projection
 
     def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [E, 2I, H], down [E, H, I]) in the compute dtype (the parameters' own)."""
@@ -399,7 +400,6 @@ class QuantizedExperts(Experts):
         self.num_experts = num_experts
         self.gate_up_proj = gate_up_proj
         self.down_proj = down_proj
-        self.low_rank = None
 
     def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gate_up_proj.dequantize(dtype), self.down_proj.dequantize(dtype)

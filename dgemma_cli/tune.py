@@ -391,16 +391,19 @@ class Tuner:
         recent: list[float] = []
         t0 = time.perf_counter()
         self.report("start", step=self.step, steps=s.steps)
-        while self.step < s.steps:
-            recent.append(self.train_step())
-            recent = recent[-20:]
-            self.report("step", step=self.step, steps=s.steps, loss=sum(recent) / len(recent),
-                        seconds=time.perf_counter() - t0)
-            if self.step % s.eval_every == 0 or self.step == s.steps:
-                ev = self.evaluate(sum(recent) / len(recent))
-                self.history.append(ev)
-                self.report("eval", evaluation=ev)
-            if self.step % s.checkpoint_every == 0 or self.step == s.steps:
-                self.checkpoint()
-                self.report("checkpoint", step=self.step)
+        try:
+            while self.step < s.steps:
+                recent.append(self.train_step())
+                recent = recent[-20:]
+                self.report("step", step=self.step, steps=s.steps, loss=sum(recent) / len(recent),
+                            seconds=time.perf_counter() - t0)
+                if self.step % s.eval_every == 0 or self.step == s.steps:
+                    ev = self.evaluate(sum(recent) / len(recent))
+                    self.history.append(ev)
+                    self.report("eval", evaluation=ev)
+                if self.step % s.checkpoint_every == 0 or self.step == s.steps:
+                    self.checkpoint()
+                    self.report("checkpoint", step=self.step)
+        finally:  # Ctrl-C or a failed checkpoint too: the progress bar gives the terminal back
+            self.report("end")
         return self.history

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import dgemma_cli  # noqa: E402,F401
+import dgemma_cli  # noqa: E402,F401  (before torch: OpenMP threads sleep instead of spinning)
 import torch  # noqa: E402
 
 
