@@ -905,13 +905,19 @@ def list_models(as_json: bool = typer.Option(False, "--json", help="JSON Lines i
             sys.stdout.write(json.dumps({"name": name, "format": "lora", "size": size, "path": str(path),
                                          "bundled": True, "adapter_of": base, "about": about}) + "\n")
         for e in found:
-            sys.stdout.write(json.dumps({"name": e.name, "format": e.quant, "size": e.size, "path": str(e.path),
-                                         "revision": e.manifest["store"].get("revision")}) + "\n")
+            row = {"name": e.name, "format": e.quant, "size": e.size, "path": str(e.path),
+                   "revision": e.manifest["store"].get("revision")}
+            if e.quant == "lora":
+                row["adapter_of"] = e.manifest["store"].get("adapter_of")
+            sys.stdout.write(json.dumps(row) + "\n")
         return
     width = max(len(n) for n in [*BUNDLED, *BUNDLED_ADAPTERS, *(e.name for e in found)])
     sys.stdout.write(f"{'NAME':<{width}}  {'SIZE':>9}  WHERE\n")
     for e in found:
-        sys.stdout.write(f"{e.name:<{width}}  {_gb(e.size):>9}  {e.path}\n")
+        of = e.manifest["store"].get("adapter_of") if e.quant == "lora" else None
+        sys.stdout.write(f"{e.name:<{width}}  {_gb(e.size):>9}  {e.path}"
+                         + (f" (LoRA adapter of {of})" if of else " (LoRA adapter)" if e.quant == "lora" else "")
+                         + "\n")
     for name, _, size in bundled:
         sys.stdout.write(f"{name:<{width}}  {_gb(size):>9}  bundled: {BUNDLED_ABOUT[name]}\n")
     for name, _, size in adapters:
@@ -934,7 +940,10 @@ def info(
     from .names import ADAPTER_CONFIG, BUNDLED_ADAPTERS, resolve_model
     from .store import describe
 
-    if model in BUNDLED_ADAPTERS or ((Path(model).expanduser() / ADAPTER_CONFIG).is_file()):
+    from .names import STORE_NAME, find
+
+    if model in BUNDLED_ADAPTERS or (Path(model).expanduser() / ADAPTER_CONFIG).is_file() or \
+            (STORE_NAME.match(model) and any(e.quant == "lora" for e in find(model))):
         return _adapter_info(model, as_json)
     path = resolve_model(_model_dir(model))
     d = describe(path)

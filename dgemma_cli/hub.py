@@ -47,6 +47,7 @@ from .errors import DgemmaError
 from .names import INDEX_FILE, SINGLE_FILE, TEXT_PREFIXES, model_shards, text_shards
 
 CONFIG_FILE = "config.json"
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # a PEFT LoRA adapter repository's
 SMALL_FILES = (
     CONFIG_FILE,
     "generation_config.json",
@@ -71,7 +72,7 @@ class _NoBars(hf_tqdm):
 def download(repo_id: str, revision: str | None = None, *, progress: bool = True,
              on_config: Callable[[Path], None] | None = None) -> Path:
     """Fetch the model (text stack and vision tower) from the Hub into huggingface_hub's own cache; return the
-    snapshot dir.
+    snapshot dir. A LoRA adapter's repository (adapter_config.json, no config.json) gives its two files only.
 
     on_config(snapshot dir) runs once the small files (config.json first) are there and before any weights are
     fetched: a caller can refuse the model there without downloading gigabytes.
@@ -135,6 +136,14 @@ def _download(repo_id: str, revision: str | None, bars, on_config=None) -> Path:
     def has(name: str) -> bool:
         return listing is None or name in listing
 
+    # A LoRA adapter's repository (PEFT's files, no model config): its two files, as published.
+    if listing is not None and ADAPTER_FILES[0] in listing and CONFIG_FILE not in listing or \
+            listing is None and fetch(ADAPTER_FILES[0], required=False) is not None \
+            and fetch(CONFIG_FILE, required=False) is None:
+        for name in ADAPTER_FILES:
+            fetch(name)
+        assert snapshot is not None
+        return snapshot
     for name in SMALL_FILES:
         if has(name):
             fetch(name, required=name == CONFIG_FILE)

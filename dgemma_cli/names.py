@@ -156,7 +156,7 @@ def resolve(ref: str, demo: Path) -> Path:
         raise UsageError(f"{ref!r} is neither a model directory nor a store name ([OWNER/]NAME[:QUANT])")
     if m["quant"] and m["quant"] not in QUANTS:
         raise UsageError(f"{ref}: unknown format {m['quant']!r} (one of {', '.join(QUANTS)})")
-    found = find(ref)
+    found = [e for e in find(ref) if e.quant != "lora"]  # an adapter is not a model (--adapter takes it)
     if len(found) == 1:
         return found[0].path
     if len(found) > 1:

@@ -230,6 +230,8 @@ def pull(repo: str, quant: str = "auto", revision: str | None = None, policy: st
         decided.update(quant=fmt, published=published, out=out)
 
     snapshot = hub.download(repo, revision, progress=progress, on_config=decide)
+    if not decided and (snapshot / hub.ADAPTER_FILES[0]).is_file():  # a LoRA adapter: stored as published
+        return _store_adapter(repo, quant, snapshot, note)
     quant, published, out = decided["quant"], decided["published"], decided["out"]
     commit = snapshot.name
     as_is = quant == "bf16" or published is not None
@@ -245,6 +247,34 @@ def pull(repo: str, quant: str = "auto", revision: str | None = None, policy: st
         manifest = quantize_checkpoint(snapshot, out, quant, policy, device=device, store_meta=meta, progress=progress,
                                        note=note)
     return Entry(repo, quant, out, manifest)
+
+
+def _store_adapter(repo: str, quant: str, snapshot: Path, note) -> Entry:
+    """A PEFT LoRA adapter pulled from the Hub: checked as dgemma reads adapters, linked into the store as
+    OWNER--NAME--lora with a manifest naming the model it adapts."""
+    from quant.convert import partial_dir, write_manifest
+
+    from .lora import AdapterError, read_adapter
+
+    if quant not in ("auto", "lora"):
+        raise UsageError(f"{repo} is a LoRA adapter: it is stored as published (no --quant)")
+    try:
+        ad = read_adapter(snapshot)
+    except AdapterError as e:
+        raise ModelError(f"{repo}: {e}") from None
+    out = entry_dir(repo, "lora")
+    work = partial_dir(out)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        _link_or_copy(snapshot / name, work / name)
+    meta = {"repo": repo, "quant": "lora", "revision": snapshot.name, "adapter_of": ad.base or None,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    note("checking the files (sha256)")
+    manifest = write_manifest(work, {"store": meta})
+    os.rename(work, out)
+    note(f"a LoRA adapter of {ad.base or 'an unnamed base'}: run it with --adapter {repo}")
+    return Entry(repo, "lora", out, manifest)
 
 
 def quantize_device() -> str:

@@ -412,3 +412,30 @@ def test_quantize_never_deletes_a_partial_directory_it_did_not_make(checkpoints,
                          str(tmp_path / "x"), "--device", "cuda"]) == 2
         assert "no CUDA device" in one_error_line(capsys)
         assert not (tmp_path / "x.partial").exists()
+
+
+def test_pull_of_a_lora_adapter_stores_it_as_published(fake_hub, checkpoints, tmp_path, capsys):  # noqa: F811
+    """An adapter repository (PEFT's two files): pulled as is into OWNER--NAME--lora, listed with its base, run
+    by its store name with --adapter, never taken for a model."""
+    from dgemma_cli.lora import new_adapter, save_adapter
+    from dgemma_cli.weights import load_model
+
+    model, _ = load_model(checkpoints["five_to_one"], dtype=torch.float32)
+    ad = new_adapter(model, rank=2, alpha=4, generator=torch.Generator().manual_seed(0), base=REPO)
+    save_adapter(ad, tmp_path / "lora")
+    serve_directory(fake_hub, "acme/tiny-lora", tmp_path / "lora")
+    assert run_main(["pull", "acme/tiny-lora"]) == 0
+    assert capsys.readouterr().out.strip() == "acme/tiny-lora:lora"
+    (entry,) = store.entries()
+    assert sorted(p.name for p in entry.path.iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
+                                                           "dgemma-manifest.json"]
+    assert run_main(["list"]) == 0
+    assert f"(LoRA adapter of {REPO})" in capsys.readouterr().out
+    assert run_main(["info", "tiny-lora"]) == 0
+    assert f"adapts:                 {REPO}" in capsys.readouterr().out
+    assert run_main(["run", "hi", "--model", str(checkpoints["five_to_one"]), "--adapter", "tiny-lora", "--raw",
+                     "--device", "cpu", "--max-new-tokens", "4", "--view", "none"]) == 0
+    assert run_main(["pull", "acme/tiny-lora"]) == 0
+    assert "already in the store" in capsys.readouterr().err
+    assert run_main(["run", "hi", "--model", "acme/tiny-lora", "--device", "cpu"]) != 0  # not a model
+    assert "not in the store" in one_error_line(capsys)
