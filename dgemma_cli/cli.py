@@ -757,6 +757,9 @@ def tune(
     raw: bool = typer.Option(False, "--raw", help="Prompts of prompt/completion lines as raw text (no chat "
                              "template)."),
     restart: bool = typer.Option(False, "--restart", help="Start over even if DIR holds a stopped run's state."),
+    checkpointing: bool = typer.Option(True, "--gradient-checkpointing/--no-gradient-checkpointing",
+                                       help="Recompute each layer's feed-forward stage in the backward pass instead "
+                                       "of keeping it (less memory, about a third more compute; the same adapter)."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
     dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto."),
     quiet: bool = QUIET_OPTION,
@@ -813,10 +816,19 @@ def tune(
     if state is not None:
         tuner.restore(state)
         _note(f"resuming {out_dir} at step {tuner.step} of {steps}")
-    est = memory_estimate(engine.model, tuner.adapter, settings, max(len(e.prompt) for e in examples))
+    engine.model.checkpointing = checkpointing
+    longest = max(len(e.prompt) + len(e.answer) for e in examples)
+    est = memory_estimate(engine.model, tuner.adapter, settings, longest, checkpointing)
     _note(f"{len(tuner.train):,} training examples, {len(tuner.held):,} held out; adapter: "
-          f"{est['parameters']:,} parameters; memory: base {_gb(est['base'])}, adapter with AdamW "
+          f"{est['parameters']:,} parameters; memory (estimate): base {_gb(est['base'])}, adapter with AdamW "
           f"{_gb(est['adapter'])}, activations up to {_gb(est['activations'])}: {_gb(est['total'])} in all")
+    if engine.model.device.type == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(engine.model.device)
+        if est["total"] > free:
+            _note(f"that is more than the {_gb(free)} free on the GPU: try a smaller --batch-size, shorter examples"
+                  + (", or --gradient-checkpointing" if not checkpointing else ""))
     from .errors import Interrupted
 
     try:

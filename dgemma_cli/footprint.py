@@ -138,3 +138,54 @@ def free_memory() -> tuple[int, str]:
         free, _ = torch.cuda.mem_get_info(0)
         return free, f"GPU {torch.cuda.get_device_name(0)}"
     return system_free(), "system memory (no CUDA GPU found)"
+
+
+def adapter_parameters(cfg: ModelConfig, rank: int, targets=("attention", "mlp"), expert_rank: int = 0) -> int:
+    """Parameters of a LoRA adapter as lora.new_adapter makes it (one set shared by both passes)."""
+    t = cfg.text
+    H, I, E, Im = t.hidden_size, t.intermediate_size, t.num_experts, t.moe_intermediate_size
+    n = 0
+    for spec in t.layers:
+        if "attention" in targets:
+            q, kv = t.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+            n += rank * (H + q) * 2 + rank * (H + kv) * (2 if spec.is_sliding else 1)  # q, o; k (and v)
+        if "mlp" in targets:
+            n += rank * (H + I) * 3
+        n += expert_rank * E * ((H + 2 * Im) + (Im + H))
+    if "self_conditioning" in targets:
+        n += rank * (H + I) * 3
+    return n
+
+
+def tune_bytes(cfg: ModelConfig, fmt: str, batch: int, prompt: int, rank: int, targets=("attention", "mlp"),
+               expert_rank: int = 0, checkpointing: bool = True, policy: str | None = None,
+               dtype_bytes: int = 2) -> dict[str, int]:
+    """Memory `dgemma tune` needs at most, by part (computed from the shapes, not measured):
+
+    - weights: the base as stored (quantized ones packed; a quantized layer's experts are dequantized for its
+      forward: one layer at a time with checkpointing, every layer's kept for the backward pass without);
+    - adapter: its float32 factors, their gradients and AdamW's two moments (16 bytes a parameter);
+    - activations kept for the backward pass, in the compute dtype: per layer and token of the prompt and of the
+      canvas (twice: the self-conditioning pass and the trained one), the attention's (the normed input, q, k, v,
+      the attention output, the residual) and, without checkpointing, the feed-forward's (the dense MLP's three
+      intermediates, each routed assignment's gate, up and product, the expert outputs); with it, only each
+      stage's input. The KV caches (the prompt's and two clones for the canvas passes);
+    - the head: float32 logits of the canvas, their softmax for self-conditioning and their gradient.
+    """
+    t, C = cfg.text, cfg.canvas_length
+    H, V, K = t.hidden_size, t.vocab_size, t.top_k_experts
+    weights = sum(weight_bytes(cfg, fmt, policy).values())
+    dequantized = 0 if fmt == "bf16" else dtype_bytes * t.num_experts * 3 * t.moe_intermediate_size * H
+    dequantized *= 1 if checkpointing else t.num_hidden_layers
+    adapter = 16 * adapter_parameters(cfg, rank, targets, expert_rank)
+    tokens = batch * (prompt + 2 * C)
+    per_layer = 0
+    for spec in t.layers:
+        q, kv = t.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        attention = 3 * H + 2 * q + 2 * kv
+        ffn = H if checkpointing else (4 * H + 3 * t.intermediate_size + K * (4 * t.moe_intermediate_size + H))
+        per_layer += attention + ffn
+    activations = dtype_bytes * tokens * per_layer + 3 * kv_cache_bytes(cfg, prompt, batch)
+    head = 3 * 4 * batch * C * V
+    return dict(weights=weights + dequantized, adapter=adapter, activations=activations, head=head,
+                total=weights + dequantized + adapter + activations + head + RUNTIME_SLACK)

@@ -586,6 +586,7 @@ class DiffusionGemma(nn.Module):
         self.phase = Phase()  # which pass runs: adapters (lora.py) hold a delta per pass, as the reference's two trees
         self.token_rows: dict = {}  # "encoder"/"decoder" -> embedding rows an adapter replaces (lora.TokenRows)
         self.adapters: list = []  # (name, scale) of the adapters attached (lora.attach)
+        self.checkpointing = False  # recompute each feed-forward stage in the backward pass (`_feed_forward`)
         # RoPE tables are derived from the config, never loaded: plain tensors, moved on use.
         self.inv_freq = {k: rope_inv_freq(t.rope_parameters[k], t.head_dim_of(k)) for k in set(t.layer_types)}
 
@@ -609,6 +610,26 @@ class DiffusionGemma(nn.Module):
             value = torch.tensor(self.cfg.text.hidden_size**0.5, dtype=torch.float32).to(w.dtype)
             self.__dict__["_embed_scale"] = cached = (key, value.to(w.device), value.item())
         return cached[2] if as_float else cached[1]
+
+    def _feed_forward(self, layer: Layer, x: torch.Tensor, scalar: torch.Tensor, experts_per_row: bool = False
+                      ) -> torch.Tensor:
+        """A layer's feed-forward stage; under `checkpointing` while gradients are taken (dgemma tune), recomputed in
+        the backward pass instead of kept: a quantized layer's dequantized experts then live one layer at a time, not
+        all layers at once. The recomputation runs in the pass it was made in (adapters keep a delta per pass)."""
+        if not (self.checkpointing and torch.is_grad_enabled()):
+            return layer.feed_forward(x, scalar, experts_per_row)
+        from torch.utils.checkpoint import checkpoint
+
+        encoding = self.phase.encoding
+
+        def stage(x: torch.Tensor, scalar: torch.Tensor) -> torch.Tensor:
+            was, self.phase.encoding = self.phase.encoding, encoding
+            try:
+                return layer.feed_forward(x, scalar, experts_per_row)
+            finally:
+                self.phase.encoding = was
+
+        return checkpoint(stage, x, scalar, use_reentrant=False)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         x = F.embedding(ids, self.embed_tokens.weight)
@@ -740,7 +761,7 @@ class DiffusionGemma(nn.Module):
                 break  # the last layer's output feeds nothing the cache needs
             h = layer.self_attn.o_proj(attend(q, keys, values, masks[kind], causal=True))
             x = layer.post_attention_layernorm.add_to(x, h)
-            x = layer.feed_forward(x, self.encoder_layer_scalar[i])
+            x = self._feed_forward(layer, x, self.encoder_layer_scalar[i])
         cache.length = L0 + T
         return self.norm(x) if return_hidden else None
 
@@ -873,6 +894,6 @@ class DiffusionGemma(nn.Module):
                 raise ValueError(f"the caches cover {row} rows, the canvas has {B}")
             h = layer.self_attn.o_proj(heads[0] if len(heads) == 1 else torch.cat(heads))
             x = layer.post_attention_layernorm.add_to(x, h)
-            x = layer.feed_forward(x, self.decoder_layer_scalar[i], experts_per_row)
+            x = self._feed_forward(layer, x, self.decoder_layer_scalar[i], experts_per_row)
         x = self.norm(x)
         return x if return_hidden else self.logits(x, out)

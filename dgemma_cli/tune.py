@@ -215,22 +215,26 @@ def learning_rate(step: int, base: float, warmup: int, steps: int) -> float:
 # ------------------------------------------------------------------------------------------------ memory
 
 
-def memory_estimate(model, ad, settings: TuneSettings, prompt_len: int) -> dict:
-    """Bytes a tune needs at most, by parts: the base as loaded, the adapter's factors with their gradients and
-    AdamW's two moments (float32), and the activations autograd keeps for one batch (each layer's inputs and
-    outputs of its projections, for the prompt and the canvas twice: no gradient checkpointing)."""
+def memory_estimate(model, ad, settings: TuneSettings, prompt_len: int, checkpointing: bool = True) -> dict:
+    """Bytes a tune needs at most, by part (footprint.tune_bytes' count, computed from the shapes): the base as
+    loaded (plus a quantized layer's dequantized experts: one layer's with checkpointing, all without), the
+    adapter's factors with their gradients and AdamW's moments, the activations kept for the backward pass, the
+    head's float32 logits."""
+    from .footprint import tune_bytes
     from .lora import trainable
+    from .model import QuantizedExperts
 
+    parts = tune_bytes(model.cfg, "bf16", settings.batch_size, prompt_len, settings.rank, settings.targets,
+                       settings.expert_rank, checkpointing, dtype_bytes=model.dtype.itemsize)
     base = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-    params = sum(t.numel() for t in trainable(ad))
     t = model.cfg.text
-    C = model.cfg.canvas_length
-    tokens = settings.batch_size * (prompt_len + 2 * C)
-    per_token_layer = 4 * (8 * t.hidden_size + 3 * t.intermediate_size
-                           + t.top_k_experts * 3 * t.moe_intermediate_size)  # float32 activations kept
-    acts = tokens * per_token_layer * t.num_hidden_layers + settings.batch_size * C * t.vocab_size * 4 * 3
-    return dict(base=base, adapter=params * 4 * 4, activations=acts, total=base + params * 16 + acts,
-                parameters=params)
+    quantized = any(isinstance(layer.experts, QuantizedExperts) for layer in model.layers)
+    dequantized = (model.dtype.itemsize * t.num_experts * 3 * t.moe_intermediate_size * t.hidden_size
+                   * (1 if checkpointing else t.num_hidden_layers)) if quantized else 0
+    adapter = 16 * sum(p.numel() for p in trainable(ad))
+    acts = parts["activations"] + parts["head"]
+    return dict(base=base + dequantized, adapter=adapter, activations=acts, total=base + dequantized + adapter + acts,
+                parameters=adapter // 16)
 
 
 # ------------------------------------------------------------------------------------------------ state
