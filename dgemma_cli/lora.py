@@ -70,6 +70,15 @@ class LowRank:
         # in peft's order (B(A(x)) * scale, added to the base's output): on the CPU in float32, peft's very bits
         return F.linear(F.linear(x, self.A.to(x.dtype)), self.B.to(x.dtype)) * self.scale
 
+    def factors(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """A and B in `dtype`, contiguous, made once (the fused kernel reads them as they are)."""
+        kept = self.__dict__.setdefault("_kept", {})
+        key = (dtype, self.A._version, self.B._version)
+        if key not in kept:
+            kept.clear()
+            kept[key] = (self.A.to(dtype).contiguous(), self.B.to(dtype).contiguous())
+        return kept[key]
+
 
 @dataclass
 class Adapter:
@@ -213,12 +222,39 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         slots = self.phase.row_slots  # None: every adapter on every row; else [B], each row's adapter (0: none)
-        for d in self.deltas[ENCODER if self.phase.encoding else DECODER]:
+        deltas = self.deltas[ENCODER if self.phase.encoding else DECODER]
+        if deltas and _fused(x, deltas) and y.is_contiguous():  # one kernel per adapter (quant/kernels/lora.py)
+            from quant.kernels.lora import lora_add_
+
+            for d in deltas:
+                mask = None
+                if slots is not None:
+                    mask = (slots == d.slot).float().repeat_interleave(x[..., 0].numel() // slots.numel())
+                lora_add_(y, x, *d.factors(x.dtype), d.scale, mask)
+            return y
+        for d in deltas:
             if slots is None:
                 y = y + d(x)
             else:  # every row computes it, the others' share multiplied by zero: no host sync, one shape
                 y = y + d(x) * (slots == d.slot).to(x.dtype).view(-1, *[1] * (x.dim() - 1))
         return y
+
+
+def _fused(x: torch.Tensor, deltas: list[LowRank]) -> bool:
+    """Whether the adapters' terms run as the fused Triton kernel: where DGEMMA_KERNELS selects Triton for x's
+    device and its first-use check passed, no gradient is taken through them (dgemma tune uses the torch ops), the
+    activations are 16-bit and every rank fits the kernel."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or torch.is_grad_enabled() and (
+            x.requires_grad or any(d.A.requires_grad or d.B.requires_grad for d in deltas)):
+        return False
+    from quant.kernels import use_triton
+
+    if not use_triton(x.device):
+        return False
+    from quant.kernels.lora import MAX_RANK
+    from quant.kernels.probe import family_ok
+
+    return all(d.A.shape[0] <= MAX_RANK for d in deltas) and family_ok("lora", x.device, x.dtype)
 
 
 def _features(module: nn.Module) -> tuple[int, int]:

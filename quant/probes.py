@@ -228,6 +228,21 @@ def _softcap(device: torch.device, dtype: torch.dtype) -> str | None:
     return _rel_error(got.cpu(), ref, torch.float32)
 
 
+def _lora(device: torch.device, dtype: torch.dtype) -> str | None:
+    """A rank-12 adapter's term on 70 rows (every third masked out), 200 x 96, added to y, against torch's ops."""
+    from .kernels.lora import lora_add_
+
+    g = torch.Generator().manual_seed(0)
+    x, A, B = (torch.randn(70, 96, generator=g), torch.randn(12, 96, generator=g) * 0.3,
+               torch.randn(200, 12, generator=g) * 0.3)
+    y = torch.randn(70, 200, generator=g)
+    mask = (torch.arange(70) % 3 != 0).float()
+    ref = y.to(dtype).float() + (x.to(dtype).float() @ A.to(dtype).float().T @ B.to(dtype).float().T) * 0.5 * mask[:, None]
+    got = lora_add_(y.to(dtype).to(device), x.to(dtype).to(device), A.to(dtype).to(device), B.to(dtype).to(device),
+                    0.5, mask.to(device))
+    return _rel_error(got.cpu().float(), ref, dtype)
+
+
 def _moe_plan(device: torch.device, dtype: torch.dtype) -> str | None:
     """70 tokens, top-8 of 128 experts with one expert taking most (a block of several), 16 rows a block: the plan
     equal to the torch one's, bit for bit."""
@@ -268,6 +283,7 @@ PROBLEMS = {
     "router": _router,
     "moe_plan": _moe_plan,
     "softcap": _softcap,
+    "lora": _lora,
     "rms_norm": _rms_norm,
     "nvfp4_linear": lambda device, dtype: _linear("nvfp4", device, dtype),
     "moe_nvfp4_w4a4": _moe_w4a4,

@@ -27,7 +27,9 @@ import dgemma_cli  # noqa: E402,F401  (before torch: OpenMP threads sleep instea
 import torch  # noqa: E402
 
 
-def cpu_rows() -> list[dict]:
+def cpu_rows(reps: int = 7) -> list[dict]:
+    """ms per forward of each model, the two timed in turn (this machine's speed drifts: alternating keeps the
+    drift out of the ratio), median of `reps` each; and the median of the per-turn ratios."""
     from eval_sudoku import held_out
     from train_sudoku import prompt_text
 
@@ -35,18 +37,22 @@ def cpu_rows() -> list[dict]:
     from dgemma_cli.names import resolve_adapter
 
     prompts = [prompt_text(p) for p, _ in held_out(32)]
-    rows = []
-    for name, adapters in (("demo alone", []), ("demo + demo-sudoku-lora", [resolve_adapter("demo-sudoku-lora")])):
-        engine = load("demo", device="cpu", dtype="float32", adapters=adapters)
+    models = {"demo alone": load("demo", device="cpu", dtype="float32"),
+              "demo + demo-sudoku-lora": load("demo", device="cpu", dtype="float32",
+                                              adapters=[resolve_adapter("demo-sudoku-lora")])}
+    per: dict[str, list[float]] = {name: [] for name in models}
+    for engine in models.values():
         engine.generate(prompts[:4], seed=0, max_denoising_steps=10)  # warm-up
-        per = []
-        for rep in range(3):
+    for rep in range(reps):
+        for name, engine in models.items():
             t0 = time.perf_counter()
             r = engine.generate(prompts, seed=rep, max_denoising_steps=10)
             forwards = max(s for row in r.steps_per_canvas for s in row)  # the batch runs until its slowest row
-            per.append(1e3 * (time.perf_counter() - t0) / forwards)
-        rows.append(dict(name=name, ms=statistics.median(per)))
-    return rows
+            per[name].append(1e3 * (time.perf_counter() - t0) / forwards)
+    a, b = per.values()
+    ratio = statistics.median(y / x for x, y in zip(a, b))
+    return [dict(name=name, ms=statistics.median(v), ratio=ratio if name != "demo alone" else 1.0)
+            for name, v in per.items()]
 
 
 def trace_rows() -> list[dict]:
@@ -70,11 +76,12 @@ def trace_rows() -> list[dict]:
 
 def main() -> None:
     torch.set_num_threads(2)
-    print("this CPU, demo model, 32 held-out sudoku prompts in one batch, at most 10 steps, median of 3:")
-    print("| model | ms per forward |")
-    print("|---|---:|")
+    print("this CPU, demo model, 32 held-out sudoku prompts in one batch, at most 10 steps, the two in turn, "
+          "median of 7:")
+    print("| model | ms per forward | against demo alone (median of the turns' ratios) |")
+    print("|---|---:|---:|")
     for r in cpu_rows():
-        print(f"| {r['name']} | {r['ms']:.1f} |")
+        print(f"| {r['name']} | {r['ms']:.1f} | {r['ratio']:.2f}x |")
     print("\nDiffusionGemma 26B-A4B, NVFP4, batch 1, H200 (sm_90), traced on the meta device:")
     print("| adapter | kernels | torch ops | Triton launches | torch ops' GB | torch ops' GFLOP | torch ops at their "
           "floors (ms) |")

@@ -131,6 +131,8 @@ def compiled_rows(jobs, results, launches) -> list[dict]:
 STEP_TARGETS = (89, 90, 120)  # RTX 4090, H200, RTX 5090: the GPUs the whole-step table is for
 STEP_FORMATS = ("nvfp4", "w8a8-fp8")
 STEP_PROMPT = 256  # cached prompt tokens before the canvas
+# a LoRA adapter on the step (dgemma_cli/lora.py, its term fused: quant/kernels/lora.py), traced beside the plain one
+STEP_ADAPTER = dict(rank=16, alpha=32, targets=("attention", "mlp"))
 
 
 def whole_step_traces(targets) -> dict[int, list]:
@@ -139,13 +141,14 @@ def whole_step_traces(targets) -> dict[int, list]:
 
     out = {}
     for cc in targets:
-        for fmt in STEP_FORMATS:
-            for batch in aot.BATCHES:
-                trace = trace_step(batch=batch, prompt=STEP_PROMPT, target=cc, fmt=fmt)
-                w = aot.Work(family="whole step", label=fmt, batch=batch, dtype="bfloat16", count=1, floor_bytes=0,
-                             flops=0, launches=trace.launches)
-                w.trace = trace
-                out.setdefault(cc, []).append(w)
+        runs = [(fmt, batch, None) for fmt in STEP_FORMATS for batch in aot.BATCHES] + [("nvfp4", 1, STEP_ADAPTER)]
+        for fmt, batch, adapter in runs:
+            trace = trace_step(batch=batch, prompt=STEP_PROMPT, target=cc, fmt=fmt, adapter=adapter)
+            label = fmt if adapter is None else f"{fmt} + LoRA r{adapter['rank']} (attention, dense MLP)"
+            w = aot.Work(family="whole step", label=label, batch=batch, dtype="bfloat16", count=1, floor_bytes=0,
+                         flops=0, launches=trace.launches)
+            w.trace = trace
+            out.setdefault(cc, []).append(w)
     return out
 
 
@@ -195,7 +198,7 @@ def whole_step_rows(step_work, jobs, results, job_of, errors: list[str]) -> list
                 if e not in errors:
                     errors.append(e)
             f = floor_of(trace)
-            fast = {"nvfp4": gpu.fp4_tflops or gpu.tensor_tflops, "w8a8-fp8": 2 * gpu.tensor_tflops}[w.label]
+            fast = {"nvfp4": gpu.fp4_tflops or gpu.tensor_tflops, "w8a8-fp8": 2 * gpu.tensor_tflops}[trace.fmt]
             floor_mem = roofline.dram_us(gpu, f.weight_bytes) / 1e3
             floor_tc = (2 * f.quantized_params * f.rows / (fast * 1e6)
                         + 2 * f.dense_params * f.rows / (gpu.tensor_tflops * 1e6)) / 1e3

@@ -351,3 +351,55 @@ def test_triton_and_torch_give_the_same_tokens(checkpoints, tmp_path, monkeypatc
     reference = engine.generate(prompts, **kw).token_ids
     monkeypatch.setenv("DGEMMA_KERNELS", "triton")
     assert engine.generate(prompts, **kw).token_ids == reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,rank,masked", [(1, 4, False), (37, 16, False), (70, 20, True)])
+def test_lora_kernel_adds_the_low_rank_term(rows, rank, masked, dtype):
+    """y += scale * mask * (x A^T) B^T in one kernel against the torch path's ops (quant/kernels/lora.py): N not a
+    multiple of the tile, a rank that is not a power of two, rows masked as the server's adapter slots mask them."""
+    from quant.kernels.lora import lora_add_
+
+    g = torch.Generator().manual_seed(rows + rank)
+    N, K = 200, 96
+    x = torch.randn(rows, K, generator=g).to(dtype).to(DEVICE)
+    A = (torch.randn(rank, K, generator=g) * 0.3).to(dtype).to(DEVICE)
+    B = (torch.randn(N, rank, generator=g) * 0.3).to(dtype).to(DEVICE)
+    y0 = torch.randn(rows, N, generator=g).to(dtype).to(DEVICE)
+    mask = (torch.arange(rows) % 3 != 0).float().to(DEVICE) if masked else None
+    t = torch.nn.functional.linear(torch.nn.functional.linear(x, A), B) * 0.75
+    ref = y0 + (t if mask is None else t * mask[:, None].to(dtype))
+    got = lora_add_(y0.clone(), x, A, B, 0.75, mask)
+    assert got.dtype == dtype and rel(got, ref) <= 2 * TOL[dtype]
+    if masked:  # masked rows untouched, bit for bit
+        keep = mask == 0
+        assert torch.equal(got[keep], y0[keep])
+
+
+def test_lora_linear_takes_the_fused_kernel_with_row_slots(monkeypatch):
+    """lora.LoRALinear in 16-bit where the kernels run: one lora_kernel launch per adapter, the base's rows of the
+    server's other adapters untouched, the same values as the torch ops (DGEMMA_KERNELS=torch) to bfloat16
+    rounding."""
+    from dgemma_cli.lora import LoRALinear, LowRank
+    from dgemma_cli.model import Phase
+    import quant.kernels.lora as kernel
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.nn.Linear(64, 96, bias=False).to(torch.bfloat16).to(DEVICE)
+    phase = Phase()
+    lin = LoRALinear(base, phase)
+    for slot in (1, 2):
+        lin.deltas["decoder"].append(LowRank((torch.randn(8, 64, generator=g) * 0.2).to(DEVICE),
+                                             (torch.randn(96, 8, generator=g) * 0.2).to(DEVICE), 0.5, slot))
+    x = torch.randn(3, 5, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    phase.row_slots = torch.tensor([0, 2, 1], device=DEVICE)
+    calls = []
+    real = kernel.lora_add_
+    monkeypatch.setattr(kernel, "lora_add_", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        fused = lin(x)
+        monkeypatch.setenv("DGEMMA_KERNELS", "torch")
+        plain = lin(x)
+    assert len(calls) == 2
+    assert torch.equal(fused[0], plain[0]) and torch.equal(fused[0], base(x[0]))  # slot 0: the base alone
+    assert rel(fused, plain) <= 2 * TOL[torch.bfloat16]

@@ -188,6 +188,14 @@ KERNELS = {
     # the block plan, loop-free: one CTA per chunk of CH assignments
     "moe_count_kernel": Loops(trips=lambda a: [], elems=lambda a: a["CH"]),
     "moe_place_kernel": Loops(trips=lambda a: [], elems=lambda a: a["CH"]),
+    # a LoRA term (quant/kernels/lora.py): for k0 in range(0, K, BLOCK_K) the rows' rank-R product, then for n0 in
+    # the CTA's stretch of N_PER columns (the last stretch shorter: counted whole) B's tiles and y's read-add-write
+    "lora_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"]), _cdiv(a["N_PER"], a["BLOCK_N"])],
+                         elems=lambda a: a["R"] * (a["K"] + a["N_PER"]), passes={"y_ptr": 2},
+                         mma=lambda a: 2 * a["BLOCK_M"] * a["BLOCK_R"] * (_cdiv(a["K"], a["BLOCK_K"]) * a["BLOCK_K"]
+                                                                          + _cdiv(a["N_PER"], a["BLOCK_N"])
+                                                                          * a["BLOCK_N"]),
+                         useful=lambda a: 2 * a["M"] * a["R"] * (a["K"] + a["N"])),
     # no loop: one CTA converts and caps BLOCK logits
     "softcap_kernel": Loops(trips=lambda a: [], elems=lambda a: a["BLOCK"]),
     # no loop (the top-k rows unrolled): one CTA sums BLOCK columns of one token's TOPK rows
