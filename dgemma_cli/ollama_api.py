@@ -178,8 +178,9 @@ def _final(api, server, prep, done, text, started: float) -> dict:
     return out
 
 
-def _piece(server, kind: str, delta: str, thought: str) -> dict:
-    obj: dict[str, Any] = {"model": f"{server.model_id}:latest", "created_at": _now(), "done": False}
+def _piece(server, kind: str, delta: str, thought: str, model: str = "") -> dict:
+    """One object of an answer; model: the id the request named (the base's or an adapter's)."""
+    obj: dict[str, Any] = {"model": f"{model or server.model_id}:latest", "created_at": _now(), "done": False}
     if kind == "chat":
         obj["message"] = {"role": "assistant", "content": delta, **({"thinking": thought} if thought else {})}
     else:
@@ -201,16 +202,16 @@ async def respond(api, server, openai_body: dict, kind: str, shape: str, stream:
             answer, thought = answer + delta, thought + th
             final = end or final
         done, text = final
-        return JSONResponse(_with_calls(shape, {**_piece(server, shape, answer, thought),
+        return JSONResponse(_with_calls(shape, {**_piece(server, shape, answer, thought, prep.model),
                                                 **_final(api, server, prep, done, text, started)}))
 
     async def lines() -> AsyncIterator[bytes]:
         try:
             async for delta, th, end in _answer(api, server, prep):
                 if end is None:
-                    yield (json.dumps(_piece(server, shape, delta, th), ensure_ascii=False) + "\n").encode()
+                    yield (json.dumps(_piece(server, shape, delta, th, prep.model), ensure_ascii=False) + "\n").encode()
                 else:
-                    last = {**_piece(server, shape, "", ""),
+                    last = {**_piece(server, shape, "", "", prep.model),
                             **_final(api, server, prep, end[0], end[1], started)}
                     yield (json.dumps(_with_calls(shape, last), ensure_ascii=False) + "\n").encode()
         except api.ApiError as e:
@@ -258,19 +259,21 @@ def routes(server, api) -> list[Route]:
             return await respond(api, server, openai_body, kind, "generate", body.get("stream", True) is not False)
         return await guarded(request, work)
 
-    def entry() -> dict:
-        name = f"{server.model_id}:latest"
-        digest = hashlib.sha256(str(server.engine.path or server.model_id).encode()).hexdigest()
+    def entry(model_id: str) -> dict:
+        """The base model's entry, or a LoRA adapter's served beside it (`serve --adapter`: the base's details)."""
+        name = f"{model_id}:latest"
+        digest = hashlib.sha256(f"{server.engine.path or server.model_id}:{model_id}".encode()).hexdigest() \
+            if model_id != server.model_id else hashlib.sha256(str(server.engine.path or model_id).encode()).hexdigest()
         modified = datetime.fromtimestamp(server.created, timezone.utc).isoformat().replace("+00:00", "Z")
         return {"name": name, "model": name, "modified_at": modified, "size": _weight_bytes(server),
                 "digest": digest, "details": _details(server)}
 
     async def tags(request: Request) -> Response:
-        return await guarded(request, lambda: _json({"models": [entry()]}))
+        return await guarded(request, lambda: _json({"models": [entry(m) for m in server.model_ids]}))
 
     async def ps(request: Request) -> Response:
-        return await guarded(request, lambda: _json({"models": [{**entry(), "expires_at": "2999-01-01T00:00:00Z",
-                                                                 "size_vram": 0}]}))
+        return await guarded(request, lambda: _json({"models": [{**entry(m), "expires_at": "2999-01-01T00:00:00Z",
+                                                                 "size_vram": 0} for m in server.model_ids]}))
 
     async def show(request: Request) -> Response:
         async def work():

@@ -313,6 +313,11 @@ def test_serve_answers_each_adapter_as_run_does(tmp_path):
         assert got[0][1] != got[2][1] or got[0][1] != got[4][1]  # the adapters changed something
         r = s.http.post("/v1/chat/completions", json={"model": "c", "messages": [{"role": "user", "content": "x"}]})
         assert r.status_code == 404 and "'a'" in r.json()["error"]["message"]
+        tags = [m["name"] for m in s.http.get("/api/tags").json()["models"]]  # Ollama's API lists them too
+        assert tags == ["demo:latest", "a:latest", "b:latest"]
+        r = s.http.post("/api/generate", json={"model": "b", "prompt": "upper: hello diffusions", "stream": False,
+                                               "options": {"seed": 4}})
+        assert r.status_code == 200 and r.json()["model"] == "b:latest"
     finally:
         assert s.stop() == 0, "".join(s.lines)
 
