@@ -121,7 +121,7 @@ class Ticket:
 
 
 def denoise_rows(model: DiffusionGemma, rows: list[_Row], canvas: torch.Tensor, buf: SamplerBuffers,
-                 experts_per_row: bool = True) -> None:
+                 experts_per_row: bool = True) -> torch.Tensor | None:
     """One decoder forward for rows that each have their own cache and canvas position: `DiffusionGemma.denoise`
     with one cache per row, its results in the sampler's buffers `buf` (engine.denoise_into). canvas [A, C] ids (row
     a is rows[a]); the rows that have a previous step (`row.sc`) are self-conditioned on it, read from `buf`.
@@ -129,8 +129,8 @@ def denoise_rows(model: DiffusionGemma, rows: list[_Row], canvas: torch.Tensor, 
     from .engine import denoise_into
 
     with rows_choose_adapters(model, [r.job.adapter for r in rows]):
-        denoise_into(model, canvas, [r.cache for r in rows], [r.ctx for r in rows], buf, True,
-                     sc_rows=[a for a, r in enumerate(rows) if r.sc], experts_per_row=experts_per_row)
+        return denoise_into(model, canvas, [r.cache for r in rows], [r.ctx for r in rows], buf, True,
+                            sc_rows=[a for a, r in enumerate(rows) if r.sc], experts_per_row=experts_per_row)
 
 
 @contextlib.contextmanager
@@ -315,11 +315,12 @@ class BatchLoop:
         self.thread = threading.Thread(target=self._run, name="dgemma-batch-loop", daemon=True)
         self.thread.start()
 
-    @property
-    def structured_ok(self) -> bool:
-        """Whether structured answers can be generated: their search reads a step's log-probabilities, which only
-        the torch path's buffers hold (the fused head keeps no canvas x vocab tensor)."""
-        return self.buf.fused is None
+    def _log_probs(self, hidden: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+        """One row's log-probabilities [C, V] of the step's temperature-scaled distribution, from its final hidden
+        states [1, C, H]: what the torch path leaves in its buffer, made here only for a row whose answer is held to a
+        structure, since the fused head keeps none (one canvas x vocab float32 tensor, for that row, that step)."""
+        logits = self.model.logits(hidden)[0]  # [C, V] float32, capped
+        return torch.log_softmax(logits / temperature, dim=-1)
 
     @property
     def buffer_bytes(self) -> int:
@@ -409,7 +410,7 @@ class BatchLoop:
         canvas = torch.cat([r.canvas for r in rows])  # [A, C]
         temperature = torch.stack([r.temperature() for r in rows]).repeat_interleave(C)[:, None]  # [A*C, 1]
         prepare_step(buf, temperature, [r.gen for r in rows])
-        denoise_rows(self.model, rows, canvas, buf, self.experts_per_row)
+        hidden = denoise_rows(self.model, rows, canvas, buf, self.experts_per_row)
         self.forwards += 1
         self.row_forwards += A
         self.peak_batch = max(self.peak_batch, A)
@@ -419,7 +420,10 @@ class BatchLoop:
         gone = set()
         for a, r in enumerate(rows):
             drawn = argmax if r.job.settings.greedy else sample
-            logp = buf.logits[a * C : (a + 1) * C] if r.constraint is not None else None  # the torch path's
+            logp = None
+            if r.constraint is not None:  # the step's log-probabilities, which its search reads
+                logp = buf.logits[a * C : (a + 1) * C] if hidden is None else \
+                    self._log_probs(hidden[a : a + 1], temperature[a * C])
             if r.after_step(drawn[a : a + 1], argmax[a : a + 1], entropy[a : a + 1], logp) and r.finish_canvas():
                 gone.add(a)
                 self.completed += 1

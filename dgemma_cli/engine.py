@@ -42,16 +42,19 @@ def check_kernels(device: torch.device) -> None:
 
 
 def denoise_into(model: DiffusionGemma, canvas: torch.Tensor, cache, ctx, buf: SamplerBuffers, self_conditioned: bool,
-                 sc_rows: list[int] | None = None, experts_per_row: bool = False) -> None:
+                 sc_rows: list[int] | None = None, experts_per_row: bool = False) -> torch.Tensor | None:
     """One forward pass whose results land in the sampler's buffers (`Denoiser.denoise`): the torch path's logits,
-    or the fused head's draws. cache, ctx, sc_rows, experts_per_row as `DiffusionGemma.denoise` takes them."""
+    or the fused head's draws. cache, ctx, sc_rows, experts_per_row as `DiffusionGemma.denoise` takes them. Returns
+    the final-normed hidden states [B, C, H] with the fused head (a caller may need some rows' logits after all:
+    the server's structured answers), None on the torch path."""
     if buf.fused is None:
         model.denoise(canvas, cache, ctx, sc_probs=buf.probs if self_conditioned else None, out=buf.logits,
                       sc_rows=sc_rows, experts_per_row=experts_per_row)
-        return
+        return None
     hidden = model.denoise(canvas, cache, ctx, sc_soft=buf.fused.soft if self_conditioned else None,
                            return_hidden=True, sc_rows=sc_rows, experts_per_row=experts_per_row)
     model.fused_head(hidden, buf.temperature, buf.uniforms, buf.fused)
+    return hidden
 
 
 class ModelDenoiser:

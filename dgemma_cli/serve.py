@@ -336,9 +336,6 @@ def prepare(server: Server, body: dict, kind: str) -> Prepared:
             raise refuse("suffix", "an infill's middle cannot also be held to a response_format")
         if stops:
             raise refuse("stop", "a stop string would cut a structured answer short of its response_format")
-        if not server.loop.structured_ok:
-            raise refuse("response_format", "the fused sampler head on this GPU keeps no log-probabilities to search; "
-                         "start `dgemma serve` with DGEMMA_SAMPLER=torch for structured output")
         try:
             automaton = engine.automaton(structure)
         except UsageError as e:

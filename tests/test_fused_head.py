@@ -197,3 +197,57 @@ def test_a_head_stopped_midway_is_reset():
     buf.reset()
     fused_head(*args)
     assert ((buf.soft.cpu().float() - soft).abs().max() / soft.abs().max()) < 8e-3
+
+
+def test_structured_rows_through_the_fused_head(fused_head_on):
+    """The server's batch loop with the fused head (no log-probabilities in its buffers): a row held to a regular
+    expression gets its own from the step's hidden states, answers within the expression for every seed, and
+    greedily answers as the torch path's loop does; a free row beside it keeps the fused head's answer."""
+    import threading
+
+    import dgemma_cli.batching as batching
+    from dgemma_cli.batching import BatchLoop, Job, RowDone
+    from dgemma_cli.constrain import Structure
+    from dgemma_cli.engine import load
+
+    engine = load("demo", device=DEVICE, dtype="bfloat16")
+    auto = engine.automaton(Structure("regex", "[A-Z ]{16}"))
+    pattern = __import__("re").compile("[A-Z ]{16}")
+
+    def run(jobs):
+        loop = BatchLoop(engine.model, max_batch=4, max_queue=8)
+        got, done = {}, threading.Event()
+
+        def sink(key):
+            def deliver(ev):
+                if isinstance(ev, RowDone):
+                    got[key] = engine.tokenizer.decode(ev.token_ids)
+                    if len(got) == len(jobs):
+                        done.set()
+            return deliver
+
+        try:
+            for key, (prompt, seed, settings, automaton) in jobs.items():
+                ids = engine.prompt_ids(prompt)
+                loop.submit(Job(ids, settings, seed, engine.check_context(len(ids), settings), automaton=automaton),
+                            sink(key))
+            assert done.wait(300)
+        finally:
+            fused = loop.buf.fused is not None
+            loop.close()
+        return got, fused
+
+    import dataclasses
+
+    greedy = dataclasses.replace(engine.settings, greedy=True)
+    jobs = {f"held {s}": ("upper: hello diffusions", s, engine.settings, auto) for s in range(4)}
+    jobs["free"] = ("upper: abc def 12 ghijk", 0, engine.settings, None)
+    jobs["greedy"] = ("upper: the quick brown ", 0, greedy, auto)
+    got, fused = run(jobs)
+    assert fused
+    for key, text in got.items():
+        if key != "free":
+            assert pattern.fullmatch(text), (key, text)
+    batching.use_fused_head = lambda device, dtype: False  # restored by the fixture's monkeypatch
+    torch_path, fused = run({"greedy": jobs["greedy"]})
+    assert not fused and torch_path["greedy"] == got["greedy"]
