@@ -791,7 +791,7 @@ def tune(
     from .engine import load
     from .tune import Tuner, TuneSettings, load_state, memory_estimate, read_examples
 
-    engine = load(model_dir, device=device, dtype="float32" if dtype == "auto" and device != "cuda" else dtype)
+    engine = load(model_dir, device=device, dtype=dtype)  # auto: float32 on the CPU, bfloat16 on a GPU
     if engine.tokenizer is None:
         raise UsageError(f"{model_dir}: no tokenizer.json, so the examples cannot be encoded")
     C = engine.config.canvas_length
