@@ -800,8 +800,9 @@ def tune(
                             eval_every=eval_every,
                             eval_examples=eval_examples, checkpoint_every=checkpoint_every, raw=raw,
                             max_denoising_steps=eval_steps)
-    examples = read_examples(Path(data), engine.tokenizer, C, raw=raw)  # the whole file, before any training
-    held = read_examples(Path(eval_file), engine.tokenizer, C, raw=raw) if eval_file else None
+    read = dict(raw=settings.raw, held_tokens=settings.held_tokens)
+    examples = read_examples(Path(data), engine.tokenizer, C, **read)  # the whole file, before any training
+    held = read_examples(Path(eval_file), engine.tokenizer, C, **read) if eval_file else None
     out_dir = Path(out).expanduser()
     if out_dir.exists() and not out_dir.is_dir():
         raise UsageError(f"--out {out}: not a directory")
@@ -988,6 +989,11 @@ def _adapter_info(ref: str, as_json: bool) -> None:
             ("size on disk", _gb(d["size_on_disk"]))]
     if d["token_rows"]:
         rows.append(("token rows", ", ".join(map(str, d["token_rows"]))))
+    _write_rows(rows)
+
+
+def _write_rows(rows: list[tuple[str, object]]) -> None:
+    """`dgemma info`'s "name:   value" lines."""
     for k, v in rows:
         sys.stdout.write(f"{k + ':':<24}{v}\n")
 
@@ -1005,8 +1011,7 @@ def _info_rows(d: dict) -> None:
     if src:
         rows.append(("source", f"{src.get('repo')} @ {str(src.get('revision'))[:12]}"
                                + (" (as published)" if src.get("published") else "")))
-    for k, v in rows:
-        sys.stdout.write(f"{k + ':':<24}{v}\n")
+    _write_rows(rows)
 
 
 @app.command()

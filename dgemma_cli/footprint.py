@@ -88,11 +88,17 @@ def request_bytes(cfg: ModelConfig, splits: int = 8) -> int:
     return head_kept + max(head_scratch, layer)
 
 
+def dequantized_layer_bytes(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
+    """One layer's routed experts unpacked to the compute dtype (gate, up and down of every expert): what the PyTorch
+    path of a quantized stack makes for a layer's forward."""
+    t = cfg.text
+    return dtype_bytes * t.num_experts * 3 * t.moe_intermediate_size * t.hidden_size
+
+
 def runtime_bytes(cfg: ModelConfig, fmt: str, policy: str | None = None, context: int = 8192, batch: int = 1) -> int:
-    t, C = cfg.text, cfg.canvas_length
     weights = sum(weight_bytes(cfg, fmt, policy).values())
     canvas = batch * request_bytes(cfg)
-    unpacked = 0 if fmt == "bf16" else 2 * t.num_experts * 3 * t.moe_intermediate_size * t.hidden_size
+    unpacked = 0 if fmt == "bf16" else dequantized_layer_bytes(cfg)
     return weights + kv_cache_bytes(cfg, context, batch) + canvas + unpacked + RUNTIME_SLACK
 
 
@@ -175,7 +181,7 @@ def tune_bytes(cfg: ModelConfig, fmt: str, batch: int, prompt: int, rank: int, t
     t, C = cfg.text, cfg.canvas_length
     H, V, K = t.hidden_size, t.vocab_size, t.top_k_experts
     weights = sum(weight_bytes(cfg, fmt, policy).values())
-    dequantized = 0 if fmt == "bf16" else dtype_bytes * t.num_experts * 3 * t.moe_intermediate_size * H
+    dequantized = 0 if fmt == "bf16" else dequantized_layer_bytes(cfg, dtype_bytes)
     dequantized *= 1 if checkpointing else t.num_hidden_layers
     adapter = 16 * adapter_parameters(cfg, rank, targets, expert_rank)
     tokens = batch * (prompt + 2 * C)

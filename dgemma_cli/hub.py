@@ -44,10 +44,11 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import tqdm as hf_tqdm
 
 from .errors import DgemmaError
-from .names import INDEX_FILE, SINGLE_FILE, TEXT_PREFIXES, model_shards, text_shards
+from .names import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, INDEX_FILE, SINGLE_FILE, TEXT_PREFIXES, model_shards,
+                    text_shards)
 
 CONFIG_FILE = "config.json"
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # a PEFT LoRA adapter repository's
+ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)  # a PEFT LoRA adapter repository's
 SMALL_FILES = (
     CONFIG_FILE,
     "generation_config.json",

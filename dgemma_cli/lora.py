@@ -38,9 +38,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import ModelError
+from .names import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
-CONFIG = "adapter_config.json"
-WEIGHTS = "adapter_model.safetensors"
+CONFIG, WEIGHTS = ADAPTER_CONFIG, ADAPTER_WEIGHTS
 PREFIX = "base_model.model."
 ENCODER, DECODER = "encoder", "decoder"
 # reference module prefixes -> (pass, dgemma module prefix)
@@ -139,8 +139,8 @@ def read_adapter(path: str | Path) -> Adapter:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise AdapterError(f"{path / CONFIG}: cannot read it ({e})") from None
     if not isinstance(cfg, dict) or str(cfg.get("peft_type", "")).upper() != "LORA":
-        raise AdapterError(f"{path / CONFIG}: peft_type is {cfg.get('peft_type') if isinstance(cfg, dict) else None!r}, "
-                           "dgemma runs LORA adapters")
+        kind = cfg.get("peft_type") if isinstance(cfg, dict) else None
+        raise AdapterError(f"{path / CONFIG}: peft_type is {kind!r}, dgemma runs LORA adapters")
     for key in _UNSUPPORTED:
         if cfg.get(key):
             raise AdapterError(f"{path / CONFIG}: {key} is set; dgemma runs plain LoRA (no {key})")
@@ -222,7 +222,7 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         slots = self.phase.row_slots  # None: every adapter on every row; else [B], each row's adapter (0: none)
-        deltas = self.deltas[ENCODER if self.phase.encoding else DECODER]
+        deltas = self.deltas[self.phase.side]
         if deltas and _fused(x, deltas) and y.is_contiguous():  # one kernel per adapter (quant/kernels/lora.py)
             from quant.kernels.lora import lora_add_
 
@@ -276,7 +276,7 @@ class ExpertLowRank:
         self._kept: dict = {}  # (id(A), id(B)) -> (versions, a, b): contiguous per-expert factors
 
     def active(self) -> bool:
-        p = self.parts[ENCODER if self.phase.encoding else DECODER]
+        p = self.parts[self.phase.side]
         return bool(p["gate_up"] or p["down"])
 
     def folds(self, x: torch.Tensor) -> bool:
@@ -287,7 +287,7 @@ class ExpertLowRank:
     def fold(self, which: str, w: torch.Tensor, slot: int | None = None) -> torch.Tensor:
         """w [E, out, in] -> w + scale * B @ A per adapter (peft's baddbmm), a new tensor: the base is untouched.
         slot: only that adapter's (None: all)."""
-        for A, B, scale, s in self.parts[ENCODER if self.phase.encoding else DECODER][which]:
+        for A, B, scale, s in self.parts[self.phase.side][which]:
             if slot is not None and s != slot:
                 continue
             a, b = _per_expert(A, B, w.shape[0])
@@ -306,9 +306,9 @@ class ExpertLowRank:
             hit = self._kept[key] = ((A._version, B._version), a.contiguous(), b.contiguous())
         return hit[1], hit[2]
 
-    def slots(self, rows: int, tokens: int, row: int | None = None) -> torch.Tensor | None:
-        """Each token's adapter slot [tokens] for a call on `tokens` tokens of `rows` rows (row: the call is that row's
-        alone), or None when every adapter applies to every token."""
+    def slots(self, tokens: int, row: int | None = None) -> torch.Tensor | None:
+        """Each token's adapter slot [tokens] for a call on `tokens` tokens of the batch's rows (row: the call is that
+        row's alone), or None when every adapter applies to every token."""
         rs = self.phase.row_slots
         if rs is None:
             return None
@@ -323,7 +323,7 @@ class ExpertLowRank:
         from .model import grouped_linear
 
         out = None
-        for A, B, scale, s in self.parts[ENCODER if self.phase.encoding else DECODER][which]:
+        for A, B, scale, s in self.parts[self.phase.side][which]:
             a, b = self._contiguous(A, B, offsets.numel())
             t = grouped_linear(grouped_linear(x, a.to(x.dtype), offsets), b.to(x.dtype), offsets) * scale
             if slots is not None:
@@ -391,7 +391,6 @@ def attach(model, adapters: list[tuple[Adapter, float]], slots: list[int] | None
             model.token_rows[side] = TokenRows(torch.tensor(ids, device=dev), rows.to(dev),
                                                model.embed_tokens.weight.shape[0])
     model.adapters = [(ad.name, s) for ad, s in adapters]
-    model.adapter_slots = dict(zip((ad.name for ad, _ in adapters), slots))
 
 
 def _expert_shape(experts) -> tuple[int, int, int]:
@@ -448,21 +447,6 @@ def check_fits(model, ad: Adapter) -> None:
         if rows.shape[1] != H or max(ids) >= V or min(ids) < 0:
             raise AdapterError(f"adapter {ad.name} does not fit this model: token rows {tuple(rows.shape)} for ids "
                                f"up to {max(ids)}, the embedding is {V} x {H}")
-
-
-def parse_adapter_arg(arg: str) -> tuple[str, float]:
-    """`DIR` or `DIR:SCALE` (a name from the store or a directory) -> (where, scale)."""
-    where, scale = arg, 1.0
-    head, sep, tail = arg.rpartition(":")
-    if sep and head:
-        try:
-            scale = float(tail)
-            where = head
-        except ValueError:
-            pass
-    if not math.isfinite(scale):
-        raise AdapterError(f"--adapter {arg}: the scale must be a number")
-    return where, scale
 
 
 # ---------------------------------------------------------------------------------------------- making adapters

@@ -354,8 +354,8 @@ class Experts(nn.Module):
         return self.gate_up_proj, self.down_proj
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                row: int | None = None, row_count: int = 1) -> torch.Tensor:
-        """x [N, H], top_k_index / top_k_weights [N, K] -> [N, H]. x holds `row_count` rows' tokens, or row `row`'s
+                row: int | None = None) -> torch.Tensor:
+        """x [N, H], top_k_index / top_k_weights [N, K] -> [N, H]. x holds the batch's rows' tokens, or row `row`'s
         alone (Layer.feed_forward's experts_per_row): which adapter each token takes when rows choose (lora.py)."""
         N, K = top_k_index.shape
         flat = top_k_index.reshape(-1)  # [N*K], entry t*K + k
@@ -367,7 +367,7 @@ class Experts(nn.Module):
         lr = self.low_rank if self.low_rank is not None and self.low_rank.active() else None
         slots = None
         if lr is not None:
-            token_slots = lr.slots(row_count, N, row)  # [N] each token's adapter, or None (all apply)
+            token_slots = lr.slots(N, row)  # [N] each token's adapter, or None (all apply)
             if lr.folds(x) and (token_slots is None or bool((token_slots == token_slots[0]).all())):
                 # one adapter (or all) for the whole call: its deltas folded into this call's weights (lora.py)
                 one = None if token_slots is None else int(token_slots[0])
@@ -411,7 +411,7 @@ class QuantizedExperts(Experts):
         return bool(takes is not None and takes(self.down_proj, x))
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                ordered: bool = False, row: int | None = None, row_count: int = 1) -> torch.Tensor:
+                ordered: bool = False, row: int | None = None) -> torch.Tensor:
         """The fused kernels when the packed modules provide them for x's device, else the reference path. ordered:
         x's columns are in the NVFP4 decode's pair order (`takes_pair_order`)."""
         fused = getattr(self.gate_up_proj, "fused_experts", None)
@@ -423,7 +423,7 @@ class QuantizedExperts(Experts):
             from quant.modules import pair_unordered
 
             x = pair_unordered(x)
-        return super().forward(x, top_k_index, top_k_weights, row, row_count) if y is None else y
+        return super().forward(x, top_k_index, top_k_weights, row) if y is None else y
 
 
 class Layer(nn.Module):
@@ -459,12 +459,10 @@ class Layer(nn.Module):
         weights, index = self.router(flat)  # routed on the un-normed residual
         normed = pre2.reshape(-1, H)
         kw = {"ordered": True} if ordered else {}
-        if getattr(self.experts, "low_rank", None) is not None:  # adapters: which rows the call holds
-            kw["row_count"] = B
+        adapted = getattr(self.experts, "low_rank", None) is not None  # adapters: say which row a call holds
         if experts_per_row and B > 1:
             moe = torch.cat([self.experts(normed[b * T : (b + 1) * T], index[b * T : (b + 1) * T],
-                                          weights[b * T : (b + 1) * T], **kw, **({"row": b} if "row_count" in kw
-                                                                                 else {}))
+                                          weights[b * T : (b + 1) * T], **kw, **({"row": b} if adapted else {}))
                              for b in range(B)]).reshape(x.shape)
         else:
             moe = self.experts(normed, index, weights, **kw).reshape(x.shape)
@@ -561,6 +559,11 @@ class Phase:
     encoding = False
     row_slots: torch.Tensor | None = None  # [B] int64, 0: the base alone; None: every attached adapter
 
+    @property
+    def side(self) -> str:
+        """"encoder" or "decoder": the pass running, as adapters (lora.py) and token rows name it."""
+        return "encoder" if self.encoding else "decoder"
+
 
 class DiffusionGemma(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -633,7 +636,7 @@ class DiffusionGemma(nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         x = F.embedding(ids, self.embed_tokens.weight)
-        rows = self.token_rows.get("encoder" if self.phase.encoding else "decoder")
+        rows = self.token_rows.get(self.phase.side)
         if rows is not None:  # an adapter's replaced rows (peft's trainable tokens), this pass's lookups
             x = rows.lookup(ids, x)
         return x * self.embed_scale()

@@ -168,7 +168,7 @@ def resolve(ref: str, demo: Path) -> Path:
     raise ModelError(f"{ref}: no such model directory, and not in the store ({store_root()}); {hint}")
 
 
-ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # a PEFT LoRA adapter's files
 # LoRA adapters that ship inside dgemma: name -> (directory, the bundled model it adapts, what it does)
 BUNDLED_ADAPTERS = {"demo-sudoku-lora": Path(__file__).resolve().parent / "demo_sudoku_lora"}
 BUNDLED_ADAPTERS_ABOUT = {

@@ -263,8 +263,8 @@ def trace_step(batch: int = 1, prompt: int = 256, target: int = 90, fmt: str = "
     """Trace one denoise step (self-conditioning on) of `batch` canvases after `prompt` cached tokens, as it runs on
     a GPU of compute capability `target` (89 RTX 4090, 90 H200, 120 RTX 5090, ...). `config`: a config.json dict
     (default: DiffusionGemma 26B-A4B's). `adapter`: lora.new_adapter's arguments (rank, alpha, targets,
-    expert_rank) for a LoRA adapter attached as dgemma runs one. Needs triton importable without TRITON_INTERPRET=1 (the launches are
-    recorded, not run)."""
+    expert_rank) for a LoRA adapter attached as dgemma runs one. Needs triton importable without TRITON_INTERPRET=1
+    (the launches are recorded, not run)."""
     from quant.kernels import aot
 
     from .config import DIFFUSIONGEMMA_26B_A4B, FULL, SLIDING, GenerationSettings, ModelConfig

@@ -27,6 +27,7 @@ from .errors import DgemmaError, ModelError, UsageError
 # The naming and listing half of the store (names.py), used here and by the CLI as store.entries, store.find, ...
 from .names import (MANIFEST, QUANTS, STORE_NAME, Entry, entries, entry_dir, find,  # noqa: F401
                     looks_like_path, resolve, store_root)
+from .names import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 DEFAULT_REPO = "google/diffusiongemma-26B-A4B-it"
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -230,7 +231,7 @@ def pull(repo: str, quant: str = "auto", revision: str | None = None, policy: st
         decided.update(quant=fmt, published=published, out=out)
 
     snapshot = hub.download(repo, revision, progress=progress, on_config=decide)
-    if not decided and (snapshot / hub.ADAPTER_FILES[0]).is_file():  # a LoRA adapter: stored as published
+    if not decided and (snapshot / ADAPTER_CONFIG).is_file():  # a LoRA adapter: stored as published
         return _store_adapter(repo, quant, snapshot, note)
     quant, published, out = decided["quant"], decided["published"], decided["out"]
     commit = snapshot.name
@@ -266,7 +267,7 @@ def _store_adapter(repo: str, quant: str, snapshot: Path, note) -> Entry:
     work = partial_dir(out)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    for name in ("adapter_config.json", "adapter_model.safetensors"):
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         _link_or_copy(snapshot / name, work / name)
     meta = {"repo": repo, "quant": "lora", "revision": snapshot.name, "adapter_of": ad.base or None,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

@@ -208,7 +208,8 @@ def diffusion_loss(model, prompt, valid, canvas, held, gen: torch.Generator, sel
 
 
 def learning_rate(step: int, base: float, warmup: int, steps: int) -> float:
-    """At step 1..steps: linear warm-up over `warmup` steps, then cosine decay to zero (the demos' schedule)."""
+    """At step 1..steps: linear warm-up over `warmup` steps, then cosine decay to zero (the schedule the bundled demos
+    were trained with: scripts/train_demo.py takes it from here)."""
     return base * min(1.0, step / max(1, warmup)) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / steps)))
 
 
@@ -220,17 +221,16 @@ def memory_estimate(model, ad, settings: TuneSettings, prompt_len: int, checkpoi
     loaded (plus a quantized layer's dequantized experts: one layer's with checkpointing, all without), the
     adapter's factors with their gradients and AdamW's moments, the activations kept for the backward pass, the
     head's float32 logits."""
-    from .footprint import tune_bytes
+    from .footprint import dequantized_layer_bytes, tune_bytes
     from .lora import trainable
     from .model import QuantizedExperts
 
     parts = tune_bytes(model.cfg, "bf16", settings.batch_size, prompt_len, settings.rank, settings.targets,
                        settings.expert_rank, checkpointing, dtype_bytes=model.dtype.itemsize)
     base = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-    t = model.cfg.text
     quantized = any(isinstance(layer.experts, QuantizedExperts) for layer in model.layers)
-    dequantized = (model.dtype.itemsize * t.num_experts * 3 * t.moe_intermediate_size * t.hidden_size
-                   * (1 if checkpointing else t.num_hidden_layers)) if quantized else 0
+    dequantized = dequantized_layer_bytes(model.cfg, model.dtype.itemsize) \
+        * (1 if checkpointing else model.cfg.text.num_hidden_layers) if quantized else 0
     adapter = 16 * sum(p.numel() for p in trainable(ad))
     acts = parts["activations"] + parts["head"]
     return dict(base=base + dequantized, adapter=adapter, activations=acts, total=base + dequantized + adapter + acts,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
 import time
@@ -39,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 from dgemma_cli.config import ModelConfig  # noqa: E402
 from dgemma_cli.model import DiffusionGemma  # noqa: E402
 from dgemma_cli.tokenizer import FALLBACK_CHAT_TEMPLATE  # noqa: E402
+from dgemma_cli.tune import learning_rate  # noqa: E402  (the demos' schedule, dgemma tune's too)
 
 CONTROL = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 4: "<mask>", 48: "<|tool_call>", 49: "<tool_call|>",
            50: "<|tool_response>", 98: "<|think|>", 100: "<|channel>", 101: "<channel|>", 105: "<|turn>",
@@ -202,11 +202,6 @@ def loss_on(model: DiffusionGemma, prompt, valid, canvas, held, rng: torch.Gener
     logits = model.denoise(noisy, cache.clone(), ctx, sc_probs=sc_probs)
     ce = F.cross_entropy(logits.reshape(-1, V), canvas.reshape(-1), reduction="none").view(B, C)
     return (ce * ~held).sum() / (~held).sum()
-
-
-def learning_rate(step: int, base: float, warmup: int, steps: int) -> float:
-    """The demos' schedule at step 1..steps: a linear warm-up over `warmup` steps, then cosine decay to zero."""
-    return base * min(1.0, step / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / steps)))
 
 
 def save(model: DiffusionGemma, config: dict, out: Path, generation_config: dict = GENERATION_CONFIG) -> None:
