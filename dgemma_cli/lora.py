@@ -50,6 +50,7 @@ _LINEARS = re.compile(r"^(layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|dow
                       r"|self_conditioning\.(gate|up|down)_proj)$")
 _EXPERTS = re.compile(r"^layers\.(\d+)\.experts(\.base_layer)?$")
 _UNSUPPORTED = ("use_dora", "lora_bias", "fan_in_fan_out")
+KERNEL_RANK = 64  # the fused expert kernels take the adapters' ranks up to this sum per projection
 
 
 class AdapterError(ModelError):
@@ -269,8 +270,9 @@ class ExpertLowRank:
     layout (A [r * E, in], B [out, r * E]; `_per_expert` views them as [E, r, in] and [E, out, r] at each use, so a
     trained A and B get their gradients), applied to rows grouped by expert (Experts.forward's grouped matmuls)."""
 
-    def __init__(self, phase):
+    def __init__(self, phase, experts: int):
         self.phase = phase
+        self._experts = experts
         self.parts: dict[str, dict[str, list]] = {ENCODER: {"gate_up": [], "down": []},
                                                   DECODER: {"gate_up": [], "down": []}}
         self._kept: dict = {}  # (id(A), id(B)) -> (versions, a, b): contiguous per-expert factors
@@ -305,6 +307,57 @@ class ExpertLowRank:
             a, b = _per_expert(A, B, E)
             hit = self._kept[key] = ((A._version, B._version), a.contiguous(), b.contiguous())
         return hit[1], hit[2]
+
+    def fusable(self, x: torch.Tensor) -> bool:
+        """Whether the terms can run in the fused expert kernels' epilogues for x: where DGEMMA_KERNELS selects Triton,
+        no gradient is taken through them (dgemma tune trains through the reference path), and the adapters' ranks
+        together are at most KERNEL_RANK."""
+        from quant.kernels import use_triton
+
+        parts = self.parts[self.phase.side]
+        if not use_triton(x.device) or torch.is_grad_enabled() and any(
+                t.requires_grad for p in parts.values() for A, B, _, _ in p for t in (A, B)):
+            return False
+        E = self._experts
+        return all(sum(A.shape[0] // E for A, *_ in p) <= KERNEL_RANK for p in parts.values())
+
+    def kernel_terms(self, x: torch.Tensor, tokens: int, row: int | None = None):
+        """The terms as the fused expert kernels take them (quant/kernels/moe_lora.ExpertAdapters: each
+        projection's adapters stacked along the rank, scales folded into B, in x's dtype; made once and kept while
+        the factors are unchanged) for a call on `tokens` tokens (`slots`), or None where they cannot run there
+        (`fusable`)."""
+        from quant.kernels.moe_lora import ExpertAdapters
+
+        if not self.fusable(x):
+            return None
+        slots = self.slots(tokens, row)
+        return ExpertAdapters(self._stacked("gate_up", x.dtype), self._stacked("down", x.dtype),
+                              None if slots is None else slots.to(torch.int32))
+
+    def _stacked(self, which: str, dtype: torch.dtype):
+        from quant.kernels.moe_lora import LoRAFactors
+
+        parts = self.parts[self.phase.side][which]
+        if not parts:
+            return None
+        key = (self.phase.side, which, dtype)
+        versions = tuple((id(A), A._version, id(B), B._version) for A, B, _, _ in parts)
+        hit = self._kept.get(key)
+        if hit is None or hit[0] != versions:
+            E = self._experts
+            a_s, b_s, slot = [], [], []
+            for A, B, scale, s in parts:
+                a, b = _per_expert(A, B, E)  # [E, r, in], [E, out, r]
+                a_s.append(a.float())
+                b_s.append(b.float() * scale)
+                slot += [s] * a.shape[1]
+            R = max(16, 1 << (len(slot) - 1).bit_length())  # a power of two, zero-padded (its slot -1)
+            pad = R - len(slot)
+            A = F.pad(torch.cat(a_s, 1), (0, 0, 0, pad)).to(dtype).contiguous()
+            B = F.pad(torch.cat(b_s, 2), (0, pad)).to(dtype).contiguous()
+            slot = torch.tensor(slot + [-1] * pad, dtype=torch.int32, device=A.device)
+            hit = self._kept[key] = (versions, LoRAFactors(A, B, slot))
+        return hit[1]
 
     def slots(self, tokens: int, row: int | None = None) -> torch.Tensor | None:
         """Each token's adapter slot [tokens] for a call on `tokens` tokens of the batch's rows (row: the call is that
@@ -379,9 +432,9 @@ def attach(model, adapters: list[tuple[Adapter, float]], slots: list[int] | None
             cur.deltas[side].append(LowRank(A.to(dev), B.to(dev), scale * user_scale, slot))
         for (side, i), parts in ad.experts.items():
             experts = model.layers[i].experts
-            if getattr(experts, "low_rank", None) is None:
-                experts.low_rank = ExpertLowRank(phase)
             E, H, I = _expert_shape(experts)
+            if getattr(experts, "low_rank", None) is None:
+                experts.low_rank = ExpertLowRank(phase, E)
             for A, B, _ in parts:
                 which = _expert_which(experts, A, B)
                 # peft matches patterns against the parameter's name: ...experts.gate_up_proj / ...experts.down_proj

@@ -408,17 +408,25 @@ class QuantizedExperts(Experts):
         """Whether the fused kernels would read x in the NVFP4 decode's pair order (quant.modules.takes_pair_order):
         the layer then has its norm write x in that order and says so (`ordered`)."""
         takes = getattr(self.gate_up_proj, "takes_pair_order", None)
-        return bool(takes is not None and takes(self.down_proj, x))
+        if takes is None:
+            return False
+        if self.low_rank is not None and self.low_rank.active():  # adapters: only where their terms are fused
+            return self.low_rank.fusable(x) and takes(self.down_proj, x, True)
+        return bool(takes(self.down_proj, x))
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 ordered: bool = False, row: int | None = None) -> torch.Tensor:
         """The fused kernels when the packed modules provide them for x's device, else the reference path. ordered:
         x's columns are in the NVFP4 decode's pair order (`takes_pair_order`)."""
         fused = getattr(self.gate_up_proj, "fused_experts", None)
-        if self.low_rank is not None and self.low_rank.active():
-            fused = None  # the fused kernels add no low-rank terms: the reference path, layer by layer dequantized
+        kw = {}
+        if fused is not None and self.low_rank is not None and self.low_rank.active():
+            # adapters: their terms in the fused kernels' epilogues (lora.ExpertLowRank.kernel_terms), or, where
+            # those do not run (training, ranks above the kernels'), the reference path, layer by layer dequantized
+            kw["lora"] = self.low_rank.kernel_terms(x, top_k_index.shape[0], row)
+            fused = fused if kw["lora"] is not None else None
         extra = (True,) if ordered else ()  # only stacks that take the pair order are ever handed it
-        y = fused(self.down_proj, x, top_k_index, top_k_weights, *extra) if fused is not None else None
+        y = fused(self.down_proj, x, top_k_index, top_k_weights, *extra, **kw) if fused is not None else None
         if y is None and ordered:  # not the kernels that read that order after all: K order again
             from quant.modules import pair_unordered
 

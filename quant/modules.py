@@ -134,11 +134,12 @@ class Int8Linear(nn.Module):
         return F.linear(x, self.dequantize(x.dtype))
 
 
-def takes_pair_order(gate_up: nn.Module, down: nn.Module, x: torch.Tensor) -> bool:
+def takes_pair_order(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, adapted: bool = False) -> bool:
     """Whether `fused_experts` would run the NVFP4 W16A4 kernels for x, which read x in the decode's pair order
-    (kernels/moe_gate_up.pair_ordered): the caller may then hand x in that order (`ordered`), saving the copy."""
+    (kernels/moe_gate_up.pair_ordered): the caller may then hand x in that order (`ordered`), saving the copy.
+    adapted: with adapters' terms (which only the W16A4 kernels take)."""
     return (gate_up.format == "nvfp4" and use_triton(x.device)
-            and not (gate_up.shape[2] % 64 == 0 and down.shape[2] % 64 == 0 and w4a4(x.device))
+            and (adapted or not (gate_up.shape[2] % 64 == 0 and down.shape[2] % 64 == 0 and w4a4(x.device)))
             and family_ok("moe_nvfp4", x.device, x.dtype))
 
 
@@ -149,20 +150,24 @@ def pair_unordered(x: torch.Tensor) -> torch.Tensor:
 
 
 def fused_experts(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, top_k_index: torch.Tensor,
-                  top_k_weights: torch.Tensor, ordered: bool = False) -> torch.Tensor | None:
+                  top_k_weights: torch.Tensor, ordered: bool = False, lora=None) -> torch.Tensor | None:
     """The routed experts through the fused Triton kernels (x [T, H] -> [T, H]), or None when DGEMMA_KERNELS selects
     the reference for x's device (the caller then dequantizes and runs its grouped matmuls). NVFP4 experts take W4A4
     where `w4a4` says so. The launch settings, rows per block among them, come from the kernels' candidates, tuned
     on first use per GPU (kernels/tuning.py). ordered: x is already in the NVFP4 decode's pair order (only where
-    `takes_pair_order` said so; None is returned otherwise, the caller then restores K order)."""
-    if ordered and not takes_pair_order(gate_up, down, x):
+    `takes_pair_order` said so; None is returned otherwise, the caller then restores K order). lora: adapters'
+    low-rank terms (kernels/moe_lora.ExpertAdapters), added in the W16A4 / weight-only kernels' epilogues (the
+    W4A4 kernels take none: 16-bit activations then, on every GPU)."""
+    if ordered and not takes_pair_order(gate_up, down, x, lora is not None):
         return None
     if not use_triton(x.device):
         return None
-    if (gate_up.format == "nvfp4" and gate_up.shape[2] % 64 == 0 and down.shape[2] % 64 == 0 and w4a4(x.device)
-            and family_ok("moe_nvfp4_w4a4", x.device, x.dtype)):
+    if (lora is None and gate_up.format == "nvfp4" and gate_up.shape[2] % 64 == 0 and down.shape[2] % 64 == 0
+            and w4a4(x.device) and family_ok("moe_nvfp4_w4a4", x.device, x.dtype)):
         return fused_experts_w4a4(gate_up, down, x, top_k_index, top_k_weights)
     if not family_ok("moe_" + gate_up.format, x.device, x.dtype):
+        return None
+    if lora is not None and not family_ok("moe_lora", x.device, x.dtype):
         return None
     from .kernels import m_bucket, tuning
     from .kernels.moe_down import moe_down
@@ -175,12 +180,18 @@ def fused_experts(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, top_k_in
     weights = top_k_weights.reshape(-1)
     x_in = pair_ordered(x) if gate_up.format == "nvfp4" and not ordered else x
 
+    gu_lora, dn_lora, slots = lora if lora is not None else (None, None, None)
+
     def launch(cfg: dict) -> torch.Tensor:
         ids, block_expert = block_plan(top_k_index, E, cfg["BLOCK_M"])
-        h = moe_gate_up(x_in, ids, block_expert, gate_up.format, gate_up.weight, gate_up.weight_scale, s2_gu, K, cfg)
-        return moe_down(h, ids, block_expert, down.format, down.weight, down.weight_scale, s2_dn, weights, T, K, cfg)
+        h = moe_gate_up(x_in, ids, block_expert, gate_up.format, gate_up.weight, gate_up.weight_scale, s2_gu, K, cfg,
+                        gu_lora, slots)
+        return moe_down(h, ids, block_expert, down.format, down.weight, down.weight_scale, s2_dn, weights, T, K, cfg,
+                        dn_lora, slots)
 
-    cfg = tuning.choose("moe_" + gate_up.format, (m_bucket(T * K), E, H, two_i // 2, str(x.dtype)),
+    ranks = tuple(0 if f is None else f.A.shape[1] for f in (gu_lora, dn_lora))  # LoRA: its own tuned settings
+    cfg = tuning.choose("moe_" + gate_up.format, (m_bucket(T * K), E, H, two_i // 2, str(x.dtype))
+                        + ((ranks,) if lora is not None else ()),
                         candidates(T * K / E, H, two_i // 2, x.device), launch, x.device)
     return launch(cfg)
 
@@ -204,11 +215,11 @@ class _Stack(nn.Module):
 
     shape: tuple[int, int, int]
 
-    def fused_experts(self, down: nn.Module, x, top_k_index, top_k_weights, ordered: bool = False):
-        return fused_experts(self, down, x, top_k_index, top_k_weights, ordered)
+    def fused_experts(self, down: nn.Module, x, top_k_index, top_k_weights, ordered: bool = False, lora=None):
+        return fused_experts(self, down, x, top_k_index, top_k_weights, ordered, lora)
 
-    def takes_pair_order(self, down: nn.Module, x: torch.Tensor) -> bool:
-        return takes_pair_order(self, down, x)
+    def takes_pair_order(self, down: nn.Module, x: torch.Tensor, adapted: bool = False) -> bool:
+        return takes_pair_order(self, down, x, adapted)
 
     def dequantize_experts(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
@@ -384,11 +395,13 @@ class W8A8Stack(_Stack):
     def dequantize_experts(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
         return w8a8.dequantize(self.weight[lo:hi], self.weight_scale[lo:hi], dtype)
 
-    def fused_experts(self, down: nn.Module, x, top_k_index, top_k_weights):
-        if (self.act and w8a8_experts(self.format, x.device)
+    def fused_experts(self, down: nn.Module, x, top_k_index, top_k_weights, lora=None):
+        """lora: adapters' terms (fused_experts'), which only the weight-only INT8 kernels take: with them INT8
+        experts run weight-only, FP8 ones the caller's reference path (None)."""
+        if (lora is None and self.act and w8a8_experts(self.format, x.device)
                 and family_ok("moe_w8a8_" + self.format, x.device, x.dtype)):
             return fused_experts_w8a8(self, down, x, top_k_index, top_k_weights)
-        if self.act and w8a8.requested() == "on":
+        if lora is None and self.act and w8a8.requested() == "on":
             return experts_emulated(self, down, x, top_k_index, top_k_weights)
         if self.format == "int8":  # weight-only: the fused INT8 kernels read [E, N] scales, the same memory
             from types import SimpleNamespace
@@ -398,7 +411,7 @@ class W8A8Stack(_Stack):
                 return SimpleNamespace(format="int8", shape=stack.shape, weight=stack.weight,
                                        weight_scale=stack.weight_scale.view(E, N))
 
-            return fused_experts(view(self), view(down), x, top_k_index, top_k_weights)
+            return fused_experts(view(self), view(down), x, top_k_index, top_k_weights, lora=lora)
         return None
 
 

@@ -72,13 +72,63 @@ def _moe(fmt: str, device: torch.device, dtype: torch.dtype) -> str | None:
     got = fused_experts(gu, dn, x, index, weights)
     if got is None:
         return "the fused path was not selected"
-    w_gu = gu.dequantize(weight_dtype(fmt, dtype)).double()[index]  # [T, top, 2I, H]
-    w_dn = dn.dequantize(weight_dtype(fmt, dtype)).double()[index]  # [T, top, H, I]
-    h = torch.einsum("th,tkoh->tko", x.double(), w_gu).to(dtype)  # [T, top, 2I]
+    ref = expert_math(gu.dequantize(weight_dtype(fmt, dtype)), dn.dequantize(weight_dtype(fmt, dtype)), x, index,
+                      weights)
+    return _rel_error(got, ref, dtype)
+
+
+def expert_math(w_gu: torch.Tensor, w_dn: torch.Tensor, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                lora=None) -> torch.Tensor:
+    """The routed experts as the fused kernels compute them, in float64 with the compute dtype's roundings: gate/up
+    product (+ the adapters' term) rounded, gelu_tanh(gate) * up, down product (+ term) rounded, float32 weighted
+    sum over the slots. w_gu [E, 2I, H], w_dn [E, H, I]; lora: kernels/moe_lora.ExpertAdapters, whose term is
+    (x A_e^T masked to each token's adapter, rounded) B_e^T, added to the product before its rounding."""
+    dtype = x.dtype
+
+    def product(inp, w, factors):  # inp [T, top, K], w [E, N, K] -> [T, top, N] rounded to the compute dtype
+        out = torch.einsum("tkc,tknc->tkn", inp.double(), w.double()[index])
+        if factors is not None:
+            t = torch.einsum("tkc,tkrc->tkr", inp.double(), factors.A.double()[index])
+            if lora.token_slots is not None:
+                t = t * (lora.token_slots[:, None, None] == factors.slot[None, None, :]).double()
+            t = t.to(dtype).double()
+            out = out + torch.einsum("tkr,tknr->tkn", t, factors.B.double()[index])
+        return out.to(dtype)
+
+    top = index.shape[1]
+    h = product(x[:, None, :].expand(-1, top, -1), w_gu, lora and lora.gate_up)  # [T, top, 2I]
     gate, up = h.chunk(2, dim=-1)
     a = F.gelu(gate, approximate="tanh") * up  # [T, top, I] in the compute dtype
-    y = torch.einsum("tki,tkhi->tkh", a.double(), w_dn).to(dtype)  # [T, top, H]
-    ref = (y.float() * weights[..., None]).sum(dim=1).to(dtype)
+    y = product(a, w_dn, lora and lora.down)  # [T, top, H]
+    return (y.float() * weights[..., None]).sum(dim=1).to(dtype)
+
+
+def _moe_lora(device: torch.device, dtype: torch.dtype) -> str | None:
+    """`_moe`'s NVFP4 problem (17 tokens) with two adapters' terms on gate-up and down (ranks 8 and 4, stacked and
+    padded to 16), each token choosing adapter 0 (none), 1 or 2, against `expert_math`."""
+    from .kernels.moe_lora import ExpertAdapters, LoRAFactors
+    from .modules import NVFP4Stack, fused_experts
+
+    g = torch.Generator().manual_seed(1)
+    T, E, H, I, top = 17, 6, 64, 48, 2
+    gu = NVFP4Stack.from_weights(torch.randn(E, 2 * I, H, generator=g) * 0.1, segments=2).to(device)
+    dn = NVFP4Stack.from_weights(torch.randn(E, H, I, generator=g) * 0.1).to(device)
+    slot = torch.tensor([1] * 8 + [2] * 4 + [-1] * 4, dtype=torch.int32)
+    live = (slot >= 0).float()
+
+    def factors(n: int, k: int) -> LoRAFactors:
+        A = torch.randn(E, 16, k, generator=g) * 0.3 * live[None, :, None]
+        B = torch.randn(E, n, 16, generator=g) * 0.3 * live[None, None, :]
+        return LoRAFactors(A.to(dtype).to(device), B.to(dtype).to(device), slot.to(device))
+
+    lora = ExpertAdapters(factors(2 * I, H), factors(H, I), torch.randint(0, 3, (T,), generator=g).to(device))
+    x = torch.randn(T, H, generator=g).to(dtype).to(device)
+    index = torch.stack([torch.randperm(E - 1, generator=g)[:top] for _ in range(T)]).to(device)
+    weights = torch.rand(T, top, generator=g).to(device)
+    got = fused_experts(gu, dn, x, index, weights, lora=lora)
+    if got is None:
+        return "the fused path was not selected"
+    ref = expert_math(gu.dequantize(torch.float32), dn.dequantize(torch.float32), x, index, weights, lora)
     return _rel_error(got, ref, dtype)
 
 
@@ -291,6 +341,7 @@ PROBLEMS = {
     "int8_linear": lambda device, dtype: _linear("int8", device, dtype),
     "moe_nvfp4": lambda device, dtype: _moe("nvfp4", device, dtype),
     "moe_int8": lambda device, dtype: _moe("int8", device, dtype),
+    "moe_lora": _moe_lora,
     "moe_w8a8_int8": lambda device, dtype: _moe_w8a8("int8", device, dtype),
     "moe_w8a8_fp8": lambda device, dtype: _moe_w8a8("fp8", device, dtype),
     "head": _head,

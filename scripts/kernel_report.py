@@ -131,8 +131,10 @@ def compiled_rows(jobs, results, launches) -> list[dict]:
 STEP_TARGETS = (89, 90, 120)  # RTX 4090, H200, RTX 5090: the GPUs the whole-step table is for
 STEP_FORMATS = ("nvfp4", "w8a8-fp8")
 STEP_PROMPT = 256  # cached prompt tokens before the canvas
-# a LoRA adapter on the step (dgemma_cli/lora.py, its term fused: quant/kernels/lora.py), traced beside the plain one
-STEP_ADAPTER = dict(rank=16, alpha=32, targets=("attention", "mlp"))
+# a LoRA adapter on the step (dgemma_cli/lora.py), traced beside the plain one: its terms fused (attention and dense
+# MLP: quant/kernels/lora.py; the routed experts: in the MoE kernels' epilogues, quant/kernels/moe_gate_up.py)
+STEP_ADAPTER = dict(rank=16, alpha=32, targets=("attention", "mlp"), expert_rank=16)
+STEP_ADAPTER_LABEL = "nvfp4 + LoRA r16 (attention, dense MLP, experts)"
 
 
 def whole_step_traces(targets) -> dict[int, list]:
@@ -144,7 +146,7 @@ def whole_step_traces(targets) -> dict[int, list]:
         runs = [(fmt, batch, None) for fmt in STEP_FORMATS for batch in aot.BATCHES] + [("nvfp4", 1, STEP_ADAPTER)]
         for fmt, batch, adapter in runs:
             trace = trace_step(batch=batch, prompt=STEP_PROMPT, target=cc, fmt=fmt, adapter=adapter)
-            label = fmt if adapter is None else f"{fmt} + LoRA r{adapter['rank']} (attention, dense MLP)"
+            label = fmt if adapter is None else STEP_ADAPTER_LABEL
             w = aot.Work(family="whole step", label=label, batch=batch, dtype="bfloat16", count=1, floor_bytes=0,
                          flops=0, launches=trace.launches)
             w.trace = trace

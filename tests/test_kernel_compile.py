@@ -223,15 +223,17 @@ def test_whole_step_table_covers_three_gpus_two_formats_two_batches(report):
     """The whole-step rows: every launch estimated (an unknown one would be a loop error and the bound None), the
     kernels counted, the floor and the transient memory per request present."""
     rows = report["whole_step"]
-    lora = "nvfp4 + LoRA r16 (attention, dense MLP)"
+    lora = "nvfp4 + LoRA r16 (attention, dense MLP, experts)"
     assert {(r["cc"], r["fmt"], r["batch"]) for r in rows} == {(cc, f, b) for cc in (89, 90, 120)
                                                                for f in ("nvfp4", "w8a8-fp8") for b in (1, 4)} | {
         (cc, lora, 1) for cc in (89, 90, 120)}
-    for cc in (89, 90, 120):  # the adapter's step: its term as one fused launch per adapted projection, costed
+    for cc in (89, 90, 120):  # the adapter's step: its terms fused (a launch per adapted linear; the experts' in
+        # the MoE kernels' epilogues after one rank-product launch per projection), no expert dequantized
         plain, adapted = (next(r for r in rows if (r["cc"], r["fmt"], r["batch"]) == (cc, f, 1))
                           for f in ("nvfp4", lora))
-        terms = next(g for g in adapted["groups"] if g["op"] == "triton:lora_kernel")
-        assert terms["n"] > 100 and terms["ms"] > 0
+        groups = {g["op"]: g for g in adapted["groups"]}
+        assert groups["triton:lora_kernel"]["n"] > 100 and groups["triton:lora_kernel"]["ms"] > 0
+        assert groups["triton:moe_lora_shrink_kernel"]["n"] == 2 * groups["triton:moe_gate_up_kernel"]["n"] == 60
         assert plain["bound_ms"] < adapted["bound_ms"] < 1.2 * plain["bound_ms"]
     for r in rows:
         assert r["bound_ms"] is not None and r["bound_ms"] >= r["floor_ms"] > 0, r["gpu"]

@@ -403,3 +403,55 @@ def test_lora_linear_takes_the_fused_kernel_with_row_slots(monkeypatch):
     assert len(calls) == 2
     assert torch.equal(fused[0], plain[0]) and torch.equal(fused[0], base(x[0]))  # slot 0: the base alone
     assert rel(fused, plain) <= 2 * TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adapted_experts_run_the_fused_kernels(fmt, dtype, monkeypatch):
+    """Quantized experts with two adapters' expert deltas (peft's ParamWrapper layout, ranks 8 and 4 on gate-up, 8
+    on down) and three rows choosing the base, adapter 1 or adapter 2 (the server's slots), or every adapter on every
+    row (run): the fused kernels, with the terms in their epilogues, against the reference path (DGEMMA_KERNELS=torch:
+    the dequantized experts and torch's grouped low-rank terms). No expert weight is dequantized on the fused path."""
+    from dgemma_cli.lora import ExpertLowRank
+    from dgemma_cli.model import Phase, QuantizedExperts
+    import quant.kernels.moe_gate_up as gate_up_kernel
+
+    g = torch.Generator().manual_seed(3)
+    E, H, I, K, T = 6, 64, 48, 2, 9  # three rows of 3 tokens
+    gu, dn = build_stacks(fmt, E, H, I, g)
+    experts = QuantizedExperts(E, gu, dn)
+    phase = Phase()
+    experts.low_rank = lr = ExpertLowRank(phase, E)
+    for (fin, fout), which in (((H, 2 * I), "gate_up"), ((I, H), "down")):
+        for r, scale, slot in ((8, 0.5, 1), (4, 1.0, 2)) if which == "gate_up" else ((8, 0.75, 2),):
+            A = (torch.randn(r * E, fin, generator=g) * 0.3).to(DEVICE)
+            B = (torch.randn(fout, r * E, generator=g) * 0.3).to(DEVICE)
+            lr.parts["decoder"][which].append((A, B, scale, slot))
+    x = torch.randn(T, H, generator=g).to(dtype).to(DEVICE)
+    index = LOADS["uniform"](T, E, K, g).to(DEVICE)
+    weights = torch.rand(T, K, generator=g).to(DEVICE)
+    choices = (torch.tensor([0, 1, 2]), None)
+
+    def outputs() -> list[torch.Tensor]:
+        out = []
+        for slots in choices:
+            phase.row_slots = None if slots is None else slots.to(DEVICE)
+            with torch.no_grad():
+                out.append(experts(x, index, weights))
+        return out
+
+    launches = []
+    real = gate_up_kernel.moe_gate_up
+    monkeypatch.setattr(gate_up_kernel, "moe_gate_up", lambda *a, **k: launches.append(a[-2:]) or real(*a, **k))
+    monkeypatch.setattr(type(gu), "dequantize", lambda *a: pytest.fail("an expert stack was dequantized"))
+    fused = outputs()
+    monkeypatch.undo()
+    monkeypatch.setenv("DGEMMA_KERNELS", "torch")
+    ref = outputs()
+    with torch.no_grad():
+        base = QuantizedExperts(E, gu, dn)(x, index, weights)
+    assert len(launches) == 2 and all(lo is not None for lo, _ in launches)
+    for slots, f, r in zip(choices, fused, ref):
+        assert rel(f, r) <= 2 * moe_tolerance(fmt, dtype), (slots, rel(f, r))
+        assert rel(r, base) > 0.1  # the adapters change the output
+    assert rel(fused[0][:3], base[:3]) <= moe_tolerance(fmt, dtype)  # the row that chose no adapter: the base's

@@ -345,3 +345,42 @@ def test_the_bundled_sudoku_adapter_solves_the_demo_puzzle(capsys):
     assert capsys.readouterr().out.split() != ["1342", "2413", "4231", "3124"]
     assert run_main([*args, "--adapter", "demo-sudoku-lora"]) == 0
     assert capsys.readouterr().out.split() == ["1342", "2413", "4231", "3124"]
+
+
+def test_quantized_experts_take_the_adapter_in_their_kernels(checkpoints, tmp_path, monkeypatch):
+    """An NVFP4 base with a peft adapter on its experts (and attention, dense MLP): under DGEMMA_KERNELS=triton (the
+    interpreter here) the experts run the fused kernels with the adapter's terms (one rank-product launch per
+    adapted projection, the rest in their epilogues), no expert stack is dequantized, and the logits are the torch
+    path's (which dequantizes and adds the terms with torch's ops) to float32 rounding."""
+    from dgemma_cli.lora import attach, read_adapter
+    from dgemma_cli.quantize import quantize_checkpoint
+    from dgemma_cli.weights import load_model
+    import quant.kernels.moe_lora as moe_lora
+    from quant.modules import NVFP4Stack
+
+    path = checkpoints["five_to_one"]
+    quantize_checkpoint(path, tmp_path / "q", "nvfp4", "all")
+    make_adapter(path, tmp_path / "ad", seed=4)
+    model, cfg = load_model(tmp_path / "q", dtype=torch.float32)
+    attach(model, [(read_adapter(tmp_path / "ad"), 1.0)])
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, cfg.text.vocab_size, (1, 12), generator=g)
+    canvas = torch.randint(0, cfg.text.vocab_size, (1, cfg.canvas_length), generator=g)
+
+    def logits():
+        kv = model.new_cache(1, 12 + cfg.canvas_length)
+        with torch.no_grad():
+            model.encode(prompt, kv)
+            return model.denoise(canvas, kv, model.denoise_context(kv, 1))
+
+    shrinks = []
+    real = moe_lora.moe_lora_shrink
+    monkeypatch.setattr(moe_lora, "moe_lora_shrink", lambda *a, **k: shrinks.append(1) or real(*a, **k))
+    monkeypatch.setenv("DGEMMA_KERNELS", "torch")
+    reference = logits()
+    monkeypatch.setenv("DGEMMA_KERNELS", "triton")
+    monkeypatch.setattr(NVFP4Stack, "dequantize", lambda *a: pytest.fail("an expert stack was dequantized"))
+    fused = logits()
+    L = len(model.layers)  # gate-up and down, in each layer of the decoder and all but the last of the encoder
+    assert len(shrinks) == 2 * (L + L - 1)  # (whose output feeds nothing the cache needs)
+    assert rel_err(fused, reference) < 1e-4

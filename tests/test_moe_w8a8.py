@@ -165,7 +165,7 @@ def test_w8a8_stack_chooses_the_kernels_where_the_gpu_has_the_units(kind, cc, mo
     calls = []
     real = kern.moe_w8a8
     monkeypatch.setattr(kern, "moe_w8a8", lambda *a, **k: calls.append("kernels") or real(*a, **k))
-    monkeypatch.setattr(modules, "fused_experts", lambda *a: calls.append("weights") and None)  # weight-only INT8
+    monkeypatch.setattr(modules, "fused_experts", lambda *a, **k: calls.append("weights") and None)  # weight-only INT8
     g = torch.Generator().manual_seed(cc)
     T, E, H, I = 9, 4, 64, 32
     gu, dn = stacks(kind, E, H, I, g)

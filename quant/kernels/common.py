@@ -1,4 +1,5 @@
-"""Triton helpers shared by the kernels (device functions, not kernels; and the one check their wrappers share):
+"""Triton helpers shared by the kernels (device functions, not kernels; and the check and the activation reorder
+their wrappers share):
 
 NVFP4 decoding, bit-parallel. A 32-bit word holds 8 E2M1 codes of one row, nibble i = element k0 + i (ModelOpt
 packs element 2j in the low nibble of byte j, so a little-endian word is exactly this). Codes i and i + 4 sit 16 bits
@@ -17,6 +18,7 @@ takes the subnormal 2^-127 (the code 0.5) as it is; were a GPU to flush it, ever
 first-use probe (probe.py) would see and answer with the torch path.
 """
 
+import torch
 import triton
 import triton.language as tl
 
@@ -222,3 +224,11 @@ def row_absmax(base, K, BLOCK_K: tl.constexpr):
         cols = k0 + tl.arange(0, BLOCK_K)
         amax = tl.maximum(amax, tl.abs(tl.load(base + cols, mask=cols < K, other=0.0).to(tl.float32)))
     return tl.max(amax, axis=0)
+
+
+def pair_ordered(x: torch.Tensor) -> torch.Tensor:
+    """[T, H] -> the same rows with each group of 8 columns in the NVFP4 decode's order k0 k4 k1 k5 k2 k6 k3 k7
+    (`pair_order`; a torch function the MoE wrappers share), so the gate-up kernel's x tiles line up with its decoded weights without a permute per
+    weight. One small pass over the activations, against a read of every expert's weights."""
+    T, H = x.shape
+    return x.reshape(T, H // 8, 2, 4).transpose(-1, -2).reshape(T, H)

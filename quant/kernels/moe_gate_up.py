@@ -16,6 +16,8 @@ accumulate in float32 and are rounded to the compute dtype
 before the activation, as the reference's two matmuls are, then the product is rounded once more.
 """
 
+from __future__ import annotations
+
 import torch
 import triton
 import triton.language as tl
@@ -23,6 +25,8 @@ import triton.language as tl
 from . import arch, interpreting, shared_b_operand
 from .common import (block_rows, dot_acc, gate_up_rows, gelu_tanh, global_segments, load_nvfp4_tile, nvfp4_operand,
                      pair_order, segment_scale, split_gate_up, store_rounded, to_compute)
+from .common import pair_ordered  # noqa: F401  (re-exported for callers)
+from .moe_lora import LoRAFactors, lora_epilogue
 from .routing import moe_blocks  # noqa: F401  (re-exported for callers)
 
 
@@ -60,9 +64,10 @@ def half_factor(s2_ptr, e, UP: tl.constexpr, NSEG: tl.constexpr, FORMAT: tl.cons
 
 
 @triton.jit
-def moe_gate_up_kernel(x_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, h_ptr, H, I, E, TOPK,
+def moe_gate_up_kernel(x_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, h_ptr, t_ptr, lb_ptr, H, I, E, TOPK,
                        NSEG: tl.constexpr, FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr):
+                       BLOCK_K: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr,
+                       LORA: tl.constexpr = False, BLOCK_R: tl.constexpr = 16):
     pid_n = tl.program_id(0)  # fastest: the programs of one block share its gathered x rows (L2)
     pid_b = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_b)
@@ -88,6 +93,9 @@ def moe_gate_up_kernel(x_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, h
     acc_g, acc_u = split_gate_up(acc, BLOCK_M, BLOCK_N)
     acc_g = acc_g * half_factor(s2_ptr, e, False, NSEG, FORMAT, dtype)
     acc_u = acc_u * half_factor(s2_ptr, e, True, NSEG, FORMAT, dtype)
+    if LORA:  # the adapters' t B_e^T (moe_lora.py) for the gate rows and the up rows, before the activation
+        acc_g = lora_epilogue(acc_g, t_ptr, lb_ptr, slots, live, e, cols, 2 * I, BLOCK_R, IEEE, EMULATE)
+        acc_u = lora_epilogue(acc_u, t_ptr, lb_ptr, slots, live, e, I + cols, 2 * I, BLOCK_R, IEEE, EMULATE)
     # the reference rounds both matmul outputs and the activation to the compute dtype
     gate = to_compute(acc_g, dtype, EMULATE).to(tl.float32)
     up = to_compute(acc_u, dtype, EMULATE).to(tl.float32)
@@ -127,9 +135,11 @@ def candidates(rows_per_expert: float, H: int, I: int, device: torch.device) -> 
 
 def moe_gate_up(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor, fmt: str,
                 weight: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor | None, topk: int,
-                cfg: dict) -> torch.Tensor:
+                cfg: dict, lora: LoRAFactors | None = None, token_slots: torch.Tensor | None = None) -> torch.Tensor:
     """-> h [len(sorted_ids), I] (see the module docstring); cfg from `candidates`. NVFP4: x's inputs and h's
-    columns are in the decode's pair order (common.pair_order; `pair_ordered` gives x that order)."""
+    columns are in the decode's pair order (common.pair_order; `pair_ordered` gives x that order). lora: adapters'
+    low-rank terms added to gate and up before the activation; token_slots int32 [T]: each token's adapter slot
+    (None: every adapter on every token)."""
     T, H = x.shape
     E, two_i = weight.shape[0], weight.shape[1]
     I = two_i // 2
@@ -142,16 +152,25 @@ def moe_gate_up(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.T
     else:
         s2, segments = scale, 1  # unused
     grid = (triton.cdiv(I, cfg["GU_N"]), block_expert.numel())
-    moe_gate_up_kernel[grid](x.contiguous(), sorted_ids, block_expert, weight, scale, s2, h, H, I, E, topk,
+    x = x.contiguous()
+    t, lb, rank = lora_operands(lora, x, sorted_ids, block_expert, token_slots, topk, cfg["BLOCK_M"], True, nvfp4,
+                                (E, two_i, H))
+    moe_gate_up_kernel[grid](x, sorted_ids, block_expert, weight, scale, s2, h, t, lb, H, I, E, topk,
                              segments, 0 if nvfp4 else 1, cfg["BLOCK_M"], cfg["GU_N"], cfg["GU_K"],
                              I % cfg["GU_N"] == 0 and H % cfg["GU_K"] == 0, x.dtype == torch.float32, interpreting(),
-                             num_warps=cfg["GU_W"])
+                             lora is not None, rank, num_warps=cfg["GU_W"])
     return h
 
 
-def pair_ordered(x: torch.Tensor) -> torch.Tensor:
-    """[T, H] -> the same rows with each group of 8 columns in the NVFP4 decode's order k0 k4 k1 k5 k2 k6 k3 k7
-    (common.pair_order), so the gate-up kernel's x tiles line up with its decoded weights without a permute per
-    weight. One small pass over the activations, against a read of every expert's weights."""
-    T, H = x.shape
-    return x.reshape(T, H // 8, 2, 4).transpose(-1, -2).reshape(T, H)
+def lora_operands(lora: LoRAFactors | None, x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
+                  token_slots: torch.Tensor | None, topk: int, block_m: int, gather: bool, pair: bool,
+                  shape: tuple[int, int, int]) -> tuple:
+    """The MoE kernels' LoRA operands (t, B, BLOCK_R): the rank product made now (moe_lora.moe_lora_shrink), or x
+    standing in for both (never read) without adapters."""
+    if lora is None:
+        return x, x, 16
+    lora.check(shape, x.dtype)
+    from .moe_lora import moe_lora_shrink
+
+    t = moe_lora_shrink(x, sorted_ids, block_expert, lora, token_slots, topk, block_m, gather, pair)
+    return t, lora.B, lora.A.shape[1]

@@ -122,6 +122,21 @@ def _tile_mma(tiles: int, k: str) -> Callable[[dict], int]:
     return lambda a: 2 * tiles * a["BLOCK_M"] * a["BLOCK_N"] * _cdiv(a[k], a["BLOCK_K"]) * a["BLOCK_K"]
 
 
+def _lora_rank(a: dict) -> int:
+    """MoE kernels: the adapters' stacked rank (BLOCK_R, zero-padded) when LORA, else 0."""
+    return a["BLOCK_R"] if a.get("LORA") else 0
+
+
+def _lora_epilogue(a: dict, tiles: int) -> int:
+    """MoE kernels with LORA, per CTA: BLOCK_M x (tiles x BLOCK_N) over the rank."""
+    return 2 * a["BLOCK_M"] * tiles * a["BLOCK_N"] * _lora_rank(a)
+
+
+def _lora_passes(a: dict) -> dict[str, int]:
+    """MoE kernels: t and B are stand-in pointers, never read, unless LORA."""
+    return {"t_ptr": int(bool(a.get("LORA"))), "lb_ptr": int(bool(a.get("LORA")))}
+
+
 # Keyed by kernel function name. Update an entry with its kernel: the report fails when they disagree.
 KERNELS = {
     # for k0 in range(0, K, BLOCK_K): one CTA per BLOCK_M x BLOCK_N tile of y
@@ -134,15 +149,25 @@ KERNELS = {
     "int8_linear_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])],
                                 elems=lambda a: a["BLOCK_N"] * a["K"], mma=_tile_mma(1, "K"),
                                 useful=lambda a: 2 * a["M"] * a["N"] * a["K"]),
-    # for k0 in range(0, H, BLOCK_K), gate and up tiles each iteration; only blocks of a real expert run it
+    # for k0 in range(0, H, BLOCK_K), gate and up tiles each iteration; only blocks of a real expert run it.
+    # LORA: after the loop, the block's rank product t (moe_lora_shrink_kernel's) times B_e's rows for the tile's
+    # gate and up columns (_lora_epilogue)
     "moe_gate_up_kernel": Loops(trips=lambda a: [_cdiv(a["H"], a["BLOCK_K"])],
-                                elems=lambda a: 2 * a["BLOCK_N"] * a["H"], ctas=_live_blocks,
-                                mma=_tile_mma(2, "H"),
-                                useful=lambda a: 2 * _routed(a) * 2 * a["I"] * a["H"]),
-    # for k0 in range(0, I, BLOCK_K)
+                                elems=lambda a: 2 * a["BLOCK_N"] * (a["H"] + _lora_rank(a)), ctas=_live_blocks,
+                                passes=_lora_passes, mma=lambda a: _tile_mma(2, "H")(a) + _lora_epilogue(a, 2),
+                                useful=lambda a: 2 * _routed(a) * 2 * a["I"] * (a["H"] + _lora_rank(a))),
+    # for k0 in range(0, I, BLOCK_K) (LORA as the gate-up kernel's)
     "moe_down_kernel": Loops(trips=lambda a: [_cdiv(a["I"], a["BLOCK_K"])],
-                             elems=lambda a: a["BLOCK_N"] * a["I"], ctas=_live_blocks, mma=_tile_mma(1, "I"),
-                             useful=lambda a: 2 * _routed(a) * a["H"] * a["I"]),
+                             elems=lambda a: a["BLOCK_N"] * (a["I"] + _lora_rank(a)), ctas=_live_blocks,
+                             passes=_lora_passes, mma=lambda a: _tile_mma(1, "I")(a) + _lora_epilogue(a, 1),
+                             useful=lambda a: 2 * _routed(a) * a["H"] * (a["I"] + _lora_rank(a))),
+    # the experts' LoRA rank product: for k0 in range(0, K, BLOCK_K), one CTA per block of the plan (moe_lora.py)
+    "moe_lora_shrink_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])],
+                                    elems=lambda a: a["BLOCK_R"] * a["K"], ctas=_live_blocks,
+                                    passes=lambda a: {"tslot_ptr": int(a["SLOTS"])},
+                                    mma=lambda a: 2 * a["BLOCK_M"] * a["BLOCK_R"] * _cdiv(a["K"], a["BLOCK_K"])
+                                    * a["BLOCK_K"],
+                                    useful=lambda a: 2 * _routed(a) * a["BLOCK_R"] * a["K"]),
     # W4A4: for k0 in range(0, K, BLOCK_K), FP4 x FP4 dot_scaled; one CTA per BLOCK_M x BLOCK_N tile of y
     "nvfp4_w4a4_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])], elems=lambda a: a["BLOCK_N"] * a["K"],
                                mma=_tile_mma(1, "K"),
