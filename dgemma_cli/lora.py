@@ -16,8 +16,9 @@ different low-rank delta for each pass:
 
 dgemma's model (model.py) has one module per weight, used by both passes; each adapted projection is wrapped in a
 `LoRALinear` that adds scale x (x A^T) B^T for the pass that runs (`DiffusionGemma.phase`), the routed experts get a
-per-expert low-rank term through `Experts.low_rank`, and replaced token rows are applied where the reference applies
-them. Nothing is merged into the base weights: a quantized base stays quantized, several adapters add up, each with
+per-expert low-rank term through `Experts.low_rank` (`ExpertLowRank`: folded into the layer's weights on the CPU,
+in the fused MoE kernels' epilogues on a GPU, torch's grouped matmuls elsewhere), and replaced token rows are applied
+where the reference applies them. Nothing is merged into the base weights: a quantized base stays quantized, several adapters add up, each with
 its own scale (`--adapter DIR:0.5`), and the base is unchanged when the adapters are taken off.
 
 Scale per module: lora_alpha / r (or / sqrt(r) with use_rslora), with alpha_pattern and rank_pattern's keys matched
@@ -50,7 +51,7 @@ _LINEARS = re.compile(r"^(layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|dow
                       r"|self_conditioning\.(gate|up|down)_proj)$")
 _EXPERTS = re.compile(r"^layers\.(\d+)\.experts(\.base_layer)?$")
 _UNSUPPORTED = ("use_dora", "lora_bias", "fan_in_fan_out")
-KERNEL_RANK = 64  # the fused expert kernels take the adapters' ranks up to this sum per projection
+KERNEL_RANK = 64  # the fused kernels' epilogues take the adapters' ranks up to this sum per projection
 
 
 class AdapterError(ModelError):
@@ -220,7 +221,47 @@ class LoRALinear(nn.Module):
     def out_features(self) -> int:
         return _features(self.base)[1]
 
+    def kernel_terms(self, x: torch.Tensor):
+        """This pass's adapters as the linear kernels take them in their epilogue (quant/kernels/lora.LinearAdapters:
+        stacked along the rank, scales folded into B, in x's dtype; made once and kept while the factors are
+        unchanged), with the batch rows' slots; None when this pass has none or they cannot run fused (`_fused`, or
+        a stacked rank above KERNEL_RANK)."""
+        from quant.kernels.lora import LinearAdapters, LinearFactors
+
+        deltas = self.deltas[self.phase.side]
+        if not deltas or not _fused(x, deltas) or sum(d.A.shape[0] for d in deltas) > KERNEL_RANK:
+            return None
+        key = (self.phase.side, x.dtype)
+        versions = tuple((id(d.A), d.A._version, id(d.B), d.B._version) for d in deltas)
+        kept = self.__dict__.setdefault("_stacked", {})
+        if kept.get(key, (None,))[0] != versions:
+            kept[key] = (versions, LinearFactors(*_stack([(d.A, d.B, d.scale, d.slot) for d in deltas], x.dtype)))
+        slots = self.phase.row_slots
+        return LinearAdapters(kept[key][1], None if slots is None else slots.to(torch.int32))
+
+    def gated(self, x: torch.Tensor, up: nn.Module) -> torch.Tensor | None:
+        """The dense MLP's gelu_tanh(gate(x)) * up(x) in one kernel (the base's `gated`) with both halves' adapters'
+        terms in its epilogue, before the activation; None where that does not run (the caller runs the three ops)."""
+        base_gated = getattr(self.base, "gated", None)
+        if base_gated is None:
+            return None
+        up_base = up.base if isinstance(up, LoRALinear) else up
+        mine = self.deltas[self.phase.side]
+        theirs = up.deltas[self.phase.side] if isinstance(up, LoRALinear) else []
+        if not mine and not theirs:
+            return base_gated(x, up_base)
+        takes = getattr(self.base, "takes_lora", None)
+        if not mine or not theirs or takes is None or not takes(x):
+            return None
+        lora, lora_up = self.kernel_terms(x), up.kernel_terms(x)
+        if lora is None or lora_up is None or lora.factors.A.shape != lora_up.factors.A.shape:
+            return None
+        return base_gated(x, up_base, lora=lora, lora_up=lora_up)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        takes = getattr(self.base, "takes_lora", None)
+        if takes is not None and takes(x) and (terms := self.kernel_terms(x)) is not None:
+            return self.base(x, lora=terms)  # the terms in the base kernel's epilogue (quant/kernels/nvfp4_linear.py)
         y = self.base(x)
         slots = self.phase.row_slots  # None: every adapter on every row; else [B], each row's adapter (0: none)
         deltas = self.deltas[self.phase.side]
@@ -258,6 +299,18 @@ def _fused(x: torch.Tensor, deltas: list[LowRank]) -> bool:
     return all(d.A.shape[0] <= MAX_RANK for d in deltas) and family_ok("lora", x.device, x.dtype)
 
 
+def _stack(parts: list, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Adapters' factors (A [..., r, in], B [..., out, r], scale, slot) -> one stack for the fused kernels: A [..., R,
+    in] and B [..., out, R] (each scale folded into its B) in dtype, R the ranks' sum rounded up to a power of two of
+    at least 16 (zero-padded), and each rank column's slot (int32 [R], -1 on the padding)."""
+    slot = [s for a, _, _, s in parts for _ in range(a.shape[-2])]
+    R = max(16, 1 << (len(slot) - 1).bit_length())
+    pad = R - len(slot)
+    A = F.pad(torch.cat([a.float() for a, _, _, _ in parts], -2), (0, 0, 0, pad)).to(dtype).contiguous()
+    B = F.pad(torch.cat([b.float() * scale for _, b, scale, _ in parts], -1), (0, pad)).to(dtype).contiguous()
+    return A, B, torch.tensor(slot + [-1] * pad, dtype=torch.int32, device=A.device)
+
+
 def _features(module: nn.Module) -> tuple[int, int]:
     if hasattr(module, "in_features"):
         return module.in_features, module.out_features
@@ -268,7 +321,9 @@ def _features(module: nn.Module) -> tuple[int, int]:
 class ExpertLowRank:
     """The routed experts' low-rank terms for one layer, per pass: gate_up and down lists of (A, B, scale) in peft's
     layout (A [r * E, in], B [out, r * E]; `_per_expert` views them as [E, r, in] and [E, out, r] at each use, so a
-    trained A and B get their gradients), applied to rows grouped by expert (Experts.forward's grouped matmuls)."""
+    trained A and B get their gradients). Three ways to run them: folded into the call's weights on the CPU (`fold`,
+    peft's bits), in the fused MoE kernels (`kernel_terms`: quantized experts where the Triton kernels run), or as
+    grouped low-rank matmuls beside the base's (`__call__`: training, a 16-bit base off the CPU)."""
 
     def __init__(self, phase, experts: int):
         self.phase = phase
@@ -345,18 +400,8 @@ class ExpertLowRank:
         hit = self._kept.get(key)
         if hit is None or hit[0] != versions:
             E = self._experts
-            a_s, b_s, slot = [], [], []
-            for A, B, scale, s in parts:
-                a, b = _per_expert(A, B, E)  # [E, r, in], [E, out, r]
-                a_s.append(a.float())
-                b_s.append(b.float() * scale)
-                slot += [s] * a.shape[1]
-            R = max(16, 1 << (len(slot) - 1).bit_length())  # a power of two, zero-padded (its slot -1)
-            pad = R - len(slot)
-            A = F.pad(torch.cat(a_s, 1), (0, 0, 0, pad)).to(dtype).contiguous()
-            B = F.pad(torch.cat(b_s, 2), (0, pad)).to(dtype).contiguous()
-            slot = torch.tensor(slot + [-1] * pad, dtype=torch.int32, device=A.device)
-            hit = self._kept[key] = (versions, LoRAFactors(A, B, slot))
+            per = [(*_per_expert(A, B, E), scale, s) for A, B, scale, s in parts]  # [E, r, in], [E, out, r]
+            hit = self._kept[key] = (versions, LoRAFactors(*_stack(per, dtype)))
         return hit[1]
 
     def slots(self, tokens: int, row: int | None = None) -> torch.Tensor | None:

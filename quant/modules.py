@@ -72,7 +72,12 @@ class NVFP4Linear(nn.Module):
         return nvfp4.dequantize_packed(self.weight, self.weight_scale, self.weight_scale_2.expand(self.out_features),
                                        dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        """lora: adapters' terms (kernels/lora.LinearAdapters), only where `takes_lora` said so."""
+        if lora is not None:
+            from .kernels.nvfp4_linear import nvfp4_linear
+
+            return nvfp4_linear(x, self.weight, self.weight_scale, self.row_scale_2(), lora=lora)
         if (use_triton(x.device) and self.in_features % 32 == 0 and w4a4(x.device)
                 and family_ok("nvfp4_w4a4", x.device, x.dtype)):
             from .kernels.nvfp4_w4a4 import nvfp4_w4a4
@@ -84,17 +89,23 @@ class NVFP4Linear(nn.Module):
             return nvfp4_linear(x, self.weight, self.weight_scale, self.row_scale_2())
         return F.linear(x, self.dequantize(x.dtype))
 
-    def gated(self, x: torch.Tensor, up: nn.Module) -> torch.Tensor | None:
+    def takes_lora(self, x: torch.Tensor) -> bool:
+        """Whether adapters' terms on this linear run in its kernel's epilogue for x (`forward(x, lora)`): where the
+        16-bit-activation NVFP4 kernel runs (not W4A4, whose activations are quantized per linear)."""
+        return (use_triton(x.device) and not (self.in_features % 32 == 0 and w4a4(x.device))
+                and family_ok("nvfp4_linear", x.device, x.dtype) and family_ok("lora_epilogue", x.device, x.dtype))
+
+    def gated(self, x: torch.Tensor, up: nn.Module, lora=None, lora_up=None) -> torch.Tensor | None:
         """gelu_tanh(self(x)) * up(x) in one kernel where the NVFP4 linear kernel runs and `up` is an NVFP4Linear
         of the same shape (not on the W4A4 path: its activations are quantized per linear); None elsewhere (the
-        caller runs the three ops)."""
+        caller runs the three ops). lora, lora_up: adapters' terms on both halves (`takes_lora`), in the epilogue."""
         if (type(up) is not NVFP4Linear or up.weight.shape != self.weight.shape or not use_triton(x.device)
                 or (self.in_features % 32 == 0 and w4a4(x.device)) or not family_ok("nvfp4_linear", x.device, x.dtype)):
             return None
         from .kernels.nvfp4_linear import nvfp4_linear
 
         return nvfp4_linear(x, self.weight, self.weight_scale, self.row_scale_2(),
-                            up=(up.weight, up.weight_scale, up.row_scale_2()))
+                            up=(up.weight, up.weight_scale, up.row_scale_2()), lora=lora, lora_up=lora_up)
 
     def row_scale_2(self) -> torch.Tensor:
         """The global scale once per output row, float32 [N] contiguous, as the kernels read it: made at the first

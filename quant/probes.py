@@ -293,6 +293,54 @@ def _lora(device: torch.device, dtype: torch.dtype) -> str | None:
     return _rel_error(got.cpu().float(), ref, dtype)
 
 
+def linear_lora_math(x: torch.Tensor, w: torch.Tensor, adapters) -> torch.Tensor:
+    """x @ W^T plus the adapters' term (kernels/lora.LinearAdapters: (x A^T masked to each row's adapter, rounded)
+    B^T), in float64 before one rounding to x's dtype, as the NVFP4 linear kernel's epilogue adds it. x [B, T, K]."""
+    out = x.double() @ w.double().T
+    if adapters is not None:
+        f = adapters.factors
+        t = x.double() @ f.A.double().T  # [B, T, R]
+        if adapters.row_slots is not None:
+            t = t * (adapters.row_slots[:, None, None] == f.slot[None, None, :]).double()
+        out = out + t.to(x.dtype).double() @ f.B.double().T
+    return out.to(x.dtype)
+
+
+def _lora_epilogue(device: torch.device, dtype: torch.dtype) -> str | None:
+    """NVFP4 linears 96 -> 80 on 3 rows of 11 tokens (partial tiles) with two adapters' terms (ranks 8 and 4, stacked
+    to 16) in the kernel's epilogue, rows choosing adapter 0, 1 or 2: the plain linear and the gated pair (gate and
+    up each with their terms, before the activation), against `linear_lora_math`."""
+    from . import nvfp4
+    from .kernels.lora import LinearAdapters, LinearFactors
+    from .kernels.nvfp4_linear import nvfp4_linear
+    from .modules import NVFP4Linear
+
+    g = torch.Generator().manual_seed(2)
+    N, K = 80, 96
+    slot = torch.tensor([1] * 8 + [2] * 4 + [-1] * 4, dtype=torch.int32)
+    rows = torch.tensor([0, 1, 2], dtype=torch.int32)
+
+    def adapters() -> LinearAdapters:
+        A = torch.randn(16, K, generator=g) * 0.3 * (slot >= 0)[:, None]
+        B = torch.randn(N, 16, generator=g) * 0.3 * (slot >= 0)[None, :]
+        return LinearAdapters(LinearFactors(A.to(dtype).to(device), B.to(dtype).to(device), slot.to(device)),
+                              rows.to(device))
+
+    gate, up = (NVFP4Linear.from_weight(nvfp4.quantize(torch.randn(N, K, generator=g))).to(device) for _ in "gu")
+    lg, lu = adapters(), adapters()
+    x = torch.randn(3, 11, K, generator=g).to(dtype).to(device)
+    wg, wu = gate.dequantize(torch.float32), up.dequantize(torch.float32)
+    s2g, s2u = gate.weight_scale_2.expand(N), up.weight_scale_2.expand(N)  # (no kept copy: inference tensors here)
+    got = nvfp4_linear(x, gate.weight, gate.weight_scale, s2g, lora=lg)
+    err = _rel_error(got, linear_lora_math(x, wg, lg), dtype)
+    if err is not None:
+        return err
+    got = nvfp4_linear(x, gate.weight, gate.weight_scale, s2g, up=(up.weight, up.weight_scale, s2u), lora=lg,
+                       lora_up=lu)
+    ref = F.gelu(linear_lora_math(x, wg, lg), approximate="tanh") * linear_lora_math(x, wu, lu)
+    return _rel_error(got, ref, dtype)
+
+
 def _moe_plan(device: torch.device, dtype: torch.dtype) -> str | None:
     """70 tokens, top-8 of 128 experts with one expert taking most (a block of several), 16 rows a block: the plan
     equal to the torch one's, bit for bit."""
@@ -342,6 +390,7 @@ PROBLEMS = {
     "moe_nvfp4": lambda device, dtype: _moe("nvfp4", device, dtype),
     "moe_int8": lambda device, dtype: _moe("int8", device, dtype),
     "moe_lora": _moe_lora,
+    "lora_epilogue": _lora_epilogue,
     "moe_w8a8_int8": lambda device, dtype: _moe_w8a8("int8", device, dtype),
     "moe_w8a8_fp8": lambda device, dtype: _moe_w8a8("fp8", device, dtype),
     "head": _head,

@@ -9,7 +9,7 @@
    peak DRAM bandwidth or FLOPs at the bf16 tensor peak). The fused kernels' (Triton) launches are counted, not
    costed here (`make kernel-report` costs them).
 
-    .venv/bin/python scripts/bench_lora.py
+    .venv/bin/python scripts/bench_lora.py [--trace-only]
 """
 
 from __future__ import annotations
@@ -74,14 +74,10 @@ def trace_rows() -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     torch.set_num_threads(2)
-    print("this CPU, demo model, 32 held-out sudoku prompts in one batch, at most 10 steps, the two in turn, "
-          "median of 7:")
-    print("| model | ms per forward | against demo alone (median of the turns' ratios) |")
-    print("|---|---:|---:|")
-    for r in cpu_rows():
-        print(f"| {r['name']} | {r['ms']:.1f} | {r['ratio']:.2f}x |")
+    if "--trace-only" not in argv:
+        cpu_table()
     print("\nDiffusionGemma 26B-A4B, NVFP4, batch 1, H200 (sm_90), traced on the meta device:")
     print("| adapter | kernels | torch ops | Triton launches | torch ops' GB | torch ops' GFLOP | torch ops at their "
           "floors (ms) |")
@@ -91,5 +87,14 @@ def main() -> None:
               f"{r['gflop']:,.0f} | {r['ms']:.2f} |")
 
 
+def cpu_table() -> None:
+    print("this CPU, demo model, 32 held-out sudoku prompts in one batch, at most 10 steps, the two in turn, "
+          "median of 7:")
+    print("| model | ms per forward | against demo alone (median of the turns' ratios) |")
+    print("|---|---:|---:|")
+    for r in cpu_rows():
+        print(f"| {r['name']} | {r['ms']:.1f} | {r['ratio']:.2f}x |")
+
+
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

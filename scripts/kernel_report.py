@@ -386,8 +386,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("-j", type=int, default=min(8, len(os.sched_getaffinity(0))), help="compiler processes")
     ap.add_argument("--targets", default=",".join(map(str, GPUS)), help="compute capabilities")
     ap.add_argument("--update-benchmarks", action="store_true", help="rewrite BENCHMARKS.md's kernel-report section")
+    ap.add_argument("--fp16-targets", default=None,
+                    help="compile the float16 builds for these targets only (default: every target; the tests take "
+                         "two, for time)")
     args = ap.parse_args(argv)
     targets = [int(t) for t in args.targets.split(",")]
+    fp16 = set(targets) if args.fp16_targets is None else {int(t) for t in args.fp16_targets.split(",")}
+    if args.update_benchmarks and fp16 != set(targets):
+        ap.error("--update-benchmarks writes every build's figures: leave out --fp16-targets")
     unknown = [t for t in targets if t not in GPUS]
     if unknown:
         ap.error(f"no GPU figures for sm_{unknown[0]} (known: {', '.join(map(str, GPUS))})")
@@ -400,7 +406,7 @@ def main(argv: list[str]) -> int:
     try:
         shutil.rmtree(args.out, ignore_errors=True)
         (args.out / "kernels").mkdir(parents=True)
-        work = {cc: aot.real_shape_work(cc) for cc in targets}
+        work = {cc: aot.real_shape_work(cc, aot.DTYPES if cc in fp16 else aot.DTYPES[:1]) for cc in targets}
         step_work = whole_step_traces([cc for cc in STEP_TARGETS if cc in targets])
         t_capture = time.perf_counter() - t0
         both = {cc: work.get(cc, []) + step_work.get(cc, []) for cc in targets}

@@ -455,3 +455,49 @@ def test_adapted_experts_run_the_fused_kernels(fmt, dtype, monkeypatch):
         assert rel(f, r) <= 2 * moe_tolerance(fmt, dtype), (slots, rel(f, r))
         assert rel(r, base) > 0.1  # the adapters change the output
     assert rel(fused[0][:3], base[:3]) <= moe_tolerance(fmt, dtype)  # the row that chose no adapter: the base's
+
+
+def test_adapted_nvfp4_linears_take_the_terms_in_their_epilogue(monkeypatch):
+    """lora.LoRALinear on NVFP4 linears where the kernels run: the adapters' terms in the NVFP4 kernel's epilogue
+    (no separate lora_add_ launch), the dense MLP's gate and up still one gated launch with both halves' terms before
+    the activation; rows of the server's slots 0 (base alone), 1 and 2; the torch path's values (DGEMMA_KERNELS=torch)
+    to bfloat16 rounding."""
+    from dgemma_cli.lora import LoRALinear, LowRank
+    from dgemma_cli.model import MLP, Phase
+    import quant.kernels.lora as lora_kernels
+    import quant.kernels.nvfp4_linear as linear_kernel
+    from quant.modules import NVFP4Linear
+
+    g = torch.Generator().manual_seed(1)
+    H, I = 64, 96
+    phase = Phase()
+    mlp = MLP(H, I)
+    for name, (fin, fout) in (("gate_proj", (H, I)), ("up_proj", (H, I)), ("down_proj", (I, H))):
+        base = NVFP4Linear.from_weight(nvfp4.quantize(torch.randn(fout, fin, generator=g) * 0.2)).to(DEVICE)
+        wrapped = LoRALinear(base, phase)
+        for slot, rank in ((1, 8), (2, 4)):
+            wrapped.deltas["decoder"].append(LowRank((torch.randn(rank, fin, generator=g) * 0.3).to(DEVICE),
+                                                     (torch.randn(fout, rank, generator=g) * 0.3).to(DEVICE),
+                                                     0.5 * slot, slot))
+        setattr(mlp, name, wrapped)
+    x = torch.randn(3, 5, H, generator=g).to(torch.bfloat16).to(DEVICE)
+    phase.row_slots = torch.tensor([0, 2, 1], device=DEVICE)
+    calls = []
+    real = linear_kernel.nvfp4_linear
+    monkeypatch.setattr(linear_kernel, "nvfp4_linear", lambda *a, **k: calls.append(
+        ("gated" if k.get("up") is not None else "plain", k.get("lora") is not None)) or real(*a, **k))
+    monkeypatch.setattr(lora_kernels, "lora_add_", lambda *a, **k: pytest.fail("a separate LoRA launch"))
+    with torch.no_grad():
+        fused = mlp(x)
+        monkeypatch.undo()
+        monkeypatch.setenv("DGEMMA_KERNELS", "torch")
+        plain = mlp(x)
+        phase.row_slots = None
+        bare = MLP(H, I)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            setattr(bare, name, getattr(mlp, name).base)
+        base = bare(x)
+    assert calls == [("gated", True), ("plain", True)]
+    assert rel(fused, plain) <= 2 * TOL[torch.bfloat16]
+    assert rel(fused[0], base[0]) <= 2 * TOL[torch.bfloat16]  # slot 0: the base alone
+    assert rel(plain[1:], base[1:]) > 0.1  # the terms matter

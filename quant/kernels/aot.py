@@ -379,10 +379,10 @@ def routed(args: dict, rows: int, seed: int) -> dict:
     return out
 
 
-def real_shape_work(cc: int) -> list[Work]:
-    """Every entry point at the real shapes, batch 1 and 4, bf16 and fp16, as launched on a GPU of compute
-    capability `cc`; routing is a seeded random top-8 of 128 per token (about uniform load, as a trained router's
-    is on average)."""
+def real_shape_work(cc: int, dtypes: tuple = DTYPES) -> list[Work]:
+    """Every entry point at the real shapes, batch 1 and 4, in each compute dtype (bf16 and fp16), as launched on a
+    GPU of compute capability `cc`; routing is a seeded random top-8 of 128 per token (about uniform load, as a
+    trained router's is on average)."""
     from quant.kernels.moe_w8a8 import MIN_ARCH
 
     # compressed-tensors W8A8 experts where the target has the 8-bit tensor cores
@@ -392,7 +392,7 @@ def real_shape_work(cc: int) -> list[Work]:
     for batch in BATCHES:
         rows = batch * CANVAS
         top_w, top_i = random_routing(rows, batch)
-        for dtype in DTYPES:
+        for dtype in dtypes:
             work += _linear_work(cc, batch, dtype)
             work += _expert_work(cc, batch, dtype, stacks, top_i, top_w)
         work.append(_head_work(cc, batch))

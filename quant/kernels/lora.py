@@ -1,4 +1,13 @@
-"""A LoRA adapter's term added to a projection's output in one kernel: y += scale * mask * (x @ A^T) @ B^T.
+"""LoRA adapters' terms on a linear projection, two ways:
+
+1. `lora_add_`: the term added to a projection's output in one kernel, y += scale * mask * (x @ A^T) @ B^T, after
+   any base matmul (16-bit, INT8, W4A4, FP8: whatever computed y).
+2. `lora_shrink`: the rank product t = x @ A^T alone, for a GEMM that adds t @ B^T in its epilogue (the NVFP4
+   linear kernel, nvfp4_linear.py): the adapters' factors stacked along the rank (`LinearFactors`, scales folded
+   into B), each row's columns of other adapters zeroed (the server's slots), rounded to x's dtype. One CTA per
+   BLOCK_M rows walks K in BLOCK_K steps: [BLOCK_M, BLOCK_K] x [BLOCK_K, R] tile products, float32 accumulation.
+
+The rest of this docstring is `lora_add_`'s.
 
 Shapes: x [M, K] (rows contiguous), A [R, K], B [N, R] in x's dtype, y [M, N] contiguous in x's dtype, updated in
 place; mask float32 [M] or none (the server's rows that chose this adapter: 1, the others 0). R at most 128.
@@ -14,6 +23,9 @@ N x R of its columns when the stretch is wide).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -87,3 +99,65 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor
                       cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["BLOCK_R"], mask is not None,
                       x.dtype == torch.float32, interpreting(), num_warps=cfg["num_warps"])
     return y
+
+
+@dataclass(eq=False)
+class LinearFactors:
+    """Adapters' terms on one linear [N, K], stacked along the rank (lora.LoRALinear makes them once): A [R, K] and
+    B [N, R] (each adapter's scale folded in) in the compute dtype, R a power of two of at least 16 (zero rows pad
+    it); slot int32 [R], the adapter slot of each rank column (-1 on the padding)."""
+
+    A: torch.Tensor
+    B: torch.Tensor
+    slot: torch.Tensor
+
+
+class LinearAdapters(NamedTuple):
+    """What a linear kernel adds for adapters: the stacked factors and each batch row's adapter slot (int32 [B], x's
+    rows being B x T; None: every adapter on every row)."""
+
+    factors: LinearFactors
+    row_slots: torch.Tensor | None = None
+
+
+@triton.jit
+def lora_shrink_kernel(x_ptr, a_ptr, lcol_ptr, rs_ptr, t_ptr, M, K, T, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr,
+                       EMULATE: tl.constexpr):
+    rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rr = tl.arange(0, BLOCK_R)
+    t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        if EVEN:
+            x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=rm[:, None] < M, other=0.0)
+            a = tl.load(a_ptr + rr[:, None] * K + rk[None, :])
+        else:
+            x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+            a = tl.load(a_ptr + rr[:, None] * K + rk[None, :], mask=rk[None, :] < K, other=0.0)
+        t = dot_acc(t, x, tl.trans(a), IEEE, EMULATE)
+    if SLOTS:  # each row takes its own adapter's columns only (0: none)
+        ts = tl.load(rs_ptr + rm // T, mask=rm < M, other=-2)
+        t = tl.where(ts[:, None] == tl.load(lcol_ptr + rr)[None, :], t, 0.0)
+    store_rounded(t_ptr + rm[:, None] * BLOCK_R + rr[None, :], t, rm[:, None] < M, EMULATE)
+
+
+def lora_shrink(x: torch.Tensor, adapters: LinearAdapters) -> torch.Tensor:
+    """x [M, K] (rows contiguous) -> t [M, R] in x's dtype: each row's x A^T, masked to its batch row's adapter."""
+    f = adapters.factors
+    R, K = f.A.shape
+    M = x.shape[0]
+    if x.shape[1] != K or R < 16 or R & (R - 1) or f.A.dtype != x.dtype or f.B.dtype != x.dtype:
+        raise ValueError(f"lora_shrink: x {tuple(x.shape)} {x.dtype}, A {tuple(f.A.shape)} {f.A.dtype} do not fit "
+                         "(rank a power of two, at least 16)")
+    t = torch.empty(M, R, dtype=x.dtype, device=x.device)
+    rs = adapters.row_slots
+    if rs is not None and M % rs.numel():
+        raise ValueError(f"lora_shrink: {M} rows are not {rs.numel()} batch rows of equal length")
+    block_k = 128 if K % 128 == 0 else 64 if K % 64 == 0 else 32
+    block_m = 16 if M <= 256 else 32  # a canvas of 256 rows: 16 CTAs, each reading A (R x K) from L2
+    lora_shrink_kernel[(triton.cdiv(M, block_m),)](
+        x, f.A, f.slot, f.slot if rs is None else rs, t, M, K, max(1, M // (1 if rs is None else rs.numel())),
+        rs is not None, block_m, block_k, R, K % block_k == 0, x.dtype == torch.float32, interpreting(),
+        num_warps=4)
+    return t

@@ -14,18 +14,22 @@ A weight tile is decoded once per BLOCK_M rows, so BLOCK_M covers as many rows a
 table below), and the grid is ordered so programs sharing a weight tile run together (the second read hits L2).
 """
 
+from __future__ import annotations
+
 import torch
 import triton
 import triton.language as tl
 
 from . import arch, interpreting, m_bucket, shared_b_operand, tuning
 from .common import dot_acc, gelu_tanh, load_nvfp4_tile, nvfp4_operand, store_rounded, to_compute
+from .lora import LinearAdapters, lora_shrink
 
 
 @triton.jit
-def nvfp4_linear_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, wu_ptr, su_ptr, s2u_ptr, M, N, K,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                        IEEE: tl.constexpr, EMULATE: tl.constexpr, GATED: tl.constexpr):
+def nvfp4_linear_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, wu_ptr, su_ptr, s2u_ptr, t_ptr, lb_ptr, tu_ptr, lbu_ptr,
+                        M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        EVEN: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr, GATED: tl.constexpr,
+                        LORA: tl.constexpr = False, BLOCK_R: tl.constexpr = 16):
     pid_n = tl.program_id(0)  # fastest: consecutive programs share the x rows... and M blocks of one N tile follow
     pid_m = tl.program_id(1)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # 64-bit: M x K passes 2^31 on long prompts
@@ -50,12 +54,26 @@ def nvfp4_linear_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, wu_ptr, su_ptr, s2u_
     _, unshift = nvfp4_operand(tl.zeros((1, 1), dtype=tl.bfloat16), dtype)
     s2 = tl.load(s2_ptr + rn, mask=rn < N, other=0.0) * unshift
     y = acc * s2[None, :]
+    if LORA:  # adapters: their rank product t (lora.lora_shrink's) times B's rows for the tile's columns
+        y = lora_term(y, t_ptr, lb_ptr, rm, rn, M, N, BLOCK_R, IEEE, EMULATE)
     if GATED:  # gelu_tanh(gate) * up, each matmul output and the activation rounded as the torch path rounds them
         s2u = tl.load(s2u_ptr + rn, mask=rn < N, other=0.0) * unshift
         gate = to_compute(y, dtype, EMULATE).to(tl.float32)
-        up = to_compute(acc_u * s2u[None, :], dtype, EMULATE).to(tl.float32)
+        up = acc_u * s2u[None, :]
+        if LORA:
+            up = lora_term(up, tu_ptr, lbu_ptr, rm, rn, M, N, BLOCK_R, IEEE, EMULATE)
+        up = to_compute(up, dtype, EMULATE).to(tl.float32)
         y = to_compute(gelu_tanh(gate), dtype, EMULATE).to(tl.float32) * up
     store_rounded(y_ptr + rm[:, None] * N + rn[None, :], y, (rm[:, None] < M) & (rn[None, :] < N), EMULATE)
+
+
+@triton.jit
+def lora_term(y, t_ptr, b_ptr, rm, rn, M, N, BLOCK_R: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr):
+    """y [BLOCK_M, BLOCK_N] float32 + t[rm] @ B[rn]^T: t [M, BLOCK_R] and B [N, BLOCK_R] in the compute dtype."""
+    rr = tl.arange(0, BLOCK_R)
+    t = tl.load(t_ptr + rm[:, None] * BLOCK_R + rr[None, :], mask=rm[:, None] < M, other=0.0)
+    b = tl.load(b_ptr + rn[:, None] * BLOCK_R + rr[None, :], mask=rn[:, None] < N, other=0.0)
+    return dot_acc(y, t, tl.trans(b), IEEE, EMULATE)
 
 
 def candidates(M: int, K: int, device: torch.device, gated: bool = False) -> list[dict]:
@@ -80,11 +98,12 @@ def candidates(M: int, K: int, device: torch.device, gated: bool = False) -> lis
 
 
 def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                 row_scale_2: torch.Tensor, up: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-                 ) -> torch.Tensor:
+                 row_scale_2: torch.Tensor, up: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 lora: LinearAdapters | None = None, lora_up: LinearAdapters | None = None) -> torch.Tensor:
     """x [..., K] -> [..., N] (see the module docstring for the operands). With `up` (the weight, scales and row
     scales of a second NVFP4 matrix of the same shape): gelu_tanh(x W^T) * (x W_up^T), the gated MLP's first half in
-    one kernel."""
+    one kernel. lora (and lora_up with `up`, of the same stacked rank): adapters' terms, their rank products made
+    first (lora.lora_shrink), their expansions added in the epilogue (before the activation)."""
     N, half = weight.shape
     K = 2 * half
     lead = x.shape[:-1]
@@ -100,15 +119,25 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
             up[2].float().contiguous()
     else:
         words_u, scale_bits_u, s2u = words, scale_bits, s2  # stand-ins, never read
+    t = lb = tu = lbu = x2  # stand-ins, never read without adapters
+    rank = 16
+    if lora is not None:
+        if (up is not None) != (lora_up is not None) or lora.factors.B.shape[0] != N or lora_up is not None and (
+                lora_up.factors.A.shape != lora.factors.A.shape or lora_up.factors.B.shape[0] != N):
+            raise ValueError("nvfp4_linear: the adapters' factors do not fit the linear (gated: both halves, one rank)")
+        t, lb, rank = lora_shrink(x2, lora), lora.factors.B.contiguous(), lora.factors.A.shape[0]
+        if lora_up is not None:
+            tu, lbu = lora_shrink(x2, lora_up), lora_up.factors.B.contiguous()
 
     def launch(cfg: dict) -> None:
         grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]))
-        nvfp4_linear_kernel[grid](x2, words, scale_bits, s2, y, words_u, scale_bits_u, s2u, M, N, K, cfg["BLOCK_M"],
-                                  cfg["BLOCK_N"], cfg["BLOCK_K"], N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0,
-                                  x.dtype == torch.float32, interpreting(), up is not None,
-                                  num_warps=cfg["num_warps"])
+        nvfp4_linear_kernel[grid](x2, words, scale_bits, s2, y, words_u, scale_bits_u, s2u, t, lb, tu, lbu, M, N, K,
+                                  cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"],
+                                  N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, x.dtype == torch.float32,
+                                  interpreting(), up is not None, lora is not None, rank, num_warps=cfg["num_warps"])
 
-    key = (m_bucket(M), N, K, str(x.dtype)) + (("gated",) if up is not None else ())
+    key = (m_bucket(M), N, K, str(x.dtype)) + (("gated",) if up is not None else ()) + (
+        ("lora", rank) if lora is not None else ())
     cfg = tuning.choose("nvfp4_linear", key, candidates(M, K, x.device, up is not None), launch, x.device)
     launch(cfg)
     return y.reshape(*lead, N)

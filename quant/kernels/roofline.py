@@ -123,12 +123,12 @@ def _tile_mma(tiles: int, k: str) -> Callable[[dict], int]:
 
 
 def _lora_rank(a: dict) -> int:
-    """MoE kernels: the adapters' stacked rank (BLOCK_R, zero-padded) when LORA, else 0."""
+    """Kernels with a LoRA epilogue: the adapters' stacked rank (BLOCK_R, zero-padded) when LORA, else 0."""
     return a["BLOCK_R"] if a.get("LORA") else 0
 
 
 def _lora_epilogue(a: dict, tiles: int) -> int:
-    """MoE kernels with LORA, per CTA: BLOCK_M x (tiles x BLOCK_N) over the rank."""
+    """Kernels with LORA, per CTA: BLOCK_M x (tiles x BLOCK_N) over the rank."""
     return 2 * a["BLOCK_M"] * tiles * a["BLOCK_N"] * _lora_rank(a)
 
 
@@ -141,11 +141,24 @@ def _lora_passes(a: dict) -> dict[str, int]:
 KERNELS = {
     # for k0 in range(0, K, BLOCK_K): one CTA per BLOCK_M x BLOCK_N tile of y
     # GATED: the gate's and the up projection's tiles each step (two decodes, two products)
+    # LORA: after the loop, the rows' rank product t (lora_shrink_kernel's) times B's rows for the tile (each half)
     "nvfp4_linear_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])],
-                                 elems=lambda a: (2 if a["GATED"] else 1) * a["BLOCK_N"] * a["K"],
-                                 passes=lambda a: {k: int(a["GATED"]) for k in ("wu_ptr", "su_ptr", "s2u_ptr")},
-                                 mma=lambda a: (2 if a["GATED"] else 1) * _tile_mma(1, "K")(a),
-                                 useful=lambda a: (2 if a["GATED"] else 1) * 2 * a["M"] * a["N"] * a["K"]),
+                                 elems=lambda a: (2 if a["GATED"] else 1) * a["BLOCK_N"] * (a["K"] + _lora_rank(a)),
+                                 passes=lambda a: {"wu_ptr": int(a["GATED"]), "su_ptr": int(a["GATED"]),
+                                                   "s2u_ptr": int(a["GATED"]), "t_ptr": int(bool(a.get("LORA"))),
+                                                   "lb_ptr": int(bool(a.get("LORA"))),
+                                                   "tu_ptr": int(bool(a.get("LORA")) and a["GATED"]),
+                                                   "lbu_ptr": int(bool(a.get("LORA")) and a["GATED"])},
+                                 mma=lambda a: (2 if a["GATED"] else 1) * (_tile_mma(1, "K")(a)
+                                                                           + _lora_epilogue(a, 1)),
+                                 useful=lambda a: (2 if a["GATED"] else 1) * 2 * a["M"] * a["N"]
+                                 * (a["K"] + _lora_rank(a))),
+    # a linear's LoRA rank product (lora.py): for k0 in range(0, K, BLOCK_K), one CTA per BLOCK_M rows
+    "lora_shrink_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])], elems=lambda a: a["BLOCK_R"] * a["K"],
+                                passes=lambda a: {"rs_ptr": int(a["SLOTS"])},
+                                mma=lambda a: 2 * a["BLOCK_M"] * a["BLOCK_R"] * _cdiv(a["K"], a["BLOCK_K"])
+                                * a["BLOCK_K"],
+                                useful=lambda a: 2 * a["M"] * a["BLOCK_R"] * a["K"]),
     "int8_linear_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])],
                                 elems=lambda a: a["BLOCK_N"] * a["K"], mma=_tile_mma(1, "K"),
                                 useful=lambda a: 2 * a["M"] * a["N"] * a["K"]),
