@@ -16,10 +16,11 @@ different low-rank delta for each pass:
 
 dgemma's model (model.py) has one module per weight, used by both passes; each adapted projection is wrapped in a
 `LoRALinear` that adds scale x (x A^T) B^T for the pass that runs (`DiffusionGemma.phase`), the routed experts get a
-per-expert low-rank term through `Experts.low_rank` (`ExpertLowRank`: folded into the layer's weights on the CPU,
-in the fused MoE kernels' epilogues on a GPU, torch's grouped matmuls elsewhere), and replaced token rows are applied
-where the reference applies them. Nothing is merged into the base weights: a quantized base stays quantized, several adapters add up, each with
-its own scale (`--adapter DIR:0.5`), and the base is unchanged when the adapters are taken off.
+per-expert low-rank term through `Experts.low_rank` (`ExpertLowRank`: folded into the layer's weights on the CPU, in
+the fused MoE kernels' epilogues on a GPU, torch's grouped matmuls elsewhere), and replaced token rows are applied
+where the reference applies them. Nothing is merged into the base weights: a quantized base stays quantized, several
+adapters add up, each with its own scale (`--adapter DIR:0.5`), and the base is unchanged when the adapters are
+taken off.
 
 Scale per module: lora_alpha / r (or / sqrt(r) with use_rslora), with alpha_pattern and rank_pattern's keys matched
 as peft matches them (a key matches a module name that ends with it, as a regular expression), times the user's

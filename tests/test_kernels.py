@@ -229,6 +229,10 @@ def build_stacks(fmt: str, E: int, H: int, I: int, g: torch.Generator):
     gu_w, dn_w = torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1
     if fmt == "nvfp4":
         gu, dn = NVFP4Stack.from_weights(gu_w, segments=2, search=True), NVFP4Stack.from_weights(dn_w)
+    elif fmt == "w8a8-int8":  # compressed-tensors' layout (quant/modules.py W8A8Stack)
+        from quant.modules import W8A8Stack
+
+        gu, dn = W8A8Stack.from_weights(gu_w, "int8"), W8A8Stack.from_weights(dn_w, "int8")
     else:
         gu, dn = Int8Stack.from_weights(gu_w), Int8Stack.from_weights(dn_w)
     return gu.to(DEVICE), dn.to(DEVICE)
@@ -405,13 +409,14 @@ def test_lora_linear_takes_the_fused_kernel_with_row_slots(monkeypatch):
     assert rel(fused, plain) <= 2 * TOL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "int8"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "int8", "w8a8-int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_adapted_experts_run_the_fused_kernels(fmt, dtype, monkeypatch):
     """Quantized experts with two adapters' expert deltas (peft's ParamWrapper layout, ranks 8 and 4 on gate-up, 8
     on down) and three rows choosing the base, adapter 1 or adapter 2 (the server's slots), or every adapter on every
     row (run): the fused kernels, with the terms in their epilogues, against the reference path (DGEMMA_KERNELS=torch:
-    the dequantized experts and torch's grouped low-rank terms). No expert weight is dequantized on the fused path."""
+    the dequantized experts and torch's grouped low-rank terms). No expert weight is dequantized on the fused path
+    (compressed-tensors' INT8 experts: the weight-only INT8 kernels, which take the terms)."""
     from dgemma_cli.lora import ExpertLowRank
     from dgemma_cli.model import Phase, QuantizedExperts
     import quant.kernels.moe_gate_up as gate_up_kernel
