@@ -411,7 +411,7 @@ class QuantizedExperts(Experts):
         if takes is None:
             return False
         if self.low_rank is not None and self.low_rank.active():  # adapters: only where their terms are fused
-            return self.low_rank.fusable(x) and takes(self.down_proj, x, True)
+            return self.low_rank.fusable(x) and takes(self.down_proj, x)
         return bool(takes(self.down_proj, x))
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,

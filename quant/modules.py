@@ -73,27 +73,29 @@ class NVFP4Linear(nn.Module):
                                        dtype)
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
-        """lora: adapters' terms (kernels/lora.LinearAdapters), only where `takes_lora` said so."""
-        if lora is not None:
-            from .kernels.nvfp4_linear import nvfp4_linear
-
-            return nvfp4_linear(x, self.weight, self.weight_scale, self.row_scale_2(), lora=lora)
-        if (use_triton(x.device) and self.in_features % 32 == 0 and w4a4(x.device)
-                and family_ok("nvfp4_w4a4", x.device, x.dtype)):
+        """lora: adapters' terms (kernels/lora.LinearAdapters) for the kernel's epilogue, only where `takes_lora`
+        said so."""
+        if self._w4a4(x):
             from .kernels.nvfp4_w4a4 import nvfp4_w4a4
 
-            return nvfp4_w4a4(x, self.weight, self.weight_scale, self.row_scale_2(), self.input_scale)
+            return nvfp4_w4a4(x, self.weight, self.weight_scale, self.row_scale_2(), self.input_scale, lora)
         if use_triton(x.device) and family_ok("nvfp4_linear", x.device, x.dtype):
             from .kernels.nvfp4_linear import nvfp4_linear
 
-            return nvfp4_linear(x, self.weight, self.weight_scale, self.row_scale_2())
+            return nvfp4_linear(x, self.weight, self.weight_scale, self.row_scale_2(), lora=lora)
+        if lora is not None:
+            raise RuntimeError("NVFP4Linear: adapters' terms given where no kernel takes them (ask takes_lora)")
         return F.linear(x, self.dequantize(x.dtype))
 
+    def _w4a4(self, x: torch.Tensor) -> bool:
+        return (use_triton(x.device) and self.in_features % 32 == 0 and w4a4(x.device)
+                and family_ok("nvfp4_w4a4", x.device, x.dtype))
+
     def takes_lora(self, x: torch.Tensor) -> bool:
-        """Whether adapters' terms on this linear run in its kernel's epilogue for x (`forward(x, lora)`): where the
-        16-bit-activation NVFP4 kernel runs (not W4A4, whose activations are quantized per linear)."""
-        return (use_triton(x.device) and not (self.in_features % 32 == 0 and w4a4(x.device))
-                and family_ok("nvfp4_linear", x.device, x.dtype) and family_ok("lora_epilogue", x.device, x.dtype))
+        """Whether adapters' terms on this linear run in its kernel's epilogue for x (`forward(x, lora)`): where
+        either NVFP4 kernel runs (W4A4 included: the terms' rank products are taken from the 16-bit x)."""
+        return (use_triton(x.device) and (self._w4a4(x) or family_ok("nvfp4_linear", x.device, x.dtype))
+                and family_ok("lora_epilogue", x.device, x.dtype))
 
     def gated(self, x: torch.Tensor, up: nn.Module, lora=None, lora_up=None) -> torch.Tensor | None:
         """gelu_tanh(self(x)) * up(x) in one kernel where the NVFP4 linear kernel runs and `up` is an NVFP4Linear
@@ -145,12 +147,11 @@ class Int8Linear(nn.Module):
         return F.linear(x, self.dequantize(x.dtype))
 
 
-def takes_pair_order(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, adapted: bool = False) -> bool:
+def takes_pair_order(gate_up: nn.Module, down: nn.Module, x: torch.Tensor) -> bool:
     """Whether `fused_experts` would run the NVFP4 W16A4 kernels for x, which read x in the decode's pair order
-    (kernels/moe_gate_up.pair_ordered): the caller may then hand x in that order (`ordered`), saving the copy.
-    adapted: with adapters' terms (which only the W16A4 kernels take)."""
+    (kernels/moe_gate_up.pair_ordered): the caller may then hand x in that order (`ordered`), saving the copy."""
     return (gate_up.format == "nvfp4" and use_triton(x.device)
-            and (adapted or not (gate_up.shape[2] % 64 == 0 and down.shape[2] % 64 == 0 and w4a4(x.device)))
+            and not (gate_up.shape[2] % 64 == 0 and down.shape[2] % 64 == 0 and w4a4(x.device))
             and family_ok("moe_nvfp4", x.device, x.dtype))
 
 
@@ -167,18 +168,15 @@ def fused_experts(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, top_k_in
     where `w4a4` says so. The launch settings, rows per block among them, come from the kernels' candidates, tuned
     on first use per GPU (kernels/tuning.py). ordered: x is already in the NVFP4 decode's pair order (only where
     `takes_pair_order` said so; None is returned otherwise, the caller then restores K order). lora: adapters'
-    low-rank terms (kernels/moe_lora.ExpertAdapters), added in the W16A4 / weight-only kernels' epilogues (the
-    W4A4 kernels take none: 16-bit activations then, on every GPU)."""
-    if ordered and not takes_pair_order(gate_up, down, x, lora is not None):
+    low-rank terms (kernels/moe_lora.ExpertAdapters), added in the kernels' epilogues."""
+    if ordered and not takes_pair_order(gate_up, down, x):
         return None
-    if not use_triton(x.device):
+    if not use_triton(x.device) or lora is not None and not family_ok("moe_lora", x.device, x.dtype):
         return None
-    if (lora is None and gate_up.format == "nvfp4" and gate_up.shape[2] % 64 == 0 and down.shape[2] % 64 == 0
-            and w4a4(x.device) and family_ok("moe_nvfp4_w4a4", x.device, x.dtype)):
-        return fused_experts_w4a4(gate_up, down, x, top_k_index, top_k_weights)
+    if (gate_up.format == "nvfp4" and gate_up.shape[2] % 64 == 0 and down.shape[2] % 64 == 0 and w4a4(x.device)
+            and family_ok("moe_nvfp4_w4a4", x.device, x.dtype)):
+        return fused_experts_w4a4(gate_up, down, x, top_k_index, top_k_weights, lora)
     if not family_ok("moe_" + gate_up.format, x.device, x.dtype):
-        return None
-    if lora is not None and not family_ok("moe_lora", x.device, x.dtype):
         return None
     from .kernels import m_bucket, tuning
     from .kernels.moe_down import moe_down
@@ -208,8 +206,9 @@ def fused_experts(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, top_k_in
 
 
 def fused_experts_w4a4(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, top_k_index: torch.Tensor,
-                       top_k_weights: torch.Tensor) -> torch.Tensor:
-    """NVFP4 experts with NVFP4 activations (W4A4, kernels/moe_w4a4.py): where `w4a4` says so."""
+                       top_k_weights: torch.Tensor, lora=None) -> torch.Tensor:
+    """NVFP4 experts with NVFP4 activations (W4A4, kernels/moe_w4a4.py): where `w4a4` says so. lora: adapters'
+    terms (fused_experts')."""
     from .kernels.moe_w4a4 import block_w4a4, moe_w4a4
 
     T, K = top_k_index.shape
@@ -217,7 +216,7 @@ def fused_experts_w4a4(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, top
     block_m, warps = block_w4a4(T * K / E, H, two_i // 2, x.device)
     ids, block_expert = block_plan(top_k_index, E, block_m)
     return moe_w4a4(x, ids, block_expert, gate_up, down, top_k_weights.reshape(-1), T, K, block_m, warps,
-                    gate_up.activation_scale(), down.activation_scale())
+                    gate_up.activation_scale(), down.activation_scale(), lora)
 
 
 class _Stack(nn.Module):
@@ -229,8 +228,8 @@ class _Stack(nn.Module):
     def fused_experts(self, down: nn.Module, x, top_k_index, top_k_weights, ordered: bool = False, lora=None):
         return fused_experts(self, down, x, top_k_index, top_k_weights, ordered, lora)
 
-    def takes_pair_order(self, down: nn.Module, x: torch.Tensor, adapted: bool = False) -> bool:
-        return takes_pair_order(self, down, x, adapted)
+    def takes_pair_order(self, down: nn.Module, x: torch.Tensor) -> bool:
+        return takes_pair_order(self, down, x)
 
     def dequantize_experts(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError

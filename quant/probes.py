@@ -129,7 +129,25 @@ def _moe_lora(device: torch.device, dtype: torch.dtype) -> str | None:
     if got is None:
         return "the fused path was not selected"
     ref = expert_math(gu.dequantize(torch.float32), dn.dequantize(torch.float32), x, index, weights, lora)
-    return _rel_error(got, ref, dtype)
+    err = _rel_error(got, ref, dtype)
+    from .kernels.nvfp4_w4a4 import supported
+
+    if err is not None or not supported(device):
+        return err
+    # where the experts run W4A4 (FP4 tensor cores), its kernels with the terms too: widths of 64, its emulation
+    from .kernels import moe_w4a4
+    from .kernels.routing import moe_blocks
+
+    I = 64
+    gu = NVFP4Stack.from_weights(torch.randn(E, 2 * I, H, generator=g) * 0.1, segments=2)
+    dn = NVFP4Stack.from_weights(torch.randn(E, H, I, generator=g) * 0.1)
+    lora = ExpertAdapters(factors(2 * I, H), factors(H, I), lora.token_slots)
+    ids, block_expert = moe_blocks(index, E, 16)
+    got = moe_w4a4.moe_w4a4(x, ids, block_expert, gu.to(device), dn.to(device), weights.reshape(-1), T, top, 16,
+                            lora=lora)
+    cpu = ExpertAdapters(*(LoRAFactors(f.A.cpu(), f.B.cpu(), f.slot.cpu()) for f in lora[:2]),
+                         lora.token_slots.cpu())
+    return _rel_error(got.cpu(), moe_w4a4.reference(x.cpu(), gu, dn, index.cpu(), weights.cpu(), lora=cpu), dtype)
 
 
 def _head(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -338,7 +356,17 @@ def _lora_epilogue(device: torch.device, dtype: torch.dtype) -> str | None:
     got = nvfp4_linear(x, gate.weight, gate.weight_scale, s2g, up=(up.weight, up.weight_scale, s2u), lora=lg,
                        lora_up=lu)
     ref = F.gelu(linear_lora_math(x, wg, lg), approximate="tanh") * linear_lora_math(x, wu, lu)
-    return _rel_error(got, ref, dtype)
+    err = _rel_error(got, ref, dtype)
+    from .kernels.nvfp4_w4a4 import nvfp4_w4a4, reference, supported
+
+    if err is not None or not supported(device):
+        return err
+    # where linears run W4A4 (FP4 tensor cores), its kernel with the terms too, against its emulation
+    got = nvfp4_w4a4(x, gate.weight, gate.weight_scale, s2g, lora=lg)
+    cpu = LinearAdapters(LinearFactors(*(t.cpu() for t in (lg.factors.A, lg.factors.B, lg.factors.slot))),
+                         lg.row_slots.cpu())
+    return _rel_error(got.cpu(), reference(x.cpu(), *(t.cpu() for t in (gate.weight, gate.weight_scale, s2g)),
+                                           lora=cpu), dtype)
 
 
 def _moe_plan(device: torch.device, dtype: torch.dtype) -> str | None:

@@ -129,6 +129,9 @@ def compiled_rows(jobs, results, launches) -> list[dict]:
 # ------------------------------------------------------------------------------------------------ whole step
 
 STEP_TARGETS = (89, 90, 120)  # RTX 4090, H200, RTX 5090: the GPUs the whole-step table is for
+# B200 (sm_100: W4A4 on tcgen05, another code path than the RTX 5090's): its NVFP4 step at batch 1, with and without
+# the adapter, so that every kernel an adapter adds is compiled for it too
+LORA_ONLY_TARGETS = (100,)
 STEP_FORMATS = ("nvfp4", "w8a8-fp8")
 STEP_PROMPT = 256  # cached prompt tokens before the canvas
 # a LoRA adapter on the step (dgemma_cli/lora.py), traced beside the plain one: its terms fused (attention and dense
@@ -144,6 +147,8 @@ def whole_step_traces(targets) -> dict[int, list]:
     out = {}
     for cc in targets:
         runs = [(fmt, batch, None) for fmt in STEP_FORMATS for batch in aot.BATCHES] + [("nvfp4", 1, STEP_ADAPTER)]
+        if cc in LORA_ONLY_TARGETS:
+            runs = [("nvfp4", 1, None), ("nvfp4", 1, STEP_ADAPTER)]
         for fmt, batch, adapter in runs:
             trace = trace_step(batch=batch, prompt=STEP_PROMPT, target=cc, fmt=fmt, adapter=adapter)
             label = fmt if adapter is None else STEP_ADAPTER_LABEL
@@ -407,7 +412,7 @@ def main(argv: list[str]) -> int:
         shutil.rmtree(args.out, ignore_errors=True)
         (args.out / "kernels").mkdir(parents=True)
         work = {cc: aot.real_shape_work(cc, aot.DTYPES if cc in fp16 else aot.DTYPES[:1]) for cc in targets}
-        step_work = whole_step_traces([cc for cc in STEP_TARGETS if cc in targets])
+        step_work = whole_step_traces([cc for cc in STEP_TARGETS + LORA_ONLY_TARGETS if cc in targets])
         t_capture = time.perf_counter() - t0
         both = {cc: work.get(cc, []) + step_work.get(cc, []) for cc in targets}
         jobs, results, job_of = compile_work(both, args.j, args.out / "kernels")

@@ -506,3 +506,50 @@ def test_adapted_nvfp4_linears_take_the_terms_in_their_epilogue(monkeypatch):
     assert rel(fused, plain) <= 2 * TOL[torch.bfloat16]
     assert rel(fused[0], base[0]) <= 2 * TOL[torch.bfloat16]  # slot 0: the base alone
     assert rel(plain[1:], base[1:]) > 0.1  # the terms matter
+
+
+def lora_stack(E: int | None, N: int, K: int, dtype: torch.dtype, g: torch.Generator):
+    """Two adapters' factors stacked as the kernels take them (ranks 8 and 4, padded to 16; slots 1 and 2), per
+    expert when E is given."""
+    slot = torch.tensor([1] * 8 + [2] * 4 + [-1] * 4, dtype=torch.int32)
+    lead = () if E is None else (E,)
+    A = torch.randn(*lead, 16, K, generator=g) * 0.3 * (slot >= 0)[:, None]
+    B = torch.randn(*lead, N, 16, generator=g) * 0.3 * (slot >= 0)
+    return A.to(dtype).to(DEVICE), B.to(dtype).to(DEVICE), slot.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w4a4_kernels_add_the_adapters_terms(dtype, monkeypatch):
+    """W4A4 (as an RTX 50 runs it: arch 120) with adapters' terms in the epilogues, the rank products taken from the
+    16-bit activations: the linear on 3 batch rows choosing adapter 0, 1 or 2, and the routed experts with tokens
+    choosing theirs, against the emulations (nvfp4_w4a4.reference, moe_w4a4.reference) with the same terms."""
+    import quant.kernels as kernels
+    from quant.kernels import moe_w4a4, nvfp4_w4a4
+    from quant.kernels.lora import LinearAdapters, LinearFactors
+    from quant.kernels.moe_lora import ExpertAdapters, LoRAFactors
+
+    monkeypatch.setattr(kernels, "arch", lambda device: 120)
+    g = torch.Generator().manual_seed(7)
+    N, K = 80, 96
+    q = nvfp4.quantize(torch.randn(N, K, generator=g), search=True)
+    args = (q.weight, q.weight_scale, q.weight_scale_2.expand(N))
+    lora = LinearAdapters(LinearFactors(*lora_stack(None, N, K, dtype, g)), torch.tensor([0, 1, 2], dtype=torch.int32))
+    x = torch.randn(3, 11, K, generator=g).to(dtype)
+    got = nvfp4_w4a4.nvfp4_w4a4(x.to(DEVICE), *(a.to(DEVICE) for a in args), lora=lora)
+    want = nvfp4_w4a4.reference(x, *args, lora=lora)
+    assert rel(got.cpu(), want) <= 2 * TOL[dtype]
+    assert rel(want, nvfp4_w4a4.reference(x, *args)) > 0.1  # the terms matter
+    assert rel(got[0].cpu(), nvfp4_w4a4.reference(x, *args)[0]) <= TOL[dtype]  # slot 0: the base alone
+
+    E, H, I, top, T = 6, 64, 64, 2, 17
+    gu, dn = build_stacks("nvfp4", E, H, I, g)
+    experts = ExpertAdapters(LoRAFactors(*lora_stack(E, 2 * I, H, dtype, g)),
+                             LoRAFactors(*lora_stack(E, H, I, dtype, g)),
+                             torch.randint(0, 3, (T,), generator=g, dtype=torch.int32).to(DEVICE))
+    x = torch.randn(T, H, generator=g).to(dtype)
+    index = LOADS["uniform"](T, E, top, g)
+    weights = torch.rand(T, top, generator=g)
+    got = fused_experts(gu, dn, x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), lora=experts)
+    want = moe_w4a4.reference(x, gu.cpu(), dn.cpu(), index, weights, lora=experts)
+    assert rel(got.cpu(), want) <= 2 * moe_tolerance("nvfp4", dtype)
+    assert rel(want, moe_w4a4.reference(x, gu.cpu(), dn.cpu(), index, weights)) > 0.1

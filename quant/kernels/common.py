@@ -228,7 +228,8 @@ def row_absmax(base, K, BLOCK_K: tl.constexpr):
 
 def pair_ordered(x: torch.Tensor) -> torch.Tensor:
     """[T, H] -> the same rows with each group of 8 columns in the NVFP4 decode's order k0 k4 k1 k5 k2 k6 k3 k7
-    (`pair_order`; a torch function the MoE wrappers share), so the gate-up kernel's x tiles line up with its decoded weights without a permute per
-    weight. One small pass over the activations, against a read of every expert's weights."""
+    (`pair_order`; a torch function the MoE wrappers share), so the gate-up kernel's x tiles line up with its
+    decoded weights without a permute per weight. One small pass over the activations, against a read of every
+    expert's weights."""
     T, H = x.shape
     return x.reshape(T, H // 8, 2, 4).transpose(-1, -2).reshape(T, H)

@@ -16,6 +16,8 @@ scale. EMULATE (the interpreter, whose dot_scaled reads e4m3 scales as e8m0): bo
 (common.nvfp4_tile, exact) and an IEEE float32 dot. `reference` is the PyTorch emulation the tests compare with.
 """
 
+from __future__ import annotations
+
 import torch
 import triton
 import triton.language as tl
@@ -23,6 +25,7 @@ import triton.language as tl
 from . import interpreting
 from .common import (UNSHIFT, block_rows, gate_up_rows, gelu_tanh, global_segments, load_nvfp4_tile, segment_scale,
                      split_gate_up, store_rounded, to_compute)
+from .moe_lora import ExpertAdapters, lora_epilogue
 
 
 @triton.jit
@@ -50,9 +53,10 @@ def fp4_product(acc, aq_ptr, as_ptr, a_rows, a_live, NA, w_ptr, ws_ptr, w_rows, 
 
 
 @triton.jit
-def moe_gate_up_w4a4_kernel(xq_ptr, xs_ptr, xg_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, h_ptr,
-                            T, H, I, E, TOPK, NSEG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
+def moe_gate_up_w4a4_kernel(xq_ptr, xs_ptr, xg_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, h_ptr, t_ptr,
+                            lb_ptr, T, H, I, E, TOPK, NSEG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, EMULATE: tl.constexpr, LORA: tl.constexpr = False,
+                            BLOCK_R: tl.constexpr = 16, IEEE: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_b)
@@ -74,17 +78,23 @@ def moe_gate_up_w4a4_kernel(xq_ptr, xs_ptr, xg_ptr, ids_ptr, block_expert_ptr, w
     dtype = h_ptr.dtype.element_ty
     s2_g = segment_scale(s2_ptr, e, False, NSEG)
     s2_u = segment_scale(s2_ptr, e, True, NSEG)
-    gate = to_compute(acc_g * xg * s2_g, dtype, EMULATE).to(tl.float32)
-    up = to_compute(acc_u * xg * s2_u, dtype, EMULATE).to(tl.float32)
+    acc_g = acc_g * xg * s2_g
+    acc_u = acc_u * xg * s2_u
+    if LORA:  # the adapters' t B_e^T (moe_lora.py, t from the 16-bit x) for the gate and up rows
+        acc_g = lora_epilogue(acc_g, t_ptr, lb_ptr, slots, live, e, cols, 2 * I, BLOCK_R, IEEE, EMULATE)
+        acc_u = lora_epilogue(acc_u, t_ptr, lb_ptr, slots, live, e, I + cols, 2 * I, BLOCK_R, IEEE, EMULATE)
+    gate = to_compute(acc_g, dtype, EMULATE).to(tl.float32)
+    up = to_compute(acc_u, dtype, EMULATE).to(tl.float32)
     act = to_compute(gelu_tanh(gate), dtype, EMULATE).to(tl.float32)
     store_rounded(h_ptr + slots[:, None].to(tl.int64) * I + cols[None, :], act * up,
                   live[:, None] & (cols[None, :] < I), EMULATE)
 
 
 @triton.jit
-def moe_down_w4a4_kernel(hq_ptr, hs_ptr, hg_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, ys_ptr, P, H, I, E,
-                         SEG, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EMULATE: tl.constexpr):
+def moe_down_w4a4_kernel(hq_ptr, hs_ptr, hg_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, ys_ptr, t_ptr,
+                         lb_ptr, P, H, I, E, SEG, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         EMULATE: tl.constexpr, LORA: tl.constexpr = False, BLOCK_R: tl.constexpr = 16,
+                         IEEE: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_b)
@@ -99,9 +109,12 @@ def moe_down_w4a4_kernel(hq_ptr, hs_ptr, hg_ptr, ids_ptr, block_expert_ptr, w_pt
                           (e.to(tl.int64) + 1) * H, k0, I, BLOCK_M, BLOCK_N, BLOCK_K, EMULATE)
     hg = tl.load(hg_ptr + slots, mask=live, other=0.0)[:, None]
     s2 = tl.load(s2_ptr + e * (H // SEG) + cols // SEG, mask=cols < H, other=0.0)
+    acc = acc * hg * s2[None, :]
+    if LORA:  # the adapters' t B_e^T (t from the 16-bit h)
+        acc = lora_epilogue(acc, t_ptr, lb_ptr, slots, live, e, cols, H, BLOCK_R, IEEE, EMULATE)
     row = tl.where(live, ids, 0)
-    store_rounded(ys_ptr + row[:, None].to(tl.int64) * H + cols[None, :], acc * hg * s2[None, :],
-                  live[:, None] & (cols[None, :] < H), EMULATE)
+    store_rounded(ys_ptr + row[:, None].to(tl.int64) * H + cols[None, :], acc, live[:, None] & (cols[None, :] < H),
+                  EMULATE)
 
 
 def block_w4a4(rows_per_expert: float, H: int, I: int, device: torch.device) -> tuple[int, int]:
@@ -118,10 +131,13 @@ def block_w4a4(rows_per_expert: float, H: int, I: int, device: torch.device) -> 
 
 def moe_w4a4(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor, gate_up, down,
              top_k_weights: torch.Tensor, tokens: int, topk: int, block_m: int, warps: int = 4,
-             x_scale: torch.Tensor | None = None, h_scale: torch.Tensor | None = None) -> torch.Tensor:
+             x_scale: torch.Tensor | None = None, h_scale: torch.Tensor | None = None,
+             lora: ExpertAdapters | None = None) -> torch.Tensor:
     """x [T, H] -> [T, H] through both W4A4 stages and the slot-order sum; gate_up / down are quant.modules'
     NVFP4Stack (their weight, weight_scale, weight_scale_2 buffers). x_scale, h_scale: static global scales (float32,
-    one element) for the activations of each stage, or None for per-row scales."""
+    one element) for the activations of each stage, or None for per-row scales. lora: adapters' terms, their rank
+    products taken from the 16-bit x and h (moe_lora.moe_lora_shrink), added in the epilogues."""
+    from .moe_gate_up import lora_operands
     from .moe_down import moe_sum_kernel
     from .nvfp4_act import quantize_act
 
@@ -136,16 +152,21 @@ def moe_w4a4(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tens
     P = sorted_ids.numel()
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)  # padding rows stay unwritten and unread
     block_n, block_k = 64, 128 if H % 128 == 0 else 64
+    gu_lora, dn_lora, slots = lora if lora is not None else (None, None, None)
+    ieee = x.dtype == torch.float32
+    t, lb, rank = lora_operands(gu_lora, x.contiguous(), sorted_ids, block_expert, slots, topk, block_m, True, False,
+                                (E, two_i, H))
     moe_gate_up_w4a4_kernel[(triton.cdiv(I, block_n), block_expert.numel())](
         xq, xs, xg, sorted_ids, block_expert, gate_up.weight, gate_up.weight_scale.view(torch.uint8),
-        gate_up.weight_scale_2.float().contiguous(), h, T, H, I, E, topk, segments, block_m, block_n, block_k, emulate,
-        num_warps=warps)
+        gate_up.weight_scale_2.float().contiguous(), h, t, lb, T, H, I, E, topk, segments, block_m, block_n, block_k,
+        emulate, gu_lora is not None, rank, ieee, num_warps=warps)
     hq, hs, hg = quantize_act(h, sorted_ids, h_scale)  # the plan's padding rows are never read
     ys = torch.empty(tokens * topk, H, dtype=x.dtype, device=x.device)
+    t, lb, rank = lora_operands(dn_lora, h, sorted_ids, block_expert, slots, topk, block_m, False, False, (E, H, I))
     moe_down_w4a4_kernel[(triton.cdiv(H, 128), block_expert.numel())](
         hq, hs, hg, sorted_ids, block_expert, down.weight, down.weight_scale.view(torch.uint8),
-        down.weight_scale_2.float().contiguous(), ys, P, H, I, E, H // down.weight_scale_2.shape[1], block_m, 128,
-        64, emulate, num_warps=warps)
+        down.weight_scale_2.float().contiguous(), ys, t, lb, P, H, I, E, H // down.weight_scale_2.shape[1], block_m,
+        128, 64, emulate, dn_lora is not None, rank, ieee, num_warps=warps)
     y = torch.empty(tokens, H, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(H))
     moe_sum_kernel[(tokens, triton.cdiv(H, block))](ys, top_k_weights.float().contiguous(), y, H, topk, block,
@@ -154,10 +175,13 @@ def moe_w4a4(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tens
 
 
 def reference(x: torch.Tensor, gate_up, down, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-              x_scale: torch.Tensor | None = None, h_scale: torch.Tensor | None = None) -> torch.Tensor:
+              x_scale: torch.Tensor | None = None, h_scale: torch.Tensor | None = None,
+              lora: ExpertAdapters | None = None) -> torch.Tensor:
     """The PyTorch emulation of moe_w4a4: per token x quantized (nvfp4_act's reference), exact a * s operands, float32
     products scaled by the two global scales and rounded to the compute dtype where the kernels round, h quantized
-    per assignment, the down product, the float32 slot-order sum."""
+    per assignment, the down product, the float32 slot-order sum. lora: each product plus the adapters' term (the
+    16-bit input's rank product with the expert's A, masked to the token's adapter and rounded, times B) before its
+    rounding."""
     import torch.nn.functional as F
 
     from .. import nvfp4
@@ -175,16 +199,25 @@ def reference(x: torch.Tensor, gate_up, down, top_k_index: torch.Tensor, top_k_w
     dtype = x.dtype
     T, K = top_k_index.shape
     I = gate_up.weight.shape[1] // 2
+    def term(a: torch.Tensor, factors, e: int, t: int) -> torch.Tensor | float:  # the adapters' [N] float32, or 0
+        if factors is None:
+            return 0.0
+        r = a.float() @ factors.A[e].float().T
+        if lora.token_slots is not None:
+            r = r * (factors.slot == lora.token_slots[t]).float()
+        return r.to(dtype).float() @ factors.B[e].float().T
+
+    gu_lora, dn_lora = (lora.gate_up, lora.down) if lora is not None else (None, None)
     xa, xg = fp4_rows(x, x_scale)
     ys = torch.empty(T, K, x.shape[1], dtype=dtype)
     for t in range(T):
         for k in range(K):
             e = int(top_k_index[t, k])
             w, s2 = weights(gate_up, e)
-            gu = (xa[t] @ w.T) * xg[t] * s2  # [2I] float32
+            gu = (xa[t] @ w.T) * xg[t] * s2 + term(x[t], gu_lora, e, t)  # [2I] float32
             gate, up = gu[:I].to(dtype).float(), gu[I:].to(dtype).float()
             h = (F.gelu(gate, approximate="tanh").to(dtype).float() * up).to(dtype)
             ha, hg = fp4_rows(h[None], h_scale)
             w, s2 = weights(down, e)
-            ys[t, k] = ((ha[0] @ w.T) * hg[0] * s2).to(dtype)
+            ys[t, k] = ((ha[0] @ w.T) * hg[0] * s2 + term(h, dn_lora, e, t)).to(dtype)
     return (ys.float() * top_k_weights.float()[..., None]).sum(dim=1).to(dtype)

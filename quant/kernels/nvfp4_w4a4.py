@@ -13,17 +13,22 @@ a * s (common.nvfp4_tile, exact) and multiplied with an IEEE float32 dot: the sa
 as the emulation's float32 matmul up to blocking.
 """
 
+from __future__ import annotations
+
 import torch
 import triton
 import triton.language as tl
 
 from . import interpreting
 from .common import UNSHIFT, load_nvfp4_tile
+from .lora import LinearAdapters, lora_shrink
+from .nvfp4_linear import lora_term
 
 
 @triton.jit
-def nvfp4_w4a4_kernel(xq_ptr, xs_ptr, xg_ptr, w_ptr, ws_ptr, wg_ptr, y_ptr, M, N, K,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
+def nvfp4_w4a4_kernel(xq_ptr, xs_ptr, xg_ptr, w_ptr, ws_ptr, wg_ptr, y_ptr, t_ptr, lb_ptr, M, N, K,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr,
+                      LORA: tl.constexpr = False, BLOCK_R: tl.constexpr = 16, IEEE: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -49,6 +54,8 @@ def nvfp4_w4a4_kernel(xq_ptr, xs_ptr, xg_ptr, w_ptr, ws_ptr, wg_ptr, y_ptr, M, N
     xg = tl.load(xg_ptr + rm, mask=rm < M, other=0.0)
     wg = tl.load(wg_ptr + rn, mask=rn < N, other=0.0)
     out = acc * xg[:, None] * wg[None, :]
+    if LORA:  # adapters: their rank product of the 16-bit activations (lora.lora_shrink's) times B's rows
+        out = lora_term(out, t_ptr, lb_ptr, rm, rn, M, N, BLOCK_R, IEEE, EMULATE)
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], out.to(y_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -62,9 +69,10 @@ def supported(device: torch.device) -> bool:
 
 
 def nvfp4_w4a4(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, row_scale_2: torch.Tensor,
-               input_scale: torch.Tensor | None = None) -> torch.Tensor:
+               input_scale: torch.Tensor | None = None, lora: LinearAdapters | None = None) -> torch.Tensor:
     """x [..., K] -> [..., N]: x quantized to NVFP4 (nvfp4_act: with the checkpoint's static `input_scale`, or per
-    token without one), then the FP4 x FP4 product."""
+    token without one), then the FP4 x FP4 product. lora: adapters' terms, their rank products taken from the 16-bit
+    x (lora.lora_shrink) and their expansions added in the epilogue."""
     from .nvfp4_act import quantize_act
 
     N, half = weight.shape
@@ -80,16 +88,20 @@ def nvfp4_w4a4(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     # rows would fall back to 16-bit MMAs on sm_100
     block_k = 128 if K % 128 == 0 else 64 if K % 64 == 0 else 32
     grid = (triton.cdiv(N, 128), triton.cdiv(M, 128))
+    t, lb, rank = (lora_shrink(x2.contiguous(), lora), lora.factors.B.contiguous(), lora.factors.A.shape[0]) \
+        if lora is not None else (y, y, 16)  # stand-ins, never read
     nvfp4_w4a4_kernel[grid](xq, xs, xg, weight.contiguous(), weight_scale.view(torch.uint8), row_scale_2.float()
-                            .contiguous(), y, M, N, K, 128, 128, block_k, interpreting(), num_warps=8)
+                            .contiguous(), y, t, lb, M, N, K, 128, 128, block_k, interpreting(), lora is not None, rank,
+                            x.dtype == torch.float32, num_warps=8)
     return y.reshape(*lead, N)
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, row_scale_2: torch.Tensor,
-              input_scale: torch.Tensor | None = None) -> torch.Tensor:
+              input_scale: torch.Tensor | None = None, lora: LinearAdapters | None = None) -> torch.Tensor:
     """The PyTorch emulation: x quantized as nvfp4_act's reference does (input_scale or per token), both operands
-    dequantized without their global scales (a * s, exact in float32), a float32 matmul, then g_x[row] * g_w[col],
-    rounded once."""
+    dequantized without their global scales (a * s, exact in float32), a float32 matmul, then g_x[row] * g_w[col]
+    (plus the adapters' term: the 16-bit x's rank product, masked per batch row and rounded, times B), rounded
+    once."""
     from .. import nvfp4
     from .nvfp4_act import quantize_act_reference
 
@@ -99,4 +111,11 @@ def reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     xa = nvfp4.dequantize_packed(xq, xs.view(torch.float8_e4m3fn), torch.ones(x2.shape[0]), torch.float32)
     wa = nvfp4.dequantize_packed(weight, weight_scale, torch.ones(N), torch.float32)
     y = (xa @ wa.T) * xg[:, None] * row_scale_2.float()[None, :]
+    if lora is not None:
+        f = lora.factors
+        t = x2.float() @ f.A.float().T  # [M, R]
+        if lora.row_slots is not None:
+            rows = lora.row_slots.repeat_interleave(x2.shape[0] // lora.row_slots.numel())
+            t = t * (rows[:, None] == f.slot[None, :]).float()
+        y = y + t.to(x.dtype).float() @ f.B.float().T
     return y.to(x.dtype).reshape(*x.shape[:-1], N)

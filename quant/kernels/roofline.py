@@ -182,17 +182,21 @@ KERNELS = {
                                     * a["BLOCK_K"],
                                     useful=lambda a: 2 * _routed(a) * a["BLOCK_R"] * a["K"]),
     # W4A4: for k0 in range(0, K, BLOCK_K), FP4 x FP4 dot_scaled; one CTA per BLOCK_M x BLOCK_N tile of y
-    "nvfp4_w4a4_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])], elems=lambda a: a["BLOCK_N"] * a["K"],
-                               mma=_tile_mma(1, "K"),
-                               useful=lambda a: 2 * a["M"] * a["N"] * a["K"]),
-    # W4A4 experts: for k0 in range(0, H or I, BLOCK_K), FP4 x FP4 dot_scaled (gate and up each iteration)
+    "nvfp4_w4a4_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])],
+                               elems=lambda a: a["BLOCK_N"] * (a["K"] + _lora_rank(a)), passes=_lora_passes,
+                               mma=lambda a: _tile_mma(1, "K")(a) + _lora_epilogue(a, 1),
+                               useful=lambda a: 2 * a["M"] * a["N"] * (a["K"] + _lora_rank(a))),
+    # W4A4 experts: for k0 in range(0, H or I, BLOCK_K), FP4 x FP4 dot_scaled (gate and up each iteration); LORA
+    # as the 16-bit MoE kernels' (its epilogue's 16-bit MMA counted at the launch's FP4 rate: a rank of 16 against
+    # K of thousands)
     "moe_gate_up_w4a4_kernel": Loops(trips=lambda a: [_cdiv(a["H"], a["BLOCK_K"])],
-                                     elems=lambda a: 2 * a["BLOCK_N"] * a["H"], ctas=_live_blocks,
-                                     mma=_tile_mma(2, "H"),
-                                     useful=lambda a: 2 * _routed(a) * 2 * a["I"] * a["H"]),
+                                     elems=lambda a: 2 * a["BLOCK_N"] * (a["H"] + _lora_rank(a)), ctas=_live_blocks,
+                                     passes=_lora_passes, mma=lambda a: _tile_mma(2, "H")(a) + _lora_epilogue(a, 2),
+                                     useful=lambda a: 2 * _routed(a) * 2 * a["I"] * (a["H"] + _lora_rank(a))),
     "moe_down_w4a4_kernel": Loops(trips=lambda a: [_cdiv(a["I"], a["BLOCK_K"])],
-                                  elems=lambda a: a["BLOCK_N"] * a["I"], ctas=_live_blocks, mma=_tile_mma(1, "I"),
-                                  useful=lambda a: 2 * _routed(a) * a["H"] * a["I"]),
+                                  elems=lambda a: a["BLOCK_N"] * (a["I"] + _lora_rank(a)), ctas=_live_blocks,
+                                  passes=_lora_passes, mma=lambda a: _tile_mma(1, "I")(a) + _lora_epilogue(a, 1),
+                                  useful=lambda a: 2 * _routed(a) * a["H"] * (a["I"] + _lora_rank(a))),
     # W8A8 experts: for k0 in range(0, H or I, BLOCK_K), int8 x int8 or e4m3 x e4m3 (gate and up each iteration)
     "moe_gate_up_w8a8_kernel": Loops(trips=lambda a: [_cdiv(a["H"], a["BLOCK_K"])],
                                      elems=lambda a: 2 * a["BLOCK_N"] * a["H"], ctas=_live_blocks,
