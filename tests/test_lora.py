@@ -21,6 +21,20 @@ TARGETS = (r".*language_model.*\.(q_proj|k_proj|o_proj|gate_proj)"
            r"|.*decoder.*\.(q_proj|v_proj|o_proj|up_proj|down_proj)")
 
 
+def both_passes(model, cfg, prompt_len: int, seed: int):
+    """-> a function giving (encoder logits, decoder logits) of `model` for a seeded random prompt and canvas."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, cfg.text.vocab_size, (1, prompt_len), generator=g)
+    canvas = torch.randint(0, cfg.text.vocab_size, (1, cfg.canvas_length), generator=g)
+
+    def logits():
+        kv = model.new_cache(1, prompt_len + cfg.canvas_length)
+        with torch.no_grad():
+            enc = model.logits(model.encode(prompt, kv, return_hidden=True))
+            return enc, model.denoise(canvas, kv, model.denoise_context(kv, 1))
+    return logits
+
+
 def make_adapter(path, out, seed=0, tokens=None, **extra):
     """A peft adapter with random A and B for the checkpoint at `path`, written to `out`; returns peft's model."""
     from peft import LoraConfig, get_peft_model
@@ -165,16 +179,7 @@ def test_unmerged_expert_terms_equal_the_fold(checkpoints, tmp_path, monkeypatch
     make_adapter(path, tmp_path / "ad", seed=2, target_modules=[])
     model, cfg = load_model(path, dtype=torch.float32)
     attach(model, [(read_adapter(tmp_path / "ad"), 1.0)])
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, cfg.text.vocab_size, (1, 20), generator=g)
-    canvas = torch.randint(0, cfg.text.vocab_size, (1, cfg.canvas_length), generator=g)
-
-    def logits():
-        kv = model.new_cache(1, 20 + cfg.canvas_length)
-        with torch.no_grad():
-            enc = model.logits(model.encode(prompt, kv, return_hidden=True))
-            return enc, model.denoise(canvas, kv, model.denoise_context(kv, 1))
-
+    logits = both_passes(model, cfg, 20, seed=0)
     folded = logits()
     monkeypatch.setattr(ExpertLowRank, "folds", lambda self, x: False)
     unmerged = logits()
@@ -363,24 +368,16 @@ def test_quantized_experts_take_the_adapter_in_their_kernels(checkpoints, tmp_pa
     make_adapter(path, tmp_path / "ad", seed=4)
     model, cfg = load_model(tmp_path / "q", dtype=torch.float32)
     attach(model, [(read_adapter(tmp_path / "ad"), 1.0)])
-    g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, cfg.text.vocab_size, (1, 12), generator=g)
-    canvas = torch.randint(0, cfg.text.vocab_size, (1, cfg.canvas_length), generator=g)
-
-    def logits():
-        kv = model.new_cache(1, 12 + cfg.canvas_length)
-        with torch.no_grad():
-            model.encode(prompt, kv)
-            return model.denoise(canvas, kv, model.denoise_context(kv, 1))
+    passes = both_passes(model, cfg, 12, seed=1)
 
     shrinks = []
     real = moe_lora.moe_lora_shrink
     monkeypatch.setattr(moe_lora, "moe_lora_shrink", lambda *a, **k: shrinks.append(1) or real(*a, **k))
     monkeypatch.setenv("DGEMMA_KERNELS", "torch")
-    reference = logits()
+    reference = passes()
     monkeypatch.setenv("DGEMMA_KERNELS", "triton")
     monkeypatch.setattr(NVFP4Stack, "dequantize", lambda *a: pytest.fail("an expert stack was dequantized"))
-    fused = logits()
-    L = len(model.layers)  # gate-up and down, in each layer of the decoder and all but the last of the encoder
-    assert len(shrinks) == 2 * (L + L - 1)  # (whose output feeds nothing the cache needs)
-    assert rel_err(fused, reference) < 1e-4
+    fused = passes()
+    assert len(shrinks) == 2 * 2 * len(model.layers)  # gate-up and down, every layer of both passes
+    for a, b in zip(fused, reference):
+        assert rel_err(a, b) < 1e-4

@@ -8,7 +8,8 @@ scales [E, H, I/16], global scales [E, S]; 1 INT8 [E, H, I] with row scales [E, 
 1. `moe_down_kernel`: a program takes one block and BLOCK_N columns of H, multiplies the block's rows by the
    expert's decoded tile (float32 accumulation; NVFP4's global scale in the epilogue), rounds to the compute dtype
    as the reference's matmul output is, and stores each row at its assignment's row of ys [T*K, H] (compute dtype):
-   the scatter back to token order is fused into the store.
+   the scatter back to token order is fused into the store. LORA (adapters, moe_lora.py): the epilogue adds the
+   block's rows' t B_e^T (t = h A_e^T, made by moe_lora_shrink) before the rounding.
 2. `moe_sum_kernel`: out[t] = sum over k = 0..K-1, in slot order, of w[t, k] * ys[t*K + k] in float32, as the
    reference sums, rounded once to the compute dtype.
 No atomics: the same input gives the same bits on every run. The buffer between the two is in the compute dtype

@@ -14,6 +14,8 @@ in BLOCK_K steps dequantizing its gate and up rows as one [2 * BLOCK_N, BLOCK_K]
 rounds them: (code * scale) * scale_2 in float32, then the compute dtype) for one dot as wide as both; gate and up
 accumulate in float32 and are rounded to the compute dtype
 before the activation, as the reference's two matmuls are, then the product is rounded once more.
+LORA (adapters, moe_lora.py): t [rows of the plan, R], the block's rows' x A_e^T made by moe_lora_shrink, and B
+[E, 2I, R]; the epilogue adds t B_e^T to the gate and up accumulators before their rounding.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ integer operations and one bfloat16 multiply per pair of weights) into exact a *
 the tensor cores with float32 accumulation; the epilogue applies 2^62 * scale_2 per output column and rounds once.
 A weight tile is decoded once per BLOCK_M rows, so BLOCK_M covers as many rows as the registers allow (the launch
 table below), and the grid is ordered so programs sharing a weight tile run together (the second read hits L2).
+LORA (adapters): t [M, R] (lora.lora_shrink: the rows' x A^T, masked and rounded) and B [N, R]; the epilogue adds
+t B^T to the float32 result before its rounding (and, GATED, each half's before the activation).
 """
 
 from __future__ import annotations
