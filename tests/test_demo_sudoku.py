@@ -220,3 +220,27 @@ def test_the_board_draws_given_cells_apart_and_a_malformed_puzzle_is_said(capsys
     assert run_main(["run", "--model", "demo-sudoku", "--device", "cpu", "--seed", "0",
                      "sudoku: ..4./.../.2.1/3..."]) == 0
     assert "is not a 4 x 4 board" in capsys.readouterr().err
+
+
+def test_the_9x9_data_holds_valid_grids_and_keeps_held_out_grids_apart(tmp_path):
+    """scripts/sudoku9.py (the 9x9 LoRA feasibility run): every grid a valid sudoku, a changed cell is caught, the
+    puzzles keep their givens, and no held-out grid is a training grid."""
+    import json
+    import random
+
+    import sudoku9
+
+    rng = random.Random(3)
+    grids = [sudoku9.random_grid(rng) for _ in range(300)]
+    assert all(sudoku9.is_solution(g, "." * 81) for g in grids) and len(set(grids)) > 290
+    g = grids[0]
+    assert not sudoku9.is_solution(g[:40] + g[41] + g[40] + g[42:], "." * 81) or g[40] == g[41]
+    puzzle = sudoku9.puzzle_of(g, 45, rng)
+    assert puzzle.count(".") == 36 and sudoku9.is_solution(g, puzzle)
+    sudoku9.data(tmp_path, 200, 30, 45, seed=1)
+    rows = {name: [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+            for name in ("train", "heldout")}
+    grid_of = lambda r: r["completion"].replace("\n", "")  # noqa: E731
+    assert len(rows["train"]) == 200 and {grid_of(r) for r in rows["train"]}.isdisjoint(map(grid_of, rows["heldout"]))
+    for r in rows["train"][:20]:
+        assert sudoku9.is_solution(grid_of(r), r["prompt"][len("sudoku: "):].replace("/", ""))

@@ -120,7 +120,7 @@ def moe_lora_shrink(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: tor
     E, R, K = factors.A.shape
     a = factors.a_in_pair_order() if pair else factors.A
     t = torch.empty(sorted_ids.numel(), R, dtype=x.dtype, device=x.device)
-    block_k = 128 if K % 128 == 0 else 64 if K % 64 == 0 else 32
+    block_k = 128 if K % 128 == 0 and block_m < 128 else 64 if K % 64 == 0 else 32  # the x tile's registers
     slots = token_slots is not None
     moe_lora_shrink_kernel[(block_expert.numel(),)](
         x, sorted_ids, block_expert, a, factors.slot, token_slots if slots else factors.slot, t, K, E, topk, gather,
