@@ -84,7 +84,7 @@ def evaluate(path: Path, adapter: str | None, steps: int, n: int, seed: int) -> 
 
     items = [json.loads(line) for line in path.read_text().splitlines()][:n]
     engine = load("demo", device="cpu", dtype="float32", adapters=[resolve_adapter(adapter)] if adapter else [])
-    r = engine.generate([it["prompt"] for it in items], seed=seed, max_denoising_steps=steps)
+    r = engine.generate([it["prompt"] for it in items], seed=seed, max_denoising_steps=steps, max_new_tokens=96)
     solved = cells = blanks = 0
     for it, text in zip(items, r.texts):
         puzzle = it["prompt"][len("sudoku: "):].replace("/", "")
