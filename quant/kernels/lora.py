@@ -1,11 +1,12 @@
 """LoRA adapters' terms on a linear projection, two ways:
 
 1. `lora_add_`: the term added to a projection's output in one kernel, y += scale * mask * (x @ A^T) @ B^T, after
-   any base matmul (16-bit, INT8, W4A4, FP8: whatever computed y).
+   a base matmul that takes no epilogue term (16-bit, INT8, W8A8: whatever computed y).
 2. `lora_shrink`: the rank product t = x @ A^T alone, for a GEMM that adds t @ B^T in its epilogue (the NVFP4
-   linear kernel, nvfp4_linear.py): the adapters' factors stacked along the rank (`LinearFactors`, scales folded
-   into B), each row's columns of other adapters zeroed (the server's slots), rounded to x's dtype. One CTA per
-   BLOCK_M rows walks K in BLOCK_K steps: [BLOCK_M, BLOCK_K] x [BLOCK_K, R] tile products, float32 accumulation.
+   kernels, nvfp4_linear.py and nvfp4_w4a4.py): the adapters' factors stacked along the rank (`LinearFactors`,
+   scales folded into B), each row's columns of other adapters zeroed (the server's slots), rounded to x's dtype.
+   One CTA per BLOCK_M rows walks K in BLOCK_K steps: [BLOCK_M, BLOCK_K] x [BLOCK_K, R] tile products, float32
+   accumulation.
 
 The rest of this docstring is `lora_add_`'s.
 
