@@ -114,12 +114,14 @@ def main() -> int:
     e.add_argument("--n", type=int, default=50)
     e.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
+    from dgemma_cli.errors import DgemmaError
+
     try:
         if a.cmd == "data":
             data(a.out, a.train, a.heldout, a.givens, a.seed)
         else:
             print(json.dumps(evaluate(a.heldout, a.adapter, a.steps, a.n, a.seed)))
-    except (OSError, ValueError) as e:  # a missing or unreadable file, a bad line: one line, no traceback
+    except (OSError, ValueError, DgemmaError) as e:  # a missing file, a bad line or adapter: one line, no traceback
         print(f"sudoku9: {e}", file=sys.stderr)
         return 2
     return 0
