@@ -331,7 +331,8 @@ class ExpertLowRank:
         self._experts = experts
         self.parts: dict[str, dict[str, list]] = {ENCODER: {"gate_up": [], "down": []},
                                                   DECODER: {"gate_up": [], "down": []}}
-        self._kept: dict = {}  # (id(A), id(B)) -> (versions, a, b): contiguous per-expert factors
+        self._kept: dict = {}  # (id(A), id(B)) -> (versions, a, b): contiguous per-expert factors (`_contiguous`);
+        # (pass, which, dtype) -> (versions, LoRAFactors): the stacked factors of the fused kernels (`_stacked`)
 
     def active(self) -> bool:
         p = self.parts[self.phase.side]

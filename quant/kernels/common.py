@@ -207,6 +207,18 @@ def dot_acc(acc, x, w_t, IEEE: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
+def lora_expand(acc, t_ptr, b_ptr, t_rows, t_live, b_rows, b_live, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
+                EMULATE: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] float32 + t[t_rows] @ B[b_rows]^T: adapters' expansion in a kernel's epilogue. t and B
+    are [*, BLOCK_R] in the compute dtype (t: rank products, kernels/lora.py lora_shrink or moe_lora.py
+    moe_lora_shrink; B: stacked factors); rows not live read as zero."""
+    rr = tl.arange(0, BLOCK_R)
+    t = tl.load(t_ptr + t_rows[:, None].to(tl.int64) * BLOCK_R + rr[None, :], mask=t_live[:, None], other=0.0)
+    b = tl.load(b_ptr + b_rows[:, None].to(tl.int64) * BLOCK_R + rr[None, :], mask=b_live[:, None], other=0.0)
+    return dot_acc(acc, t, tl.trans(b), IEEE, EMULATE)
+
+
+@triton.jit
 def store_rounded(ptr, value, mask, EMULATE: tl.constexpr):
     """Store float32 `value` into ptr's dtype with round-to-nearest, also under the interpreter."""
     if EMULATE:

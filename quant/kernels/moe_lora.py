@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .common import block_rows, dot_acc, pair_ordered, store_rounded
+from .common import block_rows, dot_acc, lora_expand, pair_ordered, store_rounded
 
 
 @dataclass(eq=False)
@@ -103,11 +103,8 @@ def lora_epilogue(acc, t_ptr, lb_ptr, slots, live, e, cols, NROWS, BLOCK_R: tl.c
                   EMULATE: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] (float32, the output's scale) + t B_e^T for output rows `cols` of expert e's B
     [NROWS, BLOCK_R]: t's rows are the block's plan rows (`moe_lora_shrink`)."""
-    rr = tl.arange(0, BLOCK_R)
-    t = tl.load(t_ptr + slots[:, None].to(tl.int64) * BLOCK_R + rr[None, :], mask=live[:, None], other=0.0)
-    b = tl.load(lb_ptr + (e.to(tl.int64) * NROWS + cols[:, None]) * BLOCK_R + rr[None, :],
-                mask=cols[:, None] < NROWS, other=0.0)
-    return dot_acc(acc, t, tl.trans(b), IEEE, EMULATE)
+    return lora_expand(acc, t_ptr, lb_ptr, slots, live, e.to(tl.int64) * NROWS + cols, cols < NROWS, BLOCK_R, IEEE,
+                       EMULATE)
 
 
 def moe_lora_shrink(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor, factors: LoRAFactors,

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from . import arch, interpreting, m_bucket, shared_b_operand, tuning
-from .common import dot_acc, gelu_tanh, load_nvfp4_tile, nvfp4_operand, store_rounded, to_compute
+from .common import dot_acc, gelu_tanh, load_nvfp4_tile, lora_expand, nvfp4_operand, store_rounded, to_compute
 from .lora import LinearAdapters, lora_shrink
 
 
@@ -57,25 +57,16 @@ def nvfp4_linear_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, wu_ptr, su_ptr, s2u_
     s2 = tl.load(s2_ptr + rn, mask=rn < N, other=0.0) * unshift
     y = acc * s2[None, :]
     if LORA:  # adapters: their rank product t (lora.lora_shrink's) times B's rows for the tile's columns
-        y = lora_term(y, t_ptr, lb_ptr, rm, rn, M, N, BLOCK_R, IEEE, EMULATE)
+        y = lora_expand(y, t_ptr, lb_ptr, rm, rm < M, rn, rn < N, BLOCK_R, IEEE, EMULATE)
     if GATED:  # gelu_tanh(gate) * up, each matmul output and the activation rounded as the torch path rounds them
         s2u = tl.load(s2u_ptr + rn, mask=rn < N, other=0.0) * unshift
         gate = to_compute(y, dtype, EMULATE).to(tl.float32)
         up = acc_u * s2u[None, :]
         if LORA:
-            up = lora_term(up, tu_ptr, lbu_ptr, rm, rn, M, N, BLOCK_R, IEEE, EMULATE)
+            up = lora_expand(up, tu_ptr, lbu_ptr, rm, rm < M, rn, rn < N, BLOCK_R, IEEE, EMULATE)
         up = to_compute(up, dtype, EMULATE).to(tl.float32)
         y = to_compute(gelu_tanh(gate), dtype, EMULATE).to(tl.float32) * up
     store_rounded(y_ptr + rm[:, None] * N + rn[None, :], y, (rm[:, None] < M) & (rn[None, :] < N), EMULATE)
-
-
-@triton.jit
-def lora_term(y, t_ptr, b_ptr, rm, rn, M, N, BLOCK_R: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr):
-    """y [BLOCK_M, BLOCK_N] float32 + t[rm] @ B[rn]^T: t [M, BLOCK_R] and B [N, BLOCK_R] in the compute dtype."""
-    rr = tl.arange(0, BLOCK_R)
-    t = tl.load(t_ptr + rm[:, None] * BLOCK_R + rr[None, :], mask=rm[:, None] < M, other=0.0)
-    b = tl.load(b_ptr + rn[:, None] * BLOCK_R + rr[None, :], mask=rn[:, None] < N, other=0.0)
-    return dot_acc(y, t, tl.trans(b), IEEE, EMULATE)
 
 
 def candidates(M: int, K: int, device: torch.device, gated: bool = False) -> list[dict]:

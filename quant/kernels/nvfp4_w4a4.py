@@ -20,9 +20,8 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .common import UNSHIFT, load_nvfp4_tile
+from .common import UNSHIFT, load_nvfp4_tile, lora_expand
 from .lora import LinearAdapters, lora_shrink
-from .nvfp4_linear import lora_term
 
 
 @triton.jit
@@ -55,7 +54,7 @@ def nvfp4_w4a4_kernel(xq_ptr, xs_ptr, xg_ptr, w_ptr, ws_ptr, wg_ptr, y_ptr, t_pt
     wg = tl.load(wg_ptr + rn, mask=rn < N, other=0.0)
     out = acc * xg[:, None] * wg[None, :]
     if LORA:  # adapters: their rank product of the 16-bit activations (lora.lora_shrink's) times B's rows
-        out = lora_term(out, t_ptr, lb_ptr, rm, rn, M, N, BLOCK_R, IEEE, EMULATE)
+        out = lora_expand(out, t_ptr, lb_ptr, rm, rm < M, rn, rn < N, BLOCK_R, IEEE, EMULATE)
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], out.to(y_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
