@@ -21,6 +21,7 @@ from typing import Any
 
 MAX_DEPTH = 64  # the API's deepest JSON (a tool's parameters schema) is far shallower
 MAX_INT = 2**64  # a JSON integer's magnitude; seeds go up to 2**64 - 1
+MAX_INT_DIGITS = len(str(MAX_INT))
 MAX_CONTAINERS = 50_000  # objects and arrays in one body: 4096 messages of several content parts each, and tools
 MAX_BRACKETS_HERE = 20_000  # '{' and '[' bytes (in strings too) up to which a body is parsed in this process
 
@@ -50,13 +51,27 @@ def parse(data: bytes) -> Any:
 
 def parse_here(data: bytes) -> Any:
     try:
-        value = json.loads(data)
+        value = json.loads(data, parse_int=_parse_int)
     except RecursionError:
         raise BodyError(400, f"the body's JSON is nested more than {MAX_DEPTH} levels deep", "invalid_json") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise BodyError(400, f"the body is not valid JSON: {str(e)[:200]}", "invalid_json") from None
     check(value)
     return value
+
+
+def _parse_int(digits: str) -> int:
+    """A JSON integer's text; one longer than any integer within MAX_INT is refused before int() reads it: past
+    4300 digits int() itself refuses, in words about Python (sys.set_int_max_str_digits), not the API's, and
+    reading thousands of digits is work for nothing."""
+    length = len(digits.lstrip("-"))
+    if length > MAX_INT_DIGITS:
+        raise _too_large(length)
+    return int(digits)
+
+
+def _too_large(digits: int) -> BodyError:
+    return BodyError(400, f"the body holds an integer of {digits} digits; none may pass 2**64", "invalid_value")
 
 
 def check(body: Any) -> None:
@@ -79,8 +94,7 @@ def check(body: Any) -> None:
         elif isinstance(value, str):
             _check_text(value)
         elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
-            raise BodyError(400, f"the body holds an integer of {len(str(abs(value)))} digits; none may pass 2**64",
-                            "invalid_value")
+            raise _too_large(len(str(abs(value))))
 
 
 def _check_text(text: str) -> None:

@@ -57,6 +57,20 @@ def _sampler_option(flag: str):
 _quiet = False  # -q: nothing on stderr but errors (set by each command)
 
 QUIET_OPTION = typer.Option(False, "--quiet", "-q", help="Nothing on stderr but errors: no progress, no notices.")
+COMPILE_TIMEOUT_OPTION = typer.Option(
+    30.0, "--compile-timeout", metavar="SECONDS", help="The most time a --json-schema, --regex or --grammar (or a "
+    "request's structure) may take to compile, in a process of its own; past it, refused.")
+COMPILE_MEMORY_OPTION = typer.Option(
+    4.0, "--compile-memory", metavar="GB", help="The most memory that compile may use; past it, refused.")
+
+
+def _compile_budget(seconds: float, gigabytes: float) -> tuple[float, int]:
+    """--compile-timeout and --compile-memory, checked (before torch is imported) -> (seconds, bytes)."""
+    if not 0 < seconds <= 3600:  # NaN too
+        raise UsageError(f"--compile-timeout must be between 0 and 3600 seconds (got {seconds:g})")
+    if not 0.1 <= gigabytes <= 1024:
+        raise UsageError(f"--compile-memory must be between 0.1 and 1024 GB (got {gigabytes:g})")
+    return seconds, int(gigabytes * (1 << 30))
 
 TEMPERATURE_OPTION = typer.Option(
     None, "--temperature", "--temp", show_default=False,
@@ -183,6 +197,8 @@ def run(
         None, "--grammar", metavar="FILE", help="Hold the answer to this context-free grammar: llguidance's Lark "
         "syntax (start: ...), or llama.cpp's GBNF (root ::= ...)."),
     adapter: Optional[List[str]] = ADAPTER_OPTION,
+    compile_timeout: float = COMPILE_TIMEOUT_OPTION,
+    compile_memory: float = COMPILE_MEMORY_OPTION,
     quiet: bool = QUIET_OPTION,
 ) -> None:
     """Generate one answer. Stdout gets only the answer (or one JSON object with --json).
@@ -214,6 +230,7 @@ def run(
                                 t_min=t_min, temperature=temperature, entropy_bound=entropy_bound,
                                 confidence_threshold=confidence_threshold, stability_threshold=stability_threshold)
     adapters = _adapters(adapter)
+    budget = _compile_budget(compile_timeout, compile_memory)
     _be_quiet(quiet)
     joined = _prompt_words(prompt)
     structure = _structure(json_schema, regex, grammar, stdin_prompt=joined is None)
@@ -233,7 +250,7 @@ def run(
     if each_line:
         return _run_each_line(text, model=model, as_json=as_json, batch_size=batch_size or 8, device=device,
                               dtype=dtype, quiet=quiet, raw=raw, system=system, seed=seed, structure=structure,
-                              adapters=adapters, **sampler)
+                              adapters=adapters, compile_budget=budget, **sampler)
     if not text.strip():
         raise UsageError("empty prompt")
     model_dir = _model_dir(model, quiet)  # a missing model is said before torch is imported (seconds)
@@ -247,6 +264,7 @@ def run(
     from .engine import load  # heavy: torch
 
     engine = load(model_dir, device=device, dtype=dtype, adapters=adapters)
+    engine.set_compile_budget(*budget)
     kwargs = dict(raw=raw, system=system, seed=seed, **sampler)
     if structure is not None:
         engine.automaton(structure)  # compiled before the first step: a schema the vocabulary cannot spell fails here
@@ -470,7 +488,7 @@ class _CtrlCHeld:
 
 
 def _run_each_line(text: str, *, model, as_json: bool, batch_size: int, device: str, dtype: str,
-                   quiet: bool = False, adapters=(), **gen) -> None:
+                   quiet: bool = False, adapters=(), compile_budget=(None, None), **gen) -> None:
     """One answer (or JSON Lines object) per input line, in input order; blank lines give blank answers.
 
     Each batch's answers are written and flushed as soon as it is done, so a reader sees them arrive; what is on
@@ -488,6 +506,7 @@ def _run_each_line(text: str, *, model, as_json: bool, batch_size: int, device: 
     from .engine import load  # heavy: torch
 
     engine = load(model_dir, device=device, dtype=dtype, adapters=adapters)
+    engine.set_compile_budget(*compile_budget)
     todo = [i for i, line in enumerate(lines) if line.strip()]
     written = 0  # input lines answered on stdout so far
     cut_short = 0  # answers that could not complete their --json-schema / --regex
@@ -665,6 +684,11 @@ def serve(
         None, "--adapter", metavar="NAME=DIR[:SCALE]", help="Serve a LoRA adapter (PEFT's format) as the model id "
         "NAME beside the base; repeatable. Requests choose by 'model'; requests for different adapters share a "
         "batch."),
+    header_timeout: float = typer.Option(10.0, "--header-timeout", metavar="SECONDS",
+                                         help="Close a connection that has not sent a whole request line and "
+                                         "headers within this time."),
+    compile_timeout: float = COMPILE_TIMEOUT_OPTION,
+    compile_memory: float = COMPILE_MEMORY_OPTION,
     quiet: bool = QUIET_OPTION,
 ) -> None:
     """An OpenAI-compatible HTTP server (chat, completions with suffix infill, models), batching requests."""
@@ -689,6 +713,9 @@ def serve(
         raise UsageError("--max-queue must be at least 0")
     if prefix_cache < 0:
         raise UsageError("--prefix-cache must be at least 0 (MB; 0 turns it off)")
+    if not 0 < header_timeout <= 3600:  # NaN too
+        raise UsageError(f"--header-timeout must be between 0 and 3600 seconds (got {header_timeout:g})")
+    budget = _compile_budget(compile_timeout, compile_memory)
     if api_key is not None and not api_key.strip():
         raise UsageError("--api-key must not be empty")
     if not is_loopback(host) and not api_key:
@@ -701,7 +728,8 @@ def serve(
     raise typer.Exit(run_server(model, host=host, port=port, api_key=api_key, max_batch=max_batch,
                                 max_queue=max_queue, device=device, dtype=dtype, note=_note,
                                 prefix_cache_bytes=prefix_cache * 2**20, adapters=named,
-                                allow_hosts=tuple(allow_host or ()), allow_origins=tuple(allow_origin or ())))
+                                allow_hosts=tuple(allow_host or ()), allow_origins=tuple(allow_origin or ()),
+                                header_timeout=header_timeout, compile_budget=budget))
 
 
 # ----------------------------------------------------------------------------- weights: pull, store, quantize

@@ -24,241 +24,73 @@ its two paths back.
 
 from __future__ import annotations
 
-import json
 import math
-import re
 import threading
-from collections import OrderedDict, deque
-from dataclasses import dataclass
+from collections import OrderedDict
 
 import torch
 
 from .errors import UsageError
-
-# ----------------------------------------------------------------------------------------- what the user asked for
-
-
-@dataclass(frozen=True)
-class Structure:
-    """A requested answer shape: kind "regex" (source: the expression), "json_schema" (source: the schema as JSON
-    text), "json_object" (any JSON object) or "grammar" (source: a context-free grammar in llguidance's Lark syntax,
-    or llama.cpp's GBNF, which is converted)."""
-
-    kind: str
-    source: str = ""
-
-    def check(self) -> None:
-        """Raise UsageError (one line) when the structure cannot be compiled, before any model is loaded."""
-        if self.kind == "grammar":
-            lark_grammar(self.source)
-        else:
-            self.regex()
-
-    def regex(self) -> str:
-        if self.kind == "regex":
-            try:
-                re.compile(self.source)
-            except re.error as e:
-                raise UsageError(f"--regex: not a regular expression ({e})") from None
-            return self.source
-        if self.kind == "json_object":
-            return schema_regex({"type": "object"})
-        if self.kind == "json_schema":
-            try:
-                schema = json.loads(self.source)
-            except json.JSONDecodeError as e:
-                raise UsageError(f"the JSON schema is not JSON ({e.msg} at line {e.lineno})") from None
-            return schema_regex(schema)
-        raise UsageError(f"unknown answer structure {self.kind!r}")
-
-
-# ------------------------------------------------------------------------------------ JSON Schema -> expression
-
-_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-
-
-def schema_regex(schema) -> str:
-    """A JSON Schema -> a regular expression of its JSON texts (outlines-core's), with the integer and number
-    ranges it leaves out written in: each ranged subschema is swapped for a placeholder constant, compiled, and the
-    placeholder replaced by the range's expression (`integer_regex`, `number_regex`)."""
-    from outlines_core.json_schema import build_regex_from_schema
-
-    if not isinstance(schema, (dict, bool)):
-        raise UsageError("a JSON schema must be an object")
-    ranges: dict[str, str] = {}
-
-    def walk(node):
-        if isinstance(node, list):
-            return [walk(x) for x in node]
-        if not isinstance(node, dict):
-            return node
-        kind = node.get("type")
-        if kind in ("integer", "number") and any(k in node for k in _BOUNDS):
-            mark = f"DGEMMARANGE{len(ranges)}X"
-            ranges[mark] = integer_regex(*_int_bounds(node)) if kind == "integer" else number_regex(node)
-            return {"const": mark}
-        return {k: (v if k in ("const", "enum", "default", "examples") else walk(v)) for k, v in node.items()}
-
-    rewritten = walk(schema)
-    try:
-        regex = build_regex_from_schema(json.dumps(rewritten))
-    except Exception as e:  # the library raises ValueError / TypeError with its own wording
-        raise UsageError(f"the JSON schema cannot be compiled: {str(e).splitlines()[0] if str(e) else e}") from None
-    for mark, rx in ranges.items():
-        quoted = f'"{mark}"'
-        if quoted not in regex:
-            raise UsageError("the JSON schema cannot be compiled: a ranged number is used where it cannot be held")
-        regex = regex.replace(quoted, f"({rx})")
-    return regex
-
-
-def _int_bounds(node: dict) -> tuple[int | None, int | None]:
-    lo = hi = None
-    if "minimum" in node:
-        lo = math.ceil(node["minimum"])
-    if "exclusiveMinimum" in node:
-        lo = max(lo if lo is not None else -math.inf, math.floor(node["exclusiveMinimum"]) + 1)
-    if "maximum" in node:
-        hi = math.floor(node["maximum"])
-    if "exclusiveMaximum" in node:
-        hi = min(hi if hi is not None else math.inf, math.ceil(node["exclusiveMaximum"]) - 1)
-    if lo is not None and hi is not None and lo > hi:
-        raise UsageError(f"the JSON schema's integer range [{lo}, {hi}] holds no integer")
-    return lo, hi
-
-
-def _same_length(a: str, b: str) -> list[str]:
-    """Expressions for the digit strings of len(a) == len(b) from a to b (a <= b; leading zeros allowed)."""
-    if a == b:
-        return [a]
-    i = 0
-    while a[i] == b[i]:
-        i += 1
-    head, a, b = a[:i], a[i:], b[i:]
-    if len(a) == 1:
-        return [f"{head}[{a}-{b}]"]
-    n = len(a) - 1
-    out, x, y, tail = [], int(a[0]), int(b[0]), []
-    if a[1:] != "0" * n:  # a's first digit with a partial rest
-        out += [head + a[0] + r for r in _same_length(a[1:], "9" * n)]
-        x += 1
-    if b[1:] != "9" * n:
-        tail = [head + b[0] + r for r in _same_length("0" * n, b[1:])]
-        y -= 1
-    if x <= y:
-        out.append(head + (str(x) if x == y else f"[{x}-{y}]") + "[0-9]" + (f"{{{n}}}" if n > 1 else ""))
-    return out + tail
-
-
-def _nonnegative(lo: int, hi: int | None) -> list[str]:
-    """Alternatives for the integers lo..hi (hi None: unbounded), 0 <= lo, written without leading zeros."""
-    if hi is None:
-        if lo == 0:
-            return ["0", "[1-9][0-9]*"]
-        digits = len(str(lo))  # lo up to the last number of its length, then every longer number
-        return _same_length(str(lo), "9" * digits) + [f"[1-9][0-9]{{{digits},}}"]
-    out = []
-    while lo <= hi:
-        top = min(hi, 10 ** len(str(lo)) - 1)
-        out += _same_length(str(lo), str(top))
-        lo = top + 1
-    return out
-
-
-def integer_regex(lo: int | None, hi: int | None) -> str:
-    """An expression matching exactly the integers in [lo, hi] as JSON writes them (None: unbounded that side)."""
-    parts = []
-    if lo is None or lo < 0:  # negative values -k, k in [max(1, -hi), -lo]
-        k_lo = 1 if hi is None or hi >= 0 else -hi
-        k_hi = None if lo is None else -lo
-        if k_hi is None or k_lo <= k_hi:
-            parts.append("-(" + "|".join(_nonnegative(k_lo, k_hi)) + ")")
-    if hi is None or hi >= 0:
-        parts += _nonnegative(max(lo or 0, 0), hi)
-    return "|".join(parts)
-
-
-def number_regex(node: dict) -> str:
-    """A number in [minimum, maximum] (integer bounds, minimum >= 0): an integer part in [lo, hi - 1] with any
-    fraction, or hi itself (with zeros after the point). Other ranges are refused in one line."""
-    lo, hi = node.get("minimum"), node.get("maximum")
-    ok = (not any(k in node for k in ("exclusiveMinimum", "exclusiveMaximum")) and isinstance(lo, (int, float))
-          and lo >= 0 and float(lo).is_integer() and (hi is None or (isinstance(hi, (int, float))
-                                                                     and float(hi).is_integer() and hi >= lo)))
-    if not ok:
-        raise UsageError("number ranges are supported with whole-number bounds, minimum >= 0 and no exclusive bounds "
-                         "(or use \"type\": \"integer\")")
-    lo, hi = int(lo), None if hi is None else int(hi)
-    frac = r"(\.[0-9]+)?"
-    if hi is None:
-        return f"({integer_regex(lo, None)}){frac}"
-    if hi == lo:
-        return rf"{hi}(\.0+)?"
-    return rf"({integer_regex(lo, hi - 1)}){frac}|{hi}(\.0+)?"
-
+from .structure import (BIG_GROUP, MAX_EDGES, MAX_REPEAT, Structure, integer_regex, lark_grammar,  # noqa: F401
+                        number_regex, outlines_vocabulary, regex_tables, schema_regex)
 
 # ------------------------------------------------------------------------------------------ the token automaton
 
 
 class TokenAutomaton:
-    """A DFA over token ids, compacted: states 0..S-1 (0 the start), only states from which an accepting one can be
-    reached. Edges are grouped by (source, target): group g goes from src[g] to dst[g] on the tokens
-    tokens[offsets[g]:offsets[g + 1]] (flat, with group_of [T] naming each token's group). dist[s]: the fewest tokens
-    from s to an accepting state. End-of-sequence ids are not in it: the search adds them from accepting states."""
+    """A DFA over token ids, compacted (structure.automaton_tables: what the compile worker returns): states 0..S-1
+    (0 the start), only states from which an accepting one can be reached. Edges are grouped by (source, target):
+    group g goes from src[g] to dst[g] on the tokens tokens[offsets[g]:offsets[g + 1]] (flat, with group_of [T]
+    naming each token's group) or, for a big group, on the tokens of its mask. dist[s]: the fewest tokens from s to
+    an accepting state. End-of-sequence ids are not in it: the search adds them from accepting states."""
 
-    def __init__(self, transitions: dict[int, dict[int, int]], start: int, finals, vocab_size: int):
-        # reverse reachability from the accepting states: states that cannot reach one are dead
-        back: dict[int, list[int]] = {}
-        for s, edges in transitions.items():
-            for t in set(edges.values()):
-                back.setdefault(t, []).append(s)
-        dist = {f: 0 for f in finals}
-        todo = deque(finals)
-        while todo:
-            s = todo.popleft()
-            for p in back.get(s, ()):
-                if p not in dist:
-                    dist[p] = dist[s] + 1
-                    todo.append(p)
-        if start not in dist:
-            raise UsageError("the constraint accepts no text this vocabulary can spell")
-        order = [start] + sorted(s for s in dist if s != start)
-        ids = {s: i for i, s in enumerate(order)}
-        self.S = len(order)
-        self.vocab_size = vocab_size
-        self.dist = torch.tensor([dist[s] for s in order], dtype=torch.long)
+    def __init__(self, tables: dict):
+        self.S, self.vocab_size, self.edges = tables["S"], tables["vocab_size"], tables["edges"]
+        self.dist = torch.tensor(tables["dist"], dtype=torch.long)
         self.final = self.dist == 0
-        self.next: list[dict[int, int]] = [{} for _ in order]
-        groups: dict[tuple[int, int], list[int]] = {}
-        for s in order:
-            for tok, t in transitions.get(s, {}).items():
-                if t in ids and 0 <= tok < vocab_size:
-                    self.next[ids[s]][tok] = ids[t]
-                    groups.setdefault((ids[s], ids[t]), []).append(tok)
-        keys = sorted(groups)
-        self.src = torch.tensor([k[0] for k in keys], dtype=torch.long)
-        self.dst = torch.tensor([k[1] for k in keys], dtype=torch.long)
-        self.G = len(keys)
+        self.src = torch.tensor(tables["src"], dtype=torch.long)
+        self.dst = torch.tensor(tables["dst"], dtype=torch.long)
+        self.G = self.src.numel()
+        offsets = tables["offsets"]
+        self.offsets = offsets
         # Small groups are searched token by token (flat, gathered); a big one (a string's characters: most of the
         # vocabulary) through its membership mask and its complement (_edge_weights), shared by equal groups.
-        flat = [sorted(groups[k]) if len(groups[k]) <= BIG_GROUP else [] for k in keys]
-        self.tokens = torch.tensor([t for g in flat for t in g], dtype=torch.long)
-        self.group_of = torch.tensor([i for i, g in enumerate(flat) for _ in g], dtype=torch.long)
-        self.big: list[tuple[int, int]] = []  # (group, index into self.masks)
+        self.tokens = torch.tensor(tables["tokens"], dtype=torch.long)
+        self.group_of = torch.repeat_interleave(torch.arange(self.G), torch.tensor(offsets).diff()) if self.G \
+            else torch.zeros(0, dtype=torch.long)
+        self.big: list[tuple[int, int]] = [tuple(x) for x in tables["big"]]  # (group, index into self.masks)
         self.masks: list[torch.Tensor] = []  # bool [V]: the group's tokens
         self.complements: list[torch.Tensor] = []  # the tokens not in it (few)
-        seen: dict[bytes, int] = {}
-        for g, k in enumerate(keys):
-            if len(groups[k]) > BIG_GROUP:
-                mask = torch.zeros(vocab_size, dtype=torch.bool)
-                mask[torch.tensor(groups[k])] = True
-                key = mask.numpy().tobytes()
-                if key not in seen:
-                    seen[key] = len(self.masks)
-                    self.masks.append(mask)
-                    self.complements.append(torch.nonzero(~mask).flatten())
-                self.big.append((g, seen[key]))
-        self.edges = sum(len(v) for v in groups.values())
+        for members in tables["masks"]:
+            mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+            mask[torch.tensor(members, dtype=torch.long)] = True
+            self.masks.append(mask)
+            self.complements.append(torch.nonzero(~mask).flatten())
+        self._mask_of = dict(self.big)
+        self._out: dict[int, list[int]] = {}  # state -> its groups, made when an answer first passes there
+        self._small: dict[int, dict[int, int]] = {}  # state -> {token: next state} of its small groups
+
+    @classmethod
+    def from_transitions(cls, transitions: dict[int, dict[int, int]], start: int, finals, vocab_size: int):
+        from .structure import automaton_tables
+
+        return cls(automaton_tables(transitions, start, finals, vocab_size, BIG_GROUP))
+
+    def step(self, state: int, token: int) -> int | None:
+        """The state after `token` from `state`, or None where it has no edge."""
+        if state not in self._out:
+            groups = torch.nonzero(self.src == state).flatten().tolist()
+            self._out[state] = groups
+            self._small[state] = {t: int(self.dst[g]) for g in groups if g not in self._mask_of
+                                  for t in self.tokens[self.offsets[g] : self.offsets[g + 1]].tolist()}
+        nxt = self._small[state].get(token)
+        if nxt is not None:
+            return nxt
+        for g in self._out[state]:
+            k = self._mask_of.get(g)
+            if k is not None and 0 <= token < self.vocab_size and bool(self.masks[k][token]):
+                return int(self.dst[g])
+        return None
 
     @property
     def start(self) -> int:
@@ -270,36 +102,36 @@ class TokenAutomaton:
     def advance(self, state: int, tokens) -> int | None:
         """The state after `tokens` from `state`, or None where a token has no edge."""
         for t in tokens:
-            state = self.next[state].get(int(t))
+            state = self.step(state, int(t))
             if state is None:
                 return None
         return state
 
 
-_CACHE: OrderedDict = OrderedDict()  # (regex, tokenizer id, eos ids) -> TokenAutomaton, most recent last
+_CACHE: OrderedDict = OrderedDict()  # (kind, source, tokenizer id, vocab) -> compiled, most recent last
 _CACHE_LOCK = threading.Lock()
 _CACHE_SIZE = 16
 
 
 def compile_structure(structure: Structure, tokenizer, vocab_size: int):
-    """`structure` compiled over `tokenizer`'s vocabulary: a TokenAutomaton (expressions, schemas) or a
-    LarkGrammar (grammars); either makes a request's per-row state with `.row(...)`. Cached per source and tokenizer
-    (a server's requests repeat their schemas)."""
-    if structure.kind == "grammar":
-        source = lark_grammar(structure.source)
-        key = ("grammar", source, id(tokenizer), vocab_size)
-    else:
-        source = structure.regex()
-        key = (source, id(tokenizer), vocab_size)
+    """`structure` compiled over `tokenizer`'s vocabulary in this process, without a budget: a TokenAutomaton
+    (expressions, schemas) or a LarkGrammar (grammars); either makes a request's per-row state with `.row(...)`.
+    Cached per structure and tokenizer. What a client sends goes through `structure_worker.StructureCompiler`
+    instead (a killable process with a time and memory budget), which builds the same objects."""
+    key = (structure.kind, structure.source, id(tokenizer), vocab_size)
     with _CACHE_LOCK:
         if key in _CACHE:
             _CACHE.move_to_end(key)
             return _CACHE[key]
     if structure.kind == "grammar":
-        auto = LarkGrammar(source, tokenizer, vocab_size)
+        structure.check()
+        auto = LarkGrammar(lark_grammar(structure.source), tokenizer, vocab_size)
     else:
-        _check_size(source)
-        auto = _build(source, tokenizer, vocab_size)
+        regex = structure.regex()
+        from .structure import automaton_tables  # noqa: F401 (regex_tables builds them)
+
+        vocabulary = outlines_vocabulary(tokenizer.token_bytes(), vocab_size)
+        auto = TokenAutomaton(_regex_tables(regex, vocabulary, vocab_size))
     with _CACHE_LOCK:
         _CACHE[key] = auto
         while len(_CACHE) > _CACHE_SIZE:
@@ -307,39 +139,17 @@ def compile_structure(structure: Structure, tokenizer, vocab_size: int):
     return auto
 
 
-MAX_REPEAT = 512  # the largest bounded repetition an expression may ask for ({m,n}: the automaton grows with n)
-MAX_EDGES = 20_000_000  # token transitions an automaton may hold (about 320 MB of tensors)
+def _regex_tables(regex: str, vocabulary, vocab_size: int) -> dict:
+    """structure.regex_tables with this module's BIG_GROUP (which tests lower to exercise the masked search)."""
+    from outlines_core import Index
 
+    from .structure import automaton_tables
 
-def _check_size(regex: str) -> None:
-    """Refuse expressions whose automaton would be huge before building it: bounded repetitions above MAX_REPEAT
-    (a schema's maxLength, maxItems) and expressions over 64 KB."""
-    if len(regex) > 65536:
-        raise UsageError("the constraint is too large (its expression is over 64 KB)")
-    for m in re.finditer(r"(?<!\\)\{(\d+)(?:,(\d*))?\}", regex):
-        if max(int(m.group(1)), int(m.group(2) or 0)) > MAX_REPEAT:
-            raise UsageError(f"the constraint repeats something up to {max(int(m.group(1)), int(m.group(2) or 0))} "
-                             f"times; at most {MAX_REPEAT} are supported (a schema's maxLength or maxItems)")
-
-
-def _build(regex: str, tokenizer, vocab_size: int) -> TokenAutomaton:
-    from outlines_core import Index, Vocabulary
-
-    by_bytes: dict[bytes, list[int]] = {}
-    for i, b in enumerate(tokenizer.token_bytes()):
-        if b and i < vocab_size:
-            by_bytes.setdefault(b, []).append(i)
-    # outlines-core wants an end-of-sequence id that no text token has; every id past the vocabulary is one
-    eos = vocab_size
-    try:
-        index = Index(regex, Vocabulary(eos, by_bytes))
-    except Exception as e:  # ValueError: an expression this vocabulary cannot spell, or one it cannot compile
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise UsageError(f"the constraint cannot be compiled for this model's vocabulary: {first[:300]}") from None
-    transitions = index.get_transitions()
-    if sum(len(edges) for edges in transitions.values()) > MAX_EDGES:
-        raise UsageError("the constraint is too large for this vocabulary (over 20 million token transitions)")
-    return TokenAutomaton(transitions, index.get_initial_state(), index.get_final_states(), vocab_size)
+    if BIG_GROUP == 4096:
+        return regex_tables(regex, vocabulary, vocab_size)
+    index = Index(regex, vocabulary)
+    return automaton_tables(index.get_transitions(), index.get_initial_state(), index.get_final_states(),
+                            vocab_size, BIG_GROUP)
 
 
 # ---------------------------------------------------------------------------------------------------- the search
@@ -558,7 +368,7 @@ class RowConstraint:
                 self.ended = bool(self.auto.final[self.state])
                 self.ok = self.ok and self.ended
                 break
-            nxt = self.auto.next[self.state].get(t)
+            nxt = self.auto.step(self.state, t)
             if nxt is None:  # a canvas the search did not produce (it ran out of room): the answer is cut short
                 self.ok = False
                 break
@@ -573,33 +383,6 @@ class RowConstraint:
 
 
 # ------------------------------------------------------------------------------------------- grammars (llguidance)
-
-
-def lark_grammar(source: str) -> str:
-    """A grammar's source -> llguidance's grammar text, checked: Lark as it is (llguidance's dialect: `start: ...`,
-    terminals as /regex/ or "strings"), llama.cpp's GBNF (rules with ::=, `root` first) converted. UsageError names
-    the first problem."""
-    import llguidance
-
-    if len(source) > 65536:
-        raise UsageError("the grammar is too large (over 64 KB)")
-    text = source
-    if "::=" in source:
-        try:
-            from llguidance.gbnf_to_lark import gbnf_to_lark
-
-            text = gbnf_to_lark(source)
-        except Exception as e:  # its own parse errors
-            raise UsageError(f"the grammar (GBNF) cannot be read: {_first_line(e)}") from None
-    grammar = llguidance.LLMatcher.grammar_from_lark(text)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-        raise UsageError(f"the grammar cannot be compiled: {(messages or ['unknown error'])[0].splitlines()[0][:300]}")
-    return grammar
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
 class LarkGrammar:

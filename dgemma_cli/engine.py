@@ -19,7 +19,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .config import GenerationSettings, ModelConfig
-from .constrain import Structure, compile_structure
+from .constrain import Structure
+from .structure_worker import DEFAULT_MEMORY, DEFAULT_SECONDS
 from .device import SMALL_STEP, fit_cpu_threads, resolve_device, resolve_dtype
 from .errors import ModelError, UsageError
 from .model import DiffusionGemma, KVCache
@@ -178,6 +179,8 @@ class Engine:
         self.path = path
         self._vision = None  # the vision tower, read from the checkpoint at the first image
         self._vision_lock = threading.Lock()  # the server's request threads may ask for it at once: read it once
+        self._compiler = None  # structure_worker.StructureCompiler, started at the first structure
+        self.compile_budget = (DEFAULT_SECONDS, DEFAULT_MEMORY)  # structure compiles: set_compile_budget
 
     @property
     def config(self) -> ModelConfig:
@@ -353,11 +356,36 @@ class Engine:
         yield from _in_inference_mode(generate_events(denoiser, batch, settings, valid, constraints=constraints),
                                       denoiser)
 
-    def automaton(self, structure: Structure):
-        """`structure` compiled over this model's vocabulary (constrain.TokenAutomaton; cached)."""
+    def automaton(self, structure: Structure, cancelled=None):
+        """`structure` compiled over this model's vocabulary (constrain.TokenAutomaton or LarkGrammar), in the
+        compile worker within its budget (structure_worker.py; cached by the structure's text). cancelled: a
+        callable the wait polls (True: stop, structure_worker.Cancelled)."""
         if self.tokenizer is None:
             raise ModelError(f"{self.path}: no tokenizer.json, so an answer's structure cannot be compiled")
-        return compile_structure(structure, self.tokenizer, self.config.text.vocab_size)
+        with self._vision_lock:
+            if self._compiler is None:
+                from .structure_worker import StructureCompiler
+
+                self._compiler = StructureCompiler(self.tokenizer, self.config.text.vocab_size, *self.compile_budget)
+        return self._compiler.compile(structure, cancelled)
+
+    def set_compile_budget(self, seconds: float | None = None, memory: int | None = None) -> None:
+        """The structure compile's time (seconds) and the compile worker's memory (bytes) budget; None: the
+        default (structure_worker.DEFAULT_SECONDS, DEFAULT_MEMORY)."""
+        self.compile_budget = (DEFAULT_SECONDS if seconds is None else seconds,
+                               DEFAULT_MEMORY if memory is None else memory)
+        if self._compiler is not None:
+            self._compiler.seconds, self._compiler.memory = self.compile_budget
+
+    def close_compiler(self) -> None:
+        """Stop the compile worker for good (a server shutting down): a compile in progress fails at once, and so
+        does every later one."""
+        with self._vision_lock:
+            if self._compiler is None:
+                from .structure_worker import StructureCompiler
+
+                self._compiler = StructureCompiler(self.tokenizer, self.config.text.vocab_size, *self.compile_budget)
+        self._compiler.close()
 
     def infill_events(self, prefix: str, suffix: str, *, held_tokens: int = 8, seed: int | None = None,
                       settings: GenerationSettings | None = None, **overrides) -> Iterator[Event]:

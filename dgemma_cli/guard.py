@@ -11,8 +11,9 @@ user has open: a loopback server with no key is otherwise driven by any page the
   answered for them only. No origin is allowed by default: the server serves no pages of its own.
 - Content-Type: a POST must say `application/json`. A page can send `text/plain` (or a typeless body) without a
   preflight; requiring JSON's type makes every cross-origin POST ask first, and be refused.
-- Faults: an exception that escapes a route becomes one line on stderr and a 500 in the API's shape; the
-  connection stays usable (nothing reaches the HTTP server, which would log a traceback and close it).
+- Faults: an exception that escapes a route becomes one line on stderr and a 500 in the API's shape, whose message
+  names no internals (`INTERNAL`); the connection stays usable (nothing reaches the HTTP server, which would log a
+  traceback and close it).
 - A trailing slash on a path is served as the path without it, not redirected (a redirected POST loses its body
   in some clients).
 """
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 PREFLIGHT_MAX_AGE = "600"
+INTERNAL = "internal error (logged by the server)"  # a 500's message: the exception is in the server's one line
 
 
 def host_name(value: str) -> str:
@@ -132,7 +134,7 @@ class Guard:
             if not started:
                 line = (str(e).strip().splitlines() or [""])[0][:300]
                 sys.stderr.write(f"dgemma: internal error on {method} {path}: {type(e).__name__}: {line}\n")
-                await answer(send, 500, f"internal error: {type(e).__name__}", "internal_error", cors)
+                await answer(send, 500, INTERNAL, "internal_error", cors)
 
 
 async def answer(send, status: int, message: str, code: str, extra: list | None = None) -> None:

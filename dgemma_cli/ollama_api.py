@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 import time
 from datetime import datetime, timezone
 from typing import Any, AsyncIterator
@@ -41,13 +42,46 @@ def _error(status: int, message: str) -> JSONResponse:
 
 def _model_name(server, value: Any) -> str:
     """Ollama names carry a tag ("demo:latest"); the served model answers to its id with or without ":latest"."""
-    if not isinstance(value, str) or not value:
+    if value is not None and not isinstance(value, str):
+        raise OllamaError(400, f"model must be a string (got {json.dumps(value)[:80]})")
+    if not value:
         raise OllamaError(400, "model is required")
     name = value[: -len(":latest")] if value.endswith(":latest") else value
     if server.slot_of(name) is None:
         raise OllamaError(404, f"model '{value[:100]}' not found; this server serves "
                           f"{', '.join(repr(m) for m in server.model_ids)}")
     return name
+
+
+def _stream(body: dict) -> bool:
+    """Ollama's `stream`: true (its default, also when null) or false; anything else is refused, as Ollama's JSON
+    decoding refuses it, rather than read as one or the other."""
+    stream = body.get("stream")
+    if stream is None:
+        return True
+    if not isinstance(stream, bool):
+        raise OllamaError(400, f"stream must be true or false (got {json.dumps(stream)[:80]})")
+    return stream
+
+
+def _unloads(body: dict) -> bool:
+    """Whether `keep_alive` is zero (Ollama's way to unload a model): 0, or a duration such as "0", "0s", "0m"."""
+    keep = body.get("keep_alive")
+    if isinstance(keep, str):
+        return re.fullmatch(r"\s*[+-]?(0+(\.0*)?(ns|us|µs|ms|s|m|h)?)+\s*", keep) is not None
+    return isinstance(keep, (int, float)) and not isinstance(keep, bool) and keep == 0
+
+
+def _loaded(name: str, body: dict, shape: str) -> JSONResponse:
+    """The answer to a request with nothing to generate (no messages, no prompt): Ollama's idiom to load a model,
+    or with `keep_alive` 0 to unload it. The model stays loaded either way here: the server holds it until it
+    stops."""
+    reason = "unload" if _unloads(body) else "load"
+    if shape == "chat":
+        return JSONResponse({"model": f"{name}:latest", "created_at": _now(),
+                             "message": {"role": "assistant", "content": ""}, "done_reason": reason, "done": True})
+    return JSONResponse({"model": f"{name}:latest", "created_at": _now(), "response": "", "done": True,
+                         "done_reason": reason})
 
 
 def _options(body: dict) -> dict:
@@ -194,8 +228,7 @@ async def respond(api, server, openai_body: dict, kind: str, shape: str, stream:
     """Run the translated request and answer as Ollama does: NDJSON when streaming (its default), else one object.
     shape: "chat" (a message) or "generate" (a response)."""
     started = time.perf_counter()
-    pool = server.picture_pool if api.has_images(openai_body) else None
-    prep = await asyncio.get_running_loop().run_in_executor(pool, api.prepare, server, openai_body, kind)
+    prep = await api.prepared(server, openai_body, kind)
     if not stream:
         answer, thought, final = "", "", None
         async for delta, th, end in _answer(api, server, prep):
@@ -244,19 +277,20 @@ def routes(server, api) -> list[Route]:
     async def chat(request: Request) -> Response:
         async def work():
             body = await api.read_json(request)
-            return await respond(api, server, chat_body(server, body), "chat", "chat",
-                                 body.get("stream", True) is not False)
+            stream = _stream(body)
+            if body.get("messages") in (None, []):  # Ollama's way to load (or unload) a model
+                return _loaded(_model_name(server, body.get("model")), body, "chat")
+            return await respond(api, server, chat_body(server, body), "chat", "chat", stream)
         return await guarded(request, work)
 
     async def generate(request: Request) -> Response:
         async def work():
             body = await api.read_json(request)
-            if body.get("prompt", "") == "" and body.get("suffix") is None and not body.get("images"):
-                _model_name(server, body.get("model"))  # Ollama's way to load a model: answer that it is loaded
-                return JSONResponse({"model": f"{server.model_id}:latest", "created_at": _now(), "response": "",
-                                     "done": True, "done_reason": "load"})
+            stream = _stream(body)
+            if body.get("prompt") in (None, "") and body.get("suffix") is None and not body.get("images"):
+                return _loaded(_model_name(server, body.get("model")), body, "generate")  # Ollama's load idiom
             openai_body, kind = generate_body(server, body)
-            return await respond(api, server, openai_body, kind, "generate", body.get("stream", True) is not False)
+            return await respond(api, server, openai_body, kind, "generate", stream)
         return await guarded(request, work)
 
     def entry(model_id: str) -> dict:
@@ -278,7 +312,7 @@ def routes(server, api) -> list[Route]:
     async def show(request: Request) -> Response:
         async def work():
             body = await api.read_json(request)
-            _model_name(server, body.get("model") or body.get("name"))
+            name = _model_name(server, body.get("model") or body.get("name"))
             engine = server.engine
             s = engine.settings
             params = (f"temperature {s.t_max}\nnum_predict {s.max_new_tokens}\n"
@@ -287,7 +321,8 @@ def routes(server, api) -> list[Route]:
             capabilities = ["completion", "insert"] + (["vision"] if engine.config.vision is not None else [])
             cfg = engine.config.text
             return JSONResponse({
-                "modelfile": f"# dgemma serves {server.model_id}\nFROM {engine.path or server.model_id}\n",
+                # The model's id, not its directory: where the server keeps its files is none of a client's business
+                "modelfile": f"# dgemma serves {name}\nFROM {name}\n",
                 "parameters": params, "template": engine.tokenizer.chat_template if engine.tokenizer else "",
                 "details": _details(server), "capabilities": capabilities,
                 "model_info": {"general.architecture": "diffusiongemma", "diffusiongemma.context_length":

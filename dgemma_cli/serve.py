@@ -23,6 +23,7 @@ import math
 import secrets
 import socket
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -40,8 +41,11 @@ from .body import BodyError
 from .body import parse as parse_body
 from .config import IMAGE_TOKEN_BUDGETS
 from .errors import DgemmaError, ModelError, UsageError
-from .guard import Guard, allowed_hosts
+from .guard import INTERNAL, Guard, allowed_hosts
+from .header_timeout import DEFAULT_SECONDS as HEADER_TIMEOUT
+from .header_timeout import protocol as header_deadline_protocol
 from .store import check_images
+from .structure_worker import Cancelled
 from .tokenizer import Control
 
 MAX_BODY = 20 << 20  # bytes of one request body: room for a few photos as base64 data: URLs
@@ -88,6 +92,8 @@ class Server:
         return [self.model_id, *self.adapters]
     created: int = field(default_factory=lambda: int(time.time()))
     picture_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "dgemma-picture"))
+    # compiles run one at a time in the compile worker; these threads wait for it (or find the cache)
+    structure_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, "dgemma-structure"))
     seconds_per_request: float = 1.0  # moving average, for Retry-After
 
     def authorize(self, request: Request) -> None:
@@ -190,11 +196,40 @@ class Prepared:
     model: str = ""  # the model id the request named (the base's or an adapter's): answers name it back
 
 
-def prepare(server: Server, body: dict, kind: str) -> Prepared:
+def structured(body: dict) -> bool:
+    """Whether a request asks for a structure (its compile may take the compile worker's whole budget)."""
+    return any(body.get(k) is not None for k in GUIDED) or body.get("response_format") not in (None, {}) or \
+        body.get("tool_choice") not in (None, "none", "auto")
+
+
+async def prepared(server: Server, body: dict, kind: str, request: Request | None = None) -> Prepared:
+    """`prepare` in a worker thread: tokenizing, a picture's decoding and vision tower, a structure's compile. Requests
+    with pictures queue for one thread of their own, requests with a structure for threads of theirs (a compile may
+    take its whole budget), so that however many arrive, plain text requests keep the other workers. A client that
+    leaves while its structure compiles stops the compile (`request`: watched for its disconnect)."""
+    pool = server.picture_pool if has_images(body) else server.structure_pool if structured(body) else None
+    gone = threading.Event()
+    work = asyncio.get_running_loop().run_in_executor(pool, prepare, server, body, kind, gone.is_set)
+    if request is None or pool is not server.structure_pool:
+        return await work
+    watch = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            gone.set()  # the compile is killed within the worker's poll; its Cancelled ends the handler
+        return await work
+    finally:
+        watch.cancel()
+
+
+def prepare(server: Server, body: dict, kind: str, cancelled=None) -> Prepared:
+    """A request's body -> what the loop runs, checked. cancelled: polled while its structure compiles."""
     engine = server.engine
     tok = engine.tokenizer
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if model is not None and not isinstance(model, str):
+        raise _type_error("model", "a string", model)
+    if not model:
         raise ApiError(400, "'model' is required (GET /v1/models lists it)", param="model", code="invalid_type")
     slot = server.slot_of(model)
     if slot is None:
@@ -337,7 +372,9 @@ def prepare(server: Server, body: dict, kind: str) -> Prepared:
         if stops:
             raise refuse("stop", "a stop string would cut a structured answer short of its response_format")
         try:
-            automaton = engine.automaton(structure)
+            automaton = engine.automaton(structure, cancelled)
+        except Cancelled:
+            raise ApiError(499, "the client left while its structure compiled", code="client_disconnected") from None
         except UsageError as e:
             where = "tool_choice" if call_structure is not None else next(
                 (k for k in GUIDED if body.get(k) is not None), "response_format")
@@ -386,8 +423,11 @@ def request_tools(tok, body: dict, kind: str):
         raise ApiError(400, "this model's vocabulary has no tool-call tokens", param="tool_choice",
                        code="invalid_value")
     parallel = choice == "required" and body.get("parallel_tool_calls") is not False
-    return functions, Structure("grammar", call_grammar(wanted, start, end, tok.token_id('<|"|>'),
-                                                        most=4 if parallel else 1))
+    try:
+        grammar = call_grammar(wanted, start, end, tok.token_id('<|"|>'), most=4 if parallel else 1)
+    except UsageError as e:
+        raise ApiError(400, str(e), param="tools", code="invalid_value") from None
+    return functions, Structure("grammar", grammar)
 
 
 GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "grammar"}
@@ -608,8 +648,8 @@ def submit(server: Server, prep: Prepared) -> tuple[asyncio.Queue, Ticket]:
 
 async def next_event(events: asyncio.Queue):
     ev = await events.get()
-    if isinstance(ev, RowFailed):
-        raise ApiError(500, f"generation failed: {ev.message}", code="generation_failed")
+    if isinstance(ev, RowFailed):  # the loop wrote its one line on stderr; the client learns no internals
+        raise ApiError(500, f"generation failed: {INTERNAL}", code="generation_failed")
     return ev
 
 
@@ -792,10 +832,7 @@ def build_app(server: Server, hosts: set[str] | None = None, origins: tuple[str,
     async def generate(request: Request, kind: str) -> Response:
         server.authorize(request)
         body = await read_json(request)
-        # Tokenizing, and a picture's decoding and vision tower, in a worker thread. Requests with pictures queue
-        # for one thread of their own, so that however many arrive, text requests keep the other workers.
-        pool = server.picture_pool if has_images(body) else None
-        prep = await asyncio.get_running_loop().run_in_executor(pool, prepare, server, body, kind)
+        prep = await prepared(server, body, kind, request)
         if prep.stream:
             return await answer_stream(server, prep)
         return await answer_whole(server, request, prep)
@@ -849,7 +886,7 @@ def build_app(server: Server, hosts: set[str] | None = None, origins: tuple[str,
         line = (str(exc).strip().splitlines() or [""])[0][:300]
         sys.stderr.write(f"dgemma: internal error on {request.method} {request.url.path}: "
                          f"{type(exc).__name__}: {line}\n")
-        return ApiError(500, f"internal error: {type(exc).__name__}", code="internal_error").response()
+        return ApiError(500, INTERNAL, code="internal_error").response()
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -897,8 +934,10 @@ def model_id(model: str) -> str:
 
 def serve(model: str, *, host: str, port: int, api_key: str | None, max_batch: int, max_queue: int,
           device: str, dtype: str, note, allow_hosts: tuple[str, ...] = (), allow_origins: tuple[str, ...] = (),
-          prefix_cache_bytes: int = 0, adapters=()) -> int:
-    """adapters: (model id, directory, scale) of LoRA adapters served beside the base, each chosen per request."""
+          prefix_cache_bytes: int = 0, adapters=(), header_timeout: float = HEADER_TIMEOUT,
+          compile_budget: tuple[float | None, int | None] = (None, None)) -> int:
+    """adapters: (model id, directory, scale) of LoRA adapters served beside the base, each chosen per request;
+    header_timeout: seconds a connection has to send a request's headers (header_timeout.py)."""
     """Bind, load, serve until SIGTERM or Ctrl-C, then finish every request in flight and return 0."""
     import signal
 
@@ -914,6 +953,7 @@ def serve(model: str, *, host: str, port: int, api_key: str | None, max_batch: i
                   adapter_slots=list(range(1, len(adapters) + 1)) or None)
     if engine.tokenizer is None:
         raise ModelError(f"{engine.path}: no tokenizer.json: the server needs one to read text")
+    engine.set_compile_budget(*compile_budget)  # each structure a client sends: structure_worker.py
     if engine.model.device.type == "cuda" and prefix_cache_bytes:  # the stored prompts live on the GPU: never more
         import torch
 
@@ -928,8 +968,16 @@ def serve(model: str, *, host: str, port: int, api_key: str | None, max_batch: i
     gc.freeze()
     app = build_app(server, allowed_hosts(host, allow_hosts), allow_origins)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=None, server_header=False)
-    http = uvicorn.Server(config)
+                            timeout_graceful_shutdown=None, server_header=False,
+                            http=header_deadline_protocol(header_timeout))
+    class Http(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # a structure compiling in the worker would hold its request (and the drain) for its whole budget:
+            # stopped now, that request gets its 400 and the drain goes on
+            engine.close_compiler()
+            super().handle_exit(sig, frame)
+
+    http = Http(config)
     # uvicorn catches SIGINT/SIGTERM itself, drains, restores these handlers and raises the signal again: these
     # handlers make that a no-op, so a drained server exits 0.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -942,6 +990,7 @@ def serve(model: str, *, host: str, port: int, api_key: str | None, max_batch: i
         asyncio.run(http.serve(sockets=[sock]))
     finally:
         loop.close(drain=False, timeout=30)
+        engine.close_compiler()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     note(f"stopped after {loop.completed} requests")

@@ -253,14 +253,54 @@ def _bound(value: Any, default: int) -> int:
     return int(max(-(10**10 - 1), min(10**10 - 1, value)))
 
 
+KEY = re.compile(r"[A-Za-z0-9_.\-$]{1,64}")  # a key Gemma 4's notation writes bare (as _Reader reads it back)
+# What the call grammar writes: a parameter keyword outside these would be ignored, and a call could break it.
+_CALL_KEYWORDS = {"type", "properties", "required", "items", "enum", "const", "minimum", "maximum", "maxLength",
+                  "additionalProperties", "description", "title", "default", "examples", "nullable", "format"}
+
+
+def check_call_parameters(name: str, params: Any) -> None:
+    """Refuse (UsageError naming the place) parameters a required call could not be written to or held to: not an
+    object schema, a key the call notation cannot write, a keyword the call grammar would ignore."""
+    if not isinstance(params, dict) or params.get("type", "object") != "object":
+        raise UsageError(f"tool '{name}': its parameters must be an object schema ({{'type': 'object', "
+                         f"'properties': ...}}) for a call to be required")
+
+    def walk(schema: Any, where: str) -> None:
+        if not isinstance(schema, dict):
+            raise UsageError(f"tool '{name}': the parameter schema at {where} is not an object")
+        for key in schema:
+            if key not in _CALL_KEYWORDS:
+                raise UsageError(f"tool '{name}': '{key}' at {where} cannot be held in a required call (supported: "
+                                 f"{', '.join(sorted(_CALL_KEYWORDS))})")
+        props = schema.get("properties") or {}
+        if not isinstance(props, dict):
+            raise UsageError(f"tool '{name}': properties at {where} must be an object")
+        for key, sub in props.items():
+            if not KEY.fullmatch(key):
+                raise UsageError(f"tool '{name}': the parameter name {json.dumps(key)[:80]} at {where} cannot be "
+                                 f"written in a call (letters, digits and _ . - $, at most 64)")
+            walk(sub, f"{where}/properties/{key}")
+        if isinstance(schema.get("items"), dict):
+            walk(schema["items"], f"{where}/items")
+        kind = schema.get("type")
+        if kind is not None and not (isinstance(kind, str) or (isinstance(kind, list) and all(
+                isinstance(k, str) for k in kind))):
+            raise UsageError(f"tool '{name}': type at {where} must be a string or a list of strings")
+
+    walk(params, "parameters")
+
+
 def call_grammar(functions: list[dict], call_start: int, call_end: int, quote: int | None, most: int = 1) -> str:
     """A Lark grammar (llguidance's dialect) for one to `most` calls of `functions`, each with arguments that fit
     its parameters schema, between the call tokens (by id); strings between the quote token (by id) or, where the
     vocabulary has none, its characters. Every property a schema lists is written, in sorted order (optional ones
     too: still valid). Numbers (10 digits) and the number of calls are bounded, strings by their maxLength: the
     grammar walk does not look ahead, so an unbounded string is closed only when the model prefers closing it."""
-    from .constrain import integer_regex
+    from .structure import integer_regex
 
+    for fn in functions:
+        check_call_parameters(fn["name"], fn["parameters"])
     q = f"<[{quote}]>" if quote is not None else json.dumps(QUOTE)
     rules: list[str] = []
 

@@ -41,6 +41,7 @@ class Case:
     method: str = "POST"
     path: str = "/v1/chat/completions"
     heavy: bool = False  # large enough that /health is watched while it is answered
+    says: str = ""  # words the error's message must hold (where the status and code alone would not tell)
 
 
 def chat(**fields) -> bytes:
@@ -71,6 +72,11 @@ def cases() -> list[Case]:
             json.loads("[" * 65 + "]" * 65))}]), 400, "invalid_json"),
         Case("max_tokens of 401 digits", chat()[:-1] + b', "max_tokens": 1' + b"0" * 400 + b"}", 400, "invalid_value"),
         Case("seed of 30 digits", chat()[:-1] + b', "seed": 1' + b"0" * 29 + b"}", 400, "invalid_value"),
+        # Past 4300 digits Python's int() refuses the text itself, in words about Python's settings.
+        Case("seed of 5,000 digits", chat()[:-1] + b', "seed": 1' + b"0" * 4999 + b"}", 400, "invalid_value",
+             says="5000 digits; none may pass 2**64"),
+        Case("model a number", chat(model=5), 400, "invalid_type", says="'model' must be a string"),
+        Case("stream a string", chat(stream="yes"), 400, "invalid_type", says="'stream' must be true or false"),
         Case("temperature 1e400", chat()[:-1] + b', "temperature": 1e400}', 400, "invalid_type"),
         # Bombs.
         Case("one 19 MiB string", chat(messages=[{"role": "user", "content": "a" * (19 << 20)}]), 400,
@@ -163,6 +169,32 @@ class HealthWatch:
 # ----------------------------------------------------------------------------- slow and vanishing clients
 
 
+def partial_headers(url: str, sent: bytes = b"") -> socket.socket:
+    """A client that opens a connection and sends `sent` (part of a request line or of its headers), then nothing:
+    returned open."""
+    sock, host = connect(url)
+    if sent:
+        sock.sendall(sent.replace(b"{host}", host.encode()))
+    return sock
+
+
+def closed_after(sock: socket.socket, within: float) -> tuple[float, bytes]:
+    """Waits up to `within` seconds for the server to close `sock`: (seconds it took, what it sent first)."""
+    t, data = time.perf_counter(), b""
+    try:
+        while True:
+            sock.settimeout(max(0.01, t + within - time.perf_counter()))
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        raise AssertionError(f"the connection was still open after {within} s (got {data[:200]!r})") from None
+    return time.perf_counter() - t, data
+
+
 def slow_client(url: str) -> socket.socket:
     """A client that announces a body and sends a few bytes of it, then nothing: returned open."""
     sock, host = connect(url)
@@ -219,6 +251,7 @@ def soak(url: str, pid: int, n: int, seed: int = 0, report=print) -> dict:
                 case = rng.choice(battery)
                 status, body = request(sock, host, case)
                 assert (status, body["error"]["code"]) == (case.status, case.code), (case.name, status, body)
+                assert case.says in body["error"]["message"], (case.name, body)
                 if case.status == 413:  # the server closes a connection whose body it did not read
                     sock.close()
                     sock, host = connect(url)

@@ -483,6 +483,8 @@ def test_importing_the_cli_does_not_import_torch():
     ["run", "--model", "/nonexistent", "--each-line"],
     ["fim", "README.md", "--model", "/nonexistent"],
     ["serve", "--model", "/nonexistent"],
+    ["serve", "--header-timeout", "0"],
+    ["serve", "--header-timeout", "nan"],
     ["info", "/nonexistent"],
     ["quantize", "/nonexistent", "--out", "/tmp/x", "--quant", "nvfp4"],
     ["quantize", "demo", "--out", "/tmp/x", "--quant", "q7"],

@@ -6,6 +6,7 @@ process (the batch changes nothing), streaming is Ollama's NDJSON, `format` hold
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import pytest
@@ -16,6 +17,7 @@ from dgemma_cli.engine import load  # noqa: E402
 from test_serve import ServerProcess  # noqa: E402
 
 PROMPT = "upper: hello diffusions"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +128,59 @@ def test_ollama_messages_become_openai_ones():
     out = _with_calls("chat", {"message": {"role": "assistant", "content": ""},
                                "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]})
     assert out["message"]["tool_calls"] == [{"function": {"name": "f", "arguments": {"a": 1}}}]
+
+
+def test_load_and_unload_answer_as_ollama(client, server):
+    """Ollama's idiom: a chat with no messages (a generate with no prompt) loads the model, with keep_alive 0
+    unloads it; answered at once, in Ollama's shape. The model stays loaded here either way."""
+    for body, reason in (({}, "load"), ({"messages": []}, "load"), ({"messages": [], "keep_alive": 0}, "unload"),
+                         ({"keep_alive": "0s"}, "unload"), ({"messages": [], "keep_alive": "5m"}, "load")):
+        r = server.http.post("/api/chat", json={"model": "demo", **body})
+        assert r.status_code == 200, (body, r.text)
+        answer = r.json()
+        assert set(answer) == {"model", "created_at", "message", "done_reason", "done"}, answer
+        assert answer["message"] == {"role": "assistant", "content": ""} and answer["done"] is True
+        assert answer["done_reason"] == reason and answer["model"] == "demo:latest", (body, answer)
+    for body, reason in (({}, "load"), ({"prompt": ""}, "load"), ({"keep_alive": 0}, "unload")):
+        answer = server.http.post("/api/generate", json={"model": "demo", **body}).json()
+        assert set(answer) == {"model", "created_at", "response", "done", "done_reason"}, answer
+        assert (answer["response"], answer["done"], answer["done_reason"]) == ("", True, reason), (body, answer)
+    assert client.chat(model="demo", messages=[]).done_reason == "load"
+    assert client.chat(model="demo", keep_alive=0).done_reason == "unload"
+    assert client.generate(model="demo").done_reason == "load"
+    assert client.generate(model="demo", keep_alive=0).done_reason == "unload"
+    r = server.http.post("/api/chat", json={"model": "llama3", "messages": []})
+    assert r.status_code == 404 and isinstance(r.json()["error"], str)
+    # still serving
+    r = client.chat(model="demo", messages=[{"role": "user", "content": PROMPT}], options={"seed": 3})
+    assert r.message.content == "HELLO DIFFUSIONS"
+
+
+def test_wrong_types_are_refused_in_ollamas_shape(server):
+    """`stream` must be a boolean (as /v1 requires it, and as Ollama's own decoding does) and `model` a string;
+    answered {"error": "..."} with a 400, never a stream."""
+    chat = {"model": "demo", "messages": [{"role": "user", "content": PROMPT}]}
+    generate = {"model": "demo", "prompt": PROMPT}
+    for path, body in (("/api/chat", chat), ("/api/generate", generate), ("/api/chat", {"model": "demo"}),
+                       ("/api/generate", {"model": "demo"})):
+        for stream in ("yes", 1, "false", [], {}):
+            r = server.http.post(path, json={**body, "stream": stream})
+            assert r.status_code == 400 and r.headers["content-type"] == "application/json", (path, stream, r.text)
+            assert set(r.json()) == {"error"} and "stream must be true or false" in r.json()["error"], r.text
+        assert server.http.post(path, json={**body, "stream": None, "keep_alive": 0}).status_code == 200
+    for path, body in (("/api/chat", chat), ("/api/generate", generate), ("/api/show", {})):
+        for model in (5, ["demo"], {"name": "demo"}, True):
+            r = server.http.post(path, json={**body, "model": model})
+            assert r.status_code == 400 and "model must be a string" in r.json()["error"], (path, model, r.text)
+    r = server.http.post("/api/chat", json={**chat, "model": ""})
+    assert r.status_code == 400 and r.json()["error"] == "model is required"
+
+
+def test_show_does_not_tell_where_the_model_lives(client, server, engine):
+    """/api/show names the model by its id: the server's directories are no client's business."""
+    r = server.http.post("/api/show", json={"model": "demo"})
+    assert r.status_code == 200 and "FROM demo\n" in r.json()["modelfile"]
+    for where in (str(engine.path), str(engine.path.parent), "dgemma_cli", "/"):
+        assert where not in r.json()["modelfile"], where
+    assert str(engine.path) not in r.text and str(ROOT) not in r.text
+    assert client.show("demo:latest").modelfile == r.json()["modelfile"]

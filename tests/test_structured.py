@@ -425,8 +425,8 @@ def test_big_groups_search_as_token_by_token(checkpoints, monkeypatch):
     assert word.big
     logp = torch.log_softmax(torch.randn(1, 512, generator=g) * 2, -1)
     draws = torch.stack([best_path(word, logp, 0, 1, 0, [1], 0, noise=g)[0][0] for _ in range(3000)])
-    members = torch.tensor([t for t in range(512) if word.next[0].get(t) is not None
-                            and bool(word.final[word.next[0][t]])])
+    members = torch.tensor([t for t in range(512) if word.step(0, t) is not None
+                            and bool(word.final[word.step(0, t)])])
     want = torch.zeros(512)
     want[members] = logp[0, members].softmax(0)
     seen = torch.bincount(draws, minlength=512).float() / len(draws)

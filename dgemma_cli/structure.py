@@ -1,0 +1,750 @@
+"""What a structured answer may be held to, checked before anything is expanded: JSON Schemas, regular expressions and
+grammars as text, and their compilation to what the search needs (docs/design.md, Constrained canvases).
+
+The rule: nothing here imports torch or knows the model; the compile worker (structure_worker.py) runs this module
+alone in its own process, and `constrain.py` turns what it returns into tensors.
+
+Every structure goes through `Structure.check()` first, on the request's own text, before any expansion: its size
+(MAX_SOURCE), the product of nested bounded repetitions (MAX_REPEAT: `(.{1,100}){1,100}` asks for 10,000), and
+whether it has a finite instance at all (a `$ref` cycle that a value must follow, an empty anyOf or enum, a grammar
+whose start rule never ends). What a check cannot see (a determinization that explodes, a vocabulary-wide automaton
+too big for memory) is bounded by the worker's time and memory budget.
+
+A JSON Schema is rewritten before outlines-core compiles it (`prepare_schema`): local `$ref`s inlined (a reference
+nested in itself at most REF_DEPTH times; deeper, that branch is not offered), properties that no value can fill
+dropped, required properties the schema does not declare declared, and keywords that the compiler would ignore
+refused, so that every answer the automaton accepts validates against the schema as given.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+
+from .errors import UsageError
+
+MAX_SOURCE = 65536  # characters of a schema's JSON text, an expression or a grammar
+MAX_REPEAT = 512  # the largest count nested bounded repetitions multiply to ({m,n} inside {m,n}: their product)
+MAX_SCHEMA_NODES = 10_000  # subschemas after $ref inlining
+MAX_SCHEMA_DEPTH = 64  # subschemas nested in one another
+REF_DEPTH = 3  # times one $ref may nest inside itself (a recursive schema's answers are at most this deep)
+
+# Keywords outlines-core's compiler ignores and an answer could break: refused, so that an answer held to a schema
+# always validates. (Annotations such as title, description, default and examples are ignored, as they should be.)
+_IGNORED_VALIDATORS = ("uniqueItems", "contains", "minContains", "maxContains", "multipleOf", "minProperties",
+                       "maxProperties", "dependentRequired", "dependentSchemas", "dependencies", "propertyNames",
+                       "unevaluatedProperties", "unevaluatedItems", "not", "if", "then", "else")
+_ANNOTATIONS = ("title", "description", "default", "examples", "$comment", "$schema", "$id", "deprecated",
+                "readOnly", "writeOnly")
+
+
+@dataclass(frozen=True)
+class Structure:
+    """A requested answer shape: kind "regex" (source: the expression), "json_schema" (source: the schema as JSON
+    text), "json_object" (any JSON object) or "grammar" (source: a context-free grammar in llguidance's Lark syntax,
+    or llama.cpp's GBNF, which is converted)."""
+
+    kind: str
+    source: str = ""
+
+    def check(self) -> None:
+        """Raise UsageError (one line) when the structure cannot be compiled or has no finite instance. Bounded by
+        the source's size: no expansion runs here, so a client's structure is checked on the server's event loop's
+        neighbours without stalling them."""
+        if self.kind not in ("regex", "json_schema", "json_object", "grammar"):
+            raise UsageError(f"unknown answer structure {self.kind!r}")
+        if len(self.source) > MAX_SOURCE:
+            what = {"regex": "expression", "grammar": "grammar"}.get(self.kind, "JSON schema")
+            raise UsageError(f"the {what} is too large (over {MAX_SOURCE // 1024} KB)")
+        if self.kind == "regex":
+            check_regex(self.source, "--regex")
+        elif self.kind == "json_schema":
+            prepare_schema(self.schema())
+        elif self.kind == "grammar":
+            check_grammar(lark_text(self.source))
+
+    def schema(self):
+        try:
+            return json.loads(self.source)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"the JSON schema is not JSON ({e.msg} at line {e.lineno})") from None
+        except RecursionError:
+            raise UsageError("the JSON schema is nested too deeply") from None
+
+    def regex(self) -> str:
+        """The expression an automaton is built from (regex and schema kinds): for a schema, outlines-core's, which
+        may take a while on a large schema (the worker runs it)."""
+        self.check()
+        if self.kind == "regex":
+            return self.source
+        schema = {"type": "object"} if self.kind == "json_object" else prepare_schema(self.schema())
+        regex = schema_regex(schema)
+        check_regex(regex, "the JSON schema")
+        return regex
+
+
+# ------------------------------------------------------------------------------------- expressions, bounded
+
+
+def repeat_product(regex: str) -> int:
+    """The largest count that nested bounded repetitions in `regex` multiply to: `(a{1,3}){2}` 6, `a{5,}` 5, `a*` 1.
+    A plain scan (escapes, character classes, groups), so that it reads Rust's syntax (outlines-core's) as well as
+    Python's and never expands anything."""
+    stack = [1]  # per open group: the largest product inside it so far
+    i, n = 0, len(regex)
+    last = 1  # the product of the atom just read (a group's closes with its own)
+    quant = re.compile(r"\{(\d+)(?:,(\d*))?\}")
+    while i < n:
+        c = regex[i]
+        if c == "\\":
+            i += 2
+            if i <= n and regex[i - 1] in "pPx" and i < n and regex[i] == "{":  # \p{L}, \x{10FFFF}
+                close = regex.find("}", i)
+                i = n if close < 0 else close + 1
+            last = 1
+            continue
+        if c == "[":  # a class: up to its closing ] (a ] first in it is literal)
+            j = i + 1
+            if j < n and regex[j] == "^":
+                j += 1
+            if j < n and regex[j] == "]":
+                j += 1
+            while j < n and regex[j] != "]":
+                j += 2 if regex[j] == "\\" else 1
+            i = j + 1
+            last = 1
+            continue
+        if c == "(":
+            stack.append(1)
+            i += 1
+            continue
+        if c == ")":
+            last = stack.pop() if len(stack) > 1 else 1
+            i += 1
+        elif c == "{":
+            m = quant.match(regex, i)
+            if m is None:  # a literal brace
+                last = 1
+                i += 1
+                continue
+            count = int(m.group(2)) if m.group(2) else int(m.group(1))
+            last *= max(count, 1)
+            i = m.end()
+        else:
+            last = 1
+            i += 1
+        # the atom (or group) just read, with any quantifier that follows it
+        m = quant.match(regex, i)
+        if m is not None:
+            count = int(m.group(2)) if m.group(2) else int(m.group(1))
+            last *= max(count, 1)
+            i = m.end()
+        stack[-1] = max(stack[-1], last)
+        if len(stack) > 1000:
+            raise UsageError("the expression nests groups over 1,000 deep")
+    return max(stack)
+
+
+def check_regex(regex: str, what: str) -> None:
+    """Refuse an expression whose automaton would be huge before building it: over MAX_SOURCE characters, or
+    nested bounded repetitions over MAX_REPEAT (a schema's maxLength, maxItems, a pattern's counts)."""
+    if len(regex) > MAX_SOURCE:
+        raise UsageError(f"{what}: the expression is too large (over {MAX_SOURCE // 1024} KB)")
+    if what == "--regex":
+        try:
+            re.compile(regex)
+        except re.error as e:
+            raise UsageError(f"--regex: not a regular expression ({e})") from None
+        except RecursionError:
+            raise UsageError("--regex: the expression nests too deeply") from None
+    count = repeat_product(regex)
+    if count > MAX_REPEAT:
+        raise UsageError(f"{what}: its repetitions multiply to {count:,} (nested counts multiply); at most "
+                         f"{MAX_REPEAT} are supported")
+
+
+# ------------------------------------------------------------------------------------ JSON Schema, prepared
+
+
+def prepare_schema(schema):
+    """A JSON Schema -> the same language with local `$ref`s inlined, unsatisfiable branches removed, and what
+    outlines-core would drop made explicit; UsageError (naming where) for what cannot be held or has no finite
+    instance. Runs in time linear in MAX_SCHEMA_NODES."""
+    if not isinstance(schema, (dict, bool)):
+        raise UsageError("a JSON schema must be an object")
+    root = schema
+    nodes = [0]
+
+    def resolve(ref, path):
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise UsageError(f"the JSON schema's $ref at {path} must point inside the schema ('#/...'), got "
+                             f"{json.dumps(ref)[:80]}")
+        node = root
+        for part in [p for p in ref[1:].split("/") if p]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                raise UsageError(f"the JSON schema's $ref {ref[:80]!r} at {path} points nowhere")
+        return node
+
+    def walk(node, path: str, refs: tuple):
+        """node with refs inlined, or None where no value satisfies it."""
+        nodes[0] += 1
+        if nodes[0] > MAX_SCHEMA_NODES:
+            raise UsageError(f"the JSON schema expands to over {MAX_SCHEMA_NODES:,} subschemas (its $refs inlined)")
+        if path.count("/") > MAX_SCHEMA_DEPTH:
+            raise UsageError(f"the JSON schema nests subschemas over {MAX_SCHEMA_DEPTH} deep")
+        if node is True:
+            return {}
+        if node is False:
+            return None
+        if not isinstance(node, dict):
+            raise UsageError(f"the JSON schema at {path} is not a schema (an object or a boolean)")
+        for key in _IGNORED_VALIDATORS:
+            if key in node and not (key == "uniqueItems" and node[key] is False):
+                raise UsageError(f"the JSON schema uses '{key}' at {path}, which an answer cannot be held to")
+        if "$ref" in node:
+            ref = node["$ref"]
+            rest = [k for k in node if k not in ("$ref", "$defs", "definitions", *_ANNOTATIONS)]
+            if rest:
+                raise UsageError(f"the JSON schema at {path} has '{rest[0]}' beside '$ref' (put them in the "
+                                 f"referenced schema, or in an allOf)")
+            if refs.count(ref) >= REF_DEPTH:
+                return None  # recursion this deep is not offered
+            return walk(resolve(ref, path), path, refs + (ref,))
+        if "pattern" in node:
+            if not isinstance(node["pattern"], str):
+                raise UsageError(f"the JSON schema's pattern at {path} must be a string")
+            check_regex(node["pattern"], f"the JSON schema's pattern at {path}")
+        out = {}
+        for key, value in node.items():
+            if key in ("$defs", "definitions", *_ANNOTATIONS):
+                continue
+            if key in ("properties", "patternProperties"):
+                if not isinstance(value, dict):
+                    raise UsageError(f"the JSON schema's {key} at {path} must be an object")
+                out[key] = {k: walk(v, f"{path}/{key}/{k}", refs) for k, v in value.items()}
+            elif key in ("items", "additionalProperties", "additionalItems") and isinstance(value, (dict, bool)):
+                out[key] = walk(value, f"{path}/{key}", refs)
+            elif key in ("prefixItems", "anyOf", "oneOf", "allOf") or (key == "items" and isinstance(value, list)):
+                if not isinstance(value, list):
+                    raise UsageError(f"the JSON schema's {key} at {path} must be a list")
+                out[key] = [walk(v, f"{path}/{key}/{i}", refs) for i, v in enumerate(value)]
+            else:
+                out[key] = value
+        return _possible(out, path)
+
+    prepared = walk(schema, "#", ())
+    if prepared is None:
+        raise UsageError("the JSON schema has no finite instance (a required $ref that refers back to itself, an "
+                         "empty anyOf, enum or range): no answer can satisfy it")
+    return prepared
+
+
+def _possible(node: dict, path: str):
+    """A subschema whose children were prepared (None: unsatisfiable) -> itself simplified, or None."""
+    if node.get("enum") == [] or ("allOf" in node and any(s is None for s in node["allOf"])):
+        return None
+    for key in ("anyOf", "oneOf"):
+        if key in node:
+            kept = [s for s in node[key] if s is not None]
+            if not kept:
+                return None
+            node[key] = kept
+    lo, hi = node.get("minLength", 0), node.get("maxLength")
+    if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo > hi:
+        return None
+    min_items = node.get("minItems", 0) if isinstance(node.get("minItems", 0), (int, float)) else 0
+    if isinstance(node.get("maxItems"), (int, float)) and min_items > node["maxItems"]:
+        return None
+    if "prefixItems" in node:
+        first_bad = next((i for i, s in enumerate(node["prefixItems"]) if s is None), None)
+        if first_bad is not None:
+            if min_items > first_bad:
+                return None
+            node["prefixItems"] = node["prefixItems"][:first_bad]
+            node["maxItems"] = min(node.get("maxItems", first_bad), first_bad)
+    if "items" in node and node["items"] is None:  # no item can exist: the array is empty or impossible
+        if min_items > len(node.get("prefixItems", [])):
+            return None
+        node["items"] = False if "prefixItems" in node else {}
+        if "prefixItems" not in node:
+            node["maxItems"] = 0
+    extra = node.get("additionalProperties", True)
+    if extra is None:  # no value fits an extra property: none may be written
+        extra = node["additionalProperties"] = False
+    props = node.get("properties")
+    required = node.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise UsageError(f"the JSON schema's required at {path} must be a list of names")
+    if "properties" in node or required:
+        props = dict(props or {})
+        for name in required:
+            if name not in props:  # outlines-core would leave out a required property it was not shown
+                if extra is False:
+                    return None
+                props[name] = extra if isinstance(extra, dict) else {}
+            elif props[name] is None:
+                return None
+        node["properties"] = {k: v for k, v in props.items() if v is not None}
+    if "patternProperties" in node:  # extras are never written: their schemas only narrow what is not written
+        node.pop("patternProperties")
+    return node
+
+
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def schema_regex(schema) -> str:
+    """A JSON Schema -> a regular expression of its JSON texts (outlines-core's), with the integer and number
+    ranges it leaves out written in: each ranged subschema is swapped for a placeholder constant, compiled, and the
+    placeholder replaced by the range's expression (`integer_regex`, `number_regex`)."""
+    from outlines_core.json_schema import build_regex_from_schema
+
+    if not isinstance(schema, (dict, bool)):
+        raise UsageError("a JSON schema must be an object")
+    ranges: dict[str, str] = {}
+
+    def walk(node):
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        kind = node.get("type")
+        if kind in ("integer", "number") and any(k in node for k in _BOUNDS):
+            mark = f"DGEMMARANGE{len(ranges)}X"
+            ranges[mark] = integer_regex(*_int_bounds(node)) if kind == "integer" else number_regex(node)
+            return {"const": mark}
+        return {k: (v if k in ("const", "enum", "default", "examples") else walk(v)) for k, v in node.items()}
+
+    rewritten = walk(schema)
+    try:
+        regex = build_regex_from_schema(json.dumps(rewritten))
+    except Exception as e:  # the library raises ValueError / TypeError with its own wording
+        raise UsageError(f"the JSON schema cannot be compiled: {str(e).splitlines()[0] if str(e) else e}") from None
+    for mark, rx in ranges.items():
+        quoted = f'"{mark}"'
+        if quoted not in regex:
+            raise UsageError("the JSON schema cannot be compiled: a ranged number is used where it cannot be held")
+        regex = regex.replace(quoted, f"({rx})")
+    return regex
+
+
+def _int_bounds(node: dict) -> tuple[int | None, int | None]:
+    lo = hi = None
+    for key in _BOUNDS:
+        v = node.get(key)
+        if key in node and (isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or abs(v) > 1e18):
+            raise UsageError(f"the JSON schema's {key} must be a number within +-1e18")
+    if "minimum" in node:
+        lo = math.ceil(node["minimum"])
+    if "exclusiveMinimum" in node:
+        lo = max(lo if lo is not None else -math.inf, math.floor(node["exclusiveMinimum"]) + 1)
+    if "maximum" in node:
+        hi = math.floor(node["maximum"])
+    if "exclusiveMaximum" in node:
+        hi = min(hi if hi is not None else math.inf, math.ceil(node["exclusiveMaximum"]) - 1)
+    if lo is not None and hi is not None and lo > hi:
+        raise UsageError(f"the JSON schema's integer range [{lo}, {hi}] holds no integer")
+    return lo, hi
+
+
+def _same_length(a: str, b: str) -> list[str]:
+    """Expressions for the digit strings of len(a) == len(b) from a to b (a <= b; leading zeros allowed)."""
+    if a == b:
+        return [a]
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    head, a, b = a[:i], a[i:], b[i:]
+    if len(a) == 1:
+        return [f"{head}[{a}-{b}]"]
+    n = len(a) - 1
+    out, x, y, tail = [], int(a[0]), int(b[0]), []
+    if a[1:] != "0" * n:  # a's first digit with a partial rest
+        out += [head + a[0] + r for r in _same_length(a[1:], "9" * n)]
+        x += 1
+    if b[1:] != "9" * n:
+        tail = [head + b[0] + r for r in _same_length("0" * n, b[1:])]
+        y -= 1
+    if x <= y:
+        out.append(head + (str(x) if x == y else f"[{x}-{y}]") + "[0-9]" + (f"{{{n}}}" if n > 1 else ""))
+    return out + tail
+
+
+def _nonnegative(lo: int, hi: int | None) -> list[str]:
+    """Alternatives for the integers lo..hi (hi None: unbounded), 0 <= lo, written without leading zeros."""
+    if hi is None:
+        if lo == 0:
+            return ["0", "[1-9][0-9]*"]
+        digits = len(str(lo))  # lo up to the last number of its length, then every longer number
+        return _same_length(str(lo), "9" * digits) + [f"[1-9][0-9]{{{digits},}}"]
+    out = []
+    while lo <= hi:
+        top = min(hi, 10 ** len(str(lo)) - 1)
+        out += _same_length(str(lo), str(top))
+        lo = top + 1
+    return out
+
+
+def integer_regex(lo: int | None, hi: int | None) -> str:
+    """An expression matching exactly the integers in [lo, hi] as JSON writes them (None: unbounded that side)."""
+    parts = []
+    if lo is None or lo < 0:  # negative values -k, k in [max(1, -hi), -lo]
+        k_lo = 1 if hi is None or hi >= 0 else -hi
+        k_hi = None if lo is None else -lo
+        if k_hi is None or k_lo <= k_hi:
+            parts.append("-(" + "|".join(_nonnegative(k_lo, k_hi)) + ")")
+    if hi is None or hi >= 0:
+        parts += _nonnegative(max(lo or 0, 0), hi)
+    return "|".join(parts)
+
+
+def number_regex(node: dict) -> str:
+    """A number in [minimum, maximum] (integer bounds, minimum >= 0): an integer part in [lo, hi - 1] with any
+    fraction, or hi itself (with zeros after the point). Other ranges are refused in one line."""
+    lo, hi = node.get("minimum"), node.get("maximum")
+    ok = (not any(k in node for k in ("exclusiveMinimum", "exclusiveMaximum")) and isinstance(lo, (int, float))
+          and lo >= 0 and float(lo).is_integer() and (hi is None or (isinstance(hi, (int, float))
+                                                                     and float(hi).is_integer() and hi >= lo)))
+    if not ok:
+        raise UsageError("number ranges are supported with whole-number bounds, minimum >= 0 and no exclusive bounds "
+                         "(or use \"type\": \"integer\")")
+    lo, hi = int(lo), None if hi is None else int(hi)
+    frac = r"(\.[0-9]+)?"
+    if hi is None:
+        return f"({integer_regex(lo, None)}){frac}"
+    if hi == lo:
+        return rf"{hi}(\.0+)?"
+    return rf"({integer_regex(lo, hi - 1)}){frac}|{hi}(\.0+)?"
+
+
+# ------------------------------------------------------------------------------------------- grammars (text)
+
+
+def lark_text(source: str) -> str:
+    """A grammar's source -> Lark in llguidance's dialect: Lark as it is, llama.cpp's GBNF (rules with ::=, `root`
+    first) converted. UsageError names the first problem."""
+    if len(source) > MAX_SOURCE:
+        raise UsageError(f"the grammar is too large (over {MAX_SOURCE // 1024} KB)")
+    if "::=" not in source:
+        return source
+    try:
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+
+        return gbnf_to_lark(source)
+    except Exception as e:  # its own parse errors
+        raise UsageError(f"the grammar (GBNF) cannot be read: {_first_line(e)}") from None
+
+
+def lark_grammar(source: str) -> str:
+    """A grammar's source -> llguidance's grammar text, checked (`check_grammar`, then llguidance's own
+    validation). UsageError names the first problem."""
+    import llguidance
+
+    text = lark_text(source)
+    check_grammar(text)
+    grammar = llguidance.LLMatcher.grammar_from_lark(text)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise UsageError(f"the grammar cannot be compiled: {(messages or ['unknown error'])[0].splitlines()[0][:300]}")
+    return grammar
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
+_LARK_TOKEN = re.compile(r"""
+    (?P<ws>[ \t\r]+|//[^\n]*|\\\n)
+  | (?P<nl>\n)
+  | (?P<string>"(?:[^"\\\n]|\\.)*"i?)
+  | (?P<regex>/(?:[^/\\\n]|\\.)+/[a-z]*)
+  | (?P<special><[^>\n]*>)
+  | (?P<range>\d+\.\.\d+)
+  | (?P<number>\d+)
+  | (?P<count>\{\s*\d+\s*(?:,\s*\d*\s*)?\})
+  | (?P<directive>%[a-z_]+)
+  | (?P<name>[?!]?[A-Za-z_][A-Za-z0-9_]*(?:\.-?\d+)?)
+  | (?P<op>[:|()\[\]?*+~{},])
+""", re.X)
+
+
+class _LarkRules:
+    """A Lark grammar read far enough to answer two questions without expanding it: does its start rule derive a
+    finite sentence (`productive`), and how far do nested counted repetitions multiply (`repeats`). Constructs it
+    does not know (llguidance's %json {...} and the like) count as productive terminals."""
+
+    def __init__(self, text: str):
+        self.rules: dict[str, list] = {}  # name -> alternatives, each a list of (atom, low, high)
+        toks = []
+        line_start = True
+        for m in _LARK_TOKEN.finditer(text):
+            kind = m.lastgroup
+            if kind == "nl":
+                line_start = True
+                continue
+            if kind != "ws":
+                toks.append((kind, m.group(), line_start))
+                line_start = False
+        self.toks, self.i = toks, 0
+        covered = sum(len(m.group()) for m in _LARK_TOKEN.finditer(text))
+        self.complete = covered == len(text)  # every character read: the analysis may judge the grammar
+        while self.i < len(toks):
+            kind, value, first = toks[self.i]
+            if first and kind == "name" and self._at(1) == (":"):
+                name = value.lstrip("?!").split(".")[0]
+                self.i += 2
+                self.rules.setdefault(name, []).extend(self._alternatives())
+            elif kind == "directive":  # %llguidance {...}, %ignore ..., %import ...: skipped to the next rule
+                self.i += 1
+                self._skip_braces()
+                while self.i < len(toks) and not toks[self.i][2]:
+                    self.i += 1
+            else:
+                self.complete = False
+                self.i += 1
+
+    def _at(self, k: int):
+        j = self.i + k
+        return self.toks[j][1] if j < len(self.toks) else None
+
+    def _skip_braces(self) -> None:
+        if self._at(0) != "{":
+            return
+        depth = 0
+        while self.i < len(self.toks):
+            v = self.toks[self.i][1]
+            depth += v == "{"
+            depth -= v == "}"
+            self.i += 1
+            if depth == 0:
+                return
+
+    def _alternatives(self) -> list:
+        alts = [self._sequence()]
+        while self._at(0) == "|":
+            self.i += 1
+            alts.append(self._sequence())
+        return alts
+
+    def _sequence(self) -> list:
+        seq = []
+        while self.i < len(self.toks):
+            kind, value, first = self.toks[self.i]
+            if value in ("|", ")", "]") or (first and kind == "name" and self._at(1) == ":") or \
+                    (first and kind == "directive"):
+                break
+            atom = self._atom()
+            if atom is None:
+                self.complete = False
+                self.i += 1
+                continue
+            low, high = 1, 1
+            while self.i < len(self.toks):
+                kind, value, _ = self.toks[self.i]
+                if value in ("?", "*"):
+                    low, high = 0, high
+                elif value == "+":
+                    pass
+                elif kind == "count":
+                    a, _, b = value.strip("{}").partition(",")
+                    low, high = low * int(a), high * (int(b) if b.strip() else max(int(a), 1))
+                elif value == "~" and self._at(1) is not None:
+                    self.i += 1
+                    rng = self.toks[self.i][1]
+                    a, _, b = rng.partition("..")
+                    if not a.isdigit():
+                        self.complete = False
+                        break
+                    low, high = low * int(a), high * int(b or a)
+                else:
+                    break
+                self.i += 1
+            seq.append((atom, low, high))
+        return seq
+
+    def _atom(self):
+        kind, value, _ = self.toks[self.i]
+        if value == "(":
+            self.i += 1
+            alts = self._alternatives()
+            if self._at(0) == ")":
+                self.i += 1
+            return ("group", alts)
+        if value == "[":
+            self.i += 1
+            alts = self._alternatives()
+            if self._at(0) == "]":
+                self.i += 1
+            return ("optional", alts)
+        self.i += 1
+        if kind == "name":
+            return ("rule", value.lstrip("?!").split(".")[0])
+        if kind == "regex":
+            return ("regex", value)
+        if kind in ("string", "special"):
+            return ("terminal", value)
+        if kind == "directive":  # %json {...}, %regex {...}: a terminal of llguidance's
+            self._skip_braces()
+            return ("terminal", value)
+        return None
+
+    def productive(self, start: str) -> bool:
+        """Whether `start` derives a finite sentence (the least fixed point of 'some alternative is made of
+        productive items')."""
+        done: set[str] = set()
+
+        def atom_ok(atom) -> bool:
+            kind, value = atom
+            if kind == "rule":
+                return value in done or value not in self.rules  # an unknown name: llguidance's own error
+            if kind in ("group", "optional"):
+                return kind == "optional" or any(seq_ok(s) for s in value)
+            return True
+
+        def seq_ok(seq) -> bool:
+            return all(low == 0 or atom_ok(atom) for atom, low, _ in seq)
+
+        changed = True
+        while changed:
+            changed = False
+            for name, alts in self.rules.items():
+                if name not in done and any(seq_ok(s) for s in alts):
+                    done.add(name)
+                    changed = True
+        return start in done or start not in self.rules
+
+    def repeats(self) -> int:
+        """The largest count that nested repetitions multiply to, through rule references (a rule's own recursion
+        counts once)."""
+        memo: dict[str, int] = {}
+
+        def rule(name: str, seen: frozenset) -> int:
+            if name in memo:
+                return memo[name]
+            if name in seen or name not in self.rules:
+                return 1
+            value = max((seq(s, seen | {name}) for s in self.rules[name]), default=1)
+            memo[name] = value
+            return value
+
+        def seq(s, seen) -> int:
+            return max((max(high, 1) * atom(a, seen) for a, _, high in s), default=1)
+
+        def atom(a, seen) -> int:
+            kind, value = a
+            if kind == "rule":
+                return rule(value, seen)
+            if kind in ("group", "optional"):
+                return max((seq(s, seen) for s in value), default=1)
+            if kind == "regex":
+                return repeat_product(value[1 : value.rindex("/")])
+            return 1
+
+        return max((rule(name, frozenset()) for name in self.rules), default=1)
+
+
+def check_grammar(text: str) -> None:
+    """Refuse a Lark grammar (llguidance's dialect) whose counted repetitions multiply past MAX_REPEAT (the regex
+    path's limit: `[a-z]{100000}` is refused on both) or whose start rule derives no finite sentence (`root ::=
+    root`, `start: "a" start`)."""
+    rules = _LarkRules(text)
+    count = rules.repeats()
+    if count > MAX_REPEAT:
+        raise UsageError(f"the grammar's repetitions multiply to {count:,} (nested counts multiply); at most "
+                         f"{MAX_REPEAT} are supported")
+    if rules.complete and not rules.productive("start"):
+        raise UsageError("the grammar has no finite sentence: its start rule never ends (every alternative refers "
+                         "back to a rule that cannot finish)")
+
+
+# ------------------------------------------------------------------------------------- the automaton's tables
+
+MAX_EDGES = 20_000_000  # token transitions an automaton may hold (about 320 MB of tensors)
+BIG_GROUP = 4096  # tokens above which a group is searched by its mask and complement, not token by token
+
+
+def automaton_tables(transitions: dict[int, dict[int, int]], start: int, finals, vocab_size: int,
+                     big_group: int = BIG_GROUP) -> dict:
+    """outlines-core's token DFA -> the compact tables `constrain.TokenAutomaton` is made of, as plain lists (the
+    worker sends them to the server as they are; no torch here). States 0..S-1 (0 the start) are those from which an
+    accepting one can be reached; edges are grouped by (source, target) state, group g holding the tokens
+    tokens[offsets[g]:offsets[g + 1]] when it is small, or naming one of `masks` (a big group: a string's
+    characters, most of the vocabulary) when it is not. dist[s]: the fewest tokens from s to acceptance."""
+    from collections import deque
+
+    back: dict[int, list[int]] = {}
+    for s, edges in transitions.items():
+        for t in set(edges.values()):
+            back.setdefault(t, []).append(s)
+    dist = {f: 0 for f in finals}
+    todo = deque(finals)
+    while todo:
+        s = todo.popleft()
+        for p in back.get(s, ()):
+            if p not in dist:
+                dist[p] = dist[s] + 1
+                todo.append(p)
+    if start not in dist:
+        raise UsageError("the constraint accepts no text this vocabulary can spell")
+    order = [start] + sorted(s for s in dist if s != start)
+    ids = {s: i for i, s in enumerate(order)}
+    groups: dict[tuple[int, int], list[int]] = {}
+    for s in order:
+        for tok, t in transitions.get(s, {}).items():
+            if t in ids and 0 <= tok < vocab_size:
+                groups.setdefault((ids[s], ids[t]), []).append(tok)
+    keys = sorted(groups)
+    tokens: list[int] = []
+    offsets = [0]
+    big: list[tuple[int, int]] = []  # (group, index into masks)
+    masks: list[list[int]] = []
+    seen: dict[tuple, int] = {}
+    for g, k in enumerate(keys):
+        members = sorted(groups[k])
+        if len(members) > big_group:
+            key = tuple(members)
+            if key not in seen:
+                seen[key] = len(masks)
+                masks.append(members)
+            big.append((g, seen[key]))
+        else:
+            tokens += members
+        offsets.append(len(tokens))
+    return {"S": len(order), "vocab_size": vocab_size, "dist": [dist[s] for s in order],
+            "src": [k[0] for k in keys], "dst": [k[1] for k in keys], "tokens": tokens, "offsets": offsets,
+            "big": big, "masks": masks, "edges": sum(len(v) for v in groups.values())}
+
+
+def regex_tables(regex: str, vocabulary, vocab_size: int) -> dict:
+    """An expression over a vocabulary (outlines-core's `Vocabulary`) -> `automaton_tables`; UsageError when the
+    vocabulary cannot spell it or the automaton is over MAX_EDGES."""
+    from outlines_core import Index
+
+    try:
+        index = Index(regex, vocabulary)
+    except Exception as e:  # ValueError: an expression this vocabulary cannot spell, or one it cannot compile
+        raise UsageError(f"the constraint cannot be compiled for this model's vocabulary: {_first_line(e)}") from None
+    transitions = index.get_transitions()
+    if sum(len(edges) for edges in transitions.values()) > MAX_EDGES:
+        raise UsageError(f"the constraint is too large for this vocabulary (over {MAX_EDGES // 1_000_000} million "
+                         f"token transitions)")
+    return automaton_tables(transitions, index.get_initial_state(), index.get_final_states(), vocab_size)
+
+
+def outlines_vocabulary(words, vocab_size: int):
+    """A tokenizer's token bytes (None: special) -> outlines-core's Vocabulary. Its end-of-sequence id is one no
+    text token has (every id past the vocabulary is one): the search adds the model's own end ids itself."""
+    from outlines_core import Vocabulary
+
+    by_bytes: dict[bytes, list[int]] = {}
+    for i, b in enumerate(words):
+        if b and i < vocab_size:
+            by_bytes.setdefault(b, []).append(i)
+    return Vocabulary(vocab_size, by_bytes)

@@ -1,0 +1,323 @@
+"""Compiling a client's structure in a process of its own, with a time and memory budget (docs/serve.md, Structured
+answers).
+
+The rule: a structure a user or a client sends is compiled here, never in the server's or the CLI's own process.
+Turning an expression into a token automaton over a 262,144-token vocabulary can take minutes and gigabytes (a
+determinization that explodes, a schema's bounded strings times the vocabulary), inside native code that holds the
+GIL and ignores signals. In a worker process it can be killed: when it runs past its seconds or its memory, when the
+client leaves, on Ctrl-C or SIGTERM. The worker imports no torch (structure.py only) and starts once per engine; it
+receives the vocabulary once, then compiles one structure at a time, and dies with its parent (PR_SET_PDEATHSIG).
+
+`StructureCompiler` is the parent's side: the cheap checks (`Structure.check`) in the caller's thread, then the
+worker, then the result turned into the search's objects (constrain.TokenAutomaton, constrain.LarkGrammar), cached by
+the structure's text; refusals are cached too, so a client resending a bomb pays nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+from typing import Callable
+
+from .errors import UsageError
+
+DEFAULT_SECONDS = 30.0  # a structure's compile time budget (--compile-timeout)
+DEFAULT_MEMORY = 4 << 30  # the worker's resident memory budget, bytes (--compile-memory)
+_POLL = 0.02  # seconds between looks at the worker (its memory, the caller's cancel)
+_CACHED = 32  # compiled structures kept
+_REFUSED = 256  # refusals kept
+
+
+class Cancelled(Exception):
+    """The caller stopped waiting (its client left): nothing is cached."""
+
+
+# ----------------------------------------------------------------------------- the wire: length-prefixed pickles
+
+
+def _send(stream, obj) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(struct.pack("<Q", len(data)) + data)
+    stream.flush()
+
+
+def _recv(stream):
+    head = stream.read(8)
+    if len(head) < 8:
+        return None
+    (n,) = struct.unpack("<Q", head)
+    data = stream.read(n)
+    return pickle.loads(data) if len(data) == n else None
+
+
+# ----------------------------------------------------------------------------- the worker process
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent ends (a killed server leaves no compile running)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _worker_main() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent decides
+    _die_with_parent()
+    if os.getppid() == 1:
+        return
+    from .structure import Structure, lark_grammar, outlines_vocabulary, regex_tables
+
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # nothing printed may reach the protocol's stream
+    words = vocab_size = vocabulary = ll_tokenizer = None
+    while True:
+        msg = _recv(inp)
+        if msg is None:
+            return
+        if msg[0] == "vocab":
+            _, words, vocab_size, tokenizer_json = msg
+            vocabulary = ll_tokenizer = None
+            continue
+        _, kind, source = msg
+        try:
+            structure = Structure(kind, source)
+            if kind == "grammar":
+                grammar = lark_grammar(source)
+                if ll_tokenizer is None:
+                    ll_tokenizer = _ll_tokenizer(words, vocab_size, tokenizer_json)
+                _probe_grammar(grammar, ll_tokenizer)
+                _send(out, ("grammar", grammar))
+            else:
+                regex = structure.regex()
+                if vocabulary is None:
+                    vocabulary = outlines_vocabulary(words, vocab_size)
+                _send(out, ("tables", regex_tables(regex, vocabulary, vocab_size)))
+        except UsageError as e:
+            _send(out, ("refused", str(e)))
+        except Exception as e:  # noqa: BLE001 (a library's own error on a client's input: a refusal, one line)
+            line = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            _send(out, ("refused", f"the structure cannot be compiled: {line}"))
+
+
+def _ll_tokenizer(words, vocab_size: int, tokenizer_json: str | None):
+    """llguidance's tokenizer over these token bytes (None: a special token, which no grammar spells); text is
+    encoded by the checkpoint's own tokenizer.json when there is one, else greedily by the longest token."""
+    import llguidance
+
+    if tokenizer_json is not None:
+        from tokenizers import Tokenizer
+
+        hf = Tokenizer.from_str(tokenizer_json)
+
+        def encode(text: str) -> list[int]:
+            return hf.encode(text, add_special_tokens=False).ids
+    else:
+        ids = {b: i for i, b in enumerate(words[:vocab_size]) if b}
+        longest = max(map(len, ids), default=1)
+
+        def encode(text: str) -> list[int]:
+            data, out, i = text.encode(), [], 0
+            while i < len(data):
+                n = next((n for n in range(min(longest, len(data) - i), 0, -1) if data[i : i + n] in ids), 0)
+                if n:
+                    out.append(ids[data[i : i + n]])
+                i += max(n, 1)
+            return out
+
+    spelled = [b if b is not None else b"\xff[%d]" % i for i, b in enumerate(words[:vocab_size])]
+    spelled += [b"\xff[%d]" % i for i in range(len(spelled), vocab_size)]
+
+    class _Words:  # what llguidance.TokenizerWrapper reads
+        eos_token_id = 0
+        bos_token_id = None
+        tokens = spelled
+        special_token_ids = [i for i, b in enumerate(words[:vocab_size]) if b is None]
+
+        def __call__(self, text):
+            return encode(text.decode("utf-8", "replace") if isinstance(text, bytes) else text)
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Words()), n_vocab=vocab_size)
+
+
+def _probe_grammar(grammar: str, tokenizer) -> None:
+    """Build the grammar's matcher and its first mask: the work llguidance does before a first step, done here
+    under the budget."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    if not matcher.is_error():
+        matcher.compute_bitmask()
+    if matcher.is_error():
+        raise UsageError(f"the grammar cannot be compiled for this model's vocabulary: "
+                         f"{matcher.get_error().splitlines()[0][:300]}")
+
+
+# ----------------------------------------------------------------------------- the parent's side
+
+
+def _rss(pid: int) -> int:
+    """A process's resident memory in bytes (0 where it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.1f} GB"
+
+
+class StructureCompiler:
+    """Compiles structures over one tokenizer's vocabulary in a worker process, one at a time, each within
+    `seconds` and the worker within `memory` bytes; results and refusals cached by the structure's text."""
+
+    def __init__(self, tokenizer, vocab_size: int, seconds: float = DEFAULT_SECONDS, memory: int = DEFAULT_MEMORY):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.seconds, self.memory = seconds, memory
+        self._proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()  # one compile in the worker at a time
+        self._cache_lock = threading.Lock()
+        self._done: OrderedDict = OrderedDict()  # (kind, source) -> TokenAutomaton | LarkGrammar
+        self._refused: OrderedDict = OrderedDict()  # (kind, source) -> the refusal's line
+        self.closed = False
+        self.compiles = 0  # run in the worker (not from the cache)
+
+    def compile(self, structure, cancelled: Callable[[], bool] | None = None):
+        """`structure` compiled (from the cache when it was before); UsageError (one line) when it cannot be, or
+        not within the budget; Cancelled when `cancelled()` turns true while it waits."""
+        key = (structure.kind, structure.source)
+        with self._cache_lock:
+            if key in self._done:
+                self._done.move_to_end(key)
+                return self._done[key]
+            if key in self._refused:
+                raise UsageError(self._refused[key])
+        try:
+            structure.check()  # bounded by the text's size: no worker for what is refused on sight
+            kind, result = self._in_worker(("compile", structure.kind, structure.source), cancelled)
+            if kind == "refused":
+                raise UsageError(result)
+            compiled = self._build(kind, result)
+        except UsageError as e:
+            if self.closed:  # stopped, not refused: nothing to remember
+                raise
+            with self._cache_lock:
+                self._refused[key] = str(e)
+                while len(self._refused) > _REFUSED:
+                    self._refused.popitem(last=False)
+            raise
+        with self._cache_lock:
+            self._done[key] = compiled
+            while len(self._done) > _CACHED:
+                self._done.popitem(last=False)
+        return compiled
+
+    def _build(self, kind: str, result):
+        from .constrain import LarkGrammar, TokenAutomaton
+
+        if kind == "tables":
+            return TokenAutomaton(result)
+        return LarkGrammar(result, self.tokenizer, self.vocab_size)
+
+    def _start(self) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", "from dgemma_cli.structure_worker import _worker_main; "
+                                 "_worker_main()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                    [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                     os.environ.get("PYTHONPATH", "")])})
+        hf = getattr(self.tokenizer, "_tokenizer", None)  # a dgemma Tokenizer's tokenizers.Tokenizer
+        _send(proc.stdin, ("vocab", list(self.tokenizer.token_bytes()), self.vocab_size,
+                           hf.to_str() if hasattr(hf, "to_str") else None))
+        return proc
+
+    def _in_worker(self, request, cancelled):
+        """Send `request`, wait for its answer within the budget; the worker is killed on any way out but the
+        answer (so that nothing it was doing goes on)."""
+        while not self._lock.acquire(timeout=_POLL):
+            self._check_waiting(cancelled)
+        try:
+            self._check_waiting(cancelled)
+            if self._proc is None or self._proc.poll() is not None:
+                self._proc = self._start()
+            proc = self._proc
+            _send(proc.stdin, request)
+            fd = proc.stdout.fileno()
+            buf = bytearray()
+            need = None
+            deadline = time.monotonic() + self.seconds
+            ok = False
+            try:
+                while True:
+                    ready, _, _ = select.select([fd], [], [], _POLL)
+                    if ready:
+                        chunk = os.read(fd, 1 << 20)
+                        if not chunk:
+                            self._check_waiting(None)  # closed: say so (and cache nothing)
+                            raise UsageError(f"the structure's compile failed (its worker ended; over "
+                                             f"{_gib(self.memory)} of memory?)")
+                        buf += chunk
+                        if need is None and len(buf) >= 8:
+                            need = 8 + struct.unpack("<Q", bytes(buf[:8]))[0]
+                        if need is not None and len(buf) >= need:
+                            ok = True
+                            return pickle.loads(bytes(buf[8:need]))
+                        continue
+                    self._check_waiting(cancelled)
+                    if time.monotonic() > deadline:
+                        raise UsageError(f"the structure did not compile within {self.seconds:g} s "
+                                         f"(--compile-timeout); simplify it (fewer or shorter bounded strings "
+                                         f"and arrays)")
+                    if _rss(proc.pid) > self.memory:
+                        raise UsageError(f"the structure needs over {_gib(self.memory)} to compile "
+                                         f"(--compile-memory); simplify it (fewer or shorter bounded strings and "
+                                         f"arrays)")
+            finally:
+                if not ok:
+                    self._kill()
+        finally:
+            self._lock.release()
+
+    def _check_waiting(self, cancelled) -> None:
+        if self.closed:
+            raise UsageError("the structure's compile was stopped: shutting down")
+        if cancelled is not None and cancelled():
+            raise Cancelled()
+
+    def _kill(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc is not None:
+            for f in (proc.stdin, proc.stdout):
+                try:
+                    f.close()
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        """Stop the worker now (whatever it compiles fails at once) and refuse compiles from here on."""
+        self.closed = True
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+
+    def __del__(self):
+        proc = getattr(self, "_proc", None)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
