@@ -217,6 +217,7 @@ def prepare_schema(schema):
             if refs.count(ref) >= REF_DEPTH:
                 return None  # recursion this deep is not offered
             return walk(resolve(ref, path), path, refs + (ref,))
+        _check_combination(node, path)
         if "pattern" in node:
             if not isinstance(node["pattern"], str):
                 raise UsageError(f"the JSON schema's pattern at {path} must be a string")
@@ -239,11 +240,78 @@ def prepare_schema(schema):
                 out[key] = value
         return _possible(out, path)
 
-    prepared = walk(schema, "#", ())
+    prepared = _no_bare_any(walk(schema, "#", ()))
     if prepared is None:
         raise UsageError("the JSON schema has no finite instance (a required $ref that refers back to itself, an "
                          "empty anyOf, enum or range): no answer can satisfy it")
     return prepared
+
+
+_JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "object": dict, "array": list,
+               "null": type(None)}
+
+
+def _of_type(value, kind: str) -> bool:
+    if kind in ("integer", "number") and isinstance(value, bool):
+        return False
+    if kind == "integer" and isinstance(value, float):
+        return value.is_integer()
+    return isinstance(value, _JSON_TYPES.get(kind, object))
+
+
+def _check_combination(node: dict, path: str) -> None:
+    """Refuse keyword combinations outlines-core compiles to something other than their meaning (it keeps one of
+    them, or concatenates): an answer held to its expression would break the schema."""
+    def refuse(why: str):
+        raise UsageError(f"the JSON schema at {path}: {why}, which an answer cannot be held to")
+
+    if "pattern" in node and any(k in node for k in ("minLength", "maxLength", "format")):
+        refuse("'pattern' beside minLength, maxLength or format (write the lengths into the pattern)")
+    if "format" in node and any(k in node for k in ("minLength", "maxLength")):
+        refuse("'format' beside minLength or maxLength")
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        refuse("'allOf' of more than one schema")
+    validators = [k for k in node if k not in (*_ANNOTATIONS, "$defs", "definitions")]
+    for key in ("anyOf", "oneOf", "allOf"):
+        if key in node and len(validators) > 1:
+            refuse(f"'{key}' beside {', '.join(repr(k) for k in validators if k != key)} (move them into its "
+                   f"branches)")
+    for key in ("enum", "const"):
+        if key not in node:
+            continue
+        values = node[key] if key == "enum" else [node[key]]
+        if not isinstance(values, list):
+            refuse("'enum' that is not a list")
+        kinds = node.get("type")
+        kinds = [kinds] if isinstance(kinds, str) else kinds
+        others = [k for k in validators if k not in ("enum", "const", "type")]
+        if others:
+            refuse(f"'{key}' beside {', '.join(repr(k) for k in others)}")
+        if kinds is not None and not all(any(_of_type(v, t) for t in kinds) for v in values):
+            refuse(f"'{key}' with a value that is not of its type")
+
+
+# What an empty subschema ({}: any value) is compiled as: outlines-core writes {} inside an object without the
+# parentheses its alternation needs (the object's own closing brace becomes one of the alternatives). Any scalar: a
+# subset of "any value", so every answer still validates.
+_ANY_SCALAR = {"type": ["string", "number", "boolean", "null"]}
+
+
+def _no_bare_any(node):
+    """Every empty subschema below the root (a property, an item) replaced by _ANY_SCALAR."""
+    if node is None or not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key in ("properties",) and isinstance(value, dict):
+            out[key] = {k: (_ANY_SCALAR if v == {} else _no_bare_any(v)) for k, v in value.items()}
+        elif key in ("items", "additionalProperties") and isinstance(value, dict):
+            out[key] = _ANY_SCALAR if value == {} else _no_bare_any(value)
+        elif key in ("anyOf", "oneOf", "allOf", "prefixItems") and isinstance(value, list):
+            out[key] = [_ANY_SCALAR if v == {} else _no_bare_any(v) for v in value]
+        else:
+            out[key] = value
+    return out
 
 
 def _possible(node: dict, path: str):

@@ -1,0 +1,227 @@
+"""Hostile structures (dgemma_cli/structure.py, structure_worker.py): refused on sight or bounded by the compile
+worker's budget, never stalling other clients or the server's stop; answers with `stop` always valid.
+
+Through a real server socket on the bundled demo model, and through `dgemma run`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from test_serve import ServerProcess
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import serve_faults as F  # noqa: E402
+
+jsonschema = pytest.importorskip("jsonschema")
+
+BOMB = {"type": "string", "pattern": "(.{1,100}){1,100}"}  # 10,000 nested repeats: refused on sight
+# passes the checks (17 x 30 = 510 repeats) and takes seconds to determinize on the demo's vocabulary: a compile the
+# budget, the client's departure and SIGTERM must be able to stop
+SLOW = {"type": "string", "pattern": "(.{1,30}){1,17}"}
+CYCLE = {"type": "object", "properties": {"b": {"$ref": "#"}}, "required": ["b"]}  # no finite instance
+EMPTY_GRAMMARS = ["root ::= root", "start: start", 'root ::= "a" root']
+
+
+def chat(structure: dict, content: str = "upper: abc def") -> dict:
+    return {"model": "demo", "messages": [{"role": "user", "content": content}], "max_tokens": 16, **structure}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = ServerProcess(tmp_path_factory.mktemp("bounds"), "--compile-timeout", "2.5")
+    yield s
+    assert s.stop() == 0, "".join(s.lines)
+    assert not any("Traceback" in x for x in s.lines), "".join(s.lines)
+
+
+def test_the_pattern_bomb_is_refused_at_once_in_every_field_while_health_answers(server):
+    shapes = [("/v1/chat/completions", chat({"guided_json": BOMB})),
+              ("/v1/chat/completions", chat({"response_format": {"type": "json_schema",
+                                                                 "json_schema": {"name": "x", "schema": BOMB}}})),
+              ("/api/chat", {"model": "demo", "stream": False, "format": BOMB,
+                             "messages": [{"role": "user", "content": "hi"}]})]
+    with F.HealthWatch(server.url) as watch:
+        for path, body in shapes:
+            t = time.perf_counter()
+            r = server.http.post(path, json=body)
+            assert r.status_code == 400, (path, r.text)
+            assert "multiply to 10,000" in r.text, r.text
+            assert time.perf_counter() - t < 10
+    assert watch.slowest < 1.0
+
+
+def test_a_slow_compile_is_cut_by_its_budget_and_others_are_served_meanwhile(server):
+    done: dict = {}
+
+    def slow():
+        t = time.perf_counter()
+        done["response"] = server.http.post("/v1/chat/completions", json=chat({"guided_json": SLOW}))
+        done["seconds"] = time.perf_counter() - t
+
+    th = threading.Thread(target=slow)
+    with F.HealthWatch(server.url) as watch:
+        th.start()
+        time.sleep(0.3)
+        t = time.perf_counter()  # a plain request meanwhile: answered at its usual latency
+        r = server.http.post("/v1/chat/completions", json=chat({}, "upper: hello"))
+        plain = time.perf_counter() - t
+        th.join(60)
+    assert r.status_code == 200 and plain < 5, (r.text, plain)
+    assert watch.slowest < 1.0
+    assert done["response"].status_code == 400 and "within 2.5 s" in done["response"].text, done["response"].text
+    assert done["seconds"] < 10
+    t = time.perf_counter()  # the refusal is remembered: resending it costs nothing
+    again = server.http.post("/v1/chat/completions", json=chat({"guided_json": SLOW}))
+    assert again.status_code == 400 and time.perf_counter() - t < 1.0
+
+
+def test_a_huge_schema_is_refused_at_once_without_memory(server):
+    props = {f"property_{i:05d}": {"type": "string", "description": "x" * 400} for i in range(12_000)}
+    body = chat({"response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": {
+        "type": "object", "properties": props}}}})
+    assert len(json.dumps(body)) > 5_000_000
+    before = server.vm_hwm_kb()
+    t = time.perf_counter()
+    r = server.http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "over 64 KB" in r.text, r.text
+    assert time.perf_counter() - t < 2.0
+    assert server.vm_hwm_kb() - before < 500 * 1024
+
+
+@pytest.mark.parametrize("body", [
+    chat({"guided_json": CYCLE}),
+    chat({"guided_json": {"anyOf": []}}),
+    chat({"guided_json": {"type": "array", "items": False, "minItems": 1}}),
+    chat({"guided_json": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"],
+                          "additionalProperties": False}}),
+    chat({"guided_json": {"type": "array", "uniqueItems": True}}),
+    *[chat({"guided_grammar": g}) for g in EMPTY_GRAMMARS],
+    chat({"guided_json": {"type": "string", "pattern": "a+", "maxLength": 3}}),
+    chat({"guided_json": {"allOf": [{"type": "integer"}, {"type": "string"}]}}),
+    chat({"guided_json": {"type": "integer", "enum": [1, "x"]}}),
+    chat({"guided_grammar": "root ::= [a-z]{100000}"}),
+    chat({"guided_regex": "(a{1,40}){1,40}"}),
+], ids=["ref-cycle", "empty-anyof", "empty-array", "undeclared-required", "unique-items", "pattern-and-length",
+        "allof-two", "enum-off-type", "grammar-root-root",
+        "grammar-start-start", "grammar-a-root", "gbnf-repeat", "regex-nested"])
+def test_structures_without_an_answer_or_over_the_limits_are_refused_before_any_step(server, body):
+    r = server.http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] in ("guided_json", "guided_grammar", "guided_regex") and err["message"], err
+
+
+def _tool(name: str, params) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": params}}
+
+
+@pytest.mark.parametrize("params,says", [
+    ({"type": "object", "properties": {'<|"|>k<tool_call|>': {"type": "string"}}}, "cannot be written in a call"),
+    ({"type": "string"}, "must be an object schema"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "[a-z]+"}}}, "'pattern'"),
+    ({"type": "object", "properties": {"b": {"$ref": "#"}}, "required": ["b"]}, "'$ref'"),
+])
+def test_a_required_call_that_cannot_be_written_is_refused(server, params, says):
+    body = {**chat({}), "tools": [_tool("f", params)], "tool_choice": "required"}
+    r = server.http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "tools"
+
+
+def test_sigterm_during_a_compile_stops_the_server_within_seconds(tmp_path):
+    s = ServerProcess(tmp_path, "--compile-timeout", "120")
+    try:
+        hung = threading.Thread(target=lambda: s.http.post("/v1/chat/completions", json=chat({"guided_json": SLOW})),
+                                daemon=True)
+        hung.start()
+        time.sleep(1.0)  # the compile is running in the worker
+        t = time.perf_counter()
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(15) == 0, "".join(s.lines)
+        assert time.perf_counter() - t < 15
+    finally:
+        s.stop()
+    time.sleep(0.5)
+    workers = subprocess.run(["pgrep", "-f", "structure_worker import _worker_main", "-P", str(s.proc.pid)],
+                             capture_output=True, text=True).stdout
+    assert workers == ""
+
+
+def test_a_client_leaving_stops_its_compile(server):
+    with httpx.Client(base_url=server.url, timeout=0.8) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/chat/completions", json=chat({"guided_json": {**SLOW, "description": "another text"}}))
+    time.sleep(0.5)  # the worker is killed within its poll; the next compile finds a fresh one and answers
+    t = time.perf_counter()
+    r = server.http.post("/v1/chat/completions", json=chat({"guided_regex": "[A-Z ]{4,8}"}))
+    assert r.status_code == 200 and time.perf_counter() - t < 10, r.text
+
+
+# --------------------------------------------------------------------------------------------- dgemma run
+
+
+def _run(*args: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen([sys.executable, "-m", "dgemma_cli", "run", "--model", "demo", "--device", "cpu", *args],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_run_refuses_the_bomb_in_one_line_and_ctrl_c_during_a_compile_exits_130(tmp_path):
+    (tmp_path / "bomb.json").write_text(json.dumps(BOMB))
+    (tmp_path / "slow.json").write_text(json.dumps(SLOW))
+    t = time.perf_counter()
+    p = _run("--json-schema", str(tmp_path / "bomb.json"), "hi")
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 2 and out == "" and len(err.strip().splitlines()) == 1 and "10,000" in err, err
+    assert time.perf_counter() - t < 10
+    p = _run("--json-schema", str(tmp_path / "slow.json"), "hi")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the worker started: the compile is under way
+        if subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True).returncode == 0:
+            break
+        time.sleep(0.05)
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=10)
+    assert p.returncode == 130 and "Traceback" not in err, err
+
+
+# ------------------------------------------------------------------------------------ what `stop` guarantees
+
+
+SCHEMAS = {
+    "optional recursion": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 3},
+                                                             "child": {"$ref": "#"}}, "required": ["name"]},
+    "required, undeclared": {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a", "z"]},
+    "anyOf with an impossible branch": {"anyOf": [{"type": "object", "properties": {"x": {"$ref": "#/anyOf/0"}},
+                                                   "required": ["x"]}, {"type": "integer", "minimum": 0,
+                                                                        "maximum": 9}]},
+    "defs": {"$defs": {"P": {"type": "object", "properties": {"v": {"enum": ["a", "b"]}}, "required": ["v"]}},
+             "type": "array", "items": {"$ref": "#/$defs/P"}, "maxItems": 2},
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_answers_that_stop_validate_against_their_schema(name):
+    from dgemma_cli.constrain import Structure
+    from dgemma_cli.engine import load
+
+    engine = load("demo", device="cpu", dtype="float32")
+    schema = SCHEMAS[name]
+    result = engine.generate(["upper: json"] * 6, seed=3, structure=Structure("json_schema", json.dumps(schema)),
+                             max_new_tokens=96, max_denoising_steps=6)
+    assert any(result.satisfied), result.texts
+    for text, ok in zip(result.texts, result.satisfied):
+        if ok:
+            jsonschema.validate(json.loads(text), schema)
