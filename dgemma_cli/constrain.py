@@ -31,7 +31,7 @@ from collections import OrderedDict
 import torch
 
 from .errors import UsageError
-from .structure import (BIG_GROUP, MAX_EDGES, MAX_REPEAT, Structure, integer_regex, lark_grammar,  # noqa: F401
+from .structure import (MAX_EDGES, MAX_REPEAT, Structure, integer_regex, lark_grammar,  # noqa: F401
                         number_regex, outlines_vocabulary, regex_tables, schema_regex)
 
 # ------------------------------------------------------------------------------------------ the token automaton
@@ -127,29 +127,13 @@ def compile_structure(structure: Structure, tokenizer, vocab_size: int):
         structure.check()
         auto = LarkGrammar(lark_grammar(structure.source), tokenizer, vocab_size)
     else:
-        regex = structure.regex()
-        from .structure import automaton_tables  # noqa: F401 (regex_tables builds them)
-
         vocabulary = outlines_vocabulary(tokenizer.token_bytes(), vocab_size)
-        auto = TokenAutomaton(_regex_tables(regex, vocabulary, vocab_size))
+        auto = TokenAutomaton(regex_tables(structure.regex(), vocabulary, vocab_size, BIG_GROUP))
     with _CACHE_LOCK:
         _CACHE[key] = auto
         while len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)
     return auto
-
-
-def _regex_tables(regex: str, vocabulary, vocab_size: int) -> dict:
-    """structure.regex_tables with this module's BIG_GROUP (which tests lower to exercise the masked search)."""
-    from outlines_core import Index
-
-    from .structure import automaton_tables
-
-    if BIG_GROUP == 4096:
-        return regex_tables(regex, vocabulary, vocab_size)
-    index = Index(regex, vocabulary)
-    return automaton_tables(index.get_transitions(), index.get_initial_state(), index.get_final_states(),
-                            vocab_size, BIG_GROUP)
 
 
 # ---------------------------------------------------------------------------------------------------- the search

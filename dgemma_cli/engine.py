@@ -180,6 +180,8 @@ class Engine:
         self._vision = None  # the vision tower, read from the checkpoint at the first image
         self._vision_lock = threading.Lock()  # the server's request threads may ask for it at once: read it once
         self._compiler = None  # structure_worker.StructureCompiler, started at the first structure
+        self._compiler_lock = threading.Lock()
+        self._compiler_stopped = False  # close_compiler: a server shutting down
         self.compile_budget = (DEFAULT_SECONDS, DEFAULT_MEMORY)  # structure compiles: set_compile_budget
 
     @property
@@ -362,12 +364,15 @@ class Engine:
         callable the wait polls (True: stop, structure_worker.Cancelled)."""
         if self.tokenizer is None:
             raise ModelError(f"{self.path}: no tokenizer.json, so an answer's structure cannot be compiled")
-        with self._vision_lock:
+        with self._compiler_lock:
+            if self._compiler_stopped:
+                raise UsageError("the structure's compile was stopped: shutting down")
             if self._compiler is None:
                 from .structure_worker import StructureCompiler
 
                 self._compiler = StructureCompiler(self.tokenizer, self.config.text.vocab_size, *self.compile_budget)
-        return self._compiler.compile(structure, cancelled)
+            compiler = self._compiler
+        return compiler.compile(structure, cancelled)
 
     def set_compile_budget(self, seconds: float | None = None, memory: int | None = None) -> None:
         """The structure compile's time (seconds) and the compile worker's memory (bytes) budget; None: the
@@ -380,12 +385,10 @@ class Engine:
     def close_compiler(self) -> None:
         """Stop the compile worker for good (a server shutting down): a compile in progress fails at once, and so
         does every later one."""
-        with self._vision_lock:
-            if self._compiler is None:
-                from .structure_worker import StructureCompiler
-
-                self._compiler = StructureCompiler(self.tokenizer, self.config.text.vocab_size, *self.compile_budget)
-        self._compiler.close()
+        self._compiler_stopped = True  # no lock: a signal handler calls this, and must never wait
+        compiler = self._compiler
+        if compiler is not None:
+            compiler.close()
 
     def infill_events(self, prefix: str, suffix: str, *, held_tokens: int = 8, seed: int | None = None,
                       settings: GenerationSettings | None = None, **overrides) -> Iterator[Event]:

@@ -9,7 +9,6 @@ durations in nanoseconds). Errors are Ollama's `{"error": "..."}` with the same 
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import re

@@ -790,7 +790,7 @@ def automaton_tables(transitions: dict[int, dict[int, int]], start: int, finals,
             "big": big, "masks": masks, "edges": sum(len(v) for v in groups.values())}
 
 
-def regex_tables(regex: str, vocabulary, vocab_size: int) -> dict:
+def regex_tables(regex: str, vocabulary, vocab_size: int, big_group: int = BIG_GROUP) -> dict:
     """An expression over a vocabulary (outlines-core's `Vocabulary`) -> `automaton_tables`; UsageError when the
     vocabulary cannot spell it or the automaton is over MAX_EDGES."""
     from outlines_core import Index
@@ -803,7 +803,7 @@ def regex_tables(regex: str, vocabulary, vocab_size: int) -> dict:
     if sum(len(edges) for edges in transitions.values()) > MAX_EDGES:
         raise UsageError(f"the constraint is too large for this vocabulary (over {MAX_EDGES // 1_000_000} million "
                          f"token transitions)")
-    return automaton_tables(transitions, index.get_initial_state(), index.get_final_states(), vocab_size)
+    return automaton_tables(transitions, index.get_initial_state(), index.get_final_states(), vocab_size, big_group)
 
 
 def outlines_vocabulary(words, vocab_size: int):

@@ -237,9 +237,9 @@ class StructureCompiler:
         proc = subprocess.Popen([sys.executable, "-c", "from dgemma_cli.structure_worker import _worker_main; "
                                  "_worker_main()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, start_new_session=True,
-                                env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                                    [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                     os.environ.get("PYTHONPATH", "")])})
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+                                    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    os.environ.get("PYTHONPATH")]))})
         hf = getattr(self.tokenizer, "_tokenizer", None)  # a dgemma Tokenizer's tokenizers.Tokenizer
         _send(proc.stdin, ("vocab", list(self.tokenizer.token_bytes()), self.vocab_size,
                            hf.to_str() if hasattr(hf, "to_str") else None))
@@ -252,10 +252,18 @@ class StructureCompiler:
             self._check_waiting(cancelled)
         try:
             self._check_waiting(cancelled)
-            if self._proc is None or self._proc.poll() is not None:
-                self._proc = self._start()
-            proc = self._proc
-            _send(proc.stdin, request)
+            for attempt in (0, 1):  # a worker that ended between two compiles (killed, or out of memory): a new one
+                try:
+                    if self._proc is None or self._proc.poll() is not None:
+                        self._kill()
+                        self._proc = self._start()
+                    proc = self._proc
+                    _send(proc.stdin, request)
+                    break
+                except (BrokenPipeError, OSError):
+                    self._kill()
+                    if attempt:
+                        raise UsageError("the structure's compile worker cannot be started") from None
             fd = proc.stdout.fileno()
             buf = bytearray()
             need = None
