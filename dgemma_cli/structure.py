@@ -806,6 +806,36 @@ def regex_tables(regex: str, vocabulary, vocab_size: int, big_group: int = BIG_G
     return automaton_tables(transitions, index.get_initial_state(), index.get_final_states(), vocab_size, big_group)
 
 
+# One character of a JSON string as outlines-core writes it: its automaton has a state per character a bounded string
+# may still take, each with an edge for nearly every token of the vocabulary.
+_STRING_CHAR = re.compile(re.escape(r'([^"\\\x00-\x1F\x7F-\x9F]|\\["\\/bfnrt])') + r"(\{(\d+)(?:,(\d*))?\}|\*)?")
+
+
+def estimated_edges(regex: str, vocab_size: int) -> int:
+    """About how many token edges outlines-core's automaton of a schema's expression holds: a vocabulary's worth per
+    string character state (measured: within 10% on forms of 50 properties at 262,144 tokens). Read off the text,
+    so that a schema whose automaton would not fit is known before it is built."""
+    states = 0
+    for m in _STRING_CHAR.finditer(regex):
+        if m.group(1) is None or m.group(1) == "*":
+            states += 1
+        else:
+            states += int(m.group(3)) if m.group(3) else int(m.group(2))
+    return states * vocab_size
+
+
+def schema_grammar(schema) -> str:
+    """A prepared JSON Schema as an llguidance grammar (its own JSON Schema compiler, built lazily as a sentence is
+    walked): for a schema whose token automaton would be too large (`estimated_edges`)."""
+    import llguidance
+
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
+                                                             defaults={"whitespace_flexible": False})
+    except Exception as e:  # its own wording
+        raise UsageError(f"the JSON schema cannot be compiled: {_first_line(e)}") from None
+
+
 def outlines_vocabulary(words, vocab_size: int):
     """A tokenizer's token bytes (None: special) -> outlines-core's Vocabulary. Its end-of-sequence id is one no
     text token has (every id past the vocabulary is one): the search adds the model's own end ids itself."""

@@ -78,38 +78,58 @@ def _worker_main() -> None:
     _die_with_parent()
     if os.getppid() == 1:
         return
-    from .structure import Structure, lark_grammar, outlines_vocabulary, regex_tables
-
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing printed may reach the protocol's stream
-    words = vocab_size = vocabulary = ll_tokenizer = None
+    compiler = None
     while True:
         msg = _recv(inp)
         if msg is None:
             return
         if msg[0] == "vocab":
-            _, words, vocab_size, tokenizer_json = msg
-            vocabulary = ll_tokenizer = None
+            compiler = Compile(*msg[1:])
             continue
         _, kind, source = msg
         try:
-            structure = Structure(kind, source)
-            if kind == "grammar":
-                grammar = lark_grammar(source)
-                if ll_tokenizer is None:
-                    ll_tokenizer = _ll_tokenizer(words, vocab_size, tokenizer_json)
-                _probe_grammar(grammar, ll_tokenizer)
-                _send(out, ("grammar", grammar))
-            else:
-                regex = structure.regex()
-                if vocabulary is None:
-                    vocabulary = outlines_vocabulary(words, vocab_size)
-                _send(out, ("tables", regex_tables(regex, vocabulary, vocab_size)))
+            _send(out, compiler(kind, source))
         except UsageError as e:
             _send(out, ("refused", str(e)))
         except Exception as e:  # noqa: BLE001 (a library's own error on a client's input: a refusal, one line)
             line = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
             _send(out, ("refused", f"the structure cannot be compiled: {line}"))
+
+
+class Compile:
+    """What the worker does with a structure, over one vocabulary: ("tables", automaton tables) for an expression
+    or a schema, ("grammar", llguidance grammar text) for a grammar, or for a schema whose token automaton would
+    hold over `max_edges` edges (structure.estimated_edges): llguidance's own JSON Schema grammar, walked as a
+    grammar is. UsageError for what is refused. Runs in the worker; tests call it in-process."""
+
+    def __init__(self, words, vocab_size: int, tokenizer_json: str | None, max_edges: int | None = None):
+        from .structure import MAX_EDGES
+
+        self.words, self.vocab_size, self.tokenizer_json = words, vocab_size, tokenizer_json
+        self.max_edges = MAX_EDGES if max_edges is None else max_edges
+        self.vocabulary = self.ll_tokenizer = None  # made at the first structure that needs them
+
+    def __call__(self, kind: str, source: str):
+        from .structure import (Structure, estimated_edges, lark_grammar, outlines_vocabulary, prepare_schema,
+                                regex_tables, schema_grammar)
+
+        structure = Structure(kind, source)
+        if kind == "grammar":
+            return "grammar", self._probed(lark_grammar(source))
+        regex = structure.regex()
+        if kind == "json_schema" and estimated_edges(regex, self.vocab_size) > self.max_edges:
+            return "grammar", self._probed(schema_grammar(prepare_schema(structure.schema())))
+        if self.vocabulary is None:
+            self.vocabulary = outlines_vocabulary(self.words, self.vocab_size)
+        return "tables", regex_tables(regex, self.vocabulary, self.vocab_size)
+
+    def _probed(self, grammar: str) -> str:
+        if self.ll_tokenizer is None:
+            self.ll_tokenizer = _ll_tokenizer(self.words, self.vocab_size, self.tokenizer_json)
+        _probe_grammar(grammar, self.ll_tokenizer)
+        return grammar
 
 
 def _ll_tokenizer(words, vocab_size: int, tokenizer_json: str | None):

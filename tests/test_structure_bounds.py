@@ -225,3 +225,34 @@ def test_answers_that_stop_validate_against_their_schema(name):
     for text, ok in zip(result.texts, result.satisfied):
         if ok:
             jsonschema.validate(json.loads(text), schema)
+
+
+def test_a_schema_too_large_for_an_automaton_runs_as_llguidances_json_grammar():
+    """A schema whose token automaton would hold over the edge limit (bounded strings times the vocabulary) compiles
+    to llguidance's JSON Schema grammar instead of being refused; its answers that stop validate. The limit is
+    lowered here so that the demo's small vocabulary crosses it."""
+    from dgemma_cli.constrain import LarkGrammar, TokenAutomaton
+    from dgemma_cli.engine import load
+    from dgemma_cli.structure_worker import Compile
+
+    engine = load("demo", device="cpu", dtype="float32")
+    tok, V = engine.tokenizer, engine.config.text.vocab_size
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "ok": {"type": "boolean"}}, "required": ["name", "ok"]}
+    source = json.dumps(schema)
+    small = Compile(tok.token_bytes(), V, None, max_edges=10**9)
+    large = Compile(tok.token_bytes(), V, None, max_edges=100)
+    kind, tables = small("json_schema", source)
+    assert kind == "tables" and TokenAutomaton(tables).edges > 100
+    kind, grammar = large("json_schema", source)
+    assert kind == "grammar"
+    auto = LarkGrammar(grammar, tok, V)
+    engine._compiler = type("Fixed", (), {"compile": lambda self, s, c=None: auto})()  # what the worker would give
+    from dgemma_cli.constrain import Structure
+
+    result = engine.generate(["upper: json"] * 4, seed=5, structure=Structure("json_schema", source),
+                             max_new_tokens=48, max_denoising_steps=6)
+    assert any(result.satisfied), result.texts
+    for text, ok in zip(result.texts, result.satisfied):
+        if ok:
+            jsonschema.validate(json.loads(text), schema)
