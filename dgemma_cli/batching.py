@@ -16,18 +16,30 @@ How a row is what it would be alone (`Engine.events(prompt, seed=S)` on the CPU,
 - Every random draw of a row (canvas init, the sample's exponential race, renoise) comes from the row's own
   `torch.Generator` seeded with the request's seed; a generator seeded with S draws what torch's global generator
   draws after `torch.manual_seed(S)`.
+- Each row runs with its own adapter or the base (`rows_choose_adapters`: `Phase.row_slots`, one slot per row of
+  the forward); a part of the forward that runs on some of the rows only takes their slots only (the
+  self-conditioning MLP on the rows that have a previous step, the routed experts row by row).
 That the stacked projections give each row the bits it gets alone is a property of the BLAS (on this CPU: float32
 matmuls with at least 4 rows); `tests/test_serve.py` checks the whole answer against the single run.
 
 Memory: the sampler's buffers (on a GPU the fused head's, on the CPU the torch path's canvas x vocab float32 ones)
 are allocated once, for `max_batch` rows, whatever the queue holds; a queued request holds only its token ids. Rows stay packed at the front of the buffers (a row that leaves
 is replaced by the last one), so a step works on the first A canvases.
+
+Failures: one request's failure is that request's. A job that cannot be admitted, or a row whose own step fails,
+gets `RowFailed` and leaves; the others go on. When a step's batched forward raises, each row runs that step alone
+on its own rows of the buffers (`SamplerBuffers.span`), as it would have run in the batch: its generator is put
+back first, so it draws again what it drew for the batch, and a forward only reads the previous step's
+self-conditioning input (the fused head overwrites it last, at the forward's end). A row that fails alone fails;
+the others get the step they get alone. Each failure writes one line on stderr (`dgemma: internal error in ...`),
+which is where its exception is told: the client's error names none. A batched failure that no row has alone (a
+fault of mixing rows) writes one line the first time it is seen, not at every step it comes back.
 """
 
 from __future__ import annotations
 
 import contextlib
-
+import sys
 import threading
 import time
 from collections import deque
@@ -312,6 +324,7 @@ class BatchLoop:
         self.peak_batch = 0
         self.completed = 0
         self.failed = 0
+        self.batch_errors: set[str] = set()  # batched forwards' failures already said (`_note_batch_error`)
         self.thread = threading.Thread(target=self._run, name="dgemma-batch-loop", daemon=True)
         self.thread.start()
 
@@ -376,18 +389,15 @@ class BatchLoop:
                     try:
                         self.rows.append(_Row(t, self.model, self.prefixes))
                     except Exception as e:  # noqa: BLE001 (one request's failure is that request's)
-                        self.failed += 1
-                        _deliver(t, RowFailed(_describe(e)))
+                        self._fail(t, e)
                 if self.rows:
                     try:
                         self._step()
-                    except Exception as e:  # noqa: BLE001 (the forward failed: fail this batch, keep serving)
+                    except Exception as e:  # noqa: BLE001 (outside any row's own work: fail them all, keep serving)
                         for r in self.rows:
-                            self.failed += 1
-                            r.deliver(RowFailed(_describe(e)))
+                            self._fail(r.ticket, e)
                         self.rows = []
-                        if self.buf.fused is not None:  # a head stopped midway leaves its chunk maxima set
-                            self.buf.fused.reset()
+                        self._reset_head()
 
     def _leave(self, gone: set[int]) -> None:
         """Remove rows by index, packing the rest to the front of the buffers (their softmax moves with them)."""
@@ -401,34 +411,111 @@ class BatchLoop:
         self.rows = [self.rows[a] for a in kept]
 
     def _step(self) -> None:
+        """One denoising step of every active row: one forward for them all. When that forward raises, each row
+        runs the step alone on its own rows of the buffers (the batch's failure may be no row's own); a row whose
+        forward, sampling or bookkeeping fails alone fails, the others go on."""
         self._leave({a for a, r in enumerate(self.rows) if r.ticket.cancelled})
         rows = self.rows
         if not rows:
             return
-        A, C = len(rows), self.C
-        buf = self.buf.first(A * C)
-        canvas = torch.cat([r.canvas for r in rows])  # [A, C]
-        temperature = torch.stack([r.temperature() for r in rows]).repeat_interleave(C)[:, None]  # [A*C, 1]
+        gone: set[int] = set()
+        states = [r.gen.get_state() for r in rows]  # the fused head's uniforms are drawn before the forward
+        try:
+            ran = self._forward(0, rows)
+        except Exception as e:  # noqa: BLE001 (tried again row by row, below)
+            ran, batch_error = None, e
+            self._reset_head()
+        if ran is not None:
+            self._after(0, rows, *ran, gone)
+        elif len(rows) == 1:
+            self._fail(rows[0].ticket, batch_error)
+            gone.add(0)
+        else:
+            for r, state in zip(rows, states):  # each row draws again what it drew for the failed forward
+                r.gen.set_state(state)
+            failed_alone = False
+            for a, r in enumerate(rows):
+                try:
+                    ran = self._forward(a, [r])
+                except Exception as e:  # noqa: BLE001 (this row's own failure)
+                    self._fail(r.ticket, e)
+                    self._reset_head()
+                    gone.add(a)
+                    failed_alone = True
+                    continue
+                self._after(a, [r], *ran, gone)
+            if not failed_alone:  # no row's own: the batch's, said once per kind (it may come back every step)
+                self._note_batch_error(batch_error, len(rows))
+        self._leave(gone)
+
+    def _forward(self, lo: int, rows: list[_Row]) -> tuple[SamplerBuffers, torch.Tensor, torch.Tensor | None]:
+        """The decoder forward of one step for rows = self.rows[lo : lo + len(rows)], on their rows of the buffers:
+        returns (those buffers' view, the step's temperatures [n*C, 1], the fused head's hidden states or None)."""
+        n, C = len(rows), self.C
+        buf = self.buf.span(lo * C, n * C)
+        canvas = torch.cat([r.canvas for r in rows])  # [n, C]
+        temperature = torch.stack([r.temperature() for r in rows]).repeat_interleave(C)[:, None]  # [n*C, 1]
         prepare_step(buf, temperature, [r.gen for r in rows])
         hidden = denoise_rows(self.model, rows, canvas, buf, self.experts_per_row)
         self.forwards += 1
-        self.row_forwards += A
-        self.peak_batch = max(self.peak_batch, A)
-        sample, argmax, entropy = (t.view(A, C) for t in sample_step(buf, temperature, [r.gen for r in rows]))
+        self.row_forwards += n
+        self.peak_batch = max(self.peak_batch, n)
+        return buf, temperature, hidden
+
+    def _after(self, lo: int, rows: list[_Row], buf: SamplerBuffers, temperature: torch.Tensor,
+               hidden: torch.Tensor | None, gone: set[int]) -> None:
+        """Sample, accept and renoise for rows = self.rows[lo : lo + len(rows)] after their forward (`_forward`'s
+        results); adds to `gone` the indices of the rows that finished or failed."""
+        n, C = len(rows), self.C
+        try:
+            sample, argmax, entropy = (t.view(n, C) for t in sample_step(buf, temperature, [r.gen for r in rows]))
+        except Exception as e:  # noqa: BLE001 (the buffers hold these rows' results no more: they fail)
+            for k, r in enumerate(rows):
+                self._fail(r.ticket, e)
+                gone.add(lo + k)
+            return
         if buf.fused is not None:  # the head's buffers are overwritten next step; a row keeps its argmax (history)
             sample, argmax = sample.clone(), argmax.clone()
-        gone = set()
         for a, r in enumerate(rows):
-            drawn = argmax if r.job.settings.greedy else sample
-            logp = None
-            if r.constraint is not None:  # the step's log-probabilities, which its search reads
-                logp = buf.logits[a * C : (a + 1) * C] if hidden is None else \
-                    self._log_probs(hidden[a : a + 1], temperature[a * C])
-            if r.after_step(drawn[a : a + 1], argmax[a : a + 1], entropy[a : a + 1], logp) and r.finish_canvas():
-                gone.add(a)
-                self.completed += 1
-                r.deliver(r.done_event())
-        self._leave(gone)
+            try:
+                drawn = argmax if r.job.settings.greedy else sample
+                logp = None
+                if r.constraint is not None:  # the step's log-probabilities, which its search reads
+                    logp = buf.logits[a * C : (a + 1) * C] if hidden is None else \
+                        self._log_probs(hidden[a : a + 1], temperature[a * C])
+                if r.after_step(drawn[a : a + 1], argmax[a : a + 1], entropy[a : a + 1], logp) and r.finish_canvas():
+                    gone.add(lo + a)
+                    self.completed += 1
+                    r.deliver(r.done_event())
+            except Exception as e:  # noqa: BLE001 (this row's own failure)
+                self._fail(r.ticket, e)
+                gone.add(lo + a)
+
+    def _fail(self, ticket: Ticket, e: BaseException) -> None:
+        """A request that cannot go on: one line on stderr (what the client's error does not say), RowFailed to it."""
+        self.failed += 1
+        _internal_error("a generation", e)
+        _deliver(ticket, RowFailed(_describe(e)))
+
+    def _note_batch_error(self, e: BaseException, rows: int) -> None:
+        """A batched forward that failed where each of its rows ran alone: one line the first time it is seen."""
+        said = _describe(e)
+        if said not in self.batch_errors and len(self.batch_errors) < 64:
+            self.batch_errors.add(said)
+            _internal_error(f"a step of {rows} rows together (each ran alone instead)", e)
+
+    def _reset_head(self) -> None:
+        if self.buf.fused is not None:  # a head stopped midway leaves its chunk maxima set
+            self.buf.fused.reset()
+
+
+def _internal_error(where: str, e: BaseException) -> None:
+    """The one line an internal error writes on stderr (docs/serve.md): the client's error names no internals."""
+    try:
+        sys.stderr.write(f"dgemma: internal error in {where}: {_describe(e)}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):  # no stderr left (closed): the loop goes on
+        pass
 
 
 def _describe(e: BaseException) -> str:

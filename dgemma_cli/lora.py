@@ -279,8 +279,15 @@ class LoRALinear(nn.Module):
             if slots is None:
                 y = y + d(x)
             else:  # every row computes it, the others' share multiplied by zero: no host sync, one shape
-                y = y + d(x) * (slots == d.slot).to(x.dtype).view(-1, *[1] * (x.dim() - 1))
+                y = y + d(x) * _token_mask(slots, d.slot, x)
         return y
+
+
+def _token_mask(slots: torch.Tensor, slot: int, x: torch.Tensor) -> torch.Tensor:
+    """1 where a token of x [..., in] belongs to a batch row with adapter `slot`, else 0, shaped [..., 1]: x holds
+    the rows' tokens in order, as [B, T, in] or flattened (the router's [B*T, in]); slots [B], one per row."""
+    tokens = x[..., 0].numel()
+    return (slots == slot).to(x.dtype).repeat_interleave(tokens // slots.numel()).view(*x.shape[:-1], 1)
 
 
 def _fused(x: torch.Tensor, deltas: list[LowRank]) -> bool:

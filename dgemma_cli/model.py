@@ -842,11 +842,20 @@ class DiffusionGemma(nn.Module):
 
     def _self_condition_rows(self, x: torch.Tensor, soft: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Self-conditioning for the canvas rows `rows` of x [B, C, H] (sorted) from their soft embeddings soft
-        [len(rows), C, H]; the other rows get the first step's (no soft signal)."""
+        [len(rows), C, H]; the other rows get the first step's (no soft signal). The MLP runs on those rows only,
+        so the rows' adapter slots (`Phase.row_slots`, [B]) are narrowed to them for it: an adapted projection
+        masks its term by the rows it is given."""
         sc = self.self_conditioning
         h = sc.pre_norm(soft)
         idx = torch.tensor(rows, device=x.device)
-        x = x.index_put((idx,), x[idx] + sc.down_proj(gelu_tanh(sc.gate_proj(h)) * sc.up_proj(h)))
+        every = self.phase.row_slots
+        if every is not None:
+            self.phase.row_slots = every[idx]  # [len(rows)]
+        try:
+            signal = sc.down_proj(gelu_tanh(sc.gate_proj(h)) * sc.up_proj(h))
+        finally:
+            self.phase.row_slots = every
+        x = x.index_put((idx,), x[idx] + signal)
         return sc.post_norm(x)
 
     def denoise(self, canvas: torch.Tensor, cache: KVCache | list[KVCache], ctx: DenoiseContext | list[DenoiseContext],

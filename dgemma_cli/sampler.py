@@ -115,10 +115,15 @@ class SamplerBuffers:
 
     def first(self, rows: int) -> SamplerBuffers:
         """The first `rows` rows of every buffer (views: no copy), for a batch that uses only part of them."""
+        return self.span(0, rows)
+
+    def span(self, lo: int, n: int) -> SamplerBuffers:
+        """Rows [lo, lo + n) of every buffer (views: no copy): a range of a server batch's rows (one request's
+        canvas, when a step runs that request alone)."""
         view = object.__new__(SamplerBuffers)
         for k, v in self.__dict__.items():
-            setattr(view, k, v[:rows] if isinstance(v, torch.Tensor) else v)
-        view.fused = None if self.fused is None else self.fused.first(rows)
+            setattr(view, k, v[lo : lo + n] if isinstance(v, torch.Tensor) else v)
+        view.fused = None if self.fused is None else self.fused.span(lo, n)
         return view
 
     @property

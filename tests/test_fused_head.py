@@ -112,16 +112,20 @@ def test_the_demo_answers_the_same_through_the_fused_head(fused_head_on, monkeyp
     assert fused.steps_per_canvas == torch_path.steps_per_canvas
 
 
-def test_the_servers_batch_loop_through_the_fused_head(fused_head_on):
+def test_the_servers_batch_loop_through_the_fused_head(fused_head_on, monkeypatch, capfd):
     """Three requests in the server's loop through the fused head (no canvas x vocab float32 buffer): one row at a
     time, and two rows at once with rows joining and leaving (their soft embeddings move with them), give every
     request the same answer (on the CPU; on a GPU each the demo's): its draws come from its own generator, its rows
-    never mix with another's. And one row at a time is the single run of the same seed, step for step, on a slow
-    canvas (one position accepted a step, a stop only when the argmax held for two steps: 20-40 steps), whose length
-    shows that each row compares its argmax with its own earlier ones, not with the head's reused buffer."""
+    never mix with another's. The same when every batched forward raises: the loop puts the rows' generators back
+    (the head's uniforms are drawn before the forward) and runs each row alone on its rows of the buffers
+    (`HeadBuffers.span`), and one line says so. And one row at a time is the single run of the same seed, step for
+    step, on a slow canvas (one position accepted a step, a stop only when the argmax held for two steps: 20-40
+    steps), whose length shows that each row compares its argmax with its own earlier ones, not with the head's
+    reused buffer."""
     import dataclasses
     import threading
 
+    import dgemma_cli.batching as batching
     from dgemma_cli.batching import BatchLoop, Job, RowDone
     from dgemma_cli.engine import load
 
@@ -142,9 +146,10 @@ def test_the_servers_batch_loop_through_the_fused_head(fused_head_on):
 
         try:
             assert loop.buf.fused is not None and loop.buf.logits is None
-            for i, word in enumerate(words):
-                ids = engine.prompt_ids(f"upper: {word}")
-                loop.submit(Job(ids, settings, i, engine.check_context(len(ids), settings)), sink(word))
+            with loop.cond:  # every job queued before the loop admits the first
+                for i, word in enumerate(words):
+                    ids = engine.prompt_ids(f"upper: {word}")
+                    loop.submit(Job(ids, settings, i, engine.check_context(len(ids), settings)), sink(word))
             assert done.wait(300)
         finally:
             loop.close()
@@ -158,6 +163,23 @@ def test_the_servers_batch_loop_through_the_fused_head(fused_head_on):
         assert together == alone
     else:
         assert all(w.upper() in together[w][0] for w in words), together
+    real = batching.denoise_rows
+
+    def no_batches(model, rows, *args, **kw):
+        if len(rows) > 1:
+            raise RuntimeError("no batches today")
+        return real(model, rows, *args, **kw)
+
+    monkeypatch.setattr(batching, "denoise_rows", no_batches)
+    capfd.readouterr()
+    retried = answers(words[:2], 2, engine.settings)
+    monkeypatch.setattr(batching, "denoise_rows", real)
+    if DEVICE == "cpu":
+        assert retried == {w: alone[w] for w in words[:2]}
+    else:
+        assert all(w.upper() in retried[w][0] for w in words[:2]), retried
+    assert capfd.readouterr().err == ("dgemma: internal error in a step of 2 rows together (each ran alone "
+                                      "instead): RuntimeError: no batches today\n")
     slow = dict(entropy_bound=1e-6, stability_threshold=2, confidence_threshold=1e9, t_max=2.0)
     text, steps = answers(["canvas"], 1, dataclasses.replace(engine.settings, **slow))["canvas"]
     assert steps[0] > 3

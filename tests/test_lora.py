@@ -284,6 +284,44 @@ def test_rows_of_one_batch_choose_their_adapter(tmp_path):
     assert not torch.equal(mixed[1], mixed[2])
 
 
+def test_rows_choose_their_adapter_on_the_router_too():
+    """An adapter on the router's projection, which runs on the batch's tokens flattened ([B*T, H], not [B, T, H]):
+    a base row and an adapted row in one forward each get the logits they get alone."""
+    from pathlib import Path
+
+    from dgemma_cli.lora import Adapter, attach
+    from dgemma_cli.names import DEMO_MODEL
+    from dgemma_cli.weights import load_model
+
+    model, cfg = load_model(DEMO_MODEL, dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    H, E, V, C = cfg.text.hidden_size, cfg.text.num_experts, cfg.text.vocab_size, cfg.canvas_length
+    ad = Adapter(Path("router"), {"r": 4, "lora_alpha": 8})
+    for side in ("encoder", "decoder"):
+        ad.linears[(side, "layers.0.router.proj")] = (torch.randn(4, H, generator=g), torch.randn(E, 4, generator=g),
+                                                      2.0)
+    prompt, canvas = torch.randint(107, V, (1, 8), generator=g), torch.randint(0, V, (2, C), generator=g)
+
+    def forward(m, rows, slots):
+        caches = []
+        for s in slots:
+            caches.append(m.new_cache(1, 8 + C))
+            m.phase.row_slots = None if s is None else torch.tensor([s])
+            m.encode(prompt, caches[-1])
+        m.phase.row_slots = None if None in slots else torch.tensor(slots)
+        with torch.no_grad():
+            out = m.denoise(canvas[rows], caches, [m.denoise_context(kv, 1) for kv in caches], experts_per_row=True)
+        m.phase.row_slots = None
+        return out
+
+    plain, _ = load_model(DEMO_MODEL, dtype=torch.float32)
+    attach(model, [(ad, 1.0)], slots=[1])
+    mixed = forward(model, [0, 1], [0, 1])
+    assert torch.equal(mixed[0], forward(plain, [0], [None])[0])
+    assert torch.equal(mixed[1], forward(model, [1], [None])[0])
+    assert not torch.equal(mixed[1], forward(plain, [1], [None])[0])
+
+
 def test_serve_answers_each_adapter_as_run_does(tmp_path):
     """`dgemma serve --adapter a=DIR --adapter b=DIR`: /v1/models lists them on the base; concurrent requests for
     the base and each adapter get exactly what the engine gives alone with that adapter."""

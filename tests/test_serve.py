@@ -399,6 +399,136 @@ def test_a_failing_request_fails_alone(engine):
     assert loop.stopped
 
 
+def _run_jobs(loop, jobs: list) -> list:
+    """Submit jobs to a BatchLoop at once (the loop admits them together); each job's last event (RowDone or
+    RowFailed), in order."""
+    from dgemma_cli.batching import RowDone, RowFailed
+
+    ends: list = [None] * len(jobs)
+    done = threading.Semaphore(0)
+
+    def sink(i):
+        def deliver(ev):
+            if isinstance(ev, (RowDone, RowFailed)):
+                ends[i] = ev
+                done.release()
+        return deliver
+
+    with loop.cond:  # the loop's lock (reentrant: submit takes it too) until every job is queued
+        for i, job in enumerate(jobs):
+            loop.submit(job, sink(i))
+    for _ in jobs:
+        assert done.acquire(timeout=60)
+    return ends
+
+
+def test_a_row_whose_forward_raises_fails_alone_mid_batch(engine, monkeypatch, capfd):
+    """Four requests in one batch. Any forward that holds the third one's row at its third step or later raises (a
+    row whose own input breaks the network): the batched step fails, each row then runs that step alone; the third
+    fails with one line on stderr and an error that names no exception text, the others run on (two of them
+    mid-canvas) and answer token for token what they answer alone. Then every batched forward raises: each row runs
+    every step alone, the answers are still the alone ones, and that failure is said once."""
+    import dgemma_cli.batching as batching
+    from dgemma_cli.batching import BatchLoop, Job, RowDone, RowFailed
+
+    prompts = [("sudoku: ..4./..../.2.1/3...", 0), ("upper: hello diffusions", 1),
+               ("sudoku: 1.../..4./.3../...2", 666), ("sudoku: ..1./4.../...3/.2..", 2)]
+    alone = [engine.generate(p, seed=seed).token_ids[0] for p, seed in prompts]
+
+    def jobs():
+        out = []
+        for p, seed in prompts:
+            ids = engine.prompt_ids(p)
+            out.append(Job(ids, engine.settings, seed, engine.check_context(len(ids), engine.settings)))
+        return out
+
+    real = batching.denoise_rows
+
+    def row_breaks(rows) -> str | None:
+        return f"broken by a row, {len(rows)} in the forward" if any(r.job.seed == 666 and r.steps >= 2
+                                                                      for r in rows) else None
+
+    def batch_breaks(rows) -> str | None:
+        return "broken by batching" if len(rows) > 1 else None
+
+    broken = {"now": row_breaks}
+
+    def denoise_rows(model, rows, *args, **kw):
+        if why := broken["now"](rows):
+            raise RuntimeError(f"{why}\nsecond line")
+        return real(model, rows, *args, **kw)
+
+    monkeypatch.setattr(batching, "denoise_rows", denoise_rows)
+    loop = BatchLoop(engine.model, max_batch=4, max_queue=4)
+    try:
+        capfd.readouterr()
+        ends = _run_jobs(loop, jobs())
+        assert isinstance(ends[2], RowFailed)
+        assert [e.token_ids for k, e in enumerate(ends) if k != 2] == [a for k, a in enumerate(alone) if k != 2]
+        assert (loop.failed, loop.completed, loop.peak_batch) == (1, 3, 4)
+        err = capfd.readouterr().err
+        assert err == "dgemma: internal error in a generation: RuntimeError: broken by a row, 1 in the forward\n"
+        broken["now"] = batch_breaks
+        ends = _run_jobs(loop, jobs())
+        assert all(isinstance(e, RowDone) for e in ends) and [e.token_ids for e in ends] == alone
+        err = capfd.readouterr().err
+        assert err == ("dgemma: internal error in a step of 4 rows together (each ran alone instead): RuntimeError: "
+                       "broken by batching\n")
+        assert (loop.failed, loop.completed) == (1, 7)
+    finally:
+        loop.close()
+    assert loop.stopped
+
+
+# ----------------------------------------------------------------------------- adapters and the base in one batch
+
+
+SUDOKU = ["sudoku: ..4./..../.2.1/3...", "sudoku: 1.../..4./.3../...2", "sudoku: ..1./4.../...3/.2.."]
+
+
+@pytest.fixture(scope="module")
+def adapter_server(tmp_path_factory):
+    s = ServerProcess(tmp_path_factory.mktemp("serve-adapter"), "--adapter", "sudoku=demo-sudoku-lora",
+                      "--max-batch", "4")
+    yield s
+    assert s.stop() == 0, "".join(s.lines)
+
+
+def test_adapter_and_base_rows_mixed_at_any_step_answer_as_alone(adapter_server, engine):
+    """Requests for the base and for an adapter (one that adapts the self-conditioning MLP too), four at a time,
+    each sent a little after the others: rows join while others are mid-canvas, so one forward holds rows of both
+    models, some at their first step and some self-conditioned. Every answer is the one the request gets alone.
+    At most 12 steps a canvas keeps it fast; the base on a puzzle and the adapter on text take all 12."""
+    from dgemma_cli.names import resolve_adapter
+
+    engines = {"demo": engine, "sudoku": load("demo", device="cpu", dtype="float32",
+                                              adapters=[resolve_adapter("demo-sudoku-lora")], adapter_slots=[1])}
+    rnd = random.Random(1)
+    prompts = SUDOKU + [f"upper: {w}" for w in WORDS[:3]]
+    rounds = [[(rnd.choice(["demo", "sudoku"]), rnd.choice(prompts), rnd.randrange(3), rnd.uniform(0, 0.03))
+               for _ in range(4)] for _ in range(20)]
+    alone = {q[:3]: engines[q[0]].generate(q[1], seed=q[2], max_denoising_steps=12).texts[0]
+             for r in rounds for q in r}
+    http, before = adapter_server.http, adapter_server.health()
+
+    def ask(q: tuple) -> tuple[int, str]:
+        model, prompt, seed, after = q
+        time.sleep(after)
+        r = http.post("/v1/chat/completions", json={"model": model, "seed": seed, "steps": 12,
+                                                    "messages": [{"role": "user", "content": prompt}]})
+        return r.status_code, r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.text
+
+    with ThreadPoolExecutor(4) as pool:
+        for r in rounds:
+            assert list(pool.map(ask, r)) == [(200, alone[q[:3]]) for q in r], r
+    after = adapter_server.health()
+    assert after["failed"] == 0 and after["completed"] - before["completed"] == 80
+    rows = (after["row_forwards"] - before["row_forwards"]) / (after["forwards"] - before["forwards"])
+    assert rows > 1.5, f"mean batch {rows:.2f}: requests were not batched"
+    assert not any("internal error" in line for line in adapter_server.lines), "".join(adapter_server.lines)
+    assert len(set(alone.values())) > 6  # the models answer apart
+
+
 # ----------------------------------------------------------------------------- load
 
 

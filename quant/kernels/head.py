@@ -205,9 +205,10 @@ def head_finish_kernel(tmax_ptr, tsum_ptr, tw_ptr, targ_ptr, tsamp_ptr, m_ptr, p
 class HeadBuffers:
     """What the fused head keeps between steps for `rows` rows, allocated once per generation (or per server batch):
     the step's results (sample, argmax, entropy), the soft embedding the next step reads, and the chunk maxima (-inf
-    between steps: the last kernel of a step leaves them so). `first(n)` gives views of the first n rows. The
-    step's scratch (the probabilities chunk, the tile statistics, the running sum) is allocated by each call: it lives
-    while the head runs, when the layers' activations are gone, so the two share memory."""
+    between steps: the last kernel of a step leaves them so). `first(n)` gives views of the first n rows, `span(lo,
+    n)` of rows [lo, lo + n). The step's scratch (the probabilities chunk, the tile statistics, the running sum) is
+    allocated by each call: it lives while the head runs, when the layers' activations are gone, so the two share
+    memory."""
 
     def __init__(self, rows: int, vocab: int, hidden: int, dtype: torch.dtype, device, chunk: int = CHUNK,
                  tile: int = TILE):
@@ -227,8 +228,13 @@ class HeadBuffers:
         self.chunk_max.fill_(-float("inf"))
 
     def first(self, rows: int) -> HeadBuffers:
+        return self.span(0, rows)
+
+    def span(self, lo: int, n: int) -> HeadBuffers:
+        """Views of rows [lo, lo + n) (each buffer's rows are contiguous, so a view is one too)."""
         view = object.__new__(HeadBuffers)
-        view.__dict__.update({k: (v[:rows] if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()})
+        view.__dict__.update({k: (v[lo : lo + n] if isinstance(v, torch.Tensor) else v)
+                              for k, v in self.__dict__.items()})
         return view
 
     @property
