@@ -366,7 +366,9 @@ class Engine:
             raise ModelError(f"{self.path}: no tokenizer.json, so an answer's structure cannot be compiled")
         with self._compiler_lock:
             if self._compiler_stopped:
-                raise UsageError("the structure's compile was stopped: shutting down")
+                from .structure_worker import Stopped
+
+                raise Stopped("the structure's compile was stopped: shutting down")
             if self._compiler is None:
                 from .structure_worker import StructureCompiler
 

@@ -45,7 +45,7 @@ from .guard import INTERNAL, Guard, allowed_hosts
 from .header_timeout import DEFAULT_SECONDS as HEADER_TIMEOUT
 from .header_timeout import protocol as header_deadline_protocol
 from .store import check_images
-from .structure_worker import Cancelled
+from .structure_worker import Cancelled, Stopped
 from .tokenizer import Control
 
 MAX_BODY = 20 << 20  # bytes of one request body: room for a few photos as base64 data: URLs
@@ -375,6 +375,8 @@ def prepare(server: Server, body: dict, kind: str, cancelled=None) -> Prepared:
             automaton = engine.automaton(structure, cancelled)
         except Cancelled:
             raise ApiError(499, "the client left while its structure compiled", code="client_disconnected") from None
+        except Stopped:
+            raise ApiError(503, "the server is shutting down", code="shutting_down") from None
         except UsageError as e:
             where = "tool_choice" if call_structure is not None else next(
                 (k for k in GUIDED if body.get(k) is not None), "response_format")

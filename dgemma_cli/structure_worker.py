@@ -39,6 +39,10 @@ class Cancelled(Exception):
     """The caller stopped waiting (its client left): nothing is cached."""
 
 
+class Stopped(Exception):
+    """The compiler was closed (a server shutting down): nothing is cached."""
+
+
 # ----------------------------------------------------------------------------- the wire: length-prefixed pickles
 
 
@@ -234,7 +238,7 @@ class StructureCompiler:
             compiled = self._build(kind, result)
         except UsageError as e:
             if self.closed:  # stopped, not refused: nothing to remember
-                raise
+                raise Stopped("the structure's compile was stopped: shutting down") from None
             with self._cache_lock:
                 self._refused[key] = str(e)
                 while len(self._refused) > _REFUSED:
@@ -322,7 +326,7 @@ class StructureCompiler:
 
     def _check_waiting(self, cancelled) -> None:
         if self.closed:
-            raise UsageError("the structure's compile was stopped: shutting down")
+            raise Stopped("the structure's compile was stopped: shutting down")
         if cancelled is not None and cancelled():
             raise Cancelled()
 

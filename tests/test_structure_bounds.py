@@ -142,7 +142,9 @@ def test_a_required_call_that_cannot_be_written_is_refused(server, params, says)
 def test_sigterm_during_a_compile_stops_the_server_within_seconds(tmp_path):
     s = ServerProcess(tmp_path, "--compile-timeout", "120")
     try:
-        hung = threading.Thread(target=lambda: s.http.post("/v1/chat/completions", json=chat({"guided_json": SLOW})),
+        answered: dict = {}
+        hung = threading.Thread(target=lambda: answered.update(r=s.http.post("/v1/chat/completions",
+                                                                             json=chat({"guided_json": SLOW}))),
                                 daemon=True)
         hung.start()
         time.sleep(1.0)  # the compile is running in the worker
@@ -150,6 +152,8 @@ def test_sigterm_during_a_compile_stops_the_server_within_seconds(tmp_path):
         s.proc.send_signal(signal.SIGTERM)
         assert s.proc.wait(15) == 0, "".join(s.lines)
         assert time.perf_counter() - t < 15
+        hung.join(5)
+        assert answered["r"].status_code == 503, answered["r"].text  # its compile stopped: told, not refused
     finally:
         s.stop()
     time.sleep(0.5)
