@@ -307,6 +307,18 @@ def call_grammar(functions: list[dict], call_start: int, call_end: int, quote: i
     def lit(s: str) -> str:
         return json.dumps(s)
 
+    def value(v: Any) -> str:
+        """A fixed value (an enum's, a const) as grammar items: its strings between quote tokens, as the model
+        writes them (the quote's text, a control token's, is never spelled by text tokens)."""
+        if isinstance(v, str):
+            return f"{q} {lit(v)} {q}" if v else f"{q} {q}"
+        if isinstance(v, dict):
+            items = [f"{lit(k + ':')} {value(x)}" for k, x in sorted(v.items())]
+            return lit("{") + (" " + ' "," '.join(items) if items else "") + " " + lit("}")
+        if isinstance(v, list):
+            return lit("[") + (" " + ' "," '.join(value(x) for x in v) if v else "") + " " + lit("]")
+        return lit(gemma_value(v))
+
     def rule(schema: Any, name: str) -> str:
         """The rule for a value of `schema`; returns its name."""
         schema = schema if isinstance(schema, dict) else {}
@@ -314,9 +326,11 @@ def call_grammar(functions: list[dict], call_start: int, call_end: int, quote: i
         if isinstance(kind, list):
             kind = next((k for k in kind if k != "null"), "null")
         if "enum" in schema:
-            body = " | ".join(lit(gemma_value(v)) for v in schema["enum"]) or lit("null")
+            if not isinstance(schema["enum"], list) or not schema["enum"]:
+                raise UsageError("a tool parameter's enum must be a non-empty list")
+            body = " | ".join(f"({value(v)})" for v in schema["enum"])
         elif "const" in schema:
-            body = lit(gemma_value(schema["const"]))
+            body = value(schema["const"])
         elif kind == "object" or "properties" in schema:
             props = schema.get("properties") or {}
             items = [f"{lit(k + ':')} {rule(props[k], f'{name}_{i}')}" for i, k in enumerate(sorted(props))]

@@ -185,3 +185,18 @@ def test_hostile_tool_requests_are_400s_not_500s(server):
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["finish_reason"] in ("tool_calls", "length")
     assert not any("Traceback" in line or "internal error" in line for line in server.lines)
+
+
+def test_enum_strings_in_a_call_are_written_between_quote_tokens():
+    """Where the vocabulary has the quote token (the real checkpoints do), an enum's or a const's strings in a
+    required call are held between that token, as the model writes every string: its text is a control token's,
+    which no text token spells, so a literal of it could never be written."""
+    from dgemma_cli.tools import QUOTE, call_grammar
+
+    params = {"type": "object", "properties": {"unit": {"enum": ["C", "F"]}, "mode": {"const": {"k": ["x", 1]}}}}
+    grammar = call_grammar([{"name": "w", "parameters": params}], 48, 49, 52)
+    assert QUOTE not in grammar and json.dumps(QUOTE) not in grammar
+    assert '(<[52]> "C" <[52]>) | (<[52]> "F" <[52]>)' in grammar
+    assert '"[" <[52]> "x" <[52]> "," "1" "]"' in grammar
+    text = call_grammar([{"name": "w", "parameters": params}], 48, 49, None)  # no such token: its text
+    assert f'{json.dumps(QUOTE)} "C" {json.dumps(QUOTE)}' in text
