@@ -223,11 +223,12 @@ def _piece(server, kind: str, delta: str, thought: str, model: str = "") -> dict
     return obj
 
 
-async def respond(api, server, openai_body: dict, kind: str, shape: str, stream: bool) -> Response:
+async def respond(api, server, openai_body: dict, kind: str, shape: str, stream: bool,
+                  request: Request | None = None) -> Response:
     """Run the translated request and answer as Ollama does: NDJSON when streaming (its default), else one object.
     shape: "chat" (a message) or "generate" (a response)."""
     started = time.perf_counter()
-    prep = await api.prepared(server, openai_body, kind)
+    prep = await api.prepared(server, openai_body, kind, request)  # a client leaving stops its structure's compile
     if not stream:
         answer, thought, final = "", "", None
         async for delta, th, end in _answer(api, server, prep):
@@ -279,7 +280,7 @@ def routes(server, api) -> list[Route]:
             stream = _stream(body)
             if body.get("messages") in (None, []):  # Ollama's way to load (or unload) a model
                 return _loaded(_model_name(server, body.get("model")), body, "chat")
-            return await respond(api, server, chat_body(server, body), "chat", "chat", stream)
+            return await respond(api, server, chat_body(server, body), "chat", "chat", stream, request)
         return await guarded(request, work)
 
     async def generate(request: Request) -> Response:
@@ -289,7 +290,7 @@ def routes(server, api) -> list[Route]:
             if body.get("prompt") in (None, "") and body.get("suffix") is None and not body.get("images"):
                 return _loaded(_model_name(server, body.get("model")), body, "generate")  # Ollama's load idiom
             openai_body, kind = generate_body(server, body)
-            return await respond(api, server, openai_body, kind, "generate", stream)
+            return await respond(api, server, openai_body, kind, "generate", stream, request)
         return await guarded(request, work)
 
     def entry(model_id: str) -> dict:
