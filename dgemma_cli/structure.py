@@ -240,7 +240,13 @@ def prepare_schema(schema):
                 out[key] = value
         return _possible(out, path)
 
-    prepared = _no_bare_any(walk(schema, "#", ()))
+    try:
+        prepared = _no_bare_any(walk(schema, "#", ()))
+    except UsageError as e:  # a path through long property names: the line stays a line
+        text = str(e)
+        raise UsageError(text if len(text) <= 400 else text[:400] + "...") from None
+    except RecursionError:
+        raise UsageError("the JSON schema nests too deeply") from None
     if prepared is None:
         raise UsageError("the JSON schema has no finite instance (a required $ref that refers back to itself, an "
                          "empty anyOf, enum or range): no answer can satisfy it")
