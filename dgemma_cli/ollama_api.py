@@ -67,7 +67,10 @@ def _unloads(body: dict) -> bool:
     """Whether `keep_alive` is zero (Ollama's way to unload a model): 0, or a duration such as "0", "0s", "0m"."""
     keep = body.get("keep_alive")
     if isinstance(keep, str):
-        return re.fullmatch(r"\s*[+-]?(0+(\.0*)?(ns|us|µs|ms|s|m|h)?)+\s*", keep) is not None
+        # one zero duration after another ("0h0m0s"), each with its unit but the last: no nested repeat that could
+        # backtrack (this runs on the event loop), and a length cap
+        return len(keep) <= 64 and re.fullmatch(r"\s*[+-]?(?:0+(?:\.0*)?(?:ns|us|µs|ms|h|m|s))*(?:0+(?:\.0*)?)?\s*",
+                                                keep) is not None and any(c == "0" for c in keep)
     return isinstance(keep, (int, float)) and not isinstance(keep, bool) and keep == 0
 
 

@@ -452,8 +452,9 @@ def response_structure(fmt: Any, body: dict | None = None):
             if isinstance(value, str):
                 try:
                     value = json.loads(value)
-                except json.JSONDecodeError:
-                    raise ApiError(400, "'guided_json' is not JSON", param=key, code="invalid_value") from None
+                except (ValueError, RecursionError):  # not JSON, an integer of thousands of digits, deep nesting
+                    raise ApiError(400, "'guided_json' is not JSON (or nests too deeply)", param=key,
+                                   code="invalid_value") from None
             if not isinstance(value, (dict, bool)):
                 raise _type_error(key, "a JSON schema", value)
             return Structure("json_schema", json.dumps(value))

@@ -49,27 +49,37 @@ class Structure:
     kind: str
     source: str = ""
 
-    def check(self) -> None:
-        """Raise UsageError (one line) when the structure cannot be compiled or has no finite instance. Bounded by
-        the source's size: no expansion runs here, so a client's structure is checked on the server's event loop's
-        neighbours without stalling them."""
+    def check_size(self) -> None:
+        """The check a server makes in its own process: the kind and the size (constant time). Everything else runs
+        in the compile worker, under its budget (structure_worker.py)."""
         if self.kind not in ("regex", "json_schema", "json_object", "grammar"):
             raise UsageError(f"unknown answer structure {self.kind!r}")
         if len(self.source) > MAX_SOURCE:
             what = {"regex": "expression", "grammar": "grammar"}.get(self.kind, "JSON schema")
             raise UsageError(f"the {what} is too large (over {MAX_SOURCE // 1024} KB)")
-        if self.kind == "regex":
-            check_regex(self.source, "--regex")
-        elif self.kind == "json_schema":
-            prepare_schema(self.schema())
-        elif self.kind == "grammar":
-            check_grammar(lark_text(self.source))
+
+    def check(self) -> None:
+        """Raise UsageError (one line) when the structure cannot be compiled or has no finite instance. No expansion
+        runs here (the size, the repetitions, the schema's references and the grammar's rules are read), but on a
+        hostile 64 KB text it may take seconds of Python: a server runs it in the compile worker."""
+        self.check_size()
+        try:
+            if self.kind == "regex":
+                check_regex(self.source, "--regex")
+            elif self.kind == "json_schema":
+                prepare_schema(self.schema())
+            elif self.kind == "grammar":
+                check_grammar(lark_text(self.source))
+        except RecursionError:
+            raise UsageError("the structure nests too deeply") from None
 
     def schema(self):
         try:
             return json.loads(self.source)
         except json.JSONDecodeError as e:
             raise UsageError(f"the JSON schema is not JSON ({e.msg} at line {e.lineno})") from None
+        except ValueError:  # an integer of thousands of digits
+            raise UsageError("the JSON schema holds a number too long to read") from None
         except RecursionError:
             raise UsageError("the JSON schema is nested too deeply") from None
 
@@ -129,8 +139,7 @@ def repeat_product(regex: str) -> int:
                 last = 1
                 i += 1
                 continue
-            count = int(m.group(2)) if m.group(2) else int(m.group(1))
-            last *= max(count, 1)
+            last *= max(_count(m.group(2) or m.group(1)), 1)
             i = m.end()
         else:
             last = 1
@@ -138,13 +147,17 @@ def repeat_product(regex: str) -> int:
         # the atom (or group) just read, with any quantifier that follows it
         m = quant.match(regex, i)
         if m is not None:
-            count = int(m.group(2)) if m.group(2) else int(m.group(1))
-            last *= max(count, 1)
+            last *= max(_count(m.group(2) or m.group(1)), 1)
             i = m.end()
         stack[-1] = max(stack[-1], last)
         if len(stack) > 1000:
             raise UsageError("the expression nests groups over 1,000 deep")
     return max(stack)
+
+
+def _count(digits: str) -> int:
+    """A repetition count as written; past nine digits, a billion (int() of thousands of digits is refused)."""
+    return int(digits) if len(digits) <= 9 else 10**9
 
 
 def check_regex(regex: str, what: str) -> None:
@@ -537,9 +550,9 @@ def _first_line(e: BaseException) -> str:
 _LARK_TOKEN = re.compile(r"""
     (?P<ws>[ \t\r]+|//[^\n]*|\\\n)
   | (?P<nl>\n)
-  | (?P<string>"(?:[^"\\\n]|\\.)*"i?)
-  | (?P<regex>/(?:[^/\\\n]|\\.)+/[a-z]*)
-  | (?P<special><[^>\n]*>)
+  | (?P<string>"(?:[^"\\\n]|\\.)*(?:"i?)?)
+  | (?P<regex>/(?:[^/\\\n]|\\.)+(?:/[a-z]*)?)
+  | (?P<special><[^>\n]*>?)
   | (?P<range>\d+\.\.\d+)
   | (?P<number>\d+)
   | (?P<count>\{\s*\d+\s*(?:,\s*\d*\s*)?\})
@@ -547,6 +560,12 @@ _LARK_TOKEN = re.compile(r"""
   | (?P<name>[?!]?[A-Za-z_][A-Za-z0-9_]*(?:\.-?\d+)?)
   | (?P<op>[:|()\[\]?*+~{},])
 """, re.X)
+
+
+# Each of these tokens also matches up to the end of its line when left open (one pass, linear: a scan that fails
+# there would restart at every quote); whether it closed is checked apart.
+_CLOSED = {"string": re.compile(r'"(?:[^"\\\n]|\\.)*"i?'), "regex": re.compile(r"/(?:[^/\\\n]|\\.)+/[a-z]*"),
+           "special": re.compile(r"<[^>\n]*>")}
 
 
 class _LarkRules:
@@ -558,8 +577,12 @@ class _LarkRules:
         self.rules: dict[str, list] = {}  # name -> alternatives, each a list of (atom, low, high)
         toks = []
         line_start = True
+        covered, unterminated = 0, False
         for m in _LARK_TOKEN.finditer(text):
             kind = m.lastgroup
+            covered += len(m.group())
+            if kind in _CLOSED and not _CLOSED[kind].fullmatch(m.group()):
+                unterminated = True  # a string, regex or token left open: llguidance says what is wrong
             if kind == "nl":
                 line_start = True
                 continue
@@ -567,8 +590,7 @@ class _LarkRules:
                 toks.append((kind, m.group(), line_start))
                 line_start = False
         self.toks, self.i = toks, 0
-        covered = sum(len(m.group()) for m in _LARK_TOKEN.finditer(text))
-        self.complete = covered == len(text)  # every character read: the analysis may judge the grammar
+        self.complete = covered == len(text) and not unterminated  # all read: the analysis may judge the grammar
         while self.i < len(toks):
             kind, value, first = toks[self.i]
             if first and kind == "name" and self._at(1) == (":"):
@@ -627,8 +649,8 @@ class _LarkRules:
                 elif value == "+":
                     pass
                 elif kind == "count":
-                    a, _, b = value.strip("{}").partition(",")
-                    low, high = low * int(a), high * (int(b) if b.strip() else max(int(a), 1))
+                    a, _, b = (x.strip() for x in value.strip("{}").partition(","))
+                    low, high = low * _count(a), high * (_count(b) if b else max(_count(a), 1))
                 elif value == "~" and self._at(1) is not None:
                     self.i += 1
                     rng = self.toks[self.i][1]
@@ -636,7 +658,7 @@ class _LarkRules:
                     if not a.isdigit():
                         self.complete = False
                         break
-                    low, high = low * int(a), high * int(b or a)
+                    low, high = low * _count(a), high * _count(b or a)
                 else:
                     break
                 self.i += 1
@@ -728,12 +750,16 @@ def check_grammar(text: str) -> None:
     """Refuse a Lark grammar (llguidance's dialect) whose counted repetitions multiply past MAX_REPEAT (the regex
     path's limit: `[a-z]{100000}` is refused on both) or whose start rule derives no finite sentence (`root ::=
     root`, `start: "a" start`)."""
-    rules = _LarkRules(text)
-    count = rules.repeats()
+    try:
+        rules = _LarkRules(text)
+        count = rules.repeats()
+        productive = rules.productive("start")
+    except RecursionError:
+        raise UsageError("the grammar nests rules or groups too deeply") from None
     if count > MAX_REPEAT:
         raise UsageError(f"the grammar's repetitions multiply to {count:,} (nested counts multiply); at most "
                          f"{MAX_REPEAT} are supported")
-    if rules.complete and not rules.productive("start"):
+    if rules.complete and not productive:
         raise UsageError("the grammar has no finite sentence: its start rule never ends (every alternative refers "
                          "back to a rule that cannot finish)")
 
@@ -826,7 +852,7 @@ def estimated_edges(regex: str, vocab_size: int) -> int:
         if m.group(1) is None or m.group(1) == "*":
             states += 1
         else:
-            states += int(m.group(3)) if m.group(3) else int(m.group(2))
+            states += _count(m.group(3) or m.group(2))
     return states * vocab_size
 
 

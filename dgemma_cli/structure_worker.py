@@ -80,8 +80,8 @@ def _worker_main() -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent decides
     _die_with_parent()
-    if os.getppid() == 1:
-        return
+    if os.getppid() != int(os.environ.get("DGEMMA_COMPILE_PARENT", os.getppid())):
+        return  # the parent ended before the death signal was armed (a server that is PID 1 is a parent too)
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing printed may reach the protocol's stream
     compiler = None
@@ -231,7 +231,7 @@ class StructureCompiler:
             if key in self._refused:
                 raise UsageError(self._refused[key])
         try:
-            structure.check()  # bounded by the text's size: no worker for what is refused on sight
+            structure.check_size()  # the rest of the checks run in the worker, under its budget
             kind, result = self._in_worker(("compile", structure.kind, structure.source), cancelled)
             if kind == "refused":
                 raise UsageError(result)
@@ -261,7 +261,7 @@ class StructureCompiler:
         proc = subprocess.Popen([sys.executable, "-c", "from dgemma_cli.structure_worker import _worker_main; "
                                  "_worker_main()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, start_new_session=True,
-                                env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+                                env={**os.environ, "DGEMMA_COMPILE_PARENT": str(os.getpid()), "PYTHONPATH": os.pathsep.join(filter(None, [
                                     os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                     os.environ.get("PYTHONPATH")]))})
         hf = getattr(self.tokenizer, "_tokenizer", None)  # a dgemma Tokenizer's tokenizers.Tokenizer
