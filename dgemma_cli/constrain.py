@@ -376,21 +376,8 @@ class LarkGrammar:
     def __init__(self, grammar: str, tokenizer, vocab_size: int):
         import llguidance
 
-        spelled = tokenizer.token_bytes()[:vocab_size]
-        words = [b if b is not None else b"\xff[%d]" % i for i, b in enumerate(spelled)]  # 0xFF: a special token
-        words += [b"\xff[%d]" % i for i in range(len(words), vocab_size)]
-
-        class _Words:  # what llguidance.TokenizerWrapper reads
-            eos_token_id = tokenizer.eos_id if tokenizer.eos_id is not None else 1
-            bos_token_id = tokenizer.bos_id
-            tokens = words
-            special_token_ids = [i for i, b in enumerate(spelled) if b is None]
-
-            def __call__(self, text):
-                return tokenizer.encode_text(text.decode("utf-8", "replace") if isinstance(text, bytes) else text)
-
         self.vocab_size = vocab_size
-        self.tok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Words()), n_vocab=vocab_size)
+        self.tok = ll_tokenizer(tokenizer, vocab_size)
         self.grammar = grammar
         probe = llguidance.LLMatcher(self.tok, grammar, log_level=0)
         if probe.is_error():
@@ -404,6 +391,39 @@ class LarkGrammar:
 
     def row(self, max_new_tokens: int, end_ids, pad_id: int, generator: torch.Generator | None = None):
         return GrammarRowConstraint(self, max_new_tokens, end_ids, pad_id, generator)
+
+
+_LL_TOKENIZERS: dict = {}  # (id(tokenizer), vocab_size) -> (tokenizer, llguidance.LLTokenizer)
+_LL_LOCK = threading.Lock()
+
+
+def ll_tokenizer(tokenizer, vocab_size: int):
+    """llguidance's tokenizer over this vocabulary (every token's bytes; added tokens as special ones, which no
+    grammar spells), made once per tokenizer: about a second and 120 MB at 262,144 tokens, which every grammar a
+    client sends would otherwise pay again."""
+    import llguidance
+
+    key = (id(tokenizer), vocab_size)
+    with _LL_LOCK:
+        held = _LL_TOKENIZERS.get(key)
+        if held is not None and held[0] is tokenizer:
+            return held[1]
+        spelled = tokenizer.token_bytes()[:vocab_size]
+        words = [b if b is not None else b"\xff[%d]" % i for i, b in enumerate(spelled)]  # 0xFF: a special token
+        words += [b"\xff[%d]" % i for i in range(len(words), vocab_size)]
+
+        class _Words:  # what llguidance.TokenizerWrapper reads
+            eos_token_id = tokenizer.eos_id if tokenizer.eos_id is not None else 1
+            bos_token_id = tokenizer.bos_id
+            tokens = words
+            special_token_ids = [i for i, b in enumerate(spelled) if b is None]
+
+            def __call__(self, text):
+                return tokenizer.encode_text(text.decode("utf-8", "replace") if isinstance(text, bytes) else text)
+
+        made = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Words()), n_vocab=vocab_size)
+        _LL_TOKENIZERS[key] = (tokenizer, made)  # the tokenizer held too: its id is never another's
+        return made
 
 
 def _allowed(matcher, vocab_size: int, device) -> torch.Tensor:

@@ -45,7 +45,7 @@ from .guard import INTERNAL, Guard, allowed_hosts
 from .header_timeout import DEFAULT_SECONDS as HEADER_TIMEOUT
 from .header_timeout import protocol as header_deadline_protocol
 from .store import check_images
-from .structure_worker import Cancelled, Stopped
+from .structure_worker import Busy, Cancelled, Stopped
 from .tokenizer import Control
 
 MAX_BODY = 20 << 20  # bytes of one request body: room for a few photos as base64 data: URLs
@@ -92,8 +92,9 @@ class Server:
         return [self.model_id, *self.adapters]
     created: int = field(default_factory=lambda: int(time.time()))
     picture_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "dgemma-picture"))
-    # compiles run one at a time in the compile worker; these threads wait for it (or find the cache)
-    structure_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, "dgemma-structure"))
+    # compiles run one at a time in the compile worker; these threads wait for it (at most MAX_WAITING of them: past
+    # it, a 429) or find the cache, so a cached structure always finds a thread
+    structure_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(16, "dgemma-structure"))
     seconds_per_request: float = 1.0  # moving average, for Retry-After
 
     def authorize(self, request: Request) -> None:
@@ -375,6 +376,9 @@ def prepare(server: Server, body: dict, kind: str, cancelled=None) -> Prepared:
             automaton = engine.automaton(structure, cancelled)
         except Cancelled:
             raise ApiError(499, "the client left while its structure compiled", code="client_disconnected") from None
+        except Busy as e:
+            raise ApiError(429, f"the server is busy compiling structures ({e}); retry later", kind="rate_limit_error",
+                           code="queue_full", headers={"Retry-After": "5"}) from None
         except Stopped:
             raise ApiError(503, "the server is shutting down", code="shutting_down") from None
         except UsageError as e:

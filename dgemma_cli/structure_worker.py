@@ -39,6 +39,13 @@ class Cancelled(Exception):
     """The caller stopped waiting (its client left): nothing is cached."""
 
 
+class Busy(Exception):
+    """Too many structures are waiting for the worker already (MAX_WAITING): try again later."""
+
+
+MAX_WAITING = 8  # uncached compiles waiting for the worker at once; past it, Busy (the server's 429)
+
+
 class Stopped(Exception):
     """The compiler was closed (a server shutting down): nothing is cached."""
 
@@ -218,7 +225,7 @@ class StructureCompiler:
         self._done: OrderedDict = OrderedDict()  # (kind, source) -> TokenAutomaton | LarkGrammar
         self._refused: OrderedDict = OrderedDict()  # (kind, source) -> the refusal's line
         self.closed = False
-        self.compiles = 0  # run in the worker (not from the cache)
+        self._waiting = 0  # compile() calls past the cache: waiting for the worker or in it
 
     def compile(self, structure, cancelled: Callable[[], bool] | None = None):
         """`structure` compiled (from the cache when it was before); UsageError (one line) when it cannot be, or
@@ -230,9 +237,15 @@ class StructureCompiler:
                 return self._done[key]
             if key in self._refused:
                 raise UsageError(self._refused[key])
+        with self._cache_lock:
+            if self._waiting >= MAX_WAITING:
+                raise Busy(f"{self._waiting} structures are waiting to compile")
+            self._waiting += 1
         try:
             structure.check_size()  # the rest of the checks run in the worker, under its budget
-            kind, result = self._in_worker(("compile", structure.kind, structure.source), cancelled)
+            kind, result = self._in_worker(("compile", structure.kind, structure.source), cancelled, key)
+            if kind == "cached":
+                return result
             if kind == "refused":
                 raise UsageError(result)
             compiled = self._build(kind, result)
@@ -244,6 +257,9 @@ class StructureCompiler:
                 while len(self._refused) > _REFUSED:
                     self._refused.popitem(last=False)
             raise
+        finally:
+            with self._cache_lock:
+                self._waiting -= 1
         with self._cache_lock:
             self._done[key] = compiled
             while len(self._done) > _CACHED:
@@ -269,13 +285,19 @@ class StructureCompiler:
                            hf.to_str() if hasattr(hf, "to_str") else None))
         return proc
 
-    def _in_worker(self, request, cancelled):
+    def _in_worker(self, request, cancelled, key):
         """Send `request`, wait for its answer within the budget; the worker is killed on any way out but the
-        answer (so that nothing it was doing goes on)."""
+        answer (so that nothing it was doing goes on). ("cached", compiled) when another caller compiled the same
+        structure while this one waited for the worker (or ("refused", line))."""
         while not self._lock.acquire(timeout=_POLL):
             self._check_waiting(cancelled)
         try:
             self._check_waiting(cancelled)
+            with self._cache_lock:
+                if key in self._done:
+                    return "cached", self._done[key]
+                if key in self._refused:
+                    return "refused", self._refused[key]
             for attempt in (0, 1):  # a worker that ended between two compiles (killed, or out of memory): a new one
                 try:
                     if self._proc is None or self._proc.poll() is not None:

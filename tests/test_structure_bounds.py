@@ -260,3 +260,27 @@ def test_a_schema_too_large_for_an_automaton_runs_as_llguidances_json_grammar():
     for text, ok in zip(result.texts, result.satisfied):
         if ok:
             jsonschema.validate(json.loads(text), schema)
+
+
+def test_many_slow_compiles_never_starve_a_cached_structure(tmp_path):
+    """Distinct slow structures queue for the worker (past MAX_WAITING: 429), while a structure already compiled is
+    answered from the cache at once, and identical slow ones compile once."""
+    s = ServerProcess(tmp_path, "--compile-timeout", "1")
+    try:
+        cached = chat({"guided_regex": "[A-Z ]{4,8}"})
+        assert s.http.post("/v1/chat/completions", json=cached).status_code == 200
+        slow = [chat({"guided_json": {**SLOW, "description": f"variant {i}"}}) for i in range(10)]
+        codes: list[int] = []
+        threads = [threading.Thread(target=lambda b=b: codes.append(
+            s.http.post("/v1/chat/completions", json=b).status_code)) for b in slow]
+        for t in threads:
+            t.start()
+        time.sleep(0.8)
+        t0 = time.perf_counter()
+        r = s.http.post("/v1/chat/completions", json=cached)
+        assert r.status_code == 200 and time.perf_counter() - t0 < 2.0, r.text
+        for t in threads:
+            t.join(120)
+        assert set(codes) <= {400, 429} and 429 in codes, codes  # refused by the budget, or told to come back
+    finally:
+        s.stop()
