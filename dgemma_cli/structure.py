@@ -37,7 +37,11 @@ _IGNORED_VALIDATORS = ("uniqueItems", "contains", "minContains", "maxContains", 
                        "maxProperties", "dependentRequired", "dependentSchemas", "dependencies", "propertyNames",
                        "unevaluatedProperties", "unevaluatedItems", "not", "if", "then", "else")
 _ANNOTATIONS = ("title", "description", "default", "examples", "$comment", "$schema", "$id", "deprecated",
-                "readOnly", "writeOnly")
+                "readOnly", "writeOnly", "discriminator")
+# Formats outlines-core writes as valid JSON strings (checked); others it would write wrongly (time, uri, email
+# let a backslash or a control character through) are dropped: a format is an annotation unless a validator is
+# asked to assert it, and the answer is then any string.
+_FORMATS = ("date-time", "date", "uuid")
 
 
 @dataclass(frozen=True)
@@ -403,11 +407,24 @@ def schema_regex(schema) -> str:
         if not isinstance(node, dict):
             return node
         kind = node.get("type")
+        if isinstance(kind, list) and any(k in node for k in _BOUNDS):  # ["integer", "null"] with a range
+            rest = {k: v for k, v in node.items() if k != "type"}
+            return walk({"anyOf": [dict(rest, type=t) if t in ("integer", "number") else {"type": t} for t in kind]})
         if kind in ("integer", "number") and any(k in node for k in _BOUNDS):
             mark = f"DGEMMARANGE{len(ranges)}X"
             ranges[mark] = integer_regex(*_int_bounds(node)) if kind == "integer" else number_regex(node)
             return {"const": mark}
-        return {k: (v if k in ("const", "enum", "default", "examples") else walk(v)) for k, v in node.items()}
+        out = {}
+        for k, v in node.items():
+            if k in ("const", "enum", "default", "examples"):
+                out[k] = v  # values, not schemas
+            elif k == "properties" and isinstance(v, dict):
+                out[k] = {name: walk(sub) for name, sub in v.items()}  # a property may be named "default"
+            elif k == "format" and v not in _FORMATS:
+                continue
+            else:
+                out[k] = walk(v)
+        return out
 
     rewritten = walk(schema)
     try:

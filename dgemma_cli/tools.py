@@ -283,6 +283,9 @@ def check_call_parameters(name: str, params: Any) -> None:
             walk(sub, f"{where}/properties/{key}")
         if isinstance(schema.get("items"), dict):
             walk(schema["items"], f"{where}/items")
+        if schema.get("type") == "number" and ("minimum" in schema or "maximum" in schema):
+            raise UsageError(f"tool '{name}': a number's range at {where} cannot be held in a required call (an "
+                             f"integer's can)")
         kind = schema.get("type")
         if kind is not None and not (isinstance(kind, str) or (isinstance(kind, list) and all(
                 isinstance(k, str) for k in kind))):

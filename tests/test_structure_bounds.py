@@ -284,3 +284,18 @@ def test_many_slow_compiles_never_starve_a_cached_structure(tmp_path):
         assert set(codes) <= {400, 429} and 429 in codes, codes  # refused by the budget, or told to come back
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("schema,bad,good", [
+    ({"type": ["integer", "null"], "minimum": 0, "maximum": 120}, "-5", "null"),  # OpenAI strict's nullable range
+    ({"type": "object", "properties": {"default": {"type": "integer", "minimum": 0, "maximum": 5}},
+      "required": ["default"]}, '{"default":99}', '{"default":3}'),  # a property named like a keyword
+])
+def test_the_expression_holds_what_outlines_core_alone_would_let_through(schema, bad, good):
+    import re
+
+    from dgemma_cli.structure import Structure
+
+    rx = Structure("json_schema", json.dumps(schema)).regex()
+    assert re.fullmatch(rx, good) and not re.fullmatch(rx, bad)
+    jsonschema.validate(json.loads(good), schema)
