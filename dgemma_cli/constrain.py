@@ -70,12 +70,6 @@ class TokenAutomaton:
         self._out: dict[int, list[int]] = {}  # state -> its groups, made when an answer first passes there
         self._small: dict[int, dict[int, int]] = {}  # state -> {token: next state} of its small groups
 
-    @classmethod
-    def from_transitions(cls, transitions: dict[int, dict[int, int]], start: int, finals, vocab_size: int):
-        from .structure import automaton_tables
-
-        return cls(automaton_tables(transitions, start, finals, vocab_size, BIG_GROUP))
-
     def step(self, state: int, token: int) -> int | None:
         """The state after `token` from `state`, or None where it has no edge."""
         if state not in self._out:
@@ -124,8 +118,7 @@ def compile_structure(structure: Structure, tokenizer, vocab_size: int):
             _CACHE.move_to_end(key)
             return _CACHE[key]
     if structure.kind == "grammar":
-        structure.check()
-        auto = LarkGrammar(lark_grammar(structure.source), tokenizer, vocab_size)
+        auto = LarkGrammar(lark_grammar(structure.source), tokenizer, vocab_size)  # lark_grammar checks it
     else:
         vocabulary = outlines_vocabulary(tokenizer.token_bytes(), vocab_size)
         auto = TokenAutomaton(regex_tables(structure.regex(), vocabulary, vocab_size, BIG_GROUP))
@@ -401,27 +394,15 @@ def ll_tokenizer(tokenizer, vocab_size: int):
     """llguidance's tokenizer over this vocabulary (every token's bytes; added tokens as special ones, which no
     grammar spells), made once per tokenizer: about a second and 120 MB at 262,144 tokens, which every grammar a
     client sends would otherwise pay again."""
-    import llguidance
+    from .structure import ll_tokenizer as structure_ll_tokenizer
 
     key = (id(tokenizer), vocab_size)
     with _LL_LOCK:
         held = _LL_TOKENIZERS.get(key)
         if held is not None and held[0] is tokenizer:
             return held[1]
-        spelled = tokenizer.token_bytes()[:vocab_size]
-        words = [b if b is not None else b"\xff[%d]" % i for i, b in enumerate(spelled)]  # 0xFF: a special token
-        words += [b"\xff[%d]" % i for i in range(len(words), vocab_size)]
-
-        class _Words:  # what llguidance.TokenizerWrapper reads
-            eos_token_id = tokenizer.eos_id if tokenizer.eos_id is not None else 1
-            bos_token_id = tokenizer.bos_id
-            tokens = words
-            special_token_ids = [i for i, b in enumerate(spelled) if b is None]
-
-            def __call__(self, text):
-                return tokenizer.encode_text(text.decode("utf-8", "replace") if isinstance(text, bytes) else text)
-
-        made = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Words()), n_vocab=vocab_size)
+        made = structure_ll_tokenizer(tokenizer.token_bytes(), vocab_size, tokenizer.encode_text, tokenizer.eos_id,
+                                      tokenizer.bos_id)
         _LL_TOKENIZERS[key] = (tokenizer, made)  # the tokenizer held too: its id is never another's
         return made
 

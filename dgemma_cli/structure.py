@@ -22,6 +22,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 from .errors import UsageError
 
@@ -71,7 +72,7 @@ class Structure:
             if self.kind == "regex":
                 check_regex(self.source, "--regex")
             elif self.kind == "json_schema":
-                prepare_schema(self.schema())
+                self.prepared  # noqa: B018 (read: prepare_schema's checks)
             elif self.kind == "grammar":
                 check_grammar(lark_text(self.source))
         except RecursionError:
@@ -87,14 +88,18 @@ class Structure:
         except RecursionError:
             raise UsageError("the JSON schema is nested too deeply") from None
 
+    @cached_property
+    def prepared(self):
+        """The schema (json_schema, json_object kinds) as `prepare_schema` leaves it, made once per structure."""
+        return {"type": "object"} if self.kind == "json_object" else prepare_schema(self.schema())
+
     def regex(self) -> str:
         """The expression an automaton is built from (regex and schema kinds): for a schema, outlines-core's, which
         may take a while on a large schema (the worker runs it)."""
         self.check()
         if self.kind == "regex":
             return self.source
-        schema = {"type": "object"} if self.kind == "json_object" else prepare_schema(self.schema())
-        regex = schema_regex(schema)
+        regex = schema_regex(self.prepared)
         check_regex(regex, "the JSON schema")
         return regex
 
@@ -684,18 +689,12 @@ class _LarkRules:
 
     def _atom(self):
         kind, value, _ = self.toks[self.i]
-        if value == "(":
+        if value in ("(", "["):  # a group, or an optional one
             self.i += 1
             alts = self._alternatives()
-            if self._at(0) == ")":
+            if self._at(0) == {"(": ")", "[": "]"}[value]:
                 self.i += 1
-            return ("group", alts)
-        if value == "[":
-            self.i += 1
-            alts = self._alternatives()
-            if self._at(0) == "]":
-                self.i += 1
-            return ("optional", alts)
+            return ("group" if value == "(" else "optional", alts)
         self.i += 1
         if kind == "name":
             return ("rule", value.lstrip("?!").split(".")[0])
@@ -883,6 +882,27 @@ def schema_grammar(schema) -> str:
                                                              defaults={"whitespace_flexible": False})
     except Exception as e:  # its own wording
         raise UsageError(f"the JSON schema cannot be compiled: {_first_line(e)}") from None
+
+
+def ll_tokenizer(words, vocab_size: int, encode, eos_id: int | None = None, bos_id: int | None = None):
+    """llguidance's tokenizer over these token bytes (None: a special token, which no grammar spells; ids past the
+    list are special too), text encoded by `encode(str) -> ids`: the server's (constrain.ll_tokenizer) and the
+    compile worker's are both made here."""
+    import llguidance
+
+    spelled = [b if b is not None else b"\xff[%d]" % i for i, b in enumerate(words[:vocab_size])]  # 0xFF: special
+    spelled += [b"\xff[%d]" % i for i in range(len(spelled), vocab_size)]
+
+    class _Words:  # what llguidance.TokenizerWrapper reads
+        eos_token_id = eos_id if eos_id is not None else 1
+        bos_token_id = bos_id
+        tokens = spelled
+        special_token_ids = [i for i, b in enumerate(words[:vocab_size]) if b is None]
+
+        def __call__(self, text):
+            return encode(text.decode("utf-8", "replace") if isinstance(text, bytes) else text)
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Words()), n_vocab=vocab_size)
 
 
 def outlines_vocabulary(words, vocab_size: int):

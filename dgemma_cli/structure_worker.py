@@ -123,15 +123,15 @@ class Compile:
         self.vocabulary = self.ll_tokenizer = None  # made at the first structure that needs them
 
     def __call__(self, kind: str, source: str):
-        from .structure import (Structure, estimated_edges, lark_grammar, outlines_vocabulary, prepare_schema,
-                                regex_tables, schema_grammar)
+        from .structure import (Structure, estimated_edges, lark_grammar, outlines_vocabulary, regex_tables,
+                                schema_grammar)
 
         structure = Structure(kind, source)
         if kind == "grammar":
             return "grammar", self._probed(lark_grammar(source))
         regex = structure.regex()
         if kind == "json_schema" and estimated_edges(regex, self.vocab_size) > self.max_edges:
-            return "grammar", self._probed(schema_grammar(prepare_schema(structure.schema())))
+            return "grammar", self._probed(schema_grammar(structure.prepared))
         if self.vocabulary is None:
             self.vocabulary = outlines_vocabulary(self.words, self.vocab_size)
         return "tables", regex_tables(regex, self.vocabulary, self.vocab_size)
@@ -144,9 +144,9 @@ class Compile:
 
 
 def _ll_tokenizer(words, vocab_size: int, tokenizer_json: str | None):
-    """llguidance's tokenizer over these token bytes (None: a special token, which no grammar spells); text is
-    encoded by the checkpoint's own tokenizer.json when there is one, else greedily by the longest token."""
-    import llguidance
+    """llguidance's tokenizer over these token bytes (structure.ll_tokenizer), text encoded by the checkpoint's own
+    tokenizer.json when there is one, else greedily by the longest token."""
+    from .structure import ll_tokenizer
 
     if tokenizer_json is not None:
         from tokenizers import Tokenizer
@@ -168,19 +168,7 @@ def _ll_tokenizer(words, vocab_size: int, tokenizer_json: str | None):
                 i += max(n, 1)
             return out
 
-    spelled = [b if b is not None else b"\xff[%d]" % i for i, b in enumerate(words[:vocab_size])]
-    spelled += [b"\xff[%d]" % i for i in range(len(spelled), vocab_size)]
-
-    class _Words:  # what llguidance.TokenizerWrapper reads
-        eos_token_id = 0
-        bos_token_id = None
-        tokens = spelled
-        special_token_ids = [i for i, b in enumerate(words[:vocab_size]) if b is None]
-
-        def __call__(self, text):
-            return encode(text.decode("utf-8", "replace") if isinstance(text, bytes) else text)
-
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Words()), n_vocab=vocab_size)
+    return ll_tokenizer(words, vocab_size, encode, eos_id=0)
 
 
 def _probe_grammar(grammar: str, tokenizer) -> None:
