@@ -943,9 +943,11 @@ def serve(model: str, *, host: str, port: int, api_key: str | None, max_batch: i
           device: str, dtype: str, note, allow_hosts: tuple[str, ...] = (), allow_origins: tuple[str, ...] = (),
           prefix_cache_bytes: int = 0, adapters=(), header_timeout: float = HEADER_TIMEOUT,
           compile_budget: tuple[float | None, int | None] = (None, None)) -> int:
-    """adapters: (model id, directory, scale) of LoRA adapters served beside the base, each chosen per request;
-    header_timeout: seconds a connection has to send a request's headers (header_timeout.py)."""
-    """Bind, load, serve until SIGTERM or Ctrl-C, then finish every request in flight and return 0."""
+    """Bind, load, serve until SIGTERM or Ctrl-C, then finish every request in flight and return 0.
+
+    adapters: (model id, directory, scale) of LoRA adapters served beside the base, each chosen per request;
+    header_timeout: seconds a connection has to send a request's headers (header_timeout.py); compile_budget:
+    (seconds, bytes) of each structure's compile (structure_worker.py; None: the default)."""
     import signal
 
     import uvicorn
@@ -980,7 +982,7 @@ def serve(model: str, *, host: str, port: int, api_key: str | None, max_batch: i
     class Http(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             # a structure compiling in the worker would hold its request (and the drain) for its whole budget:
-            # stopped now, that request gets its 400 and the drain goes on
+            # stopped now, that request gets its 503 and the drain goes on
             engine.close_compiler()
             super().handle_exit(sig, frame)
 
