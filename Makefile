@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test bench bench-gpu kernel-report demo demo-picture demo-image demo-lora venv clean
+.PHONY: test test-slow bench bench-gpu kernel-report demo demo-picture demo-image demo-lora venv clean
 
 venv: $(STAMP)
 
@@ -22,7 +22,12 @@ $(STAMP): pyproject.toml
 # Two workers, each file's tests in one of them (module-scoped servers and checkpoints are built once): the suite
 # waits on subprocesses and torch's import more than on the CPU, so two workers fit two cores.
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadfile
+	$(PY) -m pytest -n 2 --dist loadfile -m "not slow"
+
+# The checks marked slow (tests/*: @pytest.mark.slow): the kernels compiled for six GPU targets, the kernel report's
+# step trace, long decodes, the tuning runs judged by their effect, real clients driving the server. CI runs both.
+test-slow: $(STAMP)
+	$(PY) -m pytest -n 2 --dist loadfile -m slow
 
 bench: $(STAMP)
 	$(PY) scripts/bench_cpu.py

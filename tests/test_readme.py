@@ -48,6 +48,7 @@ BIN = Path(sys.executable).parent  # the venv's bin directory: `make test` runs 
 NOT_RUN = {
     "make": "installs torch and dgemma into .venv from the package index",
     "make test": "the whole test suite, this file included: it would run itself",
+    "make test-slow": "the slow checks, this file's commands included: it would run itself",
 }
 
 # What the test types into `dgemma chat`, and the answer it waits for (the README says to type the prompt).
