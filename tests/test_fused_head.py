@@ -273,3 +273,35 @@ def test_structured_rows_through_the_fused_head(fused_head_on):
     batching.use_fused_head = lambda device, dtype: False  # restored by the fixture's monkeypatch
     torch_path, fused = run({"greedy": jobs["greedy"]})
     assert not fused and torch_path["greedy"] == got["greedy"]
+
+
+
+@pytest.mark.parametrize("own_generators", [False, True])
+def test_the_prepared_steps_draws_follow_the_distribution(own_generators):
+    """The draws a step makes from the uniforms `prepare_step` writes before the forward (torch's generator, or each
+    request's own): each token about p_v of the time. The head draws a tile by the first uniform and a token within
+    it by the second, so the two must be independent: were they one number, a uniform distribution over two tiles
+    would only ever draw the first quarter and the last quarter of the vocabulary. Counted through head_reference
+    (the draw as a function of the uniforms, which the kernel computes: checked here on a few rows and in
+    test_fused_head_equals_its_reference_from_the_same_uniforms)."""
+    from dgemma_cli.sampler import SamplerBuffers, prepare_step, sample_step
+    from quant.kernels.head import TILE, fused_head, head_reference
+
+    R, H, V = 4000, 16, 2 * TILE
+    g = torch.Generator().manual_seed(7)
+    w = (torch.randn(1, H, generator=g) * 0.25).to(torch.bfloat16).expand(V, H).contiguous()  # equal logits
+    h = torch.randn(R, H, generator=g).to(torch.bfloat16)
+    buf = SamplerBuffers(R, V, DEVICE, head=(H, torch.bfloat16))
+    temperature = torch.tensor(0.7, device=DEVICE)
+    torch.manual_seed(11)
+    gens = [torch.Generator(device=DEVICE).manual_seed(100 + i) for i in range(R // 40)] if own_generators else None
+    prepare_step(buf, temperature, gens)  # 100 requests of a 40-position canvas each, or torch's generator
+    assert torch.equal(buf.temperature.cpu(), torch.full((R,), 0.7))
+    sample = head_reference(h, w, 30.0, 4.0, buf.temperature.cpu(), buf.uniforms.cpu(), tile=TILE)[0]
+    bins = torch.bincount(sample // (V // 8), minlength=8).double()  # eight bins of 32 tokens: 500 draws each
+    chi2 = ((bins - R / 8) ** 2 / (R / 8)).sum().item()
+    assert chi2 < 24.3, (chi2, bins.tolist())  # chi-square, 7 degrees of freedom: its 0.999 quantile
+    # the kernel draws what the reference draws from those uniforms (a few rows: Triton's interpreter is slow)
+    n = 24
+    fused_head(h[:n].to(DEVICE), w.to(DEVICE), 30.0, 4.0, buf.temperature[:n], buf.uniforms[:n], buf.fused.first(n))
+    assert torch.equal(sample_step(buf.first(n), temperature)[0].cpu(), sample[:n])

@@ -97,7 +97,7 @@ def test_server_reports_cached_tokens(tmp_path):
         r1 = client.chat.completions.create(model="demo", messages=msgs, seed=0)
         msgs += [{"role": "assistant", "content": r1.choices[0].message.content},
                  {"role": "user", "content": "upper: abc def 12 ghijk"}]
-        r2 = client.chat.completions.create(model="demo", messages=msgs, seed=5)
+        r2 = client.chat.completions.create(model="demo", messages=msgs, seed=5, max_tokens=32)  # engine's default
         assert r1.usage.prompt_tokens_details.cached_tokens == 0
         assert r2.usage.prompt_tokens_details.cached_tokens == r1.usage.prompt_tokens
         ids = engine.tokenizer.encode_chat(msgs)
@@ -105,3 +105,89 @@ def test_server_reports_cached_tokens(tmp_path):
         assert s.health()["prefix_cache"]["hits"] == 1
     finally:
         assert s.stop() == 0
+
+
+def _stored(pc: PrefixCache, model, prompts) -> None:
+    for ids in prompts:
+        cache = model.new_cache(1, 64)
+        model.encode(torch.tensor([ids]), cache)
+        pc.store(ids, cache)
+
+
+def test_the_least_recently_used_entry_goes_first():
+    """Over budget, the entry out is the one least recently used: a conversation that keeps coming back keeps its
+    entry however long ago it was first stored; one stored once and never used again goes."""
+    model = load("demo", device="cpu").model
+    sliding = [s.is_sliding for s in model.cfg.text.layers]
+    probe = PrefixCache(10**9, sliding)
+    _stored(probe, model, [[2, 9, 9]])
+    size = probe.bytes  # every prompt below has 3 tokens: entries of one size
+    pc = PrefixCache(2 * size, sliding)  # room for two
+    _stored(pc, model, [[2, 5, 6], [2, 7, 8]])
+    assert pc.lookup([2, 5, 6, 1, 1]).ids == (2, 5, 6)  # the older one is used again...
+    _stored(pc, model, [[2, 3, 4]])  # ...so the newer, unused one goes
+    assert pc.lookup([2, 5, 6, 1]) is not None and pc.lookup([2, 7, 8, 1]) is None
+    assert pc.lookup([2, 3, 4, 1]) is not None and pc.bytes <= pc.max_bytes
+    _stored(pc, model, [[2, 1, 1]])  # now [2, 5, 6] was used before [2, 3, 4]: it goes
+    assert pc.lookup([2, 5, 6]) is None and pc.lookup([2, 3, 4]) is not None and pc.lookup([2, 1, 1]) is not None
+
+
+def test_an_exact_resend_reuses_the_whole_prompt():
+    """A prompt sent again as it was (a client retrying, or regenerating with another seed) is a hit on all of its
+    tokens, and answers as a loop without the cache does."""
+    engine = load("demo", device="cpu")
+    ids = engine.prompt_ids("upper: hello diffusions")
+    pc = PrefixCache(10**9, [s.is_sliding for s in engine.model.cfg.text.layers])
+    _stored(pc, engine.model, [ids])
+    assert pc.lookup(list(ids)).ids == tuple(ids)
+    settings = engine.settings
+    cap = engine.check_context(len(ids), settings)
+    cached, plain = BatchLoop(engine.model, max_batch=1, prefix_cache_bytes=2**24), BatchLoop(engine.model, max_batch=1)
+    try:
+        first = _run(cached, Job(ids, settings, 3, cap))
+        again = _run(cached, Job(ids, settings, 4, cap))
+        alone = _run(plain, Job(ids, settings, 4, cap))
+    finally:
+        cached.close()
+        plain.close()
+    assert first.cached_tokens == 0 and again.cached_tokens == len(ids) and cached.prefixes.hits == 1
+    assert again.token_ids == alone.token_ids and engine.tokenizer.decode(again.token_ids) == "HELLO DIFFUSIONS"
+
+
+def test_prompts_with_pictures_are_neither_stored_nor_served():
+    """Two pictures of the same size give the same prompt ids (the image tokens are placeholders): a prompt with a
+    picture is never stored, so the second picture's answer is about it, as a loop without the cache gives it, and
+    not about the first picture."""
+    import dataclasses
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from eval_shapes import held_out
+    from train_shapes import QUESTION, draw, parse_answer
+
+    engine = load("demo-shapes", device="cpu", dtype="float32")
+    first = held_out(1)[0]
+    other = next(s for s in ("circle", "square", "triangle") if s != first.shape)
+    specs = [first, dataclasses.replace(first, shape=other)]
+    prompts = []
+    for spec in specs:
+        patches = engine.image_patches([draw(spec)])
+        prompts.append((engine.prompt_ids(QUESTION, images=patches), engine.image_features(patches)))
+    assert prompts[0][0] == prompts[1][0]
+    ids = prompts[0][0]
+    settings = engine.settings
+    cap = engine.check_context(len(ids), settings)
+    cached, plain = BatchLoop(engine.model, max_batch=1, prefix_cache_bytes=2**26), BatchLoop(engine.model, max_batch=1)
+    try:
+        got = [_run(cached, Job(ids, settings, 0, cap, image_features=f)) for _, f in prompts]
+        alone = _run(plain, Job(ids, settings, 0, cap, image_features=prompts[1][1]))
+        text = _run(cached, Job(ids[:5], settings, 0, engine.check_context(5, settings)))  # text is still stored
+    finally:
+        cached.close()
+        plain.close()
+    assert [r.cached_tokens for r in got] == [0, 0] and text.cached_tokens == 0
+    assert list(cached.prefixes.entries) == [(0, tuple(ids[:5]))]
+    assert got[1].token_ids == alone.token_ids
+    answers = [parse_answer(engine.tokenizer.decode(r.token_ids)) for r in got]
+    assert answers == [(s.colour, s.shape) for s in specs], answers

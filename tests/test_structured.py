@@ -432,3 +432,72 @@ def test_big_groups_search_as_token_by_token(checkpoints, monkeypatch):
     seen = torch.bincount(draws, minlength=512).float() / len(draws)
     assert set(draws.tolist()) <= set(members.tolist())
     assert (seen - want).abs().max() < 0.03
+
+
+@pytest.fixture(scope="module")
+def demo_engine():
+    from dgemma_cli.engine import load
+
+    return load("demo", device="cpu")
+
+
+@pytest.mark.parametrize("rx,limit,whole", [("[A-Z ]{16}", 16, True), ("[A-Z ]{16}", 15, False),
+                                            ("[A-Z ]{1,15}", 15, True), ("[A-Z]{5}", 5, True),
+                                            ("[A-Z]{6}", 5, False), ("[A-Z]+", 5, True), ("HELLO [A-Z]+", 9, True)])
+def test_a_held_answer_keeps_to_max_new_tokens_and_says_whether_it_is_whole(demo_engine, rx, limit, whole):
+    """max_new_tokens shorter than the canvas: the answer has at most that many tokens, and `satisfied` says whether
+    it is a whole word of the expression (an expression the limit cannot hold is cut short and says so), drawn or
+    greedy."""
+    for greedy in (False, True):
+        r = demo_engine.generate("upper: hello diffusions", seed=0, greedy=greedy, structure=Structure("regex", rx),
+                                 max_new_tokens=limit)
+        assert len(r.token_ids[0]) <= limit
+        assert r.satisfied == [whole] and bool(re.fullmatch(rx, r.texts[0])) == whole, (r.texts, r.satisfied)
+
+
+def test_the_search_puts_nothing_past_max_new_tokens(demo_engine):
+    """A row's searched canvases (argmax and draw) hold pad from max_new_tokens on, whatever the model prefers
+    there; a later canvas of an answer that reached the limit is all pad."""
+    tok = demo_engine.tokenizer
+    auto = compile_structure(Structure("regex", "[A-Z]+"), tok, demo_engine.config.text.vocab_size)
+    letters = tok.encode_text("ABCDEFGH")
+    V, C = demo_engine.config.text.vocab_size, 8
+    logp = torch.full((C, V), -20.0)
+    logp[torch.arange(C), torch.tensor(letters)] = 0.0  # the model wants a letter everywhere, never the end
+    for limit in (3, 5, 7):
+        gen = torch.Generator().manual_seed(0)
+        rc = RowConstraint(auto, max_new_tokens=limit, end_ids=[1], pad_id=0, generator=gen)
+        sample, argmax = torch.zeros(C, dtype=torch.long), torch.zeros(C, dtype=torch.long)
+        rc.step(logp, sample, argmax, greedy=False)
+        for canvas in (argmax, sample):
+            assert canvas.tolist()[:limit] == letters[:limit] and canvas.tolist()[limit:] == [0] * (C - limit)
+        rc.end_canvas(argmax.tolist())
+        assert rc.satisfied
+        rc.step(logp, sample, argmax, greedy=True)  # the next canvas: no room left
+        assert argmax.tolist() == [0] * C and sample.tolist() == [0] * C
+
+
+@pytest.mark.parametrize("kind,source,at,over,count", [  # at: the largest taken; over: its count when one more
+    ("regex", "[a-z]{%d}", 512, 513, 513), ("regex", "([a-z]{2}){%d}", 256, 257, 514),
+    ("regex", "(x[0-9]{1,4}){%d}", 128, 129, 516), ("grammar", 'start: "a"{%d}', 512, 513, 513),
+    ("grammar", 'start: ("a"{2}){%d}', 256, 257, 514),
+    ("json_schema", '{"type": "string", "maxLength": %d}', 512, 513, 513),
+    ("json_schema", '{"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": %d}', 129, 130, 516)])
+def test_repetitions_up_to_max_repeat_are_taken_and_one_more_is_refused(kind, source, at, over, count):
+    """Counted repetitions (nested ones multiplied) are refused past MAX_REPEAT, in one line naming the count, in
+    expressions, grammars and schemas (their maxLength and maxItems: n items repeat the item's count n - 1 times
+    after the first); at the limit they are taken."""
+    from dgemma_cli.constrain import MAX_REPEAT
+
+    assert MAX_REPEAT == 512
+
+    def checked(n: int) -> None:
+        s = Structure(kind, source % n)
+        s.check()
+        if kind != "grammar":
+            s.regex()
+
+    checked(at)
+    with pytest.raises(UsageError) as e:
+        checked(over)
+    assert f"{count:,}" in str(e.value) and "512" in str(e.value) and "\n" not in str(e.value)

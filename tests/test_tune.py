@@ -181,3 +181,204 @@ def test_the_26b_nvfp4_estimate_fits_a_24_gb_card_at_batch_1():
     assert with_ck["total"] < 24e9 < without["total"]
     assert with_ck["weights"] > sum(weight_bytes(cfg, "nvfp4").values())  # one layer's experts dequantized besides
     assert with_ck["adapter"] == 16 * adapter_parameters(cfg, 16)
+
+
+# ------------------------------------------------------------------------------------------ the objective's effects
+
+WORDS = ("alpha", "bravo", "delta", "gamma", "kilo", "lima", "mike", "oscar", "papa", "romeo", "sierra", "tango",
+         "victor", "xray", "yankee", "zulu", "echo", "golf", "hotel", "india", "juliet", "quebec", "whisky", "foxtrot")
+
+
+def _demo():
+    from dgemma_cli.engine import load
+
+    return load("demo", device="cpu", dtype="float32")
+
+
+def _chat_example(tok, prompt: str, answer: str):
+    from dgemma_cli.tune import Example
+
+    prompt_ids = tok.encode_chat([{"role": "user", "content": prompt}])
+    return Example(prompt_ids, tok.encode_text(answer) + [tok.end_of_turn_id], text=answer)
+
+
+def _ok_examples(tok, n: int, seed: int = 0):
+    """`ok: <two words>` -> `OK`: a reply the upper-casing demo never gives (it answers `OK: ...`)."""
+    import random
+
+    rng = random.Random(seed)
+    seen, out = set(), []
+    while len(out) < n:
+        words = " ".join(rng.sample(WORDS, 2))[:16]
+        if words not in seen:
+            seen.add(words)
+            out.append(_chat_example(tok, f"ok: {words}", "OK"))
+    return out
+
+
+def _settings(**kw):
+    from dgemma_cli.tune import TuneSettings
+
+    base = {"rank": 4, "alpha": 8, "steps": 4, "batch_size": 4, "lr": 0.01, "warmup": 1, "held_out": 0,
+            "eval_every": 10**6, "eval_examples": 4, "checkpoint_every": 10**6, "max_denoising_steps": 4}
+    return TuneSettings(**{**base, **kw})
+
+
+def test_the_loss_is_scored_against_the_clean_canvas(monkeypatch):
+    """The objective: the decoder, given a noised canvas, is scored on predicting the clean one. A predictor that
+    answers the clean canvas scores (nearly) zero; one that copies back its noised input does not."""
+    from dgemma_cli.tune import batch_of, diffusion_loss
+
+    engine = _demo()
+    model = engine.model
+    examples = _ok_examples(engine.tokenizer, 8)
+    prompt, valid, clean, held = batch_of(examples, model.cfg.canvas_length, 0, __import__("random").Random(0))
+    V = model.cfg.text.vocab_size
+
+    def one_hot(ids):
+        return torch.nn.functional.one_hot(ids, V).float() * 50.0
+
+    for name, predict in (("clean", lambda noisy: one_hot(clean)), ("copy", one_hot)):
+        monkeypatch.setattr(model, "denoise", lambda canvas, *a, predict=predict, **kw: predict(canvas))
+        losses = [float(diffusion_loss(model, prompt, valid, clean, held, torch.Generator().manual_seed(s), sc))
+                  for s, sc in ((0, False), (1, True))]
+        if name == "clean":
+            assert max(losses) < 1e-6, losses
+        else:
+            assert min(losses) > 1.0, losses  # t ~ U(0, 1): about half the positions noised on average
+
+
+def test_held_positions_are_never_noised(tmp_path, monkeypatch):
+    """Fill in the middle: the suffix's tokens held at the canvas's end reach the decoder as they are in every
+    training and evaluation forward (only the middle is noised), and the middle is noised."""
+    import dgemma_cli.tune as tune_mod
+    from dgemma_cli.tune import Example, Tuner
+
+    engine = _demo()
+    tok = engine.tokenizer
+    examples = [Example([tok.bos_id] + tok.encode_text(f"upper: {w} "), tok.encode_text(w.upper()[:4]),
+                        tok.encode_text(w.upper()[4:] + " end")[:8], text=w.upper()[:4]) for w in WORDS[:12]]
+    batches, seen = [], []
+    real_batch_of = tune_mod.batch_of
+    monkeypatch.setattr(tune_mod, "batch_of", lambda *a, **kw: batches.append(real_batch_of(*a, **kw)) or batches[-1])
+    real_denoise = engine.model.denoise
+
+    def denoise(canvas, *a, **kw):
+        seen.append((len(batches), canvas.clone()))
+        return real_denoise(canvas, *a, **kw)
+
+    monkeypatch.setattr(engine.model, "denoise", denoise)
+    tuner = Tuner(engine, examples, tmp_path, _settings(steps=4), "demo", held=examples[:4])
+    for _ in range(4):
+        tuner.train_step()
+    tuner.evaluate(0.0)
+    assert len(seen) >= 8
+    noised = 0
+    for k, canvas in seen:
+        _, _, clean, held = batches[k - 1]
+        assert held.any(dim=1).all()  # every row holds its suffix's tokens
+        assert torch.equal(canvas[held], clean[held]), "a held position was noised"
+        noised += int((canvas[~held] != clean[~held]).sum())
+    assert noised > 0
+
+
+def test_the_learning_rate_warms_up_then_decays_by_cosine_to_zero(tmp_path, monkeypatch):
+    """--lr is the peak: the rate the optimiser steps with rises linearly over --warmup steps, then follows a cosine
+    down to zero at the last step (docs/adapters.md)."""
+    import math
+
+    import dgemma_cli.tune as tune_mod
+    from dgemma_cli.tune import Tuner
+
+    monkeypatch.setattr(tune_mod, "diffusion_loss", lambda *a, **kw: torch.zeros((), requires_grad=True))  # no forward
+    engine = _demo()
+    steps, warmup, peak = 12, 3, 0.02
+    tuner = Tuner(engine, _ok_examples(engine.tokenizer, 6), tmp_path, _settings(steps=steps, warmup=warmup, lr=peak,
+                                                                                 batch_size=1), "demo")
+    lrs = []
+    tuner.opt.register_step_pre_hook(lambda opt, args, kwargs: lrs.append(opt.param_groups[0]["lr"]))
+    tuner.run()
+    assert len(lrs) == steps
+    want = [peak * min(1, k / warmup) * 0.5 * (1 + math.cos(math.pi * k / steps)) for k in range(1, steps + 1)]
+    assert lrs == pytest.approx(want, abs=1e-9)
+    assert lrs[0] < lrs[1] < lrs[2] and all(lrs[k] > lrs[k + 1] for k in range(2, steps - 1))  # up, then down
+    assert lrs[-1] < 1e-9 and lrs[steps // 2 + 1] < 0.5 * peak
+
+
+def test_held_out_examples_are_never_trained_on(tmp_path, monkeypatch):
+    """--held-out N: N examples (a fifth of the data at most) kept apart by seed; no training batch ever holds one
+    (the batches draw from all the others), and the held-out loss is computed on them alone."""
+    import dgemma_cli.tune as tune_mod
+    from dgemma_cli.tune import Tuner
+
+    engine = _demo()
+    examples = _ok_examples(engine.tokenizer, 40)
+
+    def key(ex):
+        return tuple(ex.prompt)  # every example's prompt differs
+
+    assert len({key(ex) for ex in examples}) == 40
+    phase, used = ["train"], {"train": [], "eval": []}
+    real_batch_of = tune_mod.batch_of
+
+    def batch_of(exs, *a, **kw):
+        used[phase[0]] += [key(ex) for ex in exs]
+        return real_batch_of(exs, *a, **kw)
+
+    monkeypatch.setattr(tune_mod, "batch_of", batch_of)
+    tuner = Tuner(engine, examples, tmp_path, _settings(steps=10, batch_size=8, held_out=8, eval_examples=2,
+                                                        max_denoising_steps=2), "demo")
+    held = {key(ex) for ex in tuner.held}
+    train = {key(ex) for ex in tuner.train}
+    assert len(held) == 8 and not held & train and held | train == {key(ex) for ex in examples}
+    with monkeypatch.context() as m:  # the batches drawn are the point here, not the forward
+        m.setattr(tune_mod, "diffusion_loss", lambda *a, **kw: torch.zeros((), requires_grad=True))
+        for _ in range(10):
+            tuner.train_step()
+    phase[0] = "eval"
+    tuner.evaluate(0.0)
+    assert len(used["train"]) == 80 and not set(used["train"]) & held
+    assert len(set(used["train"])) > 20  # the draws range over the training examples
+    assert set(used["eval"]) == held
+    # asked for more than a fifth of the data: a fifth
+    assert len(Tuner(_demo(), examples, tmp_path / "b", _settings(held_out=30), "demo").held) == 8
+
+
+def test_the_exact_answer_rate_counts_the_answers_generated(tmp_path):
+    """The exact-answer rate is the share of held-out examples whose generated answer is theirs: before any
+    training (the adapter starts as the base), the demo upper-cases the two `upper:` examples and cannot answer the
+    two `ok:` ones, so the rate is one half."""
+    from dgemma_cli.tune import Tuner
+
+    engine = _demo()
+    tok = engine.tokenizer
+    held = [_chat_example(tok, f"upper: {w}", w.upper()) for w in ("hello diffusions", "abc def 12 ghijk")]
+    held += _ok_examples(tok, 2)
+    tuner = Tuner(engine, _ok_examples(tok, 4, seed=1), tmp_path, _settings(eval_examples=4), "demo", held=held)
+    ev = tuner.evaluate(0.0)
+    assert ev.exact == 0.5 and ev.held_loss > 0
+    tuner.s.eval_examples = 2  # the first two alone: both right
+    assert tuner.evaluate(0.0).exact == 1.0
+
+
+@pytest.mark.slow
+def test_tuning_teaches_the_demo_a_reply_it_never_gives(tmp_path):
+    """The objective's effect: the upper-casing demo answers `ok: <words>` with `OK: <WORDS>`, never `OK`. 80 steps
+    of tuning on 64 such examples (about 15 s on one core) make it answer `OK` to held-out prompts it never saw:
+    the held-out loss falls by far and the exact-answer rate rises from none to most."""
+    from dgemma_cli.tune import Tuner
+
+    engine = _demo()
+    examples = _ok_examples(engine.tokenizer, 80)
+    settings = _settings(rank=8, alpha=16, steps=80, batch_size=8, lr=0.01, warmup=5, eval_every=80,
+                         eval_examples=16, max_denoising_steps=8)
+    tuner = Tuner(engine, examples[:64], tmp_path, settings, "demo", held=examples[64:])
+    before = tuner.evaluate(0.0)
+    assert before.exact == 0.0
+    history = tuner.run()
+    after = history[-1]
+    assert after.step == 80
+    assert after.held_loss < before.held_loss / 10, (before, after)
+    assert after.exact >= 0.75, (before, after)
+    res = engine.generate([ex.prompt for ex in examples[64:68]], seed=1, max_new_tokens=8)
+    assert sum(t == "OK" for t in res.texts) >= 3, res.texts  # another seed, the model's own steps
