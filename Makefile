@@ -26,7 +26,14 @@ test: $(STAMP)
 
 # The checks marked slow (tests/*: @pytest.mark.slow): the kernels compiled for six GPU targets, the kernel report's
 # step trace, long decodes, the tuning runs judged by their effect, real clients driving the server. CI runs both.
-test-slow: $(STAMP)
+# It installs the clients people point at a local server (pyproject.toml's `clients` extra: litellm, instructor, the
+# Agents SDK, lm-eval, LangChain, pydantic-ai, llm; about 2 minutes and 1 GB) for tests/test_clients.py.
+CLIENTS := $(VENV)/.clients
+$(CLIENTS): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e ".[dev,clients]"
+	touch $(CLIENTS)
+
+test-slow: $(CLIENTS)
 	$(PY) -m pytest -n 2 --dist loadfile -m slow
 
 bench: $(STAMP)

@@ -71,6 +71,8 @@ class Job:
     image_features: Any = None  # soft tokens [N, H] of the prompt's images, placed at its image tokens (or None)
     automaton: Any = None  # constrain.TokenAutomaton the answer is held to (or None): a structured answer
     adapter: int = 0  # the LoRA adapter this request runs with (its slot, lora.attach; 0: the base alone)
+    logprobs: int | None = None  # None: none kept; k: each kept token's log-probability and the k most likely
+    # alternatives, from the distribution of the step that settled its canvas (RowCanvas.logprobs)
 
 
 @dataclass
@@ -88,6 +90,9 @@ class RowCanvas:
     canvas_index: int
     tokens: list[int]  # the kept (argmax) canvas's free part, pad after the first end-of-sequence id
     steps: int  # forward passes it took
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # with Job.logprobs: per position of
+    # `tokens`, (the kept token's log-probability, [(id, log-probability)] of the k most likely), from the
+    # temperature-scaled distribution of the canvas's last step, the one whose argmax the canvas keeps
 
 
 @dataclass
@@ -187,6 +192,7 @@ class _Row:
         self.cache = model.new_cache(1, job.capacity)
         self.canvases: list[list[int]] = []
         self.steps_per_canvas: list[int] = []
+        self.logprobs: list | None = None  # the finishing canvas's (token_logprobs), with Job.logprobs
         self.ended = False
         self.ci = -1
         # a prompt that begins with one already encoded takes its keys and values (prefix_cache.py); pictures never
@@ -259,7 +265,8 @@ class _Row:
             self.constraint.end_canvas(ids)
         self.canvases.append(ids)
         self.steps_per_canvas.append(self.steps)
-        self.deliver(RowCanvas(self.ci, ids, self.steps))
+        self.deliver(RowCanvas(self.ci, ids, self.steps, self.logprobs))
+        self.logprobs = None
         if ended_here or self.ci + 1 >= self.canvases_max:
             self.ended = ended_here
             return True
@@ -483,7 +490,14 @@ class BatchLoop:
                 if r.constraint is not None:  # the step's log-probabilities, which its search reads
                     logp = buf.logits[a * C : (a + 1) * C] if hidden is None else \
                         self._log_probs(hidden[a : a + 1], temperature[a * C])
-                if r.after_step(drawn[a : a + 1], argmax[a : a + 1], entropy[a : a + 1], logp) and r.finish_canvas():
+                if not r.after_step(drawn[a : a + 1], argmax[a : a + 1], entropy[a : a + 1], logp):
+                    continue
+                if r.job.logprobs is not None:  # the canvas's last step: its argmax is what the canvas keeps
+                    if logp is None:
+                        logp = buf.logits[a * C : (a + 1) * C] if hidden is None else \
+                            self._log_probs(hidden[a : a + 1], temperature[a * C])
+                    r.logprobs = token_logprobs(logp[: r.free], r.argmax[0, : r.free], r.job.logprobs)
+                if r.finish_canvas():
                     gone.add(lo + a)
                     self.completed += 1
                     r.deliver(r.done_event())
@@ -507,6 +521,16 @@ class BatchLoop:
     def _reset_head(self) -> None:
         if self.buf.fused is not None:  # a head stopped midway leaves its chunk maxima set
             self.buf.fused.reset()
+
+
+def token_logprobs(logp: torch.Tensor, tokens: torch.Tensor, k: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per position of a canvas: (tokens' log-probability under logp [P, V], the k most likely [(id, logprob)]).
+    Computed for a row that asked (Job.logprobs), once per canvas; two small host transfers."""
+    chosen = logp.gather(1, tokens[:, None].to(logp.device))[:, 0].tolist()
+    if k == 0:
+        return [(c, []) for c in chosen]
+    values, ids = logp.topk(k, dim=-1)
+    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), values.tolist())]
 
 
 def _internal_error(where: str, e: BaseException) -> None:

@@ -4,7 +4,7 @@
 what is new since the last one: the end of the previous answer (its last canvas is never encoded during
 generation, and its pad tokens are dropped), then the user's turn rendered by the chat template, then the model's
 generation prompt. When the stream would outgrow the context, the oldest turns are dropped and the rest is encoded
-again (said in a notice). Cancelling a turn, /retry, /system and /think rebuild the cache from the kept turns on
+again (said in a notice); the dropped turns stay in the transcript /save writes (`Conversation.dropped`). Cancelling a turn, /retry, /system and /think rebuild the cache from the kept turns on
 the next turn (the sliding layers' windows cannot be rolled back). Images attached with /image go with the next
 message; their soft tokens are kept with the turn, so a rebuild encodes them again without the vision tower.
 
@@ -40,7 +40,7 @@ HELP = """\
 /think on|off      let the model think first (its thoughts show dimmed, apart from the answer)
 /retry             answer the last message again
 /image PATH        attach an image (PNG, JPEG, WebP, GIF) to the next message; repeat for several
-/save FILE         write the conversation as Markdown
+/save FILE         write the whole conversation as Markdown (turns the context dropped too)
 /view live|plain|none   how generation is shown
 /exit              leave (Ctrl-D also); Ctrl-C cancels an answer in progress
 Enter sends; Alt-Enter or Ctrl-J starts a new line."""
@@ -78,6 +78,9 @@ class Conversation:
         self.enable_thinking = enable_thinking
         self.structure = None  # constrain.Structure the answers are held to (/set json-schema, regex, grammar)
         self.turns: list[Turn] = []
+        # Turns the context dropped (the oldest, when the conversation outgrew it): the model no longer sees them,
+        # but they are still the conversation the user had, and /save writes them before the others.
+        self.dropped: list[Turn] = []
         self.denoiser = None
         self.cached: list[int] = []  # ids in the cache, in order
         self.pending: list[int] = []  # generated ids of the last answer not yet in the cache
@@ -127,6 +130,7 @@ class Conversation:
 
     def reset(self) -> None:
         self.turns.clear()
+        self.dropped.clear()
         self.stale = True
 
     def _reserve(self, settings) -> int:
@@ -156,6 +160,8 @@ class Conversation:
                               else ", the model's most"))
         dropped = len(self.turns) - len(kept)
         if dropped:
+            # kept for the transcript only: their text (ids, images and soft tokens are not needed any more)
+            self.dropped += [Turn(t.user, [], t.answer, t.thought) for t in self.turns[:dropped]]
             if first_ids is not None:
                 kept[0].user_ids = first_ids
             self.turns[:] = kept
@@ -257,12 +263,21 @@ class Conversation:
         lines = ["# dgemma chat", ""]
         if self.system:
             lines += [f"**System:** {self.system}", ""]
-        for t in self.turns:
+        for i, t in enumerate(self.dropped + self.turns):
+            if i == len(self.dropped) and self.dropped:
+                lines += [self._dropped_note(), ""]
             lines += ["## User", "", t.user, "", "## Model", ""]
             if t.thought:
                 lines += ["> " + line for line in t.thought.splitlines()] + [""]
             lines += [t.answer, ""]
+        if self.dropped and not self.turns:
+            lines += [self._dropped_note(), ""]
         return "\n".join(lines)
+
+    def _dropped_note(self) -> str:
+        n = len(self.dropped)
+        return (f"*({'The turn' if n == 1 else f'The {n} turns'} above fell out of the model's {self.context}-token "
+                f"context: the model no longer saw {'it' if n == 1 else 'them'} when it answered what follows.)*")
 
 
 # ----------------------------------------------------------------------------- the terminal
@@ -464,7 +479,9 @@ def run_chat(engine, *, system: str | None, settings, think: bool, view: str, co
                 else:
                     try:
                         save_markdown(Path(arg).expanduser(), conv.markdown())
-                        err.write(f"(saved {arg})\n")
+                        n, k = len(conv.dropped) + len(conv.turns), len(conv.dropped)
+                        err.write(f"(saved {arg}: all {n} turns, the {k} oldest marked as dropped from the model's "
+                                  "context)\n" if k else f"(saved {arg})\n")
                     except OSError as e:
                         err.write(f"(cannot save {arg}: {e.strerror or e})\n")
             elif cmd == "/view":

@@ -267,7 +267,6 @@ def run(
     engine.set_compile_budget(*budget)
     kwargs = dict(raw=raw, system=system, seed=seed, **sampler)
     if structure is not None:
-        engine.automaton(structure)  # compiled before the first step: a schema the vocabulary cannot spell fails here
         kwargs.update(structure=structure)
     if images:
         kwargs.update(images=images, image_tokens=image_tokens)
@@ -309,6 +308,8 @@ def run(
             _note(warning)
     t0 = time.perf_counter()
     try:
+        if structure is not None:
+            engine.automaton(structure)  # compiled before the first step: a schema the vocabulary cannot spell fails
         if view == "live" and engine.tokenizer is not None:
             from .view import view_for
 
@@ -323,15 +324,15 @@ def run(
         else:
             result = engine.generate(text, on_event=keep, **kwargs)
     except KeyboardInterrupt:  # print what was finished (the answer, or its JSON object), then exit 130
-        if finished is not None and finished.tokens:
+        if as_json:  # the object whatever was finished (before the first canvas: an empty answer), as docs/run.md
             part = _partial_answer(engine, text, finished, time.perf_counter() - t0, raw=raw, system=system,
-                                   images=engine.image_patches(images, image_tokens))
-            if as_json:
-                write(json.dumps(part, ensure_ascii=False) + "\n")
-            elif streaming:
-                finished.finish(part["text"])
+                                   images=engine.image_patches(images, image_tokens) if images else ())
+            write(json.dumps(part, ensure_ascii=False) + "\n")
+        elif finished is not None and finished.tokens:
+            if streaming:
+                finished.finish(finished.answer())
             else:
-                write(part["text"] + "\n")
+                write(finished.answer() + "\n")
         raise
     if streaming:
         finished.finish(result.texts[0])
@@ -422,15 +423,15 @@ def _read_images(paths: List[str], model_dir: str) -> list:
 
 def _partial_answer(engine, text: str, finished, seconds: float, *, raw: bool, system: Optional[str],
                     images: list = ()) -> dict:
-    """The JSON object of an interrupted run: its finished canvases (answer.FinishedCanvases), cut and counted as
-    a whole answer's are, with "interrupted": true."""
+    """The JSON object of an interrupted run: its finished canvases (answer.FinishedCanvases; None or none yet: an
+    empty answer), cut and counted as a whole answer's are, with "interrupted": true."""
     from .sampler import tokens_per_forward
 
-    thought, answer = finished.thought_and_answer()
-    return {"text": answer, "thought": thought, "token_ids": finished.ids,
-            "prompt_token_ids": engine.prompt_ids(text, raw=raw, system=system, images=images),
-            "canvases": finished.steps,
-            "tokens_per_forward": tokens_per_forward(finished.kept_tokens, sum(finished.steps)),
+    thought, answer = finished.thought_and_answer() if finished is not None else ("", "")
+    steps = finished.steps if finished is not None else []
+    return {"text": answer, "thought": thought, "token_ids": finished.ids if finished is not None else [],
+            "prompt_token_ids": engine.prompt_ids(text, raw=raw, system=system, images=images), "canvases": steps,
+            "tokens_per_forward": tokens_per_forward(finished.kept_tokens if finished is not None else 0, sum(steps)),
             "seconds": round(seconds, 4), "interrupted": True}
 
 
@@ -968,6 +969,9 @@ def list_models(as_json: bool = typer.Option(False, "--json", help="JSON Lines i
         _note(f"the store is empty ({store_root()}); `dgemma pull` fetches a model")
 
 
+app.command("ls", hidden=True, help="The same as `dgemma list` (as in ollama).")(list_models)
+
+
 @app.command()
 def info(
     model: str = typer.Argument(..., help="A store name, a model directory, or 'demo'."),
@@ -975,16 +979,11 @@ def info(
     quiet: bool = QUIET_OPTION,
 ) -> None:
     """Format, sizes, estimated GPU memory and location of a model; or what a LoRA adapter adapts."""
-    from pathlib import Path
-
     _be_quiet(quiet)
-    from .names import ADAPTER_CONFIG, BUNDLED_ADAPTERS, resolve_model
+    from .names import resolve_model
     from .store import describe
 
-    from .names import STORE_NAME, find
-
-    if model in BUNDLED_ADAPTERS or (Path(model).expanduser() / ADAPTER_CONFIG).is_file() or \
-            (STORE_NAME.match(model) and any(e.quant == "lora" for e in find(model))):
+    if _is_adapter(model):
         return _adapter_info(model, as_json)
     path = resolve_model(_model_dir(model))
     d = describe(path)
@@ -992,6 +991,16 @@ def info(
         sys.stdout.write(json.dumps(d) + "\n")
         return
     _info_rows(d)
+
+
+def _is_adapter(ref: str) -> bool:
+    """Whether `info`/`show` REF names a LoRA adapter (bundled, a directory holding one, or a store entry)."""
+    from pathlib import Path
+
+    from .names import ADAPTER_CONFIG, BUNDLED_ADAPTERS, STORE_NAME, find
+
+    return ref in BUNDLED_ADAPTERS or (Path(ref).expanduser() / ADAPTER_CONFIG).is_file() or bool(
+        STORE_NAME.match(ref) and any(e.quant == "lora" for e in find(ref)))
 
 
 def _adapter_info(ref: str, as_json: bool) -> None:
@@ -1050,8 +1059,14 @@ def show(
     as_json: bool = typer.Option(False, "--json", help="One JSON object: info, parameters, template."),
     quiet: bool = QUIET_OPTION,
 ) -> None:
-    """What a model is: its format and sizes (as `info`), the sampler's defaults it brings and its chat template."""
+    """What a model is: its format and sizes (as `info`), the sampler's defaults it brings and its chat template.
+    For a LoRA adapter: what it adapts (as `info`)."""
     _be_quiet(quiet)
+    if _is_adapter(model):
+        if template or parameters:
+            raise UsageError(f"{model} is a LoRA adapter: it has no chat template or sampler settings of its own "
+                             "(those of the model it adapts apply)")
+        return _adapter_info(model, as_json)
     from .config import SAMPLER_FLAGS, GenerationSettings, ModelConfig
     from .errors import ModelError
     from .names import resolve_model
@@ -1214,6 +1229,12 @@ def _click_exceptions():
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: every failure is one line on stderr and an exit code, never a traceback."""
+    if (sys.argv[1:] if argv is None else list(argv)) == ["--version"]:
+        # answered before Typer converts any parameter (which imports pydantic): about 0.1 s of 0.25 s
+        from . import __version__
+
+        sys.stdout.write(f"dgemma {__version__}\n")
+        raise SystemExit(0)
     ex = _click_exceptions()
     try:
         # Without standalone mode errors propagate to the handlers below, but Typer turns Ctrl-C into an

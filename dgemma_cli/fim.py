@@ -90,10 +90,17 @@ def lines_hole(text: str, spec: str, name: str) -> Hole:
     try:
         a, b = (int(x) for x in spec.split(":"))
     except ValueError:
-        raise UsageError(f"--lines must look like A:B (got {spec!r})") from None
+        raise UsageError(f"--lines must look like A:B, two line numbers (got {spec!r})") from None
     lines = split_lines(text)
-    if not 1 <= a <= b <= len(lines):
-        raise UsageError(f"--lines {spec}: {name} has {len(lines)} lines")
+    if a < 1 or b < 1:
+        raise UsageError(f"--lines {spec}: lines count from 1 (the first line is 1:1)")
+    if b < a:
+        raise UsageError(f"--lines {spec}: the end ({b}) is before the start ({a}); A:B needs A <= B "
+                         f"(--lines {b}:{a}?)")
+    if b > len(lines):
+        has = f"{len(lines)} line" + ("" if len(lines) == 1 else "s")
+        raise UsageError(f"--lines {spec}: {name} has only {has}" if a <= len(lines)
+                         else f"--lines {spec}: {name} has {has}, so line {a} is past its end")
     start = sum(len(x) for x in lines[: a - 1])
     end = start + sum(len(x) for x in lines[a - 1 : b])
     last = lines[b - 1]

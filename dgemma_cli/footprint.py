@@ -8,9 +8,7 @@ estimate of GPU memory for a run: weights, the KV cache at a context length, eac
 
 from __future__ import annotations
 
-import torch
-
-from .config import ModelConfig
+from .config import ModelConfig  # torch is imported only where a device is asked about: `dgemma show` never does
 
 FORMATS = ("bf16", "fp8", "int8", "nvfp4")  # least lossy first (FP8 and INT8 are the same size)
 # What each format quantizes by default, as its published releases do: NVFP4 the routed experts (NVIDIA's export),
@@ -31,27 +29,23 @@ def packed_bytes(fmt: str, n: int, k: int) -> int:
 
 
 def weight_bytes(cfg: ModelConfig, fmt: str, policy: str | None = None) -> dict[str, int]:
-    """Bytes by part: experts, dense (attention + dense MLP), embedding, other (router, norms, self-conditioning)."""
-    from .model import DiffusionGemma, Experts
+    """Bytes by part: experts, dense (attention + dense MLP), embedding, other (router, norms, self-conditioning).
 
-    with torch.device("meta"):
-        model = DiffusionGemma(cfg)
+    Counted from the config's shapes, module by module as model.DiffusionGemma builds them (tests check the two
+    agree), without building it: no torch."""
+    t = cfg.text
     policy = policy or DEFAULT_POLICY[fmt]
-    parts = {"experts": 0, "dense": 0, "embedding": 0, "other": 0}
-    counted = set()
-    for path, mod in model.named_modules():
-        if isinstance(mod, Experts):
-            E, two_i, H = mod.gate_up_proj.shape
-            parts["experts"] += E * (packed_bytes(fmt, two_i, H) + packed_bytes(fmt, H, two_i // 2))
-            counted.update({f"{path}.gate_up_proj", f"{path}.down_proj"})
-        elif isinstance(mod, torch.nn.Linear) and path.split(".")[-2] in DENSE:
-            q = fmt if policy == "all" else "bf16"
-            parts["dense"] += packed_bytes(q, mod.out_features, mod.in_features)
-            counted.add(f"{path}.weight")
-    for name, p in model.named_parameters():
-        if name in counted:
-            continue
-        parts["embedding" if name.startswith("embed_tokens") else "other"] += 2 * p.numel()
+    H, I, Im, E, L = t.hidden_size, t.intermediate_size, t.moe_intermediate_size, t.num_experts, t.num_hidden_layers
+    dense_fmt = fmt if policy == "all" else "bf16"
+    parts = {"experts": 0, "dense": 0, "embedding": 2 * t.vocab_size * H, "other": 0}
+    other = H + H + 3 * H * I + 2 * L  # final norm; self-conditioning's pre-norm, gate, up, down; layer scalars
+    for spec in t.layers:
+        q, kv = t.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        parts["experts"] += E * (packed_bytes(fmt, 2 * Im, H) + packed_bytes(fmt, H, Im))
+        linears = [(q, H), (kv, H), (H, q), (I, H), (I, H), (H, I)] + ([(kv, H)] if spec.is_sliding else [])
+        parts["dense"] += sum(packed_bytes(dense_fmt, n, k) for n, k in linears)  # [out, in]: attention, MLP
+        other += 2 * spec.head_dim + E * H + H + E + 7 * H  # q/k norms; router proj, scale, per-expert scale; norms
+    parts["other"] = 2 * other
     return parts
 
 
@@ -123,6 +117,8 @@ def choose_format(cfg: ModelConfig, free: int, context: int = 8192,
 
 def capability() -> tuple[int, int] | None:
     """The first CUDA device's compute capability, None without one."""
+    import torch
+
     if torch.cuda.is_available():
         return tuple(torch.cuda.get_device_capability(0))
     return None
@@ -140,6 +136,8 @@ def system_free() -> int:
 
 def free_memory() -> tuple[int, str]:
     """(bytes, where): free memory of the first CUDA device, else available system memory."""
+    import torch
+
     if torch.cuda.is_available():
         free, _ = torch.cuda.mem_get_info(0)
         return free, f"GPU {torch.cuda.get_device_name(0)}"

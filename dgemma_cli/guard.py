@@ -6,11 +6,19 @@ user has open: a loopback server with no key is otherwise driven by any page the
 - Host: a page that rebinds its own DNS name to 127.0.0.1 reaches the server as a same-origin site and reads every
   answer; its requests carry its own name in `Host`. Only the names of the address the server is bound to (and
   `--allow-host` names) are answered; a server bound to every interface (which needs an API key) answers any.
-- Origin: a browser names the page behind every cross-origin request (and same-origin POSTs). Only `--allow-origin`
-  origins are answered, with the CORS headers that let their pages read the answer; a preflight (OPTIONS) is
-  answered for them only. No origin is allowed by default: the server serves no pages of its own.
-- Content-Type: a POST must say `application/json`. A page can send `text/plain` (or a typeless body) without a
-  preflight; requiring JSON's type makes every cross-origin POST ask first, and be refused.
+- Origin: a browser names the page behind every cross-origin request (and every POST, cross-site form posts
+  included). Only `--allow-origin` origins are answered, with the CORS headers that let their pages read the
+  answer; a preflight (OPTIONS) is answered for them only. No origin is allowed by default: the server serves no
+  pages of its own.
+- Content-Type, OpenAI's routes (/v1/*): a POST must say `application/json`. A page can send `text/plain` (or a
+  typeless body) without a preflight; requiring JSON's type makes every cross-origin POST ask first, and be refused.
+  Every OpenAI client sends the type, so this second wall (for a browser that would leave Origin off) costs nothing.
+- Content-Type, Ollama's routes (/api/*, and /): any type, or none, and the body is read as JSON, as Ollama reads
+  it. Ollama asks for no type, so its clients (litellm's `ollama/` and `ollama_chat/`) and the `curl -d` of its
+  docs (form-encoded) send none: a 415 would break them all. A page is kept out by the two checks above: a browser
+  sends Origin on every cross-site POST, refused unless allowed, and a rebinding page's Host is refused.
+- Shapes: a refusal on Ollama's paths is Ollama's `{"error": "..."}`, elsewhere OpenAI's
+  `{"error": {"message", "type", "param", "code"}}` (`error_body`, also used by the app's own error handlers).
 - Faults: an exception that escapes a route becomes one line on stderr and a 500 in the API's shape, whose message
   names no internals (`INTERNAL`); the connection stays usable (nothing reaches the HTTP server, which would log a
   traceback and close it).
@@ -56,6 +64,19 @@ def is_loopback(address: str) -> bool:
         return False
 
 
+def is_ollama(path: str) -> bool:
+    """Whether a path is one of Ollama's (its errors are {"error": "..."}, its POSTs need no Content-Type)."""
+    return path in ("/", "/api") or path.startswith("/api/")
+
+
+def error_body(path: str, status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
+    """An error in the shape of the API the path belongs to: Ollama's {"error": message}, or OpenAI's."""
+    if is_ollama(path):
+        return {"error": message}
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
 def allowed_hosts(bound: str, extra: list[str] | tuple[str, ...] = ()) -> set[str] | None:
     """The Host names answered by a server bound to `bound` (the --host given), plus `extra`; None: any.
 
@@ -84,18 +105,20 @@ class Guard:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         method = scope["method"]
+        path = scope["path"]
         host = headers.get("host")
         if self.hosts is not None and host is not None and host_name(host) not in self.hosts:
             await answer(send, 403, f"the Host header '{host[:100]}' is not a name of this server (a page using "
                          "DNS rebinding sends its own); start the server with --allow-host NAME to answer it",
-                         "host_not_allowed")
+                         "host_not_allowed", path=path)
             return
         origin = headers.get("origin")
         cors: list[tuple[bytes, bytes]] = []
         if origin is not None:
             if not self.origin_allowed(origin):
                 await answer(send, 403, f"requests from the web page origin '{origin[:100]}' are refused; start the "
-                             "server with --allow-origin ORIGIN to let its pages use it", "origin_not_allowed")
+                             "server with --allow-origin ORIGIN to let its pages use it", "origin_not_allowed",
+                             path=path)
                 return
             cors = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin"),
                     (b"access-control-expose-headers", b"Retry-After")]
@@ -107,13 +130,12 @@ class Guard:
                     (b"access-control-max-age", PREFLIGHT_MAX_AGE.encode())]})
                 await send({"type": "http.response.body", "body": b""})
                 return
-        if method == "POST":
+        if method == "POST" and not is_ollama(path):  # Ollama's routes read any body as JSON (the docstring)
             media = headers.get("content-type", "").split(";")[0].strip().lower()
             if media != "application/json":
                 await answer(send, 415, "send the body as JSON with 'Content-Type: application/json' (got "
-                             f"{media[:60] or 'no Content-Type'})", "unsupported_media_type", cors)
+                             f"{media[:60] or 'no Content-Type'})", "unsupported_media_type", cors, path=path)
                 return
-        path = scope["path"]
         if len(path) > 1 and path.endswith("/"):
             path = path.rstrip("/") or "/"
             raw = (scope.get("raw_path") or path.encode()).rstrip(b"/") or b"/"  # still percent-encoded
@@ -134,13 +156,12 @@ class Guard:
             if not started:
                 line = (str(e).strip().splitlines() or [""])[0][:300]
                 sys.stderr.write(f"dgemma: internal error on {method} {path}: {type(e).__name__}: {line}\n")
-                await answer(send, 500, INTERNAL, "internal_error", cors)
+                await answer(send, 500, INTERNAL, "internal_error", cors, path=path)
 
 
-async def answer(send, status: int, message: str, code: str, extra: list | None = None) -> None:
-    """A JSON error in the API's shape, sent straight to the ASGI server."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+async def answer(send, status: int, message: str, code: str, extra: list | None = None, *, path: str = "") -> None:
+    """A JSON error in the shape of the API `path` belongs to, sent straight to the ASGI server."""
+    body = json.dumps(error_body(path, status, message, code)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *(extra or [])]})

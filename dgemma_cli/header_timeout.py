@@ -12,14 +12,17 @@ uvicorn would pick itself (`uvicorn.Config(http=...)` takes it) that adds the de
   uvicorn's, closed after its keep-alive timeout as before; the deadline starts when the next request does.
 
 A request whose headers are complete is no longer timed here (its body and its answer take what they take). A
-connection closed with part of a request received gets a 408 first (a client can tell why); one that sent nothing
-is just closed, as uvicorn closes an idle keep-alive connection.
+connection closed with part of a request received gets a 408 first (a client can tell why), in the error shape of
+the API its path belongs to (guard.error_body: Ollama's on /api/*); one that sent nothing is just closed, as uvicorn
+closes an idle keep-alive connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+
+from .guard import error_body
 
 DEFAULT_SECONDS = 10.0
 
@@ -36,6 +39,7 @@ def protocol(seconds: float) -> type[asyncio.Protocol]:
         # is read from, whichever protocol this is.
         _header_timer: asyncio.TimerHandle | None = None
         _header_bytes = False  # bytes of the awaited request have arrived
+        _header_start = b""  # its first bytes, up to its path: which API's shape a 408 takes
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -46,6 +50,8 @@ def protocol(seconds: float) -> type[asyncio.Protocol]:
                 self._arm_header_timer()  # a later request on a keep-alive connection has begun
             if self._header_timer is not None:
                 self._header_bytes = True
+                if len(self._header_start) < START_BYTES:
+                    self._header_start += data[:START_BYTES]
             super().data_received(data)
             if not self._waiting_for_headers() or self.transport.get_protocol() is not self:
                 self._disarm_header_timer()  # headers complete, the connection closing, or handed on (upgrade)
@@ -61,6 +67,7 @@ def protocol(seconds: float) -> type[asyncio.Protocol]:
         def _arm_header_timer(self) -> None:
             self._disarm_header_timer()
             self._header_bytes = False
+            self._header_start = b""
             self._header_timer = self.loop.call_later(self.header_seconds, self._header_deadline)
 
         def _disarm_header_timer(self) -> None:
@@ -73,15 +80,25 @@ def protocol(seconds: float) -> type[asyncio.Protocol]:
             if not self._waiting_for_headers():
                 return
             if self._header_bytes:
-                self.transport.write(_timeout_answer(self.header_seconds))
+                self.transport.write(_timeout_answer(self.header_seconds, _path(self._header_start)))
             self.transport.close()
 
     return HeaderDeadlineProtocol
 
 
-def _timeout_answer(seconds: float) -> bytes:
-    """A 408 in the API's error shape; written raw, as the request it answers was never parsed."""
-    body = json.dumps({"error": {"message": f"the request's headers did not arrive within {seconds:g} s",
-                                 "type": "invalid_request_error", "param": None, "code": "request_timeout"}}).encode()
+START_BYTES = 256  # of a request kept while its headers are awaited: its request line's method and path
+
+
+def _path(start: bytes) -> str:
+    """The path in a request line's first bytes ("POST /api/chat HTTP/1.1..." -> "/api/chat"), "" if none yet."""
+    parts = start.split(b"\r\n", 1)[0].split(b" ")
+    return parts[1].split(b"?")[0].decode("latin-1") if len(parts) > 1 else ""
+
+
+def _timeout_answer(seconds: float, path: str = "") -> bytes:
+    """A 408 in the error shape of the API `path` belongs to; written raw, as the request it answers was never
+    parsed."""
+    body = json.dumps(error_body(path, 408, f"the request's headers did not arrive within {seconds:g} s",
+                                 "request_timeout")).encode()
     return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
             b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)) + body

@@ -188,7 +188,9 @@ def resolve_adapter(arg: str) -> tuple[Path, float]:
         try:
             scale, ref = float(tail), head
         except ValueError:
-            pass
+            if _adapter_named(head) and not _adapter_named(arg):  # demo-sudoku-lora:abc: a scale that is no number
+                raise UsageError(f"--adapter {arg}: SCALE (after ':') must be a number, such as 0.5 "
+                                 f"(got {tail!r})") from None
     if not math.isfinite(scale):
         raise UsageError(f"--adapter {arg}: the scale after ':' must be a finite number")
     if ref in BUNDLED_ADAPTERS:
@@ -206,6 +208,15 @@ def resolve_adapter(arg: str) -> tuple[Path, float]:
     if not (path / ADAPTER_CONFIG).is_file():
         raise UsageError(f"--adapter {ref}: {path} has no {ADAPTER_CONFIG} (not a PEFT adapter)")
     return path, scale
+
+
+def _adapter_named(ref: str) -> bool:
+    """Whether `ref` names an adapter as resolve_adapter reads it (bundled, a directory, a store entry)."""
+    if ref in BUNDLED_ADAPTERS:
+        return True
+    if looks_like_path(ref):
+        return Path(ref).expanduser().is_dir()
+    return bool(STORE_NAME.match(ref)) and any((e.path / ADAPTER_CONFIG).is_file() for e in find(ref))
 
 
 def resolve_model(model: str | Path) -> Path:

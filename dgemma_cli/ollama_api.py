@@ -4,11 +4,15 @@ Desktop clients that speak only Ollama reach dgemma through these routes: /api/c
 infill), /api/tags, /api/show, /api/ps, /api/version, and GET / ("Ollama is running"). A request is translated into
 the OpenAI-shaped body `serve.prepare` checks, so both APIs share every limit, refusal and the batch; answers
 stream as Ollama streams them (newline-delimited JSON objects, the last with "done": true and its counts and
-durations in nanoseconds). Errors are Ollama's `{"error": "..."}` with the same status codes.
+durations in nanoseconds; /api/generate's also with `context`, the conversation's token ids, which a client may
+send back). Errors are Ollama's `{"error": "..."}` with the same status codes (the guard's refusals on these paths
+too: guard.error_body). `options.stop` takes up to MAX_STOP strings here, where /v1 takes 8: Ollama has no cap and
+editors send long lists.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -21,6 +25,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 VERSION = "0.12.0"  # the Ollama API version these routes follow (clients check it for features)
+MAX_STOP = 64  # stop strings per request (Ollama has none; /v1 takes serve.MAX_STOP)
+MAX_STOP_CHARS = 4096  # their characters together: each finished canvas's answer is searched for every one
 
 
 class OllamaError(Exception):
@@ -86,21 +92,64 @@ def _loaded(name: str, body: dict, shape: str) -> JSONResponse:
                          "done_reason": reason})
 
 
-def _options(body: dict) -> dict:
-    """Ollama's options -> the OpenAI body's fields: temperature, seed, num_predict (max_tokens; -1 or -2: the
-    model's limit), stop. Others (top_k, top_p, num_ctx, ...) are accepted and ignored, as Ollama ignores what a
-    model does not use."""
+def _option_values(body: dict) -> dict:
     options = body.get("options") or {}
     if not isinstance(options, dict):
         raise OllamaError(400, "options must be an object")
+    return options
+
+
+def _options(body: dict) -> dict:
+    """Ollama's options -> the OpenAI body's fields: temperature, seed, num_predict (max_tokens; negative, as -1 or
+    -2: until the model ends, within its context). `stop` is `stops`'. Others (top_k, top_p, num_ctx, ...) are
+    accepted and ignored, as Ollama ignores what a model does not use."""
+    options = _option_values(body)
     out: dict[str, Any] = {}
-    for key in ("temperature", "seed", "stop"):
+    for key in ("temperature", "seed"):
         if options.get(key) is not None:
             out[key] = options[key]
     n = options.get("num_predict")
-    if n is not None and not (isinstance(n, int) and n < 0):
-        out["max_tokens"] = n
+    if n is not None:
+        if isinstance(n, bool) or not isinstance(n, int) or n == 0:
+            raise OllamaError(400, f"options.num_predict must be a positive integer, or -1: until the model ends "
+                              f"(got {json.dumps(n)[:80]})")
+        if n > 0:
+            out["max_tokens"] = n
     return out
+
+
+def stops(body: dict) -> list[str]:
+    """options.stop: a list of non-empty strings (or one string), at most MAX_STOP of them, MAX_STOP_CHARS
+    characters together; each is cut out of the answer, which ends at the first found."""
+    stop = _option_values(body).get("stop")
+    if stop is None:
+        return []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise OllamaError(400, f"options.stop must be a list of non-empty strings (got {json.dumps(stop)[:80]})")
+    if len(stop) > MAX_STOP or sum(len(s) for s in stop) > MAX_STOP_CHARS:
+        raise OllamaError(400, f"options.stop takes at most {MAX_STOP} strings of {MAX_STOP_CHARS} characters "
+                          f"together (got {len(stop)} of {sum(len(s) for s in stop)})")
+    return list(dict.fromkeys(stop))
+
+
+def context(server, body: dict) -> list[int]:
+    """/api/generate's `context`: the token ids of a conversation so far, as an earlier answer's `context` gave
+    them; they come before this request's prompt."""
+    ids = body.get("context")
+    if ids is None or ids == []:
+        return []
+    cfg = server.engine.config
+    V, most = cfg.text.vocab_size, cfg.text.max_position_embeddings
+    if not isinstance(ids, list):
+        raise OllamaError(400, "context must be a list of token ids, as an earlier answer's context")
+    if len(ids) >= most:  # before looking at each: a body may hold millions
+        raise OllamaError(400, f"context holds {len(ids)} tokens; the model's context is {most}")
+    if not all(type(t) is int and 0 <= t < V for t in ids):
+        raise OllamaError(400, f"context must be a list of token ids (0 to {V - 1}), as an earlier answer's context")
+    if cfg.vision is not None and cfg.vision.image_token_id in ids:
+        raise OllamaError(400, "context holds an image's tokens, which cannot be sent back: send the images again")
+    return ids
 
 
 def _format(body: dict) -> dict:
@@ -115,16 +164,20 @@ def _format(body: dict) -> dict:
     raise OllamaError(400, "format must be \"json\" or a JSON schema object")
 
 
-def _images(images: Any, where: str) -> list[dict]:
-    if images is None:
+def _images(server, images: Any, where: str) -> list[dict]:
+    if images is None or images == []:
         return []
     if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
         raise OllamaError(400, f"{where}.images must be a list of base64 strings")
+    if server.engine.config.vision is None:
+        raise OllamaError(400, f"{where}.images: the model '{server.model_id}' has no vision tower, so it reads no "
+                          "images (/api/show lists no 'vision' capability)")
     return [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{i}"}} for i in images]
 
 
 def chat_body(server, body: dict) -> dict:
     """/api/chat -> an OpenAI chat body."""
+    name = _model_name(server, body.get("model"))
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise OllamaError(400, "messages must be a list")
@@ -132,10 +185,10 @@ def chat_body(server, body: dict) -> dict:
     for k, m in enumerate(messages):
         if not isinstance(m, dict):
             raise OllamaError(400, f"messages[{k}] must be an object")
-        pictures = _images(m.get("images"), f"messages[{k}]")
+        pictures = _images(server, m.get("images"), f"messages[{k}]")
         content = m.get("content", "")
-        if pictures:
-            content = [{"type": "text", "text": content if isinstance(content, str) else ""}, *pictures]
+        if pictures:  # before the text, as Ollama lays a message's images out (and dgemma's engine does)
+            content = [*pictures, {"type": "text", "text": content if isinstance(content, str) else ""}]
         message = {"role": m.get("role"), "content": content}
         if m.get("role") == "tool":  # Ollama names the tool, OpenAI refers to the call
             message["name"] = m.get("tool_name") or m.get("name") or "tool"
@@ -147,7 +200,7 @@ def chat_body(server, body: dict) -> dict:
                 for i, c in enumerate(m["tool_calls"]) if isinstance(c, dict)]
         out.append(message)
     tools = {"tools": body["tools"]} if body.get("tools") else {}
-    return {"model": _model_name(server, body.get("model")), "messages": out, "thinking": bool(body.get("think")),
+    return {"model": name, "messages": out, "thinking": bool(body.get("think")),
             **tools, **_options(body), **_format(body)}
 
 
@@ -166,8 +219,8 @@ def generate_body(server, body: dict) -> tuple[dict, str]:
     messages = []
     if isinstance(body.get("system"), str) and body["system"]:
         messages.append({"role": "system", "content": body["system"]})
-    pictures = _images(body.get("images"), "request")
-    messages.append({"role": "user", "content": [{"type": "text", "text": prompt}, *pictures] if pictures
+    pictures = _images(server, body.get("images"), "request")
+    messages.append({"role": "user", "content": [*pictures, {"type": "text", "text": prompt}] if pictures
                      else prompt})
     return {**common, "messages": messages, "thinking": bool(body.get("think"))}, "chat"
 
@@ -226,20 +279,62 @@ def _piece(server, kind: str, delta: str, thought: str, model: str = "") -> dict
     return obj
 
 
+def _prepend(api, server, prep, ids: list[int], sized: bool) -> None:
+    """A `context` before the request's prompt (its own <bos> dropped where the context has one); the answer's
+    length (unless `sized` by num_predict) and KV cache reservation made again for the longer prompt."""
+    from .errors import UsageError
+
+    engine, job = server.engine, prep.job
+    bos = engine.tokenizer.bos_id
+    prompt = job.prompt[1:] if bos is not None and job.prompt[:1] == [bos] and ids[:1] == [bos] else job.prompt
+    prompt = list(ids) + list(prompt)
+    settings = job.settings
+    if not sized:
+        settings = settings.override(max_new_tokens=api.default_max_tokens(engine, len(prompt), len(job.held)))
+    try:
+        capacity = engine.check_context(len(prompt), settings, held=len(job.held))
+    except UsageError as e:
+        raise OllamaError(400, f"with its context, {e}".replace("new tokens", "new tokens (num_predict)")) from None
+    prep.job = dataclasses.replace(job, prompt=prompt, settings=settings, capacity=capacity)
+
+
+def _context_out(server, prep, done, text) -> list[int]:
+    """/api/generate's `context`: the prompt's ids (a sent context's included) and the answer's returned ones, and
+    for a chat-templated answer that ended its turn, the turn's end as the template writes it."""
+    tok = server.engine.tokenizer
+    ids = prep.job.prompt + text.cut(text.ids)[: text.returned_tokens()]
+    if prep.kind == "chat" and done is not None and done.ended and tok.end_of_turn_id is not None:
+        ids += [tok.end_of_turn_id, *tok.encode_text("\n")]
+    return ids
+
+
 async def respond(api, server, openai_body: dict, kind: str, shape: str, stream: bool,
-                  request: Request | None = None) -> Response:
+                  request: Request | None = None, stop: list[str] = (), ctx: list[int] = ()) -> Response:
     """Run the translated request and answer as Ollama does: NDJSON when streaming (its default), else one object.
-    shape: "chat" (a message) or "generate" (a response)."""
+    shape: "chat" (a message) or "generate" (a response, its last object with `context`); stop: options.stop
+    (`stops`); ctx: token ids before the prompt (`context`)."""
     started = time.perf_counter()
+    if stop and openai_body.get("response_format"):
+        raise OllamaError(400, "options.stop cannot be used with format: a stop string would cut the structured "
+                          "answer short of it")
     prep = await api.prepared(server, openai_body, kind, request)  # a client leaving stops its structure's compile
+    prep.stops = list(stop)  # checked here (MAX_STOP), not by serve.prepare's /v1 limit
+    if ctx:
+        _prepend(api, server, prep, ctx, "max_tokens" in openai_body)
+
+    def last(done, text, answer: str = "", thought: str = "") -> dict:
+        """The last object: the answer's counts and durations (and the whole answer, when not streamed)."""
+        obj = {**_piece(server, shape, answer, thought, prep.model), **_final(api, server, prep, done, text, started)}
+        if shape == "generate":
+            obj["context"] = _context_out(server, prep, done, text)
+        return _with_calls(shape, obj)
+
     if not stream:
         answer, thought, final = "", "", None
         async for delta, th, end in _answer(api, server, prep):
             answer, thought = answer + delta, thought + th
             final = end or final
-        done, text = final
-        return JSONResponse(_with_calls(shape, {**_piece(server, shape, answer, thought, prep.model),
-                                                **_final(api, server, prep, done, text, started)}))
+        return JSONResponse(last(*final, answer, thought))
 
     async def lines() -> AsyncIterator[bytes]:
         try:
@@ -247,13 +342,31 @@ async def respond(api, server, openai_body: dict, kind: str, shape: str, stream:
                 if end is None:
                     yield (json.dumps(_piece(server, shape, delta, th, prep.model), ensure_ascii=False) + "\n").encode()
                 else:
-                    last = {**_piece(server, shape, "", "", prep.model),
-                            **_final(api, server, prep, end[0], end[1], started)}
-                    yield (json.dumps(_with_calls(shape, last), ensure_ascii=False) + "\n").encode()
+                    yield (json.dumps(last(*end), ensure_ascii=False) + "\n").encode()
         except api.ApiError as e:
             yield (json.dumps({"error": e.message}) + "\n").encode()
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+def _capabilities(engine) -> list[str]:
+    """What /api/show says the model does, in Ollama's words: completion; vision with a vision tower; tools where
+    the vocabulary has the tool-call tokens the answers' calls are read by (tools.py; the chat template renders the
+    tools, or dgemma writes Gemma 4's format); thinking where the template takes `enable_thinking` and the
+    vocabulary has the thought channel's tokens; insert (infill: `suffix`), which every checkpoint serves."""
+    from .tokenizer import CHANNEL_END, CHANNEL_START
+    from .tools import CALL_END, CALL_START
+
+    tok = engine.tokenizer
+    has = lambda *tokens: tok is not None and all(tok.token_id(t) is not None for t in tokens)
+    out = ["completion"]
+    if engine.config.vision is not None:
+        out.append("vision")
+    if has(CALL_START, CALL_END):
+        out.append("tools")
+    if has(CHANNEL_START, CHANNEL_END) and "enable_thinking" in (tok.chat_template or ""):
+        out.append("thinking")
+    return out + ["insert"]
 
 
 def _details(server) -> dict:
@@ -283,7 +396,7 @@ def routes(server, api) -> list[Route]:
             stream = _stream(body)
             if body.get("messages") in (None, []):  # Ollama's way to load (or unload) a model
                 return _loaded(_model_name(server, body.get("model")), body, "chat")
-            return await respond(api, server, chat_body(server, body), "chat", "chat", stream, request)
+            return await respond(api, server, chat_body(server, body), "chat", "chat", stream, request, stops(body))
         return await guarded(request, work)
 
     async def generate(request: Request) -> Response:
@@ -293,7 +406,8 @@ def routes(server, api) -> list[Route]:
             if body.get("prompt") in (None, "") and body.get("suffix") is None and not body.get("images"):
                 return _loaded(_model_name(server, body.get("model")), body, "generate")  # Ollama's load idiom
             openai_body, kind = generate_body(server, body)
-            return await respond(api, server, openai_body, kind, "generate", stream, request)
+            return await respond(api, server, openai_body, kind, "generate", stream, request, stops(body),
+                                 context(server, body))
         return await guarded(request, work)
 
     def entry(model_id: str) -> dict:
@@ -318,10 +432,10 @@ def routes(server, api) -> list[Route]:
             name = _model_name(server, body.get("model") or body.get("name"))
             engine = server.engine
             s = engine.settings
-            params = (f"temperature {s.t_max}\nnum_predict {s.max_new_tokens}\n"
+            params = (f"temperature {s.t_max}\nnum_predict {api.default_max_tokens(engine)}\n"  # a request without one
                       + "".join(f"stop {engine.tokenizer.decode([i], skip_special_tokens=False)}\n"
                                 for i in s.eos_token_ids if engine.tokenizer is not None))
-            capabilities = ["completion", "insert"] + (["vision"] if engine.config.vision is not None else [])
+            capabilities = _capabilities(engine)
             cfg = engine.config.text
             return JSONResponse({
                 # The model's id, not its directory: where the server keeps its files is none of a client's business

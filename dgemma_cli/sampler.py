@@ -59,15 +59,15 @@ class CanvasDone:
     tokens: torch.Tensor  # [B, C] the kept (argmax) canvas, pad after the first end-of-sequence token
     steps: list[int]  # per row: forward passes this canvas took before the row stopped
     finished: torch.Tensor  # bool [B]: rows that have ended (end-of-sequence seen or length reached)
-    kept: list[int] = field(default_factory=list)  # per row: tokens of this canvas the answer keeps (non-pad, within
-    # max_new_tokens), what `tokens_per_forward` counts
+    kept: list[int] = field(default_factory=list)  # per row: tokens of this canvas the answer keeps (neither pad nor
+    # the end-of-sequence id, within max_new_tokens), what `tokens_per_forward` counts
 
 
 @dataclass
 class Done:
     token_ids: list[list[int]]  # per row: generated ids, ending before the first end-of-sequence id
     steps_per_canvas: list[list[int]]  # per row
-    tokens_per_forward: list[float]  # per row: non-pad generated tokens / decoder forward passes
+    tokens_per_forward: list[float]  # per row: the answer's tokens (no pad, no end id) / decoder forward passes
     seconds: float
     forward_passes: int = 0  # batched decoder calls
     stats: dict = field(default_factory=dict)
@@ -79,8 +79,10 @@ Event = Step | CanvasDone | Done
 
 def tokens_per_forward(kept: int, forwards: int) -> float:
     """The one definition of tokens per forward pass, for Done, the view, progress lines and --json: tokens the answer
-    keeps (non-pad generated ids within max_new_tokens; `CanvasDone.kept` summed) over the decoder forward passes
-    its row took (`CanvasDone.steps` summed). 0 before the first forward pass."""
+    keeps (generated ids within max_new_tokens that are neither pad nor the end-of-sequence id ending the answer;
+    `CanvasDone.kept` summed) over the decoder forward passes its row took (`CanvasDone.steps` summed). 0 before
+    the first forward pass. (transformers' reference counts the end id too: its figure is 1/forwards higher for an
+    answer that ended.)"""
     return kept / forwards if forwards else 0.0
 
 
@@ -364,7 +366,9 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
                 if rc is not None:
                     rc.end_canvas(row)
         room = max(0, min(free, settings.max_new_tokens - ci * free))  # positions of this canvas within the limit
-        steps, kept = torch.stack([row_steps, (tokens[:, :room] != pad).sum(dim=-1)]).tolist()  # one transfer
+        # the answer's tokens: neither pad nor the end-of-sequence id that ends it (pads after it already)
+        answer = (tokens[:, :room] != pad) & ~is_eos[:, :room]
+        steps, kept = torch.stack([row_steps, answer.sum(dim=-1)]).tolist()  # one transfer
         for b in range(B):
             kept_per_row[b] += kept[b]
             if steps[b]:  # rows that ended in an earlier canvas took no steps on this one

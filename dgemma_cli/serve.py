@@ -7,7 +7,8 @@ responses: one chunk per finished canvas when streaming, and with `"stream_steps
 denoising step carrying the canvas (`dgemma_step`), for pages that draw it sharpening.
 
 Routes: POST /v1/chat/completions, POST /v1/completions (`suffix`: infill with the held suffix, as `dgemma fim`),
-GET /v1/models, GET /v1/models/{id}, GET /health. Errors are JSON in the API's shape:
+POST /v1/responses (responses_api.py, through the chat path), GET /v1/models, GET /v1/models/{id}, GET /health;
+Ollama's (ollama_api.py). Token log-probabilities: logprobs.py. Errors are JSON in the API's shape:
 {"error": {"message", "type", "param", "code"}}.
 """
 
@@ -35,15 +36,16 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import answer, ollama_api
+from . import answer, ollama_api, responses_api
 from .batching import BatchLoop, Closed, Job, QueueFull, RowCanvas, RowDone, RowFailed, RowStep, Ticket
 from .body import BodyError
 from .body import parse as parse_body
 from .config import IMAGE_TOKEN_BUDGETS
 from .errors import DgemmaError, ModelError, UsageError
-from .guard import INTERNAL, Guard, allowed_hosts
+from .guard import INTERNAL, Guard, allowed_hosts, error_body, is_ollama
 from .header_timeout import DEFAULT_SECONDS as HEADER_TIMEOUT
 from .header_timeout import protocol as header_deadline_protocol
+from .logprobs import AnswerLogprobs
 from .store import check_images
 from .structure_worker import Busy, Cancelled, Stopped
 from .tokenizer import Control
@@ -199,7 +201,8 @@ class Prepared:
 
 def structured(body: dict) -> bool:
     """Whether a request asks for a structure (its compile may take the compile worker's whole budget)."""
-    return any(body.get(k) is not None for k in GUIDED) or body.get("response_format") not in (None, {}) or \
+    return any(body.get(k) is not None for k in GUIDED) or body.get("structured_outputs") not in (None, {}) or \
+        body.get("response_format") not in (None, {}) or \
         body.get("tool_choice") not in (None, "none", "auto")
 
 
@@ -240,10 +243,13 @@ def prepare(server: Server, body: dict, kind: str, cancelled=None) -> Prepared:
     # Fields dgemma cannot honour, where ignoring them would give the client something other than it asked for.
     if get_int(body, "n", 1) not in (None, 1):
         raise refuse("n", "one choice per request (send several requests; they are batched)")
-    if body.get("logprobs") not in (None, False, 0):
-        raise refuse("logprobs", "the sampler keeps no per-token log-probabilities")
-    if body.get("top_logprobs") not in (None, 0):
-        raise refuse("top_logprobs", "the sampler keeps no per-token log-probabilities")
+    if body.get("echo") not in (None, False):  # first: lm-eval's loglikelihood requests also send max_tokens 0
+        raise refuse("echo", "the prompt's tokens are not returned, nor their log-probabilities, which a canvas "
+                     "decoder does not define (it scores a canvas of answer tokens, never the prompt's): "
+                     "loglikelihood tasks cannot run here; generation tasks can")
+    logprobs = request_logprobs(body, kind)
+    if logprobs is not None:
+        tok.token_bytes()  # read once per server (the vocabulary's bytes), here in a worker, not in the event loop
     if body.get("logit_bias") not in (None, {}):
         raise refuse("logit_bias", "not applied by the diffusion sampler")
     if body.get("functions") not in (None, []) or body.get("function_call") is not None:
@@ -255,8 +261,6 @@ def prepare(server: Server, body: dict, kind: str, cancelled=None) -> Prepared:
             raise ApiError(400, "a tool_choice that requires a call cannot also have a response_format",
                            param="tool_choice", code="invalid_value")
         structure = call_structure
-    if body.get("echo") not in (None, False):
-        raise refuse("echo", "the prompt is not returned")
     if get_int(body, "best_of", 1) not in (None, 1):
         raise refuse("best_of", "one candidate per request")
     # Accepted and ignored, as other local servers do: top_p, presence_penalty, frequency_penalty, user, metadata,
@@ -359,11 +363,15 @@ def prepare(server: Server, body: dict, kind: str, cancelled=None) -> Prepared:
     if min(prompt) < 0 or max(prompt) >= V:
         raise ApiError(400, f"the prompt has a token id outside the vocabulary of {V}", param="prompt",
                        code="invalid_value")
+    if max_tokens is None:  # none sent: the context the prompt leaves, at most DEFAULT_CANVASES canvases
+        settings = settings.override(max_new_tokens=default_max_tokens(engine, len(prompt), len(held)))
     try:
         capacity = engine.check_context(len(prompt), settings, held=len(held))
     except UsageError as e:
         raise ApiError(400, str(e).replace("new tokens", "new tokens (max_tokens)"),
                        param="messages" if kind == "chat" else "prompt", code="context_length_exceeded") from None
+    if call_structure is not None:  # now that max_tokens is known: a call bounded to fit it (tools.call_grammar)
+        structure = call_structure = request_tools(tok, body, kind, settings.max_new_tokens)[1]
     if seed is None:
         seed = secrets.randbits(63)
     automaton = None
@@ -382,19 +390,53 @@ def prepare(server: Server, body: dict, kind: str, cancelled=None) -> Prepared:
         except Stopped:
             raise ApiError(503, "the server is shutting down", code="shutting_down") from None
         except UsageError as e:
-            where = "tool_choice" if call_structure is not None else next(
-                (k for k in GUIDED if body.get(k) is not None), "response_format")
+            where = "tool_choice" if call_structure is not None else next(iter(guided_fields(body)),
+                                                                          "response_format")
             raise ApiError(400, str(e), param=where, code="invalid_value") from None
     job = Job(prompt, settings, seed, capacity, held, want_steps=stream_steps, image_features=image_features,
-              automaton=automaton, adapter=slot)
+              automaton=automaton, adapter=slot, logprobs=logprobs)
     return Prepared(kind, job, stream, stream_steps, include_usage, stops, infill,
                     structure is not None and call_structure is None, functions is not None, model)
 
 
-def request_tools(tok, body: dict, kind: str):
+DEFAULT_CANVASES = 16  # a request without max_tokens: at most this many canvases (4096 tokens on the published
+# checkpoint), or the checkpoint's max_new_tokens where that is more, and never more than its context leaves
+
+
+def default_max_tokens(engine, prompt_len: int = 0, held: int = 0) -> int:
+    """The max_tokens of a request that sends none: what the context leaves after the prompt, in whole canvases
+    (`held` tokens of each held by an infill), at most DEFAULT_CANVASES canvases or the checkpoint's max_new_tokens
+    (its generation_config.json: one canvas, 256 tokens, on the published checkpoint) where that is more. An answer
+    then ends where the model ends it, as the API's default does, up to a bound that keeps a request's KV cache
+    reservation (prompt + max_tokens positions) to what a batch of them can hold."""
+    C = engine.config.canvas_length
+    free = C - held
+    cap = max(engine.settings.max_new_tokens, DEFAULT_CANVASES * free)
+    room = (engine.config.text.max_position_embeddings - prompt_len) // C * free
+    return min(cap, room) if room >= 1 else engine.settings.max_new_tokens  # no room: the context error says so
+
+
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as vLLM's default --max-logprobs
+
+
+def request_logprobs(body: dict, kind: str) -> int | None:
+    """How many alternatives each answer token's log-probability comes with (logprobs.py), None: none asked.
+    Chat: `logprobs` true and `top_logprobs` 0-20; completions: `logprobs` an integer 0-20 (OpenAI's limit is 5,
+    vLLM's 20)."""
+    if kind == "chat":
+        wanted = get_bool(body, "logprobs")
+        top = get_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        if top and not wanted:  # top_logprobs 0 alone asks for nothing
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value")
+        return (top or 0) if wanted else None
+    return get_int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+
+
+def request_tools(tok, body: dict, kind: str, max_tokens: int | None = None):
     """`tools` and `tool_choice` -> (the offered functions or None, the structure a required call holds the answer
     to or None). tool_choice: "auto" (the default with tools: the model may call), "none" (tools not offered),
-    "required" (a call, of any of them), or {"type": "function", "function": {"name": ...}} (that one)."""
+    "required" (a call, of any of them), or {"type": "function", "function": {"name": ...}} (that one). max_tokens:
+    the answer's, which the call's strings and arrays are bounded to fit (tools.call_grammar); None: checked only."""
     from .constrain import Structure
     from .tools import call_grammar, check_tools
 
@@ -430,41 +472,98 @@ def request_tools(tok, body: dict, kind: str):
                        code="invalid_value")
     parallel = choice == "required" and body.get("parallel_tool_calls") is not False
     try:
-        grammar = call_grammar(wanted, start, end, tok.token_id('<|"|>'), most=4 if parallel else 1)
+        grammar = call_grammar(wanted, start, end, tok.token_id('<|"|>'), most=4 if parallel else 1,
+                               max_tokens=max_tokens)
     except UsageError as e:
         raise ApiError(400, str(e), param="tools", code="invalid_value") from None
     return functions, Structure("grammar", grammar)
 
 
-GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "grammar"}
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "grammar",
+          "guided_choice": "choice"}
+# vLLM's newer form, `structured_outputs: {"json": ...}`: each key -> the guided_* field it stands for
+STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "grammar": "guided_grammar",
+                      "choice": "guided_choice", "json_object": "json_object"}
+MAX_CHOICES = 1024
+
+
+def guided_fields(body: dict | None) -> dict[str, Any]:
+    """vLLM's structure fields a request sends, {the field's name: its value}: guided_json, guided_regex,
+    guided_grammar, guided_choice, and the keys of structured_outputs (named "structured_outputs.KEY"). What cannot
+    be honoured is refused: another guided_* field (guided_whitespace_pattern, ...), another structured_outputs key
+    set to anything but null or false (structural_tag, whitespace_pattern, disable_any_whitespace: true, ...).
+    guided_decoding_backend (which library compiles it: dgemma has its own) is accepted and ignored."""
+    out: dict[str, Any] = {}
+    for key, value in (body or {}).items():
+        if not key.startswith("guided_") or value is None or key == "guided_decoding_backend":
+            continue
+        if key not in GUIDED:
+            raise refuse(key, f"dgemma takes {', '.join(GUIDED)} and structured_outputs")
+        out[key] = value
+    so = (body or {}).get("structured_outputs")
+    if so is None:
+        return out
+    if not isinstance(so, dict):
+        raise _type_error("structured_outputs", "an object", so)
+    for key, value in so.items():
+        name = f"structured_outputs.{key}"
+        if key == "json_object":
+            if get_bool(so, key):
+                out[name] = True
+        elif key in STRUCTURED_OUTPUTS:
+            if value is not None:
+                out[name] = value
+        elif value not in (None, False):  # an option left at its default asks for nothing
+            raise ApiError(400, f"'{name}' is not supported: structured_outputs takes "
+                           f"{', '.join(STRUCTURED_OUTPUTS)}", param=name, code="unsupported_parameter")
+    return out
+
+
+def choice_regex(choices: Any, key: str) -> str:
+    """guided_choice's strings -> the expression that is exactly one of them."""
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
+        raise _type_error(key, "a non-empty list of strings", choices)
+    if len(choices) > MAX_CHOICES:
+        raise ApiError(400, f"'{key}' holds {len(choices)} choices; at most {MAX_CHOICES}", param=key,
+                       code="invalid_value")
+    import re
+
+    return "(" + "|".join(re.escape(c) for c in dict.fromkeys(choices)) + ")"
 
 
 def response_structure(fmt: Any, body: dict | None = None):
     """OpenAI's response_format -> a constrain.Structure, or None for free text: {"type": "text"},
     {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}; or vLLM's
-    fields guided_json (a schema), guided_regex, guided_grammar (Lark or GBNF), so requests written for vLLM work."""
+    fields guided_json (a schema), guided_regex, guided_grammar (Lark or GBNF), guided_choice (exactly one of its
+    strings), and structured_outputs' json, regex, grammar, choice, json_object, so requests written for vLLM
+    work."""
     from .constrain import Structure
 
-    guided = [k for k in GUIDED if (body or {}).get(k) is not None]
+    guided = guided_fields(body)
     if guided:
+        key = next(iter(guided))
         if len(guided) > 1 or fmt not in (None, {}, {"type": "text"}):
-            raise ApiError(400, "give one of response_format, guided_json, guided_regex, guided_grammar",
-                           param=guided[0], code="invalid_value")
-        key = guided[0]
-        value = body[key]
-        if key == "guided_json":
+            raise ApiError(400, "give one of response_format, guided_json, guided_regex, guided_grammar, "
+                           "guided_choice, structured_outputs (with one key)", param=key, code="invalid_value")
+        value = guided[key]
+        field = STRUCTURED_OUTPUTS.get(key.removeprefix("structured_outputs."), key)
+        if field == "json_object":
+            return Structure("json_object")
+        if field == "guided_choice":
+            return Structure("regex", choice_regex(value, key))
+        if field == "guided_json":
             if isinstance(value, str):
                 try:
                     value = json.loads(value)
                 except (ValueError, RecursionError):  # not JSON, an integer of thousands of digits, deep nesting
-                    raise ApiError(400, "'guided_json' is not JSON (or nests too deeply)", param=key,
+                    raise ApiError(400, f"'{key}' is not JSON (or nests too deeply)", param=key,
                                    code="invalid_value") from None
             if not isinstance(value, (dict, bool)):
                 raise _type_error(key, "a JSON schema", value)
             return Structure("json_schema", json.dumps(value))
         if not isinstance(value, str) or not value:
             raise _type_error(key, "a non-empty string", value)
-        return Structure(GUIDED[key], value)
+        return Structure(GUIDED[field], value)
     if fmt in (None, {}):
         return None
     if not isinstance(fmt, dict):
@@ -675,13 +774,35 @@ def finish_reason(text: AnswerText, done: RowDone | None) -> str:
 
 
 async def answer_whole(server: Server, request: Request, prep: Prepared) -> Response:
+    body = await whole(server, request, prep)
+    return Response(status_code=499) if body is None else JSONResponse(body)  # 499: nobody is listening
+
+
+def answer_logprobs(server: Server, prep: Prepared, text: AnswerText) -> AnswerLogprobs | None:
+    """The answer's token log-probabilities, for a request that asked (logprobs.py)."""
+    return None if prep.job.logprobs is None else AnswerLogprobs(server.engine.tokenizer, text)
+
+
+def logprobs_field(prep: Prepared, lp: AnswerLogprobs | None, entries: list) -> Any:
+    """A choice's `logprobs`: null unless asked; chat's {"content": [...]}, completions' lists."""
+    if lp is None:
+        return None
+    return {"content": lp.chat(entries), "refusal": None} if prep.kind == "chat" else lp.completion(entries)
+
+
+async def whole(server: Server, request: Request, prep: Prepared) -> dict | None:
+    """The answer in one piece, as the API's chat.completion or text_completion object; None when the client left
+    before it was done."""
     events, ticket = submit(server, prep)
     text = AnswerText(server.engine.tokenizer, prep)
+    lp = answer_logprobs(server, prep, text)
 
     async def collect() -> tuple[RowDone | None, list[int]]:
         while True:
             ev = await next_event(events)
             if isinstance(ev, RowCanvas):
+                if lp is not None:
+                    lp.add(ev.logprobs)
                 text.add(ev.tokens)
                 if text.stopped:  # a stop string: the rest is not needed, the row leaves at the next step
                     ticket.cancel()
@@ -699,7 +820,7 @@ async def answer_whole(server: Server, request: Request, prep: Prepared) -> Resp
         if not work.done():
             work.cancel()
     if not work.done():
-        return Response(status_code=499)  # nobody is listening
+        return None
     done, ids = work.result()
     if done is not None:
         server.finished(done.seconds)
@@ -707,6 +828,7 @@ async def answer_whole(server: Server, request: Request, prep: Prepared) -> Resp
         text.ids = ids
         text.finish(ids)
     answer, thought = text.sent, text.sent_thought  # what a stream would have sent, in one piece
+    logprobs = logprobs_field(prep, lp, lp.take(final=True) if lp is not None else [])
     reason = finish_reason(text, done)
     calls = text.tool_calls(ids) if done is not None else []
     completion = text.returned_tokens()
@@ -714,19 +836,19 @@ async def answer_whole(server: Server, request: Request, prep: Prepared) -> Resp
     base = {"id": new_id(prep), "created": int(time.time()), "model": prep.model or server.model_id}
     if prep.kind == "chat":
         message = {"role": "assistant", "content": answer, "refusal": None}
-        if calls:
+        if calls:  # cut at max_tokens, the calls completed before the cut, with "length" (as the API does)
             message.update(content=answer or None, tool_calls=calls)
-            reason = "tool_calls"
+            reason = "length" if reason == "length" else "tool_calls"
         if thought:
             message["reasoning_content"] = thought
         body = {**base, "object": "chat.completion",
-                "choices": [{"index": 0, "message": message, "finish_reason": reason, "logprobs": None}]}
+                "choices": [{"index": 0, "message": message, "finish_reason": reason, "logprobs": logprobs}]}
     else:
         body = {**base, "object": "text_completion",
-                "choices": [{"index": 0, "text": answer, "finish_reason": reason, "logprobs": None}]}
+                "choices": [{"index": 0, "text": answer, "finish_reason": reason, "logprobs": logprobs}]}
     body["usage"] = usage(prep, completion, done)
     body["dgemma"] = extra
-    return JSONResponse(body)
+    return body
 
 
 async def wait_disconnect(request: Request) -> None:
@@ -762,23 +884,39 @@ class EventStream(StreamingResponse):
 
 
 async def answer_stream(server: Server, prep: Prepared) -> Response:
+    chunks, ticket = stream_chunks(server, prep)
+
+    async def body() -> AsyncIterator[str]:
+        async for c in chunks:
+            yield sse(c)
+        yield "data: [DONE]\n\n"
+
+    return EventStream(body(), ticket)
+
+
+def stream_chunks(server: Server, prep: Prepared) -> tuple[AsyncIterator[dict], Ticket]:
+    """The streamed answer as the API's chunk objects (an error's body, if one comes, last), and its ticket:
+    submitted now, so that a full queue is a 429 before anything is sent."""
     events, ticket = submit(server, prep)
     tok = server.engine.tokenizer
     text = AnswerText(tok, prep)
+    lp = answer_logprobs(server, prep, text)
     chat = prep.kind == "chat"
     base = {"id": new_id(prep), "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": prep.model or server.model_id}
 
-    def chunk(delta: str = "", thought: str = "", reason: str | None = None, first: bool = False) -> dict:
+    def chunk(delta: str = "", thought: str = "", reason: str | None = None, first: bool = False,
+              entries: list | None = None) -> dict:
+        logprobs = logprobs_field(prep, lp, entries or []) if entries is not None else None
         if chat:
             d: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if delta:
                 d["content"] = delta
             if thought:
                 d["reasoning_content"] = thought
-            choice = {"index": 0, "delta": d, "finish_reason": reason, "logprobs": None}
+            choice = {"index": 0, "delta": d, "finish_reason": reason, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": delta, "finish_reason": reason, "logprobs": None}
+            choice = {"index": 0, "text": delta, "finish_reason": reason, "logprobs": logprobs}
         # With include_usage, every chunk but the last carries "usage": null, as the API sends it.
         return {**base, "choices": [choice], **({"usage": None} if prep.include_usage else {})}
 
@@ -788,19 +926,22 @@ async def answer_stream(server: Server, prep: Prepared) -> Response:
             "pieces": [tok.decode([t], skip_special_tokens=False) for t in ev.canvas],
             "accepted": ev.accepted, "confidence": [round(math.exp(-h), 4) for h in ev.entropy]}}
 
-    async def body() -> AsyncIterator[str]:
+    async def body() -> AsyncIterator[dict]:
         if chat:
-            yield sse(chunk(first=True))
+            yield chunk(first=True)
         done = None
         try:
             while True:
                 ev = await next_event(events)
                 if isinstance(ev, RowStep):
-                    yield sse(step_chunk(ev))
+                    yield step_chunk(ev)
                 elif isinstance(ev, RowCanvas):
+                    if lp is not None:
+                        lp.add(ev.logprobs)
                     delta, thought = text.add(ev.tokens)
-                    if delta or thought:
-                        yield sse(chunk(delta, thought))
+                    entries = lp.take(final=text.stopped) if lp is not None else None
+                    if delta or thought or entries:
+                        yield chunk(delta, thought, entries=entries)
                     if text.stopped:
                         ticket.cancel()
                         break
@@ -809,24 +950,24 @@ async def answer_stream(server: Server, prep: Prepared) -> Response:
                     server.finished(ev.seconds)
                     text.ids = ev.token_ids
                     delta, thought = text.finish(ev.token_ids)
-                    if delta or thought:
-                        yield sse(chunk(delta, thought))
+                    entries = lp.take(final=True) if lp is not None else None
+                    if delta or thought or entries:
+                        yield chunk(delta, thought, entries=entries)
                     break
         except ApiError as e:
-            yield sse(e.body())
-            yield "data: [DONE]\n\n"
+            yield e.body()
             return
         calls = text.tool_calls(text.ids) if done is not None and chat else []
         if calls:  # each call whole in one delta, as the API allows
-            yield sse({**base, "choices": [{"index": 0, "delta": {"tool_calls": [
+            yield ({**base, "choices": [{"index": 0, "delta": {"tool_calls": [
                 {"index": i, **c} for i, c in enumerate(calls)]}, "finish_reason": None, "logprobs": None}],
                 **({"usage": None} if prep.include_usage else {})})
-        yield sse(chunk(reason="tool_calls" if calls else finish_reason(text, done)))
+        reason = finish_reason(text, done)  # cut at max_tokens: "length", with the calls completed before the cut
+        yield chunk(reason="tool_calls" if calls and reason != "length" else reason)
         if prep.include_usage:
-            yield sse({**base, "choices": [], "usage": usage(prep, text.returned_tokens(), done)})
-        yield "data: [DONE]\n\n"
+            yield {**base, "choices": [], "usage": usage(prep, text.returned_tokens(), done)}
 
-    return EventStream(body(), ticket)
+    return body(), ticket
 
 
 # ----------------------------------------------------------------------------- routes
@@ -853,7 +994,8 @@ def build_app(server: Server, hosts: set[str] | None = None, origins: tuple[str,
     def model_card(name: str) -> dict:
         cfg = server.engine.config
         card = {"id": name, "object": "model", "created": server.created, "owned_by": "dgemma",
-                "max_model_len": cfg.text.max_position_embeddings, "canvas_length": cfg.canvas_length}
+                "max_model_len": cfg.text.max_position_embeddings, "canvas_length": cfg.canvas_length,
+                "default_max_tokens": default_max_tokens(server.engine)}  # a request without max_tokens
         if name != server.model_id:  # a LoRA adapter on the base (vLLM's cards say the same with root/parent)
             card.update(root=name, parent=server.model_id)
         return card
@@ -883,17 +1025,21 @@ def build_app(server: Server, hosts: set[str] | None = None, origins: tuple[str,
                 "reused_tokens": loop.prefixes.reused_tokens}})
 
     async def api_error(request: Request, exc: ApiError) -> Response:
+        if is_ollama(request.url.path):  # Ollama's shape on its paths: {"error": "..."}
+            return JSONResponse(error_body(request.url.path, exc.status, exc.message), status_code=exc.status,
+                                headers=exc.headers)
         return exc.response()
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code).response()
+        return await api_error(request, ApiError(exc.status_code, f"{request.method} {request.url.path}: "
+                                                 f"{exc.detail}", code=code))
 
     async def internal_error(request: Request, exc: Exception) -> Response:
         line = (str(exc).strip().splitlines() or [""])[0][:300]
         sys.stderr.write(f"dgemma: internal error on {request.method} {request.url.path}: "
                          f"{type(exc).__name__}: {line}\n")
-        return ApiError(500, INTERNAL, code="internal_error").response()
+        return await api_error(request, ApiError(500, INTERNAL, code="internal_error"))
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -901,6 +1047,7 @@ def build_app(server: Server, hosts: set[str] | None = None, origins: tuple[str,
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{name:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        *responses_api.routes(server, sys.modules[__name__]),  # the Responses API, through the chat path
         *ollama_api.routes(server, sys.modules[__name__]),  # Ollama's API on the same engine and batch
     ]
     # An escaping exception reaches internal_error (one line, a 500), then Starlette raises it again: the guard

@@ -38,26 +38,27 @@ def describe(path: Path) -> dict:
 
     What is quantized is read from the checkpoint itself (a projection is quantized when its scale tensor is
     stored): `policy` is `all` when attention and the dense MLP are, `experts` when only the routed experts are."""
-    from quant.formats import Format
-
     from .config import ModelConfig
     from .errors import ModelError
     from .footprint import runtime_bytes, weight_bytes
-    from .vision import vision_records
-    from .weights import checkpoint_files, checkpoint_name, expert_base, index_checkpoint, read_format, text_prefix
+    from .layout import checkpoint_files, checkpoint_name, expert_base, index_checkpoint, text_prefix, vision_records
 
     cfg = ModelConfig.from_dir(path)
-    fmt = read_format(path, cfg.raw)
-    records = index_checkpoint(path)
+    fmt = _read_format(path, cfg.raw)
+    records = index_checkpoint(path)  # headers only, read without torch
     prefix = text_prefix(records)
-    probe = fmt or Format()
-    experts = probe.expert_layout(expert_base(0, prefix), records) is not None
-    dense = probe.quantized_linear(checkpoint_name("layers.0.mlp.up_proj.weight", prefix)[: -len(".weight")], records)
+    experts_at, dense_at = expert_base(0, prefix), checkpoint_name("layers.0.mlp.up_proj", prefix)
+    if fmt is not None:
+        experts = fmt.expert_layout(experts_at, records) is not None
+        dense = fmt.quantized_linear(dense_at, records)
+    else:  # quant.formats.Format's own checks (the loader refuses such tensors without a quantization_config)
+        experts = f"{experts_at}.0.gate_proj.weight" in records or f"{experts_at}.gate_up_proj.weight_scale" in records
+        dense = f"{dense_at}.weight_scale" in records
     policy = "all" if dense else "experts" if experts else "none"
     label = fmt.label if fmt else None
     sized = label or "bf16"  # sizes in memory: unquantized weights are held in bf16 on a GPU
     sized_as = "all" if dense else "experts"
-    stored = str(records[prefix + "embed_tokens.weight"].dtype).replace("torch.", "")
+    stored = _TORCH_DTYPE_NAMES.get(records[prefix + "embed_tokens.weight"].dtype, "?")
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError):
@@ -76,6 +77,22 @@ def describe(path: Path) -> dict:
             "weights_in_memory": sum(weight_bytes(cfg, sized, sized_as).values()),
             "gpu_memory_estimate_8k": runtime_bytes(cfg, sized, sized_as), "source": manifest.get("store", {}),
             "layers": cfg.text.num_hidden_layers, "experts": cfg.text.num_experts, "vocab": cfg.text.vocab_size}
+
+
+# safetensors' dtype names as torch names them (what `dgemma info` has always shown: "bfloat16", "float32", ...)
+_TORCH_DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64", "I64": "int64",
+                      "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                      "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def _read_format(path: Path, raw_config: dict):
+    """The checkpoint's quantization format (weights.read_format), or None: an unquantized checkpoint (no
+    quantization_config, no ModelOpt hf_quant_config.json) is told without importing quant's modules, and torch."""
+    if raw_config.get("quantization_config") is None and not (path / "hf_quant_config.json").exists():
+        return None
+    from .weights import read_format
+
+    return read_format(path, raw_config)
 
 
 def remove(entry: Entry) -> None:

@@ -181,10 +181,62 @@ def check_regex(regex: str, what: str) -> None:
             raise UsageError(f"--regex: not a regular expression ({e})") from None
         except RecursionError:
             raise UsageError("--regex: the expression nests too deeply") from None
+        feature = _unsupported_feature(regex)
+        if feature:
+            raise UsageError(f"--regex: {feature}")
     count = repeat_product(regex)
     if count > MAX_REPEAT:
-        raise UsageError(f"{what}: its repetitions multiply to {count:,} (nested counts multiply); at most "
-                         f"{MAX_REPEAT} are supported")
+        if what == "the JSON schema":  # the expression outlines-core wrote: said in the schema's terms
+            raise UsageError(f"the JSON schema asks for up to {count:,} repetitions (maxLength, maxItems and pattern "
+                             f"counts, multiplied where one holds another), over the limit of {MAX_REPEAT}")
+        single = max((_count(m.group(2) or m.group(1)) for m in re.finditer(r"\{(\d+)(?:,(\d*))?\}", regex)),
+                     default=1)
+        if single >= count:
+            raise UsageError(f"{what}: the repeat count {count:,} is over the limit of {MAX_REPEAT} (an unbounded "
+                             "+ or * has no limit)")
+        raise UsageError(f"{what}: nested repeat counts multiply to {count:,}, over the limit of {MAX_REPEAT} (a "
+                         "counted repeat inside another is repeated that many times over)")
+
+
+# What an answer's automaton cannot hold, as Python's parser names it (re._parser's opcodes), with what to say.
+_UNSUPPORTED = {
+    "GROUPREF": "backreferences (\\1, (?P=name)) are not supported",
+    "GROUPREF_EXISTS": "conditionals ((?(1)...|...)) are not supported",
+    "ASSERT": "lookarounds ((?=...), (?<=...)) are not supported",
+    "ASSERT_NOT": "lookarounds ((?!...), (?<!...)) are not supported",
+    "ATOMIC_GROUP": "atomic groups ((?>...)) are not supported",
+}
+_UNSUPPORTED_AT = {  # anchors: the whole answer is matched already
+    "AT_BEGINNING": "^", "AT_BEGINNING_STRING": "\\A", "AT_END_STRING": "\\Z", "AT_BOUNDARY": "\\b",
+    "AT_NON_BOUNDARY": "\\B",
+}
+
+
+def _unsupported_feature(regex: str) -> str | None:
+    """What an expression Python reads uses that a finite automaton cannot hold (backreferences, lookarounds,
+    conditionals, atomic groups, anchors other than a final $), in one phrase; None when nothing."""
+    try:
+        from re import _parser as parser  # Python 3.11+
+    except ImportError:  # pragma: no cover - Python 3.10
+        import sre_parse as parser
+    try:
+        items = list(parser.parse(regex))
+    except (re.error, RecursionError, OverflowError):
+        return None
+    while items:
+        op, av = items.pop()
+        name = str(op)
+        if name in _UNSUPPORTED:
+            return _UNSUPPORTED[name] + "; the answer is held to a plain regular expression"
+        if name == "AT" and str(av) in _UNSUPPORTED_AT:
+            return (f"anchors and word boundaries ({_UNSUPPORTED_AT[str(av)]}) are not supported: the whole answer "
+                    "is matched already, so leave them out")
+        for part in av if isinstance(av, (tuple, list)) else ():
+            if isinstance(part, parser.SubPattern):
+                items += list(part)
+            elif isinstance(part, (tuple, list)):  # a branch's alternatives
+                items += [x for sub in part if isinstance(sub, parser.SubPattern) for x in sub]
+    return None
 
 
 # ------------------------------------------------------------------------------------ JSON Schema, prepared

@@ -340,7 +340,7 @@ class Tokenizer:
             if isinstance(value, str):
                 return self._forgeable_re.sub(swap, value)
             if isinstance(value, dict):
-                return {k: protect(v) for k, v in value.items()}
+                return {protect(k): protect(v) for k, v in value.items()}  # keys too: call arguments, properties
             if isinstance(value, list):
                 return [protect(v) for v in value]
             return value

@@ -2,7 +2,8 @@
 calls out of an answer, and the grammar that holds an answer to a call (tool_choice "required" or a named function).
 
 Gemma 4 writes values in its own notation, not JSON: strings between `<|"|>` marks, bare keys, objects `{k:v,...}`
-with keys in sorted order, arrays `[...]`, numbers, true, false, null. A call is
+with keys in the chat template's `dictsort` order (sorted ignoring case: `key_order`), arrays `[...]`, numbers, true,
+false, null. A call is
 `<|tool_call>call:NAME{key:value,...}<tool_call|>`; several calls may follow one another; a tool's answer comes back
 as `<|tool_response>response:NAME{value:...}<tool_response|>` inside the model's turn, and the model goes on there.
 A checkpoint's chat template renders tools itself when it knows them; for one that does not (the bundled demos,
@@ -11,7 +12,9 @@ test fixtures), `render_tool_chat` writes the same format. This module knows tex
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import re
 import secrets
 from typing import Any
@@ -22,6 +25,12 @@ QUOTE = '<|"|>'
 CALL_START, CALL_END = "<|tool_call>", "<tool_call|>"
 RESPONSE_START, RESPONSE_END = "<|tool_response>", "<tool_response|>"
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]{0,63}")
+
+
+def key_order(keys) -> list:
+    """Keys in the order Gemma 4's chat template writes an object's (jinja's `dictsort`: sorted ignoring case, ties
+    kept in their given order): the order the model reads arguments in, and writes them in a required call."""
+    return sorted(keys, key=lambda k: k.lower() if isinstance(k, str) else k)
 
 
 def gemma_value(v: Any) -> str:
@@ -35,7 +44,7 @@ def gemma_value(v: Any) -> str:
     if isinstance(v, (int, float)):
         return json.dumps(v)
     if isinstance(v, dict):
-        return "{" + ",".join(f"{k}:{gemma_value(x)}" for k, x in sorted(v.items())) + "}"
+        return "{" + ",".join(f"{k}:{gemma_value(v[k])}" for k in key_order(v)) + "}"
     if isinstance(v, list):
         return "[" + ",".join(gemma_value(x) for x in v) + "]"
     return gemma_value(str(v))
@@ -207,12 +216,15 @@ class _Reader:
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     """An answer decoded with its special tokens -> (the text outside the call blocks, [{"name", "arguments"}]).
-    A block that does not parse stays in the text (the caller strips special tokens from it)."""
+    A call is complete once its arguments' object is closed: a block cut short (max_tokens, a broken tail) gives
+    the calls completed before the cut, and its unfinished rest is dropped, never returned as text. A closed block
+    in which no call completes stays in the text (the caller strips special tokens from it, or cuts the text where
+    the first block starts, as AnswerText does)."""
     calls, pieces, pos = [], [], 0
     for m in re.finditer(re.escape(CALL_START) + r"(.*?)(?:" + re.escape(CALL_END) + r"|$)", text, re.S):
         body, found = m.group(1), []
+        r = _Reader(body)
         try:
-            r = _Reader(body)
             while True:
                 r.ws()
                 if r.i >= len(body):
@@ -225,9 +237,9 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
                 if not isinstance(args, dict):
                     raise ValueError("arguments are not an object")
                 found.append({"name": head.group(1), "arguments": args})
-        except (ValueError, json.JSONDecodeError):
-            continue
-        if not found:
+        except (ValueError, json.JSONDecodeError, RecursionError):
+            pass  # the calls before this point are whole; the rest of the block is not a call
+        if not found and m.group(0).endswith(CALL_END):
             continue
         pieces.append(text[pos : m.start()])
         pos = m.end()
@@ -254,25 +266,42 @@ def _bound(value: Any, default: int) -> int:
 
 
 KEY = re.compile(r"[A-Za-z0-9_.\-$]{1,64}")  # a key Gemma 4's notation writes bare (as _Reader reads it back)
-# What the call grammar writes: a parameter keyword outside these would be ignored, and a call could break it.
-_CALL_KEYWORDS = {"type", "properties", "required", "items", "enum", "const", "minimum", "maximum", "maxLength",
-                  "additionalProperties", "description", "title", "default", "examples", "nullable", "format"}
+# What the call grammar holds a value to, once check_call_parameters has inlined the $refs (structure.prepare_schema:
+# $ref, $defs and annotations such as title, description and default are gone by then). A keyword outside these
+# would be ignored, and a call could break it: refused.
+_CALL_KEYWORDS = {"type", "properties", "required", "items", "enum", "const", "minimum", "maximum",
+                  "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "minItems", "maxItems",
+                  "additionalProperties", "anyOf", "oneOf", "allOf", "nullable", "format"}
+STRING_CAP = 512  # the most characters of a string in a required call (fewer where max_tokens asks: call_grammar)
+ITEMS_CAP = 64  # the most items of an array in a required call (idem)
+ROOM = 32  # parallel calls are offered while each still has strings of this many characters (call_grammar)
+_SCALARS = ("string", "integer", "number", "boolean", "null")
 
 
-def check_call_parameters(name: str, params: Any) -> None:
-    """Refuse (UsageError naming the place) parameters a required call could not be written to or held to: not an
-    object schema, a key the call notation cannot write, a keyword the call grammar would ignore."""
+def check_call_parameters(name: str, params: Any) -> dict:
+    """A function's parameters -> the schema its required call is held to ($refs inlined from $defs / definitions,
+    a reference nested in itself at most structure.REF_DEPTH times, as for response_format; branches no value can
+    take pruned). UsageError, naming the tool and the place, for parameters a call could not be written to or held
+    to: not an object schema, a key the call notation cannot write, a keyword the call grammar would ignore."""
+    from .structure import prepare_schema
+
     if not isinstance(params, dict) or params.get("type", "object") != "object":
         raise UsageError(f"tool '{name}': its parameters must be an object schema ({{'type': 'object', "
                          f"'properties': ...}}) for a call to be required")
+    try:
+        prepared = prepare_schema(params)
+    except UsageError as e:
+        raise UsageError(f"tool '{name}': {e}") from None
 
     def walk(schema: Any, where: str) -> None:
+        if schema is False:
+            return
         if not isinstance(schema, dict):
             raise UsageError(f"tool '{name}': the parameter schema at {where} is not an object")
         for key in schema:
             if key not in _CALL_KEYWORDS:
                 raise UsageError(f"tool '{name}': '{key}' at {where} cannot be held in a required call (supported: "
-                                 f"{', '.join(sorted(_CALL_KEYWORDS))})")
+                                 f"{', '.join(sorted(_CALL_KEYWORDS | {'$ref', '$defs'}))}, and annotations)")
         props = schema.get("properties") or {}
         if not isinstance(props, dict):
             raise UsageError(f"tool '{name}': properties at {where} must be an object")
@@ -281,90 +310,182 @@ def check_call_parameters(name: str, params: Any) -> None:
                 raise UsageError(f"tool '{name}': the parameter name {json.dumps(key)[:80]} at {where} cannot be "
                                  f"written in a call (letters, digits and _ . - $, at most 64)")
             walk(sub, f"{where}/properties/{key}")
+        for key in ("anyOf", "oneOf", "allOf"):
+            for i, sub in enumerate(schema.get(key) or []):
+                walk(sub, f"{where}/{key}/{i}")
         if isinstance(schema.get("items"), dict):
             walk(schema["items"], f"{where}/items")
-        if schema.get("type") == "number" and ("minimum" in schema or "maximum" in schema):
-            raise UsageError(f"tool '{name}': a number's range at {where} cannot be held in a required call (an "
-                             f"integer's can)")
+        elif "items" in schema and schema["items"] is not False:
+            raise UsageError(f"tool '{name}': items at {where} must be one schema (a tuple's cannot be held in a "
+                             f"required call)")
         kind = schema.get("type")
-        if kind is not None and not (isinstance(kind, str) or (isinstance(kind, list) and all(
+        if kind is not None and not (isinstance(kind, str) or (isinstance(kind, list) and kind and all(
                 isinstance(k, str) for k in kind))):
             raise UsageError(f"tool '{name}': type at {where} must be a string or a list of strings")
+        if "number" in ([kind] if isinstance(kind, str) else kind or []) and any(
+                k in schema for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
+            raise UsageError(f"tool '{name}': a number's range at {where} cannot be held in a required call (an "
+                             f"integer's can)")
 
-    walk(params, "parameters")
+    walk(prepared, "#")
+    return prepared
 
 
-def call_grammar(functions: list[dict], call_start: int, call_end: int, quote: int | None, most: int = 1) -> str:
-    """A Lark grammar (llguidance's dialect) for one to `most` calls of `functions`, each with arguments that fit
-    its parameters schema, between the call tokens (by id); strings between the quote token (by id) or, where the
-    vocabulary has none, its characters. Every property a schema lists is written, in sorted order (optional ones
-    too: still valid). Numbers (10 digits) and the number of calls are bounded, strings by their maxLength: the
-    grammar walk does not look ahead, so an unbounded string is closed only when the model prefers closing it."""
-    from .structure import integer_regex
+@functools.lru_cache(maxsize=256)
+def _integer(lo: int, hi: int) -> tuple[str, int]:
+    """(the expression of the integers lo..hi, the product of its counted repetitions)."""
+    from .structure import integer_regex, repeat_product
 
-    for fn in functions:
-        check_call_parameters(fn["name"], fn["parameters"])
-    q = f"<[{quote}]>" if quote is not None else json.dumps(QUOTE)
-    rules: list[str] = []
+    regex = integer_regex(lo, hi)
+    return regex, repeat_product(regex)
 
-    def lit(s: str) -> str:
-        return json.dumps(s)
 
-    def value(v: Any) -> str:
+class _CallRules:
+    """The grammar rules of call_grammar for one bound on what is unbounded: strings of at most `chars` characters,
+    arrays of at most `items` items. Each value's rule comes with the most tokens it can take (a text token holds at
+    least one byte, or one character of a string; the quote, where the vocabulary has its token, is one) and the
+    product of its nested counted repetitions (structure.check_grammar holds grammars to MAX_REPEAT)."""
+
+    def __init__(self, q: str, quote_cost: int, chars: int, items: int):
+        self.q, self.quote_cost, self.chars, self.items = q, quote_cost, chars, items
+        self.rules: list[str] = []
+        self.named: dict[str, str] = {}  # a rule's body -> its name: equal values share one rule
+
+    def value(self, v: Any) -> str:
         """A fixed value (an enum's, a const) as grammar items: its strings between quote tokens, as the model
         writes them (the quote's text, a control token's, is never spelled by text tokens)."""
+        q, lit = self.q, json.dumps
         if isinstance(v, str):
             return f"{q} {lit(v)} {q}" if v else f"{q} {q}"
         if isinstance(v, dict):
-            items = [f"{lit(k + ':')} {value(x)}" for k, x in sorted(v.items())]
+            items = [f"{lit(k + ':')} {self.value(v[k])}" for k in key_order(v)]
             return lit("{") + (" " + ' "," '.join(items) if items else "") + " " + lit("}")
         if isinstance(v, list):
-            return lit("[") + (" " + ' "," '.join(value(x) for x in v) if v else "") + " " + lit("]")
+            return lit("[") + (" " + ' "," '.join(self.value(x) for x in v) if v else "") + " " + lit("]")
         return lit(gemma_value(v))
 
-    def rule(schema: Any, name: str) -> str:
-        """The rule for a value of `schema`; returns its name."""
+    def add(self, name: str, alternatives: list[tuple[str, int, int]]) -> tuple[str, int, int]:
+        body = " | ".join(f"({b})" if len(alternatives) > 1 else b for b, _, _ in alternatives)
+        if body not in self.named:
+            self.named[body] = name
+            self.rules.append(f"{name}: {body}")
+        return self.named[body], max(w for _, w, _ in alternatives), max(r for _, _, r in alternatives)
+
+    def rule(self, schema: Any, name: str) -> tuple[str, int, int]:
+        """(the rule for a value of the prepared `schema`, its most tokens, its repetition product)."""
+        lit = json.dumps
         schema = schema if isinstance(schema, dict) else {}
-        kind = schema.get("type")
-        if isinstance(kind, list):
-            kind = next((k for k in kind if k != "null"), "null")
-        if "enum" in schema:
-            if not isinstance(schema["enum"], list) or not schema["enum"]:
+        for key in ("anyOf", "oneOf"):  # alternatives (oneOf's are not told apart: a value of either is written)
+            if key in schema:
+                return self.add(name, [self.rule(s, f"{name}_{i}") for i, s in enumerate(schema[key])])
+        if "allOf" in schema:  # of one schema (prepare_schema refuses more): pydantic's allOf: [{$ref}]
+            return self.rule(schema["allOf"][0] if schema["allOf"] else {}, name)
+        if schema.get("nullable") is True:
+            rest = {k: v for k, v in schema.items() if k != "nullable"}
+            return self.add(name, [self.rule(rest, name + "_v"), ('"null"', 4, 1)])
+        if "enum" in schema or "const" in schema:
+            values = schema["enum"] if "enum" in schema else [schema["const"]]
+            if not isinstance(values, list) or not values:
                 raise UsageError("a tool parameter's enum must be a non-empty list")
-            body = " | ".join(f"({value(v)})" for v in schema["enum"])
-        elif "const" in schema:
-            body = value(schema["const"])
-        elif kind == "object" or "properties" in schema:
+            return self.add(name, [(self.value(v), len(gemma_value(v).encode()), 1) for v in values])
+        kind = schema.get("type")
+        if kind is None:  # the type its keywords imply, else any scalar (a value of any type is valid)
+            kind = "object" if "properties" in schema or "required" in schema else "array" if "items" in schema \
+                else "string" if "minLength" in schema or "maxLength" in schema else list(_SCALARS)
+        if isinstance(kind, list):
+            kinds = list(dict.fromkeys(kind))
+            if len(kinds) == 1:
+                kind = kinds[0]
+            else:
+                return self.add(name, [self.rule({**schema, "type": k}, f"{name}_{k}") for k in kinds])
+        if kind == "object":
             props = schema.get("properties") or {}
-            items = [f"{lit(k + ':')} {rule(props[k], f'{name}_{i}')}" for i, k in enumerate(sorted(props))]
-            body = lit("{") + (" " + ' "," '.join(items) if items else "") + " " + lit("}")
-        elif kind == "array":
-            item = rule(schema.get("items", {}), name + "_item")
-            body = f'"[" ({item} ("," {item})*)? "]"'
-        elif kind == "integer":  # unbounded ones as numbers of at most 10 digits
-            lo = _bound(schema.get("minimum"), -(10**10 - 1))
-            hi = _bound(schema.get("maximum"), 10**10 - 1)
+            parts, worst, rep = [], 2 + max(0, len(props) - 1), 1
+            for i, k in enumerate(key_order(props)):  # every property, optional ones too (still valid)
+                sub, w, r = self.rule(props[k], f"{name}_{i}")
+                parts.append(f"{lit(k + ':')} {sub}")
+                worst, rep = worst + len(k.encode()) + 1 + w, max(rep, r)
+            return self.add(name, [(lit("{") + (" " + ' "," '.join(parts) if parts else "") + " " + lit("}"),
+                                    worst, rep)])
+        if kind == "array":
+            lo = max(0, min(_bound(schema.get("minItems"), 0), ITEMS_CAP))
+            hi = max(lo, min(_bound(schema.get("maxItems"), ITEMS_CAP), self.items))
+            if schema.get("items") is False or hi == 0:
+                return self.add(name, [('"[" "]"', 2, 1)])
+            item, w, r = self.rule(schema.get("items", {}), name + "_item")
+            more = f' ("," {item}){{{max(lo - 1, 0)},{hi - 1}}}' if hi > 1 else ""
+            body = f'"[" {item}{more} "]"' if lo else f'"[" ({item}{more})? "]"'
+            return self.add(name, [(body, 2 + hi * w + hi - 1, max(hi - 1, 1) * r)])
+        if kind == "integer":  # unbounded ones as numbers of at most 10 digits
+            lo = max(_bound(schema.get("minimum"), -(10**10 - 1)),
+                     _bound(math.floor(_bound(schema.get("exclusiveMinimum"), -(10**10))) + 1, -(10**10 - 1)))
+            hi = min(_bound(schema.get("maximum"), 10**10 - 1),
+                     _bound(math.ceil(_bound(schema.get("exclusiveMaximum"), 10**10)) - 1, 10**10 - 1))
             if lo > hi:
                 raise UsageError(f"a tool parameter's integer range [{lo}, {hi}] holds no integer")
-            body = f"/{integer_regex(lo, hi)}/"
-        elif kind == "number":  # digits bounded: a walk without lookahead must be able to finish a number
-            body = r"/-?(0|[1-9][0-9]{0,8})(\.[0-9]{1,6})?/"
-        elif kind == "boolean":
-            body = '"true" | "false"'
-        elif kind == "null":
-            body = '"null"'
-        else:  # strings, and anything unspecified, as a string (of at most maxLength characters where given)
-            most = schema.get("maxLength")
-            most = None if most is None else max(0, min(_bound(most, 512), 512))
-            body = f"{q} /[^<]*/ {q}" if most is None else f"{q} /[^<]{{0,{most}}}/ {q}"
-        rules.append(f"{name}: {body}")
-        return name
+            regex, rep = _integer(lo, hi)
+            return self.add(name, [(f"/{regex}/", max(len(str(lo)), len(str(hi))), rep)])
+        if kind == "number":  # digits bounded: a walk without lookahead must be able to finish a number
+            return self.add(name, [(r"/-?(0|[1-9][0-9]{0,8})(\.[0-9]{1,6})?/", 17, 8)])
+        if kind == "boolean":
+            return self.add(name, [('"true" | "false"', 5, 1)])
+        if kind == "null":
+            return self.add(name, [('"null"', 4, 1)])
+        if kind != "string":
+            raise UsageError(f"a tool parameter has the unknown type {json.dumps(kind)[:40]}")
+        # A string's characters: anything but '<', so that no argument spells a control token's text (a quote
+        # written as text would end the string early where the vocabulary has no quote token). The closing quote
+        # may follow any character: the string can always end, and must within its bound.
+        lo = max(0, min(_bound(schema.get("minLength"), 0), STRING_CAP))
+        hi = max(lo, min(_bound(schema.get("maxLength"), STRING_CAP), self.chars))
+        return self.add(name, [(f"{self.q} /[^<]{{{lo},{hi}}}/ {self.q}", 2 * self.quote_cost + hi, max(hi, 1))])
 
-    calls = []
-    for i, fn in enumerate(functions):
-        args = rule(dict(fn["parameters"], type="object"), f"args{i}")
-        calls.append(f"{lit('call:' + fn['name'])} {args}")
-    more = "".join(" (call" for _ in range(most - 1)) + ")?" * (most - 1)
-    rules.insert(0, f"start: <[{call_start}]> call{more} <[{call_end}]>")
-    rules.insert(1, "call: " + " | ".join(calls))
-    return "\n".join(rules) + "\n"
+
+def call_grammar(functions: list[dict], call_start: int, call_end: int, quote: int | None, most: int = 1,
+                 max_tokens: int | None = None) -> str:
+    """A Lark grammar (llguidance's dialect) for one to `most` calls of `functions`, each with arguments that fit
+    its parameters schema, between the call tokens (by id); strings between the quote token (by id) or, where the
+    vocabulary has none, its characters. Every property a schema lists is written, in key_order (optional ones
+    too: still valid); anyOf / oneOf / a type list are alternatives, null is `null`.
+
+    The grammar walk (constrain.GrammarRowConstraint) does not look ahead: a string or an array is closed only when
+    the model prefers closing it, or when its bound leaves nothing else, and a model that never prefers the close
+    (the demos never write the quote) would run to max_tokens with no call. So everything is bounded, and bounded
+    so that the calls fit in `max_tokens`: integers by their range (10 digits), numbers by 17 characters, strings
+    by their maxLength and arrays by their maxItems but never past the most that lets every call finish (at most
+    STRING_CAP characters, ITEMS_CAP items), and calls in a row (`most`) only while each keeps strings of ROOM
+    characters. A required call that cannot fit at all (max_tokens below its skeleton) runs to "length"."""
+    from .structure import MAX_REPEAT
+
+    schemas = [(fn["name"], check_call_parameters(fn["name"], fn["parameters"])) for fn in functions]
+    q = f"<[{quote}]>" if quote is not None else json.dumps(QUOTE)
+    quote_cost = 1 if quote is not None else len(QUOTE.encode())
+    budget = max_tokens if max_tokens is not None else 10**9
+
+    def build(chars: int, k: int) -> tuple[str, bool]:
+        rules = _CallRules(q, quote_cost, chars, min(ITEMS_CAP, chars // 8))
+        calls, worst, rep = [], 0, 1
+        for i, (name, schema) in enumerate(schemas):
+            args, w, r = rules.rule({**schema, "type": "object"}, f"args{i}")
+            calls.append(f"{json.dumps('call:' + name)} {args}")
+            worst, rep = max(worst, len(("call:" + name).encode()) + w), max(rep, r)
+        more = "".join(" (call" for _ in range(k - 1)) + ")?" * (k - 1)
+        text = "\n".join([f"start: <[{call_start}]> call{more} <[{call_end}]>", "call: " + " | ".join(calls),
+                          *rules.rules]) + "\n"
+        return text, 3 + k * worst <= budget and rep <= MAX_REPEAT  # the call tokens, the calls, the end
+
+    def widest(k: int) -> int:
+        """The longest string bound (0..STRING_CAP) with which k calls fit; -1 where none does."""
+        if not build(0, k)[1]:
+            return -1
+        lo, hi = 0, STRING_CAP
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if build(mid, k)[1] else (lo, mid - 1)
+        return lo
+
+    one = widest(1)
+    k = most if one >= 0 else 1
+    while k > 1 and widest(k) < min(ROOM, one):
+        k -= 1
+    return build(max(widest(k), 0), k)[0]

@@ -258,7 +258,7 @@ class CanvasView:
         self.console = console or Console(stderr=True)
         self.min_interval = 1.0 / max_fps
         self.skip_ids = skip_ids or set()
-        self.pad_id = pad_id  # accepted pad tokens are not counted as kept (the sampler does not count them)
+        self.pad_id = pad_id  # accepted pad and end tokens are not counted as kept (the sampler does not count them)
         self.finished_ids: list[int] = []
         self._answer = None  # (key, the answer so far as laid out)
         self._pieces: dict[int, str] = {}
@@ -345,7 +345,7 @@ class CanvasView:
             if ok:
                 n += 1
                 new += not was
-                kept += token != self.pad_id
+                kept += token != self.pad_id and token not in self.skip_ids  # as the sampler: no pad, no end id
                 out.append((self.token_text(token), confidence_style(h), not was))
             else:  # still noise: one scrambled glyph
                 out.append((NOISE_GLYPHS[(i * 7 + ev.step * 13) % len(NOISE_GLYPHS)], "dim", False))

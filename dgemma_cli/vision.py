@@ -16,7 +16,6 @@ text model's building blocks. The tower is stored in bf16 in every published che
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 from .config import VisionConfig
 from .errors import ModelError
 from .model import MLP, RMSNorm, apply_rope, attend
-from .names import INDEX_FILE, SINGLE_FILE, VISION_EMBED, VISION_ROOTS, VISION_TOWER
+from .names import VISION_EMBED, VISION_ROOTS, VISION_TOWER
 
 # Where a checkpoint keeps the tower and its projection (DiffusionGemma first, then the Gemma 4 layout).
 VISION_PREFIXES = VISION_ROOTS  # where the tower may sit, preferred first (names.py)
@@ -173,43 +172,12 @@ def checkpoint_name(param: str, prefix: str) -> str:
 
 
 def vision_records(directory: Path) -> tuple[dict, str]:
-    """The vision tensors' records ({name: TensorRecord}) and their prefix; ModelError when the checkpoint's vision
-    tower is missing or not downloaded (a text-only store entry keeps only the text shards)."""
+    """The vision tensors' records ({name: TensorRecord}) and their prefix (layout.vision_records, with torch
+    dtypes); ModelError when the checkpoint's vision tower is missing or not downloaded."""
+    from .layout import vision_records as records_of
     from .weights import read_header
 
-    d = Path(directory)
-    index = d / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError):
-            raise ModelError(f"{index}: not a valid safetensors index") from None
-        names = {n: f for n, f in weight_map.items() if _prefix_of(n) is not None}
-        files = sorted(set(names.values()))
-        missing = [f for f in files if not (d / f).is_file()]
-        if missing:
-            raise ModelError(f"{d}: the vision tower's weights are not here ({missing[0]} is missing); this "
-                             "download holds only the text model")
-        files = [d / f for f in files]
-    elif (d / SINGLE_FILE).is_file():
-        files = [d / SINGLE_FILE]
-    else:
-        raise ModelError(f"{d}: no {SINGLE_FILE} or {INDEX_FILE}")
-    records = {}
-    for f in files:
-        records.update({n: r for n, r in read_header(f).items() if _prefix_of(n) is not None})
-    prefixes = {_prefix_of(n) for n in records}
-    if not records:
-        raise ModelError(f"{d}: the checkpoint holds no vision tower tensors")
-    prefix = min(prefixes, key=VISION_PREFIXES.index)
-    return records, prefix
-
-
-def _prefix_of(name: str) -> str | None:
-    for p in VISION_PREFIXES:
-        if name.startswith((p + TOWER, p + EMBED)):
-            return p
-    return None
+    return records_of(directory, read=read_header)
 
 
 def load_vision(directory: Path, cfg: VisionConfig, text_hidden: int, device="cpu",

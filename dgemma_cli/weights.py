@@ -19,9 +19,7 @@ which are stacked into [E, ...] buffers on load.
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,11 +28,12 @@ import torch
 from quant import formats as qformats
 from quant.formats import dgemma_int8
 
+from . import layout
 from .config import ModelConfig
 from .errors import ModelError, UsageError
-from .names import INDEX_FILE, SINGLE_FILE, TEXT_PREFIXES, text_shards
-
-ENCODER_SCALAR = "model.encoder.language_model.layers.{}.layer_scalar"
+from .layout import (DECODER_ONLY, DECODER_PREFIX, ENCODER_SCALAR, checkpoint_files,  # noqa: F401 - the loader's
+                     checkpoint_name, expert_base, text_prefix)
+from .names import INDEX_FILE, SINGLE_FILE  # noqa: F401 - scripts import them from here
 
 _DTYPES = {
     "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
@@ -56,66 +55,10 @@ class TensorRecord:
 
 
 def read_header(path: Path) -> dict[str, TensorRecord]:
-    """Parse a safetensors header and check that the file holds all the bytes it declares."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                raise ModelError(f"{path}: truncated safetensors file (no header)")
-            (n,) = struct.unpack("<Q", raw)
-            if n > size - 8 or n > 100_000_000:
-                raise ModelError(f"{path}: truncated or corrupt safetensors file (header of {n} bytes)")
-            header = json.loads(f.read(n))
-    except OSError as e:
-        raise ModelError(f"{path}: cannot read ({e.strerror})") from None
-    except ValueError:
-        raise ModelError(f"{path}: corrupt safetensors header") from None
-    if not isinstance(header, dict):
-        raise ModelError(f"{path}: corrupt safetensors header")
-    base = 8 + n
-    records = {}
-    data_end = 0
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = _DTYPES.get(info["dtype"])
-            a, b = (int(v) for v in info["data_offsets"])
-            shape = tuple(int(d) for d in info["shape"])
-        except (TypeError, KeyError, ValueError):
-            raise ModelError(f"{path}: corrupt safetensors header (tensor {name})") from None
-        if dtype is None:
-            raise ModelError(f"{path}: tensor {name} has unsupported dtype {info.get('dtype')}")
-        numel = 1
-        for d in shape:
-            numel *= d
-        if not 0 <= a <= b or b - a != numel * dtype.itemsize:
-            raise ModelError(f"{path}: corrupt safetensors header (tensor {name}: {b - a} bytes for shape "
-                             f"{list(shape)})")
-        records[name] = TensorRecord(path, base + a, base + b, dtype, shape)
-        data_end = max(data_end, base + b)
-    if data_end > size:
-        raise ModelError(f"{path}: truncated file ({size} bytes, header promises {data_end}); download it again")
-    return records
-
-
-def checkpoint_files(directory: Path) -> list[Path]:
-    d = Path(directory)
-    index = d / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError):
-            raise ModelError(f"{index}: not a valid safetensors index") from None
-        files = sorted({d / f for f in text_shards(weight_map)})  # vision-only shards may be absent
-        missing = [f for f in files if not f.is_file()]
-        if missing:
-            raise ModelError(f"{d}: shard {missing[0].name} listed in {INDEX_FILE} is missing")
-        return files
-    if (d / SINGLE_FILE).is_file():
-        return [d / SINGLE_FILE]
-    raise ModelError(f"{d}: no {SINGLE_FILE} or {INDEX_FILE}")
+    """Parse a safetensors header and check that the file holds all the bytes it declares (layout.read_header, with
+    torch dtypes)."""
+    return {name: TensorRecord(r.file, r.start, r.end, _DTYPES[r.dtype], r.shape)
+            for name, r in layout.read_header(path).items()}
 
 
 def index_checkpoint(directory: Path) -> dict[str, TensorRecord]:
@@ -123,33 +66,6 @@ def index_checkpoint(directory: Path) -> dict[str, TensorRecord]:
     for f in checkpoint_files(directory):
         records.update(read_header(f))
     return records
-
-
-def text_prefix(records: dict[str, TensorRecord]) -> str:
-    for p in TEXT_PREFIXES:
-        if p + "embed_tokens.weight" in records:
-            return p
-    raise ModelError("checkpoint has no text embedding (expected model.decoder.embed_tokens.weight)")
-
-
-DECODER_PREFIX = "model.decoder."
-DECODER_ONLY = ("self_conditioning.", "decoder_layer_scalar.")
-
-
-def checkpoint_name(param: str, prefix: str) -> str:
-    """Map one of our parameter names to its name in a checkpoint (the only place that knows the layout).
-
-    The shared stack (embedding, layers, final norm) comes from `prefix`; what only the decoder has
-    (self-conditioning, the decoder's layer scalars) always lives under `model.decoder.`; the encoder's layer
-    scalars always under `model.encoder.language_model.`.
-    """
-    if param.startswith("decoder_layer_scalar."):
-        return f"{DECODER_PREFIX}layers.{param.split('.')[1]}.layer_scalar"
-    if param.startswith("encoder_layer_scalar."):
-        return ENCODER_SCALAR.format(param.split(".")[1])
-    if param.startswith(DECODER_ONLY):
-        return DECODER_PREFIX + param
-    return prefix + param
 
 
 class MappedFiles:
@@ -225,10 +141,6 @@ def read_quant_format(directory: Path, raw_config: dict) -> str | None:
     """The format's short name ('nvfp4', 'int8', 'fp8'), or None (unquantized)."""
     fmt = read_format(directory, raw_config)
     return None if fmt is None else fmt.label
-
-
-def expert_base(layer: int, prefix: str) -> str:
-    return checkpoint_name(f"layers.{layer}.experts.gate_up_proj", prefix).rsplit(".", 1)[0]
 
 
 def swap_quantized_modules(model: torch.nn.Module, records: dict[str, TensorRecord], prefix: str,

@@ -239,6 +239,49 @@ def test_chat_in_a_pseudo_terminal(tmp_path):
         os.close(term.master)
 
 
+def test_save_writes_the_turns_the_context_dropped_too(tmp_path):
+    """The real command with a small --context: three messages drop the first turn from the model's context, and
+    /save still writes the whole conversation the user saw, the dropped turn marked as such."""
+    pytest.importorskip("pyte")
+    env = terminal_env(tmp_path)
+    term = Terminal([sys.executable, "-m", "dgemma_cli", "chat", "--model", "demo", "--device", "cpu", "--seed", "0",
+                     "--context", "150", "--view", "none"], env)
+    messages = ["upper: hello diffusions", "upper: abc def 12 ghijk", "upper: 940 c wzvu 505 h"]
+    try:
+        term.wait_for("›")
+        for i, message in enumerate(messages):
+            term.type(message + "\r")
+            term.wait_for_prompts(i + 2)
+        term.wait_for("dropped the oldest")  # the context outgrown: the notice the chat gives
+        target = tmp_path / "talk.md"
+        term.type(f"/save {target}\r")
+        term.wait_for("(saved")
+        term.wait_for("marked as dropped")  # the line says the file holds more than the model still sees
+        term.type("\x04")
+        assert term.proc.wait(timeout=60) == 0
+    finally:
+        if term.proc.poll() is None:
+            os.killpg(term.proc.pid, signal.SIGKILL)
+        os.close(term.master)
+    transcript = target.read_text()
+    assert transcript.count("## User") == 3, transcript
+    assert all(f"\n{m}\n" in transcript for m in messages) and "HELLO DIFFUSIONS" in transcript, transcript
+    note = transcript.index("above fell out of the model's 150-token context")
+    assert transcript.index(messages[0]) < note < transcript.index(messages[-1]), transcript
+
+
+def test_a_transcript_keeps_dropped_turns_until_reset(demo):
+    conv = Conversation(demo, 150)
+    for text in ("upper: hello diffusions", "upper: abc def 12 ghijk", "upper: 940 c wzvu 505 h"):
+        run_turn(conv, text)
+    assert conv.dropped and conv.dropped[0].user == "upper: hello diffusions"
+    assert conv.dropped[0].answer == "HELLO DIFFUSIONS" and conv.dropped[0].features is None
+    md = conv.markdown()
+    assert md.count("## User") == len(conv.dropped) + len(conv.turns) == 3
+    conv.reset()
+    assert conv.dropped == [] and "## User" not in conv.markdown()
+
+
 TYPE_AHEAD_CHILD = """
 import sys, time
 from dgemma_cli.chat import TypeAheadKept, prompt_session

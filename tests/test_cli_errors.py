@@ -503,3 +503,51 @@ def test_errors_that_need_no_model_come_before_torch(args):
     status, torch_imported = p.stdout.split()
     assert status in ("1", "2") and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, (p.stdout, p.stderr)
     assert torch_imported == "False", p.stderr
+
+
+# ----------------------------------------------------------------------------------------------- said in its terms
+
+
+def dgemma_process(*args: str) -> tuple[int, str, str]:
+    """The real console script in a subprocess: (exit code, stdout, stderr)."""
+    p = subprocess.run(console_script() + list(args), capture_output=True, text=True, timeout=120,
+                       stdin=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return p.returncode, p.stdout, p.stderr
+
+
+@pytest.mark.parametrize("pattern,says", [
+    (r"(a)\1", "backreferences"),
+    (r"(?P<x>a)(?P=x)", "backreferences"),
+    (r"(?=a)a", "lookarounds"),
+    (r"b(?<!a)", "lookarounds"),
+    (r"x(?:y|(?!z)z)", "lookarounds"),
+    (r"(a)?(?(1)b|c)", "conditionals"),
+    (r"^abc", "anchors"),
+    (r"\bword", "word boundaries"),
+    ("[a-z]{100000}", "the repeat count 100,000 is over the limit of 512"),
+    ("(.{1,100}){1,100}", "nested repeat counts multiply to 10,000, over the limit of 512"),
+])
+def test_a_regex_the_answer_cannot_be_held_to_is_said_in_its_terms(pattern, says):
+    """Not "Failed to build DFA error building NFA", nor a JSON schema's words: what in the expression is the
+    trouble, before the model loads."""
+    msg = assert_error(dgemma_process("run", "--model", "demo", "--regex", pattern, "hi"), 2, "--regex", says)
+    assert "DFA" not in msg and "NFA" not in msg and "maxLength" not in msg and "schema" not in msg, msg
+
+
+def test_a_regex_with_a_final_dollar_still_runs():
+    code, out, err = dgemma_process("run", "--model", "demo", "--device", "cpu", "--seed", "0", "-q", "--regex",
+                                    "[A-Z ]{16}$", "upper: hello diffusions")
+    assert (code, out, err) == (0, "HELLO DIFFUSIONS\n", ""), (code, out, err)
+
+
+@pytest.mark.parametrize("value,says", [
+    ("demo-sudoku-lora:abc", "SCALE (after ':') must be a number"),
+    ("demo-sudoku-lora:", "SCALE (after ':') must be a number"),
+    ("demo-sudoku-lora:nan", "finite number"),
+    ("no-such-adapter:abc", "no such adapter directory"),
+])
+def test_an_adapter_scale_that_is_no_number_is_said_so(value, says):
+    """`--adapter demo-sudoku-lora:abc` names an adapter that exists: the scale is wrong, not the directory."""
+    msg = assert_error(dgemma_process("run", "--model", "demo-sudoku", "--adapter", value, "hi"), 2, says)
+    if "SCALE" in says:
+        assert "no such" not in msg, msg

@@ -37,6 +37,7 @@ def python(code: str, **env: str) -> str:
     return out.stdout.strip()
 
 
+@pytest.mark.slow
 def test_wait_policy_is_passive_before_torch_loads():
     code = "import os, dgemma_cli, torch; print(os.environ.get('OMP_WAIT_POLICY'))"
     assert python(code) == "PASSIVE"

@@ -526,8 +526,8 @@ BAD = {
     "marker-in-held-window": (b"upper: hello diffusions\nHELLO <FILL>US<FILL>IONS\n", [], 2,
                               ["held suffix", "line 2"]),
     "lines-past-end": (BLOCK, ["--lines", "2:3"], 2, ["--lines", "2 lines"]),
-    "lines-zero": (BLOCK, ["--lines", "0:1"], 2, ["--lines"]),
-    "lines-reversed": (BLOCK, ["--lines", "2:1"], 2, ["--lines"]),
+    "lines-zero": (BLOCK, ["--lines", "0:1"], 2, ["--lines", "count from 1"]),
+    "lines-reversed": (BLOCK, ["--lines", "2:1"], 2, ["--lines", "before the start"]),
     "lines-word": (BLOCK, ["--lines", "abc"], 2, ["--lines", "A:B"]),
     "lines-single": (BLOCK, ["--lines", "1"], 2, ["--lines", "A:B"]),
     "lines-three": (BLOCK, ["--lines", "1:2:3"], 2, ["--lines", "A:B"]),
@@ -552,6 +552,25 @@ def test_bad_input_is_one_error_line(capsysbinary, tmp_path, content, extra, cod
     # without --in-place as well (diff output): the same error, still nothing on stdout
     assert_error(fim(capsysbinary, f, *extra), code, *fragments)
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("spec,says", [
+    ("3:1", "the end (1) is before the start (3)"),
+    ("0:1", "lines count from 1"),
+    ("1:0", "lines count from 1"),
+    ("5:11", "ten.txt has only 10 lines"),
+    ("11:12", "ten.txt has 10 lines, so line 11 is past its end"),
+])
+def test_a_bad_line_range_says_what_is_wrong(tmp_path, spec, says):
+    """The real command on a ten-line file: a reversed range or a line 0 is not "ten.txt has 10 lines"."""
+    import subprocess
+
+    (tmp_path / "ten.txt").write_text("".join(f"{i}\n" for i in range(1, 11)))
+    p = subprocess.run([sys.executable, "-m", "dgemma_cli", "fim", "--lines", spec, "ten.txt", "--model", "demo"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert (p.returncode, p.stdout) == (2, ""), (p.returncode, p.stdout, p.stderr)
+    assert p.stderr.startswith(f"dgemma: error: --lines {spec}: {says}") and p.stderr.count("\n") == 1, p.stderr
 
 
 def test_directory_is_refused(capsysbinary, tmp_path):

@@ -57,6 +57,7 @@ def test_fused_head_soft_embedding_matches_the_torch_path():
     assert (buf.entropy.cpu() - entropy).abs().max() < 1e-4
 
 
+@pytest.mark.slow
 def test_fused_head_draws_follow_the_distribution():
     """Many rows of the same logits: each token is drawn about p_v of the time (chi-square well below its 0.999
     quantile); a peaked distribution across tiles draws its mode; rows never draw a token past the vocabulary."""
@@ -112,6 +113,7 @@ def test_the_demo_answers_the_same_through_the_fused_head(fused_head_on, monkeyp
     assert fused.steps_per_canvas == torch_path.steps_per_canvas
 
 
+@pytest.mark.slow
 def test_the_servers_batch_loop_through_the_fused_head(fused_head_on, monkeypatch, capfd):
     """Three requests in the server's loop through the fused head (no canvas x vocab float32 buffer): one row at a
     time, and two rows at once with rows joining and leaving (their soft embeddings move with them), give every

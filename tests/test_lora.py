@@ -390,6 +390,7 @@ def test_the_bundled_sudoku_adapter_solves_the_demo_puzzle(capsys):
     assert capsys.readouterr().out.split() == ["1342", "2413", "4231", "3124"]
 
 
+@pytest.mark.slow
 def test_quantized_experts_take_the_adapter_in_their_kernels(checkpoints, tmp_path, monkeypatch):
     """An NVFP4 base with a peft adapter on its experts (and attention, dense MLP): under DGEMMA_KERNELS=triton (the
     interpreter here) the experts run the fused kernels with the adapter's terms (one rank-product launch per

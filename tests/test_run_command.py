@@ -11,12 +11,14 @@ import io
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
 from pathlib import Path
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -140,6 +142,89 @@ def test_ctrl_c_with_json_prints_the_finished_canvases_as_a_json_object(capsys, 
     # the demo's answer fits one canvas: what was finished is the whole answer, cut and counted the same way
     for key in ("text", "thought", "token_ids", "prompt_token_ids", "canvases", "tokens_per_forward"):
         assert part[key] == whole[key], key
+
+
+def _interrupted_run(args: list[str], needle: bytes) -> tuple[int, str, str]:
+    """`dgemma run ARGS` as a real process: stdout a pipe, stderr a terminal (a pseudo-terminal, so that the live
+    view draws; with --view-delay it pauses after each step). Ctrl-C (SIGINT to its process group, as a terminal
+    sends it) once `needle` is on the screen -> (exit code, stdout, stderr)."""
+    import pty
+    import select
+
+    master, slave = pty.openpty()
+    env = {**os.environ, "TERM": "xterm", "COLUMNS": "100", "LINES": "40"}
+    p = subprocess.Popen([sys.executable, "-m", "dgemma_cli", "run", *args], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=slave, env=env, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    os.close(slave)
+    screen = b""
+    try:
+        deadline = time.monotonic() + 300
+        while needle not in screen and time.monotonic() < deadline and p.poll() is None:
+            if select.select([master], [], [], 0.5)[0]:
+                try:
+                    screen += os.read(master, 65536)
+                except OSError:
+                    break
+        assert needle in screen, screen[-2000:]
+        os.killpg(p.pid, signal.SIGINT)
+        out, _ = p.communicate(timeout=120)
+        while select.select([master], [], [], 0.5)[0]:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            screen += chunk
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        os.close(master)
+    err = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.decode(errors="replace")).replace("\r", "")
+    return p.returncode, out.decode(), err
+
+
+def test_ctrl_c_before_the_first_canvas_still_prints_the_json_object():
+    """A real Ctrl-C while the first canvas is being denoised (the live view paused after its first step): stdout
+    gets the JSON object docs/run.md promises, with nothing finished in it and "interrupted": true; exit 130."""
+    code, out, err = _interrupted_run(["upper: hello diffusions", *DEMO, "--json", "--view", "live",
+                                       "--view-delay", "60"], b"step 1/")
+    assert code == 130, (code, out, err)
+    assert err.strip().splitlines()[-1] == "dgemma: error: interrupted" and "Traceback" not in err, err
+    part = json.loads(out)
+    assert part["interrupted"] is True
+    assert (part["text"], part["thought"], part["token_ids"], part["canvases"]) == ("", "", [], [])
+    assert part["tokens_per_forward"] == 0.0 and part["prompt_token_ids"], part
+
+
+def test_ctrl_c_mid_answer_prints_the_finished_canvases_as_a_json_object():
+    """A real Ctrl-C during the third canvas: the JSON object holds the first two, as the whole run's begins."""
+    args = ["hello there, how are you doing today", *DEMO, "--raw", "--max-new-tokens", "96", "--json"]
+    whole = subprocess.run([sys.executable, "-m", "dgemma_cli", "run", *args], capture_output=True, text=True,
+                           timeout=300, stdin=subprocess.DEVNULL)
+    assert whole.returncode == 0, whole.stderr
+    whole = json.loads(whole.stdout)
+    assert len(whole["canvases"]) >= 3, whole  # the answer spans canvases (the demo model rambles on raw text)
+    # a second's pause after each step drawn: the third canvas (48 steps here) is still running when Ctrl-C comes
+    code, out, err = _interrupted_run([*args, "--view", "live", "--view-delay", "1"], b"canvas 3 ")
+    assert code == 130, (code, out, err)
+    assert err.strip().splitlines()[-1] == "dgemma: error: interrupted" and "Traceback" not in err, err
+    part = json.loads(out)
+    assert part["interrupted"] is True and part["canvases"] == whole["canvases"][:2], (part, whole)
+    assert part["token_ids"] and whole["token_ids"][: len(part["token_ids"])] == part["token_ids"]
+    assert part["prompt_token_ids"] == whole["prompt_token_ids"]
+
+
+def test_tokens_per_forward_counts_the_answers_tokens_only():
+    """16 letters in 2 steps are 8.0 tokens per forward pass: the end token is not the answer's (it was 8.5)."""
+    r = subprocess.run([sys.executable, "-m", "dgemma_cli", "run", "upper: hello diffusions", *DEMO, "--json"],
+                       capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["text"] == "HELLO DIFFUSIONS" and len(d["token_ids"]) == 16, d
+    assert d["tokens_per_forward"] == len(d["token_ids"]) / sum(d["canvases"]), d
 
 
 # ------------------------------------------------------------------ 2. an empty answer is said

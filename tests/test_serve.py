@@ -62,7 +62,7 @@ class ServerProcess:
 
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0,
-                             timeout=60, **kw)
+                             timeout=kw.pop("timeout", 60), **kw)
 
     def health(self) -> dict:
         return self.http.get("/health").json()
@@ -156,6 +156,52 @@ def test_stop_strings_and_max_tokens(server, engine):
     r = client.chat.completions.create(model="demo", messages=msg, seed=0, max_tokens=5)
     assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("HELLO", "length")
     assert r.choices[0].message.content == engine.generate(msg[0]["content"], seed=0, max_new_tokens=5).texts[0]
+
+
+def test_guided_choice_and_structured_outputs(server, engine):
+    """vLLM's guided_choice (exactly one of its strings) and structured_outputs' keys hold the answer as
+    guided_regex and guided_json do; a choice the model would not write alone still comes out whole."""
+    client = server.client()
+    msg = [{"role": "user", "content": "upper: hello diffusions"}]
+    choices = ["HELLO DIFFUSIONS", "HELLO (WORLD)?", "a.b*c"]
+    for body in [{"guided_choice": choices, "guided_decoding_backend": "xgrammar"},
+                 {"structured_outputs": {"choice": choices}}]:
+        r = client.chat.completions.create(model="demo", messages=msg, seed=0, max_tokens=32, extra_body=body)
+        assert r.choices[0].message.content == "HELLO DIFFUSIONS" and r.choices[0].finish_reason == "stop"
+    for seed in range(2):  # metacharacters are literal: the answer is one of the strings, never a match of them
+        r = client.chat.completions.create(model="demo", messages=msg, seed=seed, max_tokens=32,
+                                           extra_body={"guided_choice": ["HELLO (WORLD)?", "a.b*c"]})
+        assert r.choices[0].message.content in ("HELLO (WORLD)?", "a.b*c")
+    r = client.chat.completions.create(model="demo", messages=msg, seed=0, max_tokens=32,
+                                       extra_body={"structured_outputs": {"regex": "[A-Z]{3}", "grammar": None,
+                                                                          "disable_any_whitespace": False}})
+    assert r.choices[0].message.content == "HEL"
+    schema = {"type": "object", "properties": {"w": {"type": "string", "maxLength": 4}}, "required": ["w"]}
+    r = client.completions.create(model="demo", prompt="upper: abc\n", seed=0, max_tokens=32,
+                                  extra_body={"structured_outputs": {"json": schema}})
+    assert set(json.loads(r.choices[0].text)) == {"w"}
+    r = client.chat.completions.create(model="demo", messages=msg, seed=0, max_tokens=32,
+                                       extra_body={"structured_outputs": {"json_object": True}})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_default_max_tokens_is_the_context_the_prompt_leaves_bounded(server, engine):
+    """A request without max_tokens may run past the checkpoint's max_new_tokens (32 on the demo, one canvas) up to
+    16 canvases, or what the context leaves after the prompt; /v1/models says which."""
+    C, ctx = engine.config.canvas_length, engine.config.text.max_position_embeddings
+    card = server.http.get("/v1/models/demo").json()
+    assert (card["max_model_len"], card["default_max_tokens"]) == (ctx, 16 * C)
+    client = server.client()
+    # "hello" as a raw prompt never ends on the demo: it runs to the bound (a few steps a canvas, to be quick)
+    r = client.completions.create(model="demo", prompt="hello", seed=11, extra_body={"steps": 2})
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (16 * C, "length")
+    # a prompt that leaves three canvases of context gets those
+    prompt = [engine.tokenizer.token_id("a")] * (ctx - 3 * C - 5)
+    r = client.completions.create(model="demo", prompt=prompt, seed=0, extra_body={"steps": 2})
+    assert r.usage.completion_tokens <= 3 * C
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="demo", prompt=prompt, seed=0, max_tokens=4 * C)
+    assert e.value.code == "context_length_exceeded"
 
 
 def test_completion_with_suffix_equals_dgemma_fim(server, tmp_path):
@@ -256,7 +302,15 @@ def test_bad_requests_get_json_errors_and_the_server_keeps_answering(server):
         ({**ok, "temperature": 2.5}, 400, "invalid_value", "temperature"),
         ({**ok, "seed": 1.5}, 400, "invalid_type", "seed"),
         ({**ok, "n": 2}, 400, "unsupported_parameter", "n"),
-        ({**ok, "logprobs": True}, 400, "unsupported_parameter", "logprobs"),
+        ({**ok, "top_logprobs": 2}, 400, "invalid_value", "top_logprobs"),  # without logprobs: true
+        ({**ok, "echo": True}, 400, "unsupported_parameter", "echo"),
+        ({**ok, "guided_whitespace_pattern": " "}, 400, "unsupported_parameter", "guided_whitespace_pattern"),
+        ({**ok, "structured_outputs": {"structural_tag": {}}}, 400, "unsupported_parameter",
+         "structured_outputs.structural_tag"),
+        ({**ok, "structured_outputs": {"choice": []}}, 400, "invalid_type", "structured_outputs.choice"),
+        ({**ok, "structured_outputs": {"regex": "a", "choice": ["a"]}}, 400, "invalid_value",
+         "structured_outputs.regex"),
+        ({**ok, "guided_choice": "A"}, 400, "invalid_type", "guided_choice"),
         ({**ok, "tools": [{"type": "function", "function": {"name": "no spaces"}}]}, 400, "invalid_value", "tools"),
         ({**ok, "functions": [{"name": "f"}]}, 400, "unsupported_parameter", "functions"),
         ({**ok, "stop": [1]}, 400, "invalid_type", "stop"),
@@ -326,6 +380,7 @@ def test_a_client_dropping_mid_stream_frees_its_slot(server):
     assert r.choices[0].message.content == "HELLO DIFFUSIONS"
 
 
+@pytest.mark.slow
 def test_queue_full_429_api_key_and_sigterm_drain(tmp_path, engine):
     s = ServerProcess(tmp_path, "--max-batch", "2", "--max-queue", "1", "--api-key", "sesame")
     try:
@@ -494,6 +549,7 @@ def adapter_server(tmp_path_factory):
     assert s.stop() == 0, "".join(s.lines)
 
 
+@pytest.mark.slow
 def test_adapter_and_base_rows_mixed_at_any_step_answer_as_alone(adapter_server, engine):
     """Requests for the base and for an adapter (one that adapts the self-conditioning MLP too), four at a time,
     each sent a little after the others: rows join while others are mid-canvas, so one forward holds rows of both

@@ -438,3 +438,112 @@ def test_a_failing_request_gets_a_500_or_an_error_event_and_the_others_go_on(eng
     err = capfd.readouterr().err
     assert loop.failed == 2 and "Traceback" not in err
     assert err.count("dgemma: internal error in a generation: ValueError: KV cache holds 4 positions") == 2
+
+
+# ----------------------------------------------------------------------------- body limits, exactly
+
+
+def nested(levels: int) -> dict:
+    """A chat body whose deepest JSON value is `levels` deep (the body itself is level 1): an unknown field, which
+    the server ignores, holds the nesting."""
+    return {**F.NORMAL, "x": json.loads("[" * (levels - 1) + "]" * (levels - 1))}
+
+
+def test_nesting_is_refused_past_exactly_the_documented_depth(server):
+    """MAX_DEPTH levels are answered, one more is a 400, in each API's shape, parsed here or in the helper (a body
+    with many brackets in its strings); the documentation says the same number."""
+    from dgemma_cli.body import MAX_BRACKETS_HERE, MAX_DEPTH
+
+    assert f"JSON nested over {MAX_DEPTH} levels" in (ROOT / "docs" / "serve.md").read_text()
+    assert MAX_DEPTH == 64
+    brackets = "{" * (MAX_BRACKETS_HERE + 1)  # in a string: the body goes through the helper process
+    ollama = {"model": "demo", "messages": F.NORMAL["messages"], "stream": False, "options": {"seed": 0}}
+    for extra in ({}, {"pad": brackets}):
+        fits, deep = {**nested(MAX_DEPTH), **extra}, {**nested(MAX_DEPTH + 1), **extra}
+        r = server.http.post("/v1/chat/completions", json=fits)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == F.NORMAL_ANSWER, r.text
+        r = server.http.post("/v1/chat/completions", json=deep)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+        assert f"nested more than {MAX_DEPTH} levels" in r.json()["error"]["message"]
+        r = server.http.post("/api/chat", json={**ollama, "x": fits["x"], **extra})
+        assert r.status_code == 200 and r.json()["message"]["content"] == F.NORMAL_ANSWER, r.text
+        r = server.http.post("/api/chat", json={**ollama, "x": deep["x"], **extra})
+        assert r.status_code == 400 and r.json() == {"error": f"the body's JSON is nested more than {MAX_DEPTH} "
+                                                              "levels deep"}, r.text
+
+
+def over_limit_chunked(url: str, path: str) -> tuple[int, dict]:
+    """A body of MAX_BODY + 1 bytes sent chunked (no Content-Length), its end never sent: the server must refuse it
+    while reading, or it waits for the rest for ever (then this times out)."""
+    from dgemma_cli.serve import MAX_BODY
+
+    sock, host = F.connect(url)
+    sock.settimeout(30)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 "Transfer-Encoding: chunked\r\n\r\n".encode())
+    piece = b"x" * (1 << 20)
+
+    def feed() -> None:
+        try:
+            sent = 0
+            while sent <= MAX_BODY:
+                n = min(len(piece), MAX_BODY + 1 - sent)
+                sock.sendall(b"%x\r\n" % n + piece[:n] + b"\r\n")
+                sent += n
+                if n == 0:
+                    break
+        except OSError:  # answered and closed before the last piece: as it should
+            pass
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    try:
+        return F.read_response(sock)
+    finally:
+        feeder.join(30)
+        sock.close()
+
+
+def test_a_chunked_body_over_the_limit_is_refused_while_it_is_read(server):
+    """No Content-Length to refuse it by: the count kept while reading stops it at MAX_BODY, on both APIs."""
+    status, body = over_limit_chunked(server.url, "/v1/chat/completions")
+    assert status == 413 and body["error"]["code"] == "request_too_large", body
+    status, body = over_limit_chunked(server.url, "/api/chat")
+    assert status == 413 and set(body) == {"error"} and "request body over" in body["error"], body
+    sock, host = F.connect(server.url)
+    assert F.normal(sock, host) == F.NORMAL_ANSWER
+    sock.close()
+
+
+def test_a_body_over_the_limit_on_ollamas_routes_is_refused_in_ollamas_shape(server):
+    for path in ("/api/chat", "/api/generate", "/api/show"):
+        for case in (F.Case("Content-Length over 20 MiB", b"{}", 413, "", {"Content-Length": str(1 << 40)}, "POST",
+                            path),
+                     F.Case("a body over 20 MiB", b'{"a": "' + b"x" * (21 << 20) + b'"}', 413, "", {}, "POST", path)):
+            sock, host = F.connect(server.url)
+            status, body = F.request(sock, host, case)
+            sock.close()
+            assert status == 413 and set(body) == {"error"} and "request body over" in body["error"], (path, body)
+
+
+def test_a_body_of_many_objects_is_parsed_in_the_helper_not_the_server(server):
+    """A body that may hold many objects is parsed first in the helper process: its millions of lists take the
+    helper's memory, not the server's, and /health goes on being answered while it is refused."""
+    pid = server.proc.pid
+    bomb = b'{"model": "demo", "messages": [], "x": [' + b"[]," * 3_000_000 + b"[]]}"  # 9 MB, 3 million lists
+    clear = Path(f"/proc/{pid}/clear_refs")
+    clear.write_text("5")  # the peak resident memory (VmHWM) starts again from now
+    before = server.vm_hwm_kb()
+    slowest = []
+    for path, shape in (("/v1/chat/completions", "openai"), ("/api/chat", "ollama")):
+        with F.HealthWatch(server.url) as watch:
+            r = server.http.post(path, content=bomb, headers=F.JSON)
+        assert r.status_code == 400 and "more than 50000 JSON objects" in r.text, r.text
+        assert (set(r.json()) == {"error"}) if shape == "ollama" else r.json()["error"]["code"] == "invalid_json"
+        slowest.append(watch.slowest)
+    # parsed here, the lists alone would take some 200 MB; read and joined, the body takes 2 x 9 MB
+    assert server.vm_hwm_kb() - before < 80_000, server.vm_hwm_kb() - before
+    assert max(slowest) < 1.0, slowest  # a loose bound, for a loaded machine (parsed here: 1.6 s on one)
+    sock, host = F.connect(server.url)
+    assert F.normal(sock, host) == F.NORMAL_ANSWER
+    sock.close()

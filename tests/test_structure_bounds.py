@@ -130,7 +130,7 @@ def _tool(name: str, params) -> dict:
     ({"type": "object", "properties": {'<|"|>k<tool_call|>': {"type": "string"}}}, "cannot be written in a call"),
     ({"type": "string"}, "must be an object schema"),
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": "[a-z]+"}}}, "'pattern'"),
-    ({"type": "object", "properties": {"b": {"$ref": "#"}}, "required": ["b"]}, "'$ref'"),
+    ({"type": "object", "properties": {"b": {"$ref": "#"}}, "required": ["b"]}, "$ref that refers back to itself"),
 ])
 def test_a_required_call_that_cannot_be_written_is_refused(server, params, says):
     body = {**chat({}), "tools": [_tool("f", params)], "tool_choice": "required"}

@@ -172,6 +172,7 @@ def one_line(capsys) -> str:
     return err[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_probes_pass_with_the_real_kernels(probed, capsys, dtype):
     with torch.inference_mode(dtype == torch.bfloat16):  # the engine generates under inference mode
