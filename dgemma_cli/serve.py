@@ -392,7 +392,8 @@ def prepare(server: Server, body: dict, kind: str, cancelled=None) -> Prepared:
         except UsageError as e:
             where = "tool_choice" if call_structure is not None else next(iter(guided_fields(body)),
                                                                           "response_format")
-            raise ApiError(400, str(e), param=where, code="invalid_value") from None
+            message = str(e).replace("--regex: ", "the regex: ", 1)  # the CLI's flag is not this API's field
+            raise ApiError(400, message, param=where, code="invalid_value") from None
     job = Job(prompt, settings, seed, capacity, held, want_steps=stream_steps, image_features=image_features,
               automaton=automaton, adapter=slot, logprobs=logprobs)
     return Prepared(kind, job, stream, stream_steps, include_usage, stops, infill,

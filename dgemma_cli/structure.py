@@ -70,7 +70,7 @@ class Structure:
         self.check_size()
         try:
             if self.kind == "regex":
-                check_regex(self.source, "--regex")
+                check_regex(unanchored(self.source), "--regex")
             elif self.kind == "json_schema":
                 self.prepared  # noqa: B018 (read: prepare_schema's checks)
             elif self.kind == "grammar":
@@ -98,7 +98,7 @@ class Structure:
         may take a while on a large schema (the worker runs it)."""
         self.check()
         if self.kind == "regex":
-            return self.source
+            return unanchored(self.source)
         regex = schema_regex(self.prepared)
         check_regex(regex, "the JSON schema")
         return regex
@@ -167,6 +167,24 @@ def repeat_product(regex: str) -> int:
 def _count(digits: str) -> int:
     """A repetition count as written; past nine digits, a billion (int() of thousands of digits is refused)."""
     return int(digits) if len(digits) <= 9 else 10**9
+
+
+def unanchored(regex: str) -> str:
+    """A whole-answer regex without the anchors people write around it (`^...$`, `\\A...\\Z`): the answer is
+    matched whole already, and an automaton holds no anchors. Only a leading ^ / \\A and a trailing unescaped $ /
+    \\Z / \\z go; an anchor anywhere else is refused in words (_unsupported_feature)."""
+    for lead in ("^", "\\A"):
+        if regex.startswith(lead):
+            regex = regex[len(lead):]
+            break
+    for tail in ("$", "\\Z", "\\z"):
+        if regex.endswith(tail):
+            body = regex[: -len(tail)]
+            escapes = len(body) - len(body.rstrip("\\"))  # an odd run of backslashes escapes the tail's first char
+            if escapes % 2 == 0:
+                regex = body
+            break
+    return regex
 
 
 def check_regex(regex: str, what: str) -> None:

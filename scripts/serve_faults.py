@@ -68,8 +68,9 @@ def cases() -> list[Case]:
         Case("lone surrogate in a key", b'{"model": "demo", "\\ud800": 1, "messages": []}', 400, "invalid_json"),
         Case("array nested 100,000 deep", b"[" * deep + b"]" * deep, 400, "invalid_json"),
         Case("object nested 100,000 deep", b'{"a":' * deep + b"1" + b"}" * deep, 400, "invalid_json"),
-        Case("messages nested 65 deep", chat(messages=[{"role": "user", "content": "x", "extra": (
-            json.loads("[" * 65 + "]" * 65))}]), 400, "invalid_json"),
+        # the body, its messages list and the message hold the 62 arrays: 65 deep, one past body.MAX_DEPTH
+        Case("a body nested 65 deep", chat(messages=[{"role": "user", "content": "x", "extra": (
+            json.loads("[" * 62 + "]" * 62))}]), 400, "invalid_json"),
         Case("max_tokens of 401 digits", chat()[:-1] + b', "max_tokens": 1' + b"0" * 400 + b"}", 400, "invalid_value"),
         Case("seed of 30 digits", chat()[:-1] + b', "seed": 1' + b"0" * 29 + b"}", 400, "invalid_value"),
         # Past 4300 digits Python's int() refuses the text itself, in words about Python's settings.

@@ -522,7 +522,7 @@ def dgemma_process(*args: str) -> tuple[int, str, str]:
     (r"b(?<!a)", "lookarounds"),
     (r"x(?:y|(?!z)z)", "lookarounds"),
     (r"(a)?(?(1)b|c)", "conditionals"),
-    (r"^abc", "anchors"),
+    (r"ab^c", "anchors"),
     (r"\bword", "word boundaries"),
     ("[a-z]{100000}", "the repeat count 100,000 is over the limit of 512"),
     ("(.{1,100}){1,100}", "nested repeat counts multiply to 10,000, over the limit of 512"),
@@ -534,9 +534,11 @@ def test_a_regex_the_answer_cannot_be_held_to_is_said_in_its_terms(pattern, says
     assert "DFA" not in msg and "NFA" not in msg and "maxLength" not in msg and "schema" not in msg, msg
 
 
-def test_a_regex_with_a_final_dollar_still_runs():
+@pytest.mark.parametrize("regex", ["[A-Z ]{16}$", "^[A-Z ]{16}$", r"\A[A-Z ]{16}\Z"])
+def test_a_regex_anchored_around_the_whole_answer_still_runs(regex):
+    """The anchors people write around a whole-answer regex are what it means already: taken, not refused."""
     code, out, err = dgemma_process("run", "--model", "demo", "--device", "cpu", "--seed", "0", "-q", "--regex",
-                                    "[A-Z ]{16}$", "upper: hello diffusions")
+                                    regex, "upper: hello diffusions")
     assert (code, out, err) == (0, "HELLO DIFFUSIONS\n", ""), (code, out, err)
 
 

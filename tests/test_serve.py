@@ -311,6 +311,7 @@ def test_bad_requests_get_json_errors_and_the_server_keeps_answering(server):
         ({**ok, "structured_outputs": {"regex": "a", "choice": ["a"]}}, 400, "invalid_value",
          "structured_outputs.regex"),
         ({**ok, "guided_choice": "A"}, 400, "invalid_type", "guided_choice"),
+        ({**ok, "guided_regex": "(a)\\1"}, 400, "invalid_value", "guided_regex"),  # in the API's words, below
         ({**ok, "tools": [{"type": "function", "function": {"name": "no spaces"}}]}, 400, "invalid_value", "tools"),
         ({**ok, "functions": [{"name": "f"}]}, 400, "unsupported_parameter", "functions"),
         ({**ok, "stop": [1]}, 400, "invalid_type", "stop"),
@@ -329,6 +330,7 @@ def test_bad_requests_get_json_errors_and_the_server_keeps_answering(server):
         err = r.json()["error"]
         assert (err["code"], err["param"]) == (code, param), err
         assert err["message"] and err["type"] == "invalid_request_error"
+        assert "--" not in err["message"], err  # the CLI's flags are not this API's fields
     r = http.post("/v1/completions", json={"model": "demo", "prompt": ["a", "b"]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     r = http.get("/v1/chat/completions")
