@@ -20,7 +20,7 @@ from .guard import is_loopback
 app = typer.Typer(
     name="dgemma",
     help="Run DiffusionGemma locally: block diffusion, one canvas at a time.",
-    add_completion=True,  # --install-completion [SHELL], --show-completion [SHELL]
+    add_completion=True,  # --install-completion, --show-completion: for the shell they run from (detected)
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},  # every command: -h as in ollama, llm, llama.cpp

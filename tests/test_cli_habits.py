@@ -77,8 +77,10 @@ def test_version_and_shell_completion(tmp_path):
 
     assert complete("dgemma ru", 1) == ["run"]
     assert "--temperature" in complete("dgemma run --tem", 2)
-    r = subprocess.run([script, "--install-completion", "bash"], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "HOME": str(tmp_path)})
+    # as the README says, from the user's shell, which typer detects (shellingham: the parent process); `; exit` keeps
+    # bash from exec-ing the command in its place, which would leave make's sh as the parent under `make test`
+    r = subprocess.run(["bash", "-c", '"$0" --install-completion; exit $?', script], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     assert "_DGEMMA_COMPLETE" in (tmp_path / ".bash_completions" / "dgemma.sh").read_text()
     assert ".bash_completions/dgemma.sh" in (tmp_path / ".bashrc").read_text()
