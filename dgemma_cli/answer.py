@@ -81,10 +81,11 @@ class AnswerText:
         if self.tools:  # as decode_answer, the answer cut where a tool call starts (calls are not content)
             from .tools import CALL_START
 
-            thought, answer = self.tok.split_thought(self.tok.decode(ids, skip_special_tokens=False))
+            text, restore = self.tok.decode_marked(ids)  # a call starts at its token, never at text spelling it
+            thought, answer = self.tok.split_thought(text)
             cut = answer.find(CALL_START)
             answer = answer if cut < 0 else answer[:cut]
-            return self.tok.strip_special(thought).strip(), self.tok.strip_special(answer).strip()
+            return self.tok.strip_special(restore(thought)).strip(), self.tok.strip_special(restore(answer)).strip()
         return self.tok.decode_answer(ids) if self.chat else ("", self.tok.decode(ids))
 
     def tool_calls(self, ids: list[int]) -> list[dict]:
@@ -93,8 +94,17 @@ class AnswerText:
             return []
         from .tools import openai_calls, parse_tool_calls
 
-        _, answer = self.tok.split_thought(self.tok.decode(self.cut(ids), skip_special_tokens=False))
-        return openai_calls(parse_tool_calls(answer)[1])
+        text, restore = self.tok.decode_marked(self.cut(ids))  # calls between the call tokens, not text spelling them
+        _, answer = self.tok.split_thought(text)
+
+        def restored(v):
+            if isinstance(v, str):
+                return restore(v)
+            if isinstance(v, dict):
+                return {restored(k): restored(x) for k, x in v.items()}
+            return [restored(x) for x in v] if isinstance(v, list) else v
+
+        return openai_calls([restored(c) for c in parse_tool_calls(answer)[1]])
 
     def add(self, canvas: list[int]) -> tuple[str, str]:
         """One more finished canvas -> the (answer, thought) text it settles."""

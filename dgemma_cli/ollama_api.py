@@ -12,6 +12,7 @@ editors send long lists.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import json
@@ -193,11 +194,14 @@ def chat_body(server, body: dict) -> dict:
         if m.get("role") == "tool":  # Ollama names the tool, OpenAI refers to the call
             message["name"] = m.get("tool_name") or m.get("name") or "tool"
         if isinstance(m.get("tool_calls"), list):  # Ollama's arguments are an object, OpenAI's a JSON string
+            calls = [c.get("function") if isinstance(c, dict) else None for c in m["tool_calls"]]
+            if not all(isinstance(f, dict) for f in calls):
+                raise OllamaError(400, f"messages[{k}].tool_calls must be a list of {{\"function\": {{\"name\": ..., "
+                                  "\"arguments\": {...}}}")
             message["tool_calls"] = [
                 {"id": f"call_{k}_{i}", "type": "function",
-                 "function": {"name": (c.get("function") or {}).get("name", ""),
-                              "arguments": json.dumps((c.get("function") or {}).get("arguments") or {})}}
-                for i, c in enumerate(m["tool_calls"]) if isinstance(c, dict)]
+                 "function": {"name": f.get("name", ""), "arguments": json.dumps(f.get("arguments") or {})}}
+                for i, f in enumerate(calls)]
         out.append(message)
     tools = {"tools": body["tools"]} if body.get("tools") else {}
     return {"model": name, "messages": out, "thinking": bool(body.get("think")),
@@ -330,10 +334,28 @@ async def respond(api, server, openai_body: dict, kind: str, shape: str, stream:
         return _with_calls(shape, obj)
 
     if not stream:
-        answer, thought, final = "", "", None
-        async for delta, th, end in _answer(api, server, prep):
-            answer, thought = answer + delta, thought + th
-            final = end or final
+        async def collect() -> tuple[str, str, Any]:
+            answer, thought, final = "", "", None
+            async for delta, th, end in _answer(api, server, prep):
+                answer, thought = answer + delta, thought + th
+                final = end or final
+            return answer, thought, final
+
+        # A client that leaves stops its row (cancelling `collect` closes _answer, which cancels the ticket), as on
+        # /v1: else every request sent and dropped would run to its num_predict.
+        work = asyncio.ensure_future(collect())
+        gone = asyncio.ensure_future(api.wait_disconnect(request)) if request is not None else None
+        try:
+            await asyncio.wait({work} | ({gone} if gone else set()), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if gone is not None:
+                gone.cancel()
+            if not work.done():
+                work.cancel()
+        if not work.done() or work.cancelled():
+            await asyncio.wait({work})  # its row cancelled (the generator's finally) before the handler ends
+            return Response(status_code=499)  # nobody is listening
+        answer, thought, final = work.result()
         return JSONResponse(last(*final, answer, thought))
 
     async def lines() -> AsyncIterator[bytes]:

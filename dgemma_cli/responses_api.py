@@ -423,7 +423,7 @@ def routes(server, api) -> list[Route]:
             head = (e.param or "").split("[")[0].split(".")[0]
             if head in PARAMS:  # a message's index is not its item's (instructions, calls merged): the input
                 e.param = PARAMS[head] if head == "messages" else PARAMS[head] + e.param[len(head):]
-            e.message = e.message.replace("max_tokens", "max_output_tokens")
+            e.message = e.message.replace("max_tokens", "max_output_tokens").replace("'response_format", "'text.format")
             raise
         answer = Answer(server, body, chat, prep)
         if not prep.stream:

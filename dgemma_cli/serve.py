@@ -439,7 +439,7 @@ def request_tools(tok, body: dict, kind: str, max_tokens: int | None = None):
     "required" (a call, of any of them), or {"type": "function", "function": {"name": ...}} (that one). max_tokens:
     the answer's, which the call's strings and arrays are bounded to fit (tools.call_grammar); None: checked only."""
     from .constrain import Structure
-    from .tools import call_grammar, check_tools
+    from .tools import call_grammar, check_call_parameters, check_tools
 
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools in (None, []):
@@ -473,6 +473,10 @@ def request_tools(tok, body: dict, kind: str, max_tokens: int | None = None):
                        code="invalid_value")
     parallel = choice == "required" and body.get("parallel_tool_calls") is not False
     try:
+        if max_tokens is None:  # checked only: the grammar, whose bounds search builds it many times over (seconds
+            for fn in wanted:  # of Python for a schema of thousands of nodes), is built once max_tokens is known
+                check_call_parameters(fn["name"], fn["parameters"])
+            return functions, Structure("grammar")
         grammar = call_grammar(wanted, start, end, tok.token_id('<|"|>'), most=4 if parallel else 1,
                                max_tokens=max_tokens)
     except UsageError as e:
@@ -509,7 +513,9 @@ def guided_fields(body: dict | None) -> dict[str, Any]:
     for key, value in so.items():
         name = f"structured_outputs.{key}"
         if key == "json_object":
-            if get_bool(so, key):
+            if value is not None and not isinstance(value, bool):
+                raise _type_error(name, "true or false", value)
+            if value:
                 out[name] = True
         elif key in STRUCTURED_OUTPUTS:
             if value is not None:
@@ -636,7 +642,7 @@ def tok_chat(tok, messages: Any, thinking: bool, placeholder: str | None = None,
         if not isinstance(m, dict):
             raise _type_error(where, "an object", m)
         role = m.get("role")
-        if role not in ROLES and role != "tool":
+        if not isinstance(role, str) or (role not in ROLES and role != "tool"):  # a list or object: unhashable
             raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}, tool (got {json.dumps(role)[:40]})",
                            param=f"{where}.role", code="invalid_value")
         content = m.get("content")

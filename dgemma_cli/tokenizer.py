@@ -14,6 +14,7 @@ import re
 import threading
 from datetime import datetime
 from pathlib import Path
+from typing import Callable
 
 from .errors import ModelError, UsageError
 
@@ -108,6 +109,7 @@ class Tokenizer:
         self._plain_lock = threading.Lock()
         self._max_token_chars: int | None = None
         self._token_bytes: list[bytes | None] | None = None
+        self._special_ids: set[int] | None = None
 
     @classmethod
     def from_dir(cls, path) -> Tokenizer:
@@ -180,8 +182,52 @@ class Tokenizer:
 
     def decode_answer(self, ids) -> tuple[str, str]:
         """(thought, answer) of generated ids, special tokens removed and surrounding whitespace stripped."""
-        thought, answer = split_thought(self.decode(ids, skip_special_tokens=False))
-        return self.strip_special(thought).strip(), self.strip_special(answer).strip()
+        text, restore = self.decode_marked(ids)
+        thought, answer = split_thought(text)
+        return self.strip_special(restore(thought)).strip(), self.strip_special(restore(answer)).strip()
+
+    def decode_marked(self, ids) -> tuple[str, Callable[[str], str]]:
+        """(ids decoded keeping their special tokens, restore): a special token's string in the text comes from
+        its id only. One that text tokens spell (a model copying "<|tool_call>" or "<|channel>" out of a document
+        or a tool's answer) stands as a private-use character, so that what splits the text at control strings
+        (the thought channel, tool calls) reads the model's tokens, never its text; `restore` puts the spelled
+        strings back in a piece of the text."""
+        ids = list(ids)
+        specials = self._special_id_set()
+        if not self._forgeable_re.search(self.decode([t for t in ids if t not in specials])):
+            return self.decode(ids, skip_special_tokens=False), lambda piece: piece  # no text spells one
+        swapped: list[str] = []
+
+        def swap(match: re.Match) -> str:
+            if len(swapped) > _SENTINEL_LAST - _SENTINEL_FIRST:
+                return ""  # past the stand-ins' range: dropped, never read as a control string
+            swapped.append(match.group(0))
+            return chr(_SENTINEL_FIRST + len(swapped) - 1)
+
+        parts, run = [], []
+        for t in ids + [None]:
+            if t is not None and t not in specials:
+                run.append(t)
+                continue
+            if run:
+                parts.append(self._forgeable_re.sub(swap, self.decode(run, skip_special_tokens=False)))
+                run = []
+            if t is not None:
+                parts.append(self.decode([t], skip_special_tokens=False))
+
+        def restore(piece: str) -> str:
+            def back(c: re.Match) -> str:
+                k = ord(c.group(0)) - _SENTINEL_FIRST
+                return swapped[k] if k < len(swapped) else c.group(0)
+
+            return re.sub(_SENTINELS, back, piece)
+
+        return "".join(parts), restore
+
+    def _special_id_set(self) -> set[int]:
+        if self._special_ids is None:
+            self._special_ids = {i for i, t in self._tokenizer.get_added_tokens_decoder().items() if t.special}
+        return self._special_ids
 
     def strip_special(self, text: str) -> str:
         """Text with every special token string (<turn|>, <eos>, <pad>, <mask>, ...) removed."""

@@ -462,6 +462,7 @@ def call_grammar(functions: list[dict], call_start: int, call_end: int, quote: i
     quote_cost = 1 if quote is not None else len(QUOTE.encode())
     budget = max_tokens if max_tokens is not None else 10**9
 
+    @functools.lru_cache(maxsize=None)
     def build(chars: int, k: int) -> tuple[str, bool]:
         rules = _CallRules(q, quote_cost, chars, min(ITEMS_CAP, chars // 8))
         calls, worst, rep = [], 0, 1
@@ -474,6 +475,7 @@ def call_grammar(functions: list[dict], call_start: int, call_end: int, quote: i
                           *rules.rules]) + "\n"
         return text, 3 + k * worst <= budget and rep <= MAX_REPEAT  # the call tokens, the calls, the end
 
+    @functools.lru_cache(maxsize=None)
     def widest(k: int) -> int:
         """The longest string bound (0..STRING_CAP) with which k calls fit; -1 where none does."""
         if not build(0, k)[1]:

@@ -444,3 +444,40 @@ def test_thinking_and_tool_calls_come_back_in_ollamas_shape(engine):
             {"role": "tool", "tool_name": "get_weather", "content": "sunny"}]
         c.chat(model="demo", messages=back, tools=tools)
         assert "sunny" in tok.decode(loop.jobs[-1].prompt, skip_special_tokens=False)
+
+
+def test_a_client_leaving_a_whole_answer_stops_its_row(server):
+    """`"stream": false` (what litellm and most scripts send): a client that closes its connection while its
+    answer is generated frees its row at once, as on /v1, instead of the row running to its num_predict (a page of
+    dropped requests would each have held a row to the end)."""
+    import socket
+
+    from test_serve import wait_until
+
+    host, port = server.url.split("//")[1].rsplit(":", 1)
+    long = {"num_predict": 3000, "temperature": 2, "seed": 1}  # rows of several seconds on the demo
+    for path, body in (("/api/generate", {"model": "demo", "prompt": "zzzz", "raw": True, "stream": False,
+                                          "options": long}),
+                       ("/api/chat", {"model": "demo", "stream": False, "options": long,
+                                      "messages": [{"role": "user", "content": "upper: " + "hello world " * 50}]})):
+        before = server.health()["completed"]
+        data = json.dumps(body).encode()
+        sock = socket.create_connection((host, int(port)), timeout=30)
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+                     + data)
+        wait_until(lambda: server.health()["active"] == 1, timeout=10)
+        sock.close()
+        wait_until(lambda: server.health()["active"] == 0, timeout=5)
+        assert server.health()["completed"] == before, path
+    r = server.http.post("/api/generate", json={"model": "demo", "prompt": PROMPT, "stream": False,
+                                                "options": {"seed": 3}})
+    assert r.json()["response"] == "HELLO DIFFUSIONS"
+
+
+def test_a_malformed_call_in_the_history_is_a_400_not_a_500(server):
+    """messages[].tool_calls[].function must be an object: anything else was a 500 (an AttributeError)."""
+    for call in ({"function": "x"}, {"function": ["f"]}, "call", 5, {"name": "f"}):
+        r = server.http.post("/api/chat", json={"model": "demo", "stream": False, "messages": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]})
+        assert r.status_code == 400 and set(r.json()) == {"error"}, (call, r.text)
+        assert "messages[1].tool_calls" in r.json()["error"]

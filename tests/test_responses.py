@@ -149,6 +149,7 @@ def test_what_a_stateless_server_cannot_honour_is_refused(server):
         ({**ok, "max_output_tokens": 10**6}, "context_length_exceeded", "input"),
         ({**ok, "max_output_tokens": 0}, "invalid_value", "max_output_tokens"),
         ({**ok, "text": {"format": {"type": "grammar"}}}, "invalid_value", "text.format"),
+        ({**ok, "text": {"format": [1]}}, "invalid_type", "text.format"),  # named as this API names it
     ]
     for body, code, param in cases:
         r = http.post("/v1/responses", json=body)
@@ -156,6 +157,7 @@ def test_what_a_stateless_server_cannot_honour_is_refused(server):
         err = r.json()["error"]
         assert (err["code"], err["param"]) == (code, param), err
         assert err["type"] == "invalid_request_error" and "max_tokens" not in err["message"]
+        assert "response_format" not in err["message"], err
     r = http.post("/v1/responses", json={**ok, "model": "gpt-4"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as e:

@@ -547,3 +547,14 @@ def test_a_body_of_many_objects_is_parsed_in_the_helper_not_the_server(server):
     sock, host = F.connect(server.url)
     assert F.normal(sock, host) == F.NORMAL_ANSWER
     sock.close()
+
+
+def test_a_role_that_is_a_list_or_an_object_is_a_400_not_a_500(server):
+    """A message's role checked against the role names by a dict lookup raised TypeError (unhashable) for a list or
+    an object: a 500 on /v1/chat/completions and on /api/chat. Now one 400 each, in the route's own shape."""
+    for role in ([], {}, ["user"], {"a": 1}, [{}]):
+        messages = [{"role": role, "content": "hi"}]
+        r = server.http.post("/v1/chat/completions", json={"model": "demo", "messages": messages, "max_tokens": 4})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].role", (role, r.text)
+        r = server.http.post("/api/chat", json={"model": "demo", "messages": messages, "stream": False})
+        assert r.status_code == 400 and isinstance(r.json()["error"], str) and "role" in r.json()["error"], r.text
