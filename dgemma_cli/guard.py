@@ -16,7 +16,8 @@ user has open: a loopback server with no key is otherwise driven by any page the
 - Content-Type, Ollama's routes (/api/*, and /): any type, or none, and the body is read as JSON, as Ollama reads
   it. Ollama asks for no type, so its clients (litellm's `ollama/` and `ollama_chat/`) and the `curl -d` of its
   docs (form-encoded) send none: a 415 would break them all. A page is kept out by the two checks above: a browser
-  sends Origin on every cross-site POST, refused unless allowed, and a rebinding page's Host is refused.
+  sends Origin on every cross-site POST, refused unless allowed, and a rebinding page's Host is refused. A
+  request that carries no Origin but says (Sec-Fetch-Site) that another site's page made it is refused as well.
 - Shapes: a refusal on Ollama's paths is Ollama's `{"error": "..."}`, elsewhere OpenAI's
   `{"error": {"message", "type", "param", "code"}}` (`error_body`, also used by the app's own error handlers).
 - Faults: an exception that escapes a route becomes one line on stderr and a 500 in the API's shape, whose message
@@ -62,6 +63,10 @@ def is_loopback(address: str) -> bool:
         return ipaddress.ip_address(address.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+CROSS_SITE = ("cross-site", "same-site")  # Sec-Fetch-Site of a request another site's page made (not same-origin,
+# not none: a user's own navigation or a program, which sends no Fetch Metadata at all)
 
 
 def is_ollama(path: str) -> bool:
@@ -113,6 +118,11 @@ class Guard:
                          "host_not_allowed", path=path)
             return
         origin = headers.get("origin")
+        if origin is None and method not in ("GET", "HEAD") and headers.get("sec-fetch-site") in CROSS_SITE:
+            # a browser that left Origin off still says where the request comes from (Fetch Metadata): refused
+            await answer(send, 403, "requests from another site's web page are refused; start the server with "
+                         "--allow-origin ORIGIN to let its pages use it", "origin_not_allowed", path=path)
+            return
         cors: list[tuple[bytes, bytes]] = []
         if origin is not None:
             if not self.origin_allowed(origin):

@@ -118,7 +118,12 @@ def test_a_web_page_cannot_post_to_ollamas_routes(server):
                 assert "--allow-origin" in r.json()["error"] and "access-control-allow-origin" not in r.headers
             r = send(server.url, "POST", path, body, {"Host": "evil.example"}, kind)
             assert r.status_code == 403 and is_ollama_error(r) and "--allow-host" in r.json()["error"], r.text
+            for site in ("cross-site", "same-site"):  # a browser that left Origin off still says who sent it
+                r = send(server.url, "POST", path, body, {"Sec-Fetch-Site": site}, kind)
+                assert r.status_code == 403 and is_ollama_error(r) and "--allow-origin" in r.json()["error"], r.text
     assert server.health()["completed"] == before  # nothing was generated
+    r = send(server.url, "POST", "/api/show", {"model": "demo"}, {"Sec-Fetch-Site": "none"}, "text/plain")
+    assert r.status_code == 200, r.text  # the user's own navigation (or a program's) is no page's
     # the page --allow-origin names may, whatever the type, and reads the answer
     r = send(server.url, "POST", "/api/chat", CHAT, {"Origin": APP}, "text/plain")
     assert answered(r, "/api/chat") and r.headers["access-control-allow-origin"] == APP
