@@ -219,7 +219,9 @@ def test_chat_in_a_pseudo_terminal(tmp_path):
         term.wait_for("(new conversation)")
         term.type("/bogus\r")
         term.wait_for("unknown command /bogus")
-        term.type("\x03")  # Ctrl-C at the prompt clears the line; the session goes on
+        shown = sum(line.startswith("›") for line in term.screen.display)
+        term.type("\x03")  # Ctrl-C at the prompt clears the line; the session goes on, with a new prompt
+        term.wait_for_prompts(shown + 1)
         term.type("/help\r")
         term.wait_for("/save FILE")
         term.type("\x04")  # Ctrl-D leaves
