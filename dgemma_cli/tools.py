@@ -139,6 +139,9 @@ def render_tool_chat(messages: list[dict], tools: list[dict] | None, *, bos: str
 # ----------------------------------------------------------------------------------------------- reading calls
 
 
+_PYTHON_LITERALS = {"None": None, "True": True, "False": False}
+
+
 class _Reader:
     """Gemma 4's value notation -> Python values (strings between <|"|> marks or JSON double quotes)."""
 
@@ -207,11 +210,13 @@ class _Reader:
                     self.i += 1
                     return out_list
                 raise ValueError(f"',' or ']' at {self.i}")
-        m = re.compile(r"true|false|null|-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?").match(s, i)
+        m = re.compile(r"true|false|null|None|True|False|-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?").match(s, i)
         if not m:
             raise ValueError(f"a value at {i}")
         self.i = m.end()
-        return json.loads(m.group(0))
+        # None, True, False: how the published chat template writes a null or a boolean argument (jinja prints a
+        # Python value), so a model that learned from it may write them back
+        return _PYTHON_LITERALS.get(m.group(0)) if m.group(0) in _PYTHON_LITERALS else json.loads(m.group(0))
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict]]:

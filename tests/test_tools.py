@@ -36,6 +36,15 @@ def test_calls_read_back_what_gemma_notation_writes(args):
     assert content == "Sure." and calls == [{"name": "f", "arguments": args}]
 
 
+def test_python_literals_the_published_template_writes_read_back():
+    """jinja prints a None or boolean argument as Python does (None, True, False); a model that learned the
+    notation from it writes them back: they are null and booleans, not a broken call."""
+    _, calls = parse_tool_calls("<|tool_call>call:f{a:None,b:True,c:[False,null]}<tool_call|>")
+    assert calls == [{"name": "f", "arguments": {"a": None, "b": True, "c": [False, None]}}]
+    _, calls = parse_tool_calls("<|tool_call>call:f{a:Nonesuch}<tool_call|>")  # not a literal: no call
+    assert calls == []
+
+
 def test_parallel_calls_json_strings_and_broken_blocks():
     _, calls = parse_tool_calls('<|tool_call>call:a{x:1}call:b{y:"two"}<tool_call|><|tool_call>call:c{}<tool_call|>')
     assert [(c["name"], c["arguments"]) for c in calls] == [("a", {"x": 1}), ("b", {"y": "two"}), ("c", {})]
