@@ -277,6 +277,55 @@ def test_structured_rows_through_the_fused_head(fused_head_on):
     assert not fused and torch_path["greedy"] == got["greedy"]
 
 
+def test_logprobs_through_the_fused_head_are_the_torch_paths(fused_head_on):
+    """A row that asks for log-probabilities through the fused head (whose buffers hold none) gets them from its
+    step's hidden states: greedily, the same tokens with the same values and the same alternatives as the torch
+    path's loop (within bfloat16's rounding of the logits, which the torch path rounds and the head does not)."""
+    import dataclasses
+    import math
+    import threading
+
+    import dgemma_cli.batching as batching
+    from dgemma_cli.batching import BatchLoop, Job, RowCanvas, RowDone
+    from dgemma_cli.engine import load
+
+    engine = load("demo", device=DEVICE, dtype="bfloat16")
+    greedy = dataclasses.replace(engine.settings, greedy=True)
+
+    def canvases() -> tuple[list[RowCanvas], bool]:
+        loop = BatchLoop(engine.model, max_batch=2, max_queue=4)
+        got, done = [], threading.Event()
+
+        def deliver(ev):
+            if isinstance(ev, RowCanvas):
+                got.append(ev)
+            elif isinstance(ev, RowDone):
+                done.set()
+
+        try:
+            ids = engine.prompt_ids("upper: hello diffusions")
+            loop.submit(Job(ids, greedy, 0, engine.check_context(len(ids), greedy), logprobs=3), deliver)
+            assert done.wait(300)
+        finally:
+            fused = loop.buf.fused is not None
+            loop.close()
+        return got, fused
+
+    head, fused = canvases()
+    assert fused and head and all(c.logprobs is not None for c in head)
+    batching.use_fused_head = lambda device, dtype: False  # restored by the fixture's monkeypatch
+    torch_path, fused = canvases()
+    assert not fused
+    assert [c.tokens for c in head] == [c.tokens for c in torch_path]
+    for a, b in zip(head, torch_path):
+        assert len(a.logprobs) == len(b.logprobs) == len(a.tokens)
+        for (va, top_a), (vb, top_b), token in zip(a.logprobs, b.logprobs, a.tokens):
+            assert math.isclose(va, vb, abs_tol=0.05), (token, va, vb)
+            assert len(top_a) == len(top_b) == 3 and top_a[0][0] == top_b[0][0] == token  # greedy: the argmax
+            assert all(math.isclose(x, y, abs_tol=0.05) for (_, x), (_, y) in zip(top_a, top_b)), (top_a, top_b)
+            assert va <= 0 and all(x >= y for (_, x), (_, y) in zip(top_a, top_a[1:]))
+
+
 
 @pytest.mark.parametrize("own_generators", [False, True])
 def test_the_prepared_steps_draws_follow_the_distribution(own_generators):
