@@ -12,7 +12,6 @@ editors send long lists.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hashlib
 import json
@@ -343,19 +342,10 @@ async def respond(api, server, openai_body: dict, kind: str, shape: str, stream:
 
         # A client that leaves stops its row (cancelling `collect` closes _answer, which cancels the ticket), as on
         # /v1: else every request sent and dropped would run to its num_predict.
-        work = asyncio.ensure_future(collect())
-        gone = asyncio.ensure_future(api.wait_disconnect(request)) if request is not None else None
-        try:
-            await asyncio.wait({work} | ({gone} if gone else set()), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if gone is not None:
-                gone.cancel()
-            if not work.done():
-                work.cancel()
-        if not work.done() or work.cancelled():
-            await asyncio.wait({work})  # its row cancelled (the generator's finally) before the handler ends
+        finished, result = await api.unless_gone(request, collect())
+        if not finished:
             return Response(status_code=499)  # nobody is listening
-        answer, thought, final = work.result()
+        answer, thought, final = result
         return JSONResponse(last(*final, answer, thought))
 
     async def lines() -> AsyncIterator[bytes]:

@@ -36,11 +36,7 @@ def _new_id(prefix: str) -> str:
 
 def chat_request(api, body: dict) -> dict:
     """A Responses request -> the chat completions body (the `api` module's ApiError for what cannot be)."""
-    err = api.ApiError
-
-    def refuse(key: str, why: str):
-        return err(400, f"'{key}' is not supported: {why}", param=key, code="unsupported_parameter")
-
+    err, refuse = api.ApiError, api.refuse
     if body.get("previous_response_id") is not None:
         raise refuse("previous_response_id", "this server keeps no responses; send the whole conversation in "
                      "'input' (earlier output items included)")
@@ -316,6 +312,15 @@ async def events(answer: Answer, chunks: AsyncIterator[dict]) -> AsyncIterator[s
                     text=text)
         yield event("response.output_item.done", output_index=index, item=done)
 
+    def open_message():
+        nonlocal message
+        item = message_item("", None, "in_progress")
+        answer.output.append(item)
+        message = [item, len(answer.output) - 1, "", []]
+        yield event("response.output_item.added", output_index=message[1], item=item)
+        yield event("response.content_part.added", item_id=item["id"], output_index=message[1], content_index=0,
+                    part=output_text("", None))
+
     def close_message():
         nonlocal message
         item, index, text, logprobs = message
@@ -361,12 +366,8 @@ async def events(answer: Answer, chunks: AsyncIterator[dict]) -> AsyncIterator[s
                 for e in close_thought():
                     yield e
             if message is None:
-                item = message_item("", None, "in_progress")
-                answer.output.append(item)
-                message = [item, len(answer.output) - 1, "", []]
-                yield event("response.output_item.added", output_index=message[1], item=item)
-                yield event("response.content_part.added", item_id=item["id"], output_index=message[1],
-                            content_index=0, part=output_text("", None))
+                for e in open_message():
+                    yield e
             message[2] += delta.get("content") or ""
             message[3] += logprobs
             yield event("response.output_text.delta", item_id=message[0]["id"], output_index=message[1],
@@ -390,12 +391,8 @@ async def events(answer: Answer, chunks: AsyncIterator[dict]) -> AsyncIterator[s
         for e in close_thought():
             yield e
     if message is None and not any(o["type"] == "function_call" for o in answer.output):
-        item = message_item("", None, "in_progress")  # an empty answer is still a message, as a whole one is
-        answer.output.append(item)
-        message = [item, len(answer.output) - 1, "", []]
-        yield event("response.output_item.added", output_index=message[1], item=item)
-        yield event("response.content_part.added", item_id=item["id"], output_index=message[1], content_index=0,
-                    part=output_text("", None))
+        for e in open_message():  # an empty answer is still a message, as a whole one is
+            yield e
     if message is not None:
         for e in close_message():
             yield e

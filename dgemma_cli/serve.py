@@ -28,7 +28,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -817,18 +817,13 @@ async def whole(server: Server, request: Request, prep: Prepared) -> dict | None
             elif isinstance(ev, RowDone):
                 return ev, ev.token_ids
 
-    work = asyncio.ensure_future(collect())
-    gone = asyncio.ensure_future(wait_disconnect(request))
     try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finished, result = await unless_gone(request, collect())
     finally:
         ticket.cancel()  # no-op for a finished row; frees the slot of a client that left
-        gone.cancel()
-        if not work.done():
-            work.cancel()
-    if not work.done():
+    if not finished:
         return None
-    done, ids = work.result()
+    done, ids = result
     if done is not None:
         server.finished(done.seconds)
     if not text.stopped:
@@ -856,6 +851,24 @@ async def whole(server: Server, request: Request, prep: Prepared) -> dict | None
     body["usage"] = usage(prep, completion, done)
     body["dgemma"] = extra
     return body
+
+
+async def unless_gone(request: Request | None, work: Awaitable) -> tuple[bool, Any]:
+    """Await `work` unless the client leaves first: (True, its result), or (False, None) once it is cancelled and its
+    cleanup has run (a row's ticket cancelled in its finally). request None: nobody to watch."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(wait_disconnect(request)) if request is not None else None
+    try:
+        await asyncio.wait({task} | ({gone} if gone else set()), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if gone is not None:
+            gone.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        await asyncio.wait({task})
+        return False, None
+    return True, task.result()
 
 
 async def wait_disconnect(request: Request) -> None:

@@ -183,6 +183,12 @@ class Terminal:
     def type(self, keys: str) -> None:
         os.write(self.master, keys.encode())
 
+    def close(self) -> None:
+        """The session killed if it still runs (a failed test's), and the terminal closed."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        os.close(self.master)
+
 
 def terminal_env(tmp_path: Path) -> dict:
     """The environment of a dgemma command in Terminal: an 80 x 48 xterm, a home of its own, no $DGEMMA_MODEL."""
@@ -236,9 +242,7 @@ def test_chat_in_a_pseudo_terminal(tmp_path):
         history = (tmp_path / "dgemma" / "chat_history").read_text()
         assert "upper: hello diffusions" in history  # prompts persist across sessions
     finally:
-        if term.proc.poll() is None:
-            os.killpg(term.proc.pid, signal.SIGKILL)
-        os.close(term.master)
+        term.close()
 
 
 def test_save_writes_the_turns_the_context_dropped_too(tmp_path):
@@ -262,9 +266,7 @@ def test_save_writes_the_turns_the_context_dropped_too(tmp_path):
         term.type("\x04")
         assert term.proc.wait(timeout=60) == 0
     finally:
-        if term.proc.poll() is None:
-            os.killpg(term.proc.pid, signal.SIGKILL)
-        os.close(term.master)
+        term.close()
     transcript = target.read_text()
     assert transcript.count("## User") == 3, transcript
     assert all(f"\n{m}\n" in transcript for m in messages) and "HELLO DIFFUSIONS" in transcript, transcript
@@ -325,9 +327,7 @@ def test_keys_typed_before_a_cancelling_ctrl_c_wait_for_the_next_prompt(tmp_path
         assert re.findall(r"sent ('[^']*')", term.log.decode(errors="replace"))[:1] == ["'typed ahead and more'"], \
             term.log
     finally:
-        if term.proc.poll() is None:
-            os.killpg(term.proc.pid, signal.SIGKILL)
-        os.close(term.master)
+        term.close()
 
 
 @pytest.mark.slow
@@ -355,9 +355,7 @@ def test_keys_typed_during_an_answer_wait_for_the_next_prompt(tmp_path, kept):
         else:
             assert echoed and sent == [], term.log
     finally:
-        if term.proc.poll() is None:
-            os.killpg(term.proc.pid, signal.SIGKILL)
-        os.close(term.master)
+        term.close()
 
 
 def test_chat_refuses_a_pipe(capsys, monkeypatch):
@@ -424,9 +422,7 @@ def test_run_with_no_prompt_on_a_terminal_starts_a_chat(tmp_path):
         term.type("\x04")
         assert term.proc.wait(timeout=30) == 0
     finally:
-        if term.proc.poll() is None:
-            os.killpg(term.proc.pid, signal.SIGKILL)
-        os.close(term.master)
+        term.close()
 
 
 def test_set_holds_the_answers_to_a_structure(demo, tmp_path):
