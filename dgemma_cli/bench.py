@@ -107,7 +107,7 @@ def config_for(name: str) -> tuple[str, dict]:
 
     from .config import read_json_object
     from .errors import DgemmaError, ModelError
-    from .names import BUNDLED, resolve_model
+    from .checkpoint.names import BUNDLED, resolve_model
 
     if name in CONFIGS:
         return name, CONFIGS[name]
@@ -222,7 +222,7 @@ def floor_bytes(model, batch: int) -> int:
 def beside_floor_bytes(model, batch: int, context: int) -> dict[str, int]:
     """What a step moves besides the weights read once (reported beside the floor, not in it); `context`: the
     tokens in the cache before the canvas."""
-    from .footprint import kv_cache_bytes
+    from .checkpoint.footprint import kv_cache_bytes
 
     cfg, w = model.cfg, model.embed_tokens.weight
     rows = batch * cfg.canvas_length
@@ -374,7 +374,7 @@ def run_bench(config: str = "mid", fmt: str = "nvfp4", policy: str = "experts", 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     check_kernels(dev)
-    from .footprint import system_free, weight_bytes
+    from .checkpoint.footprint import system_free, weight_bytes
 
     if dev.type == "cpu":  # random weights are made in place: refuse what cannot fit instead of swapping to death
         need = sum(weight_bytes(cfg, fmt, policy).values()) * (dt.itemsize / 2)

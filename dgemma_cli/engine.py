@@ -19,15 +19,15 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .config import GenerationSettings, ModelConfig
-from .constrain import Structure
-from .structure_worker import DEFAULT_MEMORY, DEFAULT_SECONDS
+from .structured.constrain import Structure
+from .structured.worker import DEFAULT_MEMORY, DEFAULT_SECONDS
 from .device import SMALL_STEP, fit_cpu_threads, resolve_device, resolve_dtype
 from .errors import ModelError, UsageError
 from .model import DiffusionGemma, KVCache
-from .names import DEMO_MODEL, resolve_model  # noqa: F401 (engine.DEMO_MODEL is part of the API)
+from .checkpoint.names import DEMO_MODEL, resolve_model  # noqa: F401 (engine.DEMO_MODEL is part of the API)
 from .sampler import Done, Event, SamplerBuffers, generate_events
 from .tokenizer import Control, Tokenizer
-from .weights import load_model
+from .checkpoint.weights import load_model
 
 def check_kernels(device: torch.device) -> None:
     """DGEMMA_KERNELS (and DGEMMA_SAMPLER) must name an implementation that can run on `device` (one line if not)."""
@@ -179,7 +179,7 @@ class Engine:
         self.path = path
         self._vision = None  # the vision tower, read from the checkpoint at the first image
         self._vision_lock = threading.Lock()  # the server's request threads may ask for it at once: read it once
-        self._compiler = None  # structure_worker.StructureCompiler, started at the first structure
+        self._compiler = None  # structured.worker.StructureCompiler, started at the first structure
         self._compiler_lock = threading.Lock()
         self._compiler_stopped = False  # close_compiler: a server shutting down
         self.compile_budget = (DEFAULT_SECONDS, DEFAULT_MEMORY)  # structure compiles: set_compile_budget
@@ -360,17 +360,17 @@ class Engine:
 
     def automaton(self, structure: Structure, cancelled=None):
         """`structure` compiled over this model's vocabulary (constrain.TokenAutomaton or LarkGrammar), in the
-        compile worker within its budget (structure_worker.py; cached by the structure's text). cancelled: a
-        callable the wait polls (True: stop, structure_worker.Cancelled)."""
+        compile worker within its budget (structured/worker.py; cached by the structure's text). cancelled: a
+        callable the wait polls (True: stop, structured.worker.Cancelled)."""
         if self.tokenizer is None:
             raise ModelError(f"{self.path}: no tokenizer.json, so an answer's structure cannot be compiled")
         with self._compiler_lock:
             if self._compiler_stopped:
-                from .structure_worker import Stopped
+                from .structured.worker import Stopped
 
                 raise Stopped("the structure's compile was stopped: shutting down")
             if self._compiler is None:
-                from .structure_worker import StructureCompiler
+                from .structured.worker import StructureCompiler
 
                 self._compiler = StructureCompiler(self.tokenizer, self.config.text.vocab_size, *self.compile_budget)
             compiler = self._compiler
@@ -378,7 +378,7 @@ class Engine:
 
     def set_compile_budget(self, seconds: float | None = None, memory: int | None = None) -> None:
         """The structure compile's time (seconds) and the compile worker's memory (bytes) budget; None: the
-        default (structure_worker.DEFAULT_SECONDS, DEFAULT_MEMORY)."""
+        default (structured.worker.DEFAULT_SECONDS, DEFAULT_MEMORY)."""
         self.compile_budget = (DEFAULT_SECONDS if seconds is None else seconds,
                                DEFAULT_MEMORY if memory is None else memory)
         if self._compiler is not None:
@@ -479,10 +479,10 @@ def _in_inference_mode(events: Iterator[Event], denoiser: ModelDenoiser | None =
 
 def load(model: str | Path, device: str = "auto", dtype: str = "auto", adapters=(), adapter_slots=None) -> Engine:
     """Load a checkpoint directory (Hugging Face layout), or 'demo', with its tokenizer and generation defaults.
-    adapters: (directory, scale) pairs of PEFT LoRA adapters, attached unmerged (dgemma_cli/lora.py); each is read
+    adapters: (directory, scale) pairs of PEFT LoRA adapters, attached unmerged (dgemma_cli/tuner/lora.py); each is read
     and checked before the model's weights are. adapter_slots: each adapter's slot when rows choose theirs (the
     server); None: all apply together."""
-    from .lora import attach, read_adapter
+    from .tuner.lora import attach, read_adapter
 
     read = [(read_adapter(d), float(s)) for d, s in adapters]
     path = resolve_model(model)

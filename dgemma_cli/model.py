@@ -356,7 +356,8 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 row: int | None = None) -> torch.Tensor:
         """x [N, H], top_k_index / top_k_weights [N, K] -> [N, H]. x holds the batch's rows' tokens, or row `row`'s
-        alone (Layer.feed_forward's experts_per_row): which adapter each token takes when rows choose (lora.py)."""
+        alone (Layer.feed_forward's experts_per_row): which adapter each token takes when rows choose
+        (tuner/lora.py)."""
         N, K = top_k_index.shape
         flat = top_k_index.reshape(-1)  # [N*K], entry t*K + k
         # Group by expert with the reference's own sort call: BLAS results depend on where a row sits in its block,
@@ -369,7 +370,7 @@ class Experts(nn.Module):
         if lr is not None:
             token_slots = lr.slots(N, row)  # [N] each token's adapter, or None (all apply)
             if lr.folds(x) and (token_slots is None or bool((token_slots == token_slots[0]).all())):
-                # one adapter (or all) for the whole call: its deltas folded into this call's weights (lora.py)
+                # one adapter (or all) for the whole call: its deltas folded into this call's weights (tuner/lora.py)
                 one = None if token_slots is None else int(token_slots[0])
                 gate_up, down, lr = lr.fold("gate_up", gate_up, one), lr.fold("down", down, one), None
             elif token_slots is not None:
@@ -456,7 +457,7 @@ class Layer(nn.Module):
     def feed_forward(self, x: torch.Tensor, layer_scalar: torch.Tensor, experts_per_row: bool = False
                      ) -> torch.Tensor:
         """x is the post-attention residual [B, T, H]. experts_per_row: the routed experts run on each row's T
-        tokens apart (the server's exactness on the CPU: dgemma_cli/batching.py), not on all B x T at once."""
+        tokens apart (the server's exactness on the CPU: dgemma_cli/server/batching.py), not on all B x T at once."""
         # the experts' input straight in the order their NVFP4 kernels read, where they run (no copy in between)
         takes = getattr(self.experts, "takes_pair_order", None)
         ordered = bool(takes is not None and not x.requires_grad and takes(x))
@@ -562,14 +563,14 @@ class DenoiseContext:
 
 class Phase:
     """Which of the model's two passes is running: the causal encoder (`encode`) or the decoder (`denoise`); and,
-    when rows of a batch choose their adapter (the server), each row's adapter slot (lora.py)."""
+    when rows of a batch choose their adapter (the server), each row's adapter slot (tuner/lora.py)."""
 
     encoding = False
     row_slots: torch.Tensor | None = None  # [B] int64, 0: the base alone; None: every attached adapter
 
     @property
     def side(self) -> str:
-        """"encoder" or "decoder": the pass running, as adapters (lora.py) and token rows name it."""
+        """"encoder" or "decoder": the pass running, as adapters (tuner/lora.py) and token rows name it."""
         return "encoder" if self.encoding else "decoder"
 
 
@@ -594,7 +595,8 @@ class DiffusionGemma(nn.Module):
         # layer_scalar is stored once per mode in the checkpoint: [L] each.
         self.encoder_layer_scalar = nn.Parameter(torch.ones(t.num_hidden_layers))
         self.decoder_layer_scalar = nn.Parameter(torch.ones(t.num_hidden_layers))
-        self.phase = Phase()  # which pass runs: adapters (lora.py) hold a delta per pass, as the reference's two trees
+        # which pass runs: adapters (tuner/lora.py) hold a delta per pass, as the reference's two trees
+        self.phase = Phase()
         self.token_rows: dict = {}  # "encoder"/"decoder" -> embedding rows an adapter replaces (lora.TokenRows)
         self.adapters: list = []  # (name, scale) of the adapters attached (lora.attach)
         self.checkpointing = False  # recompute each feed-forward stage in the backward pass (`_feed_forward`)

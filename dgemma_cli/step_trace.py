@@ -285,7 +285,7 @@ def trace_step(batch: int = 1, prompt: int = 256, target: int = 90, fmt: str = "
     model.eval()
     adapter_tensors = []
     if adapter is not None:  # a LoRA adapter (lora.new_adapter's shapes) on the meta model, unmerged as dgemma runs it
-        from .lora import attach, new_adapter, trainable
+        from .tuner.lora import attach, new_adapter, trainable
 
         ad = new_adapter(model, **adapter)
         attach(model, [(ad, 1.0)])

@@ -288,7 +288,7 @@ def check_call_parameters(name: str, params: Any) -> dict:
     a reference nested in itself at most structure.REF_DEPTH times, as for response_format; branches no value can
     take pruned). UsageError, naming the tool and the place, for parameters a call could not be written to or held
     to: not an object schema, a key the call notation cannot write, a keyword the call grammar would ignore."""
-    from .structure import prepare_schema
+    from .structured.structure import prepare_schema
 
     if not isinstance(params, dict) or params.get("type", "object") != "object":
         raise UsageError(f"tool '{name}': its parameters must be an object schema ({{'type': 'object', "
@@ -339,7 +339,7 @@ def check_call_parameters(name: str, params: Any) -> dict:
 @functools.lru_cache(maxsize=256)
 def _integer(lo: int, hi: int) -> tuple[str, int]:
     """(the expression of the integers lo..hi, the product of its counted repetitions)."""
-    from .structure import integer_regex, repeat_product
+    from .structured.structure import integer_regex, repeat_product
 
     regex = integer_regex(lo, hi)
     return regex, repeat_product(regex)
@@ -460,7 +460,7 @@ def call_grammar(functions: list[dict], call_start: int, call_end: int, quote: i
     by their maxLength and arrays by their maxItems but never past the most that lets every call finish (at most
     STRING_CAP characters, ITEMS_CAP items), and calls in a row (`most`) only while each keeps strings of ROOM
     characters. A required call that cannot fit at all (max_tokens below its skeleton) runs to "length"."""
-    from .structure import MAX_REPEAT
+    from .structured.structure import MAX_REPEAT
 
     schemas = [(fn["name"], check_call_parameters(fn["name"], fn["parameters"])) for fn in functions]
     q = f"<[{quote}]>" if quote is not None else json.dumps(QUOTE)

@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from .config import VisionConfig
 from .errors import ModelError
 from .model import MLP, RMSNorm, apply_rope, attend
-from .names import VISION_EMBED, VISION_ROOTS, VISION_TOWER
+from .checkpoint.names import VISION_EMBED, VISION_ROOTS, VISION_TOWER
 
 # Where a checkpoint keeps the tower and its projection (DiffusionGemma first, then the Gemma 4 layout).
-VISION_PREFIXES = VISION_ROOTS  # where the tower may sit, preferred first (names.py)
+VISION_PREFIXES = VISION_ROOTS  # where the tower may sit, preferred first (checkpoint/names.py)
 TOWER, EMBED = VISION_TOWER, VISION_EMBED
 
 
@@ -174,8 +174,8 @@ def checkpoint_name(param: str, prefix: str) -> str:
 def vision_records(directory: Path) -> tuple[dict, str]:
     """The vision tensors' records ({name: TensorRecord}) and their prefix (layout.vision_records, with torch
     dtypes); ModelError when the checkpoint's vision tower is missing or not downloaded."""
-    from .layout import vision_records as records_of
-    from .weights import read_header
+    from .checkpoint.layout import vision_records as records_of
+    from .checkpoint.weights import read_header
 
     return records_of(directory, read=read_header)
 
@@ -183,7 +183,7 @@ def vision_records(directory: Path) -> tuple[dict, str]:
 def load_vision(directory: Path, cfg: VisionConfig, text_hidden: int, device="cpu",
                 dtype: torch.dtype = torch.float32) -> VisionTower:
     """Build the tower on the meta device, check every tensor against the config, read it in `dtype` on `device`."""
-    from .weights import checked_record, read_converted
+    from .checkpoint.weights import checked_record, read_converted
 
     records, prefix = vision_records(directory)
     with torch.device("meta"):

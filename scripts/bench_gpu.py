@@ -4,7 +4,7 @@
 
 Runs under the machine's own python3 (torch with CUDA, triton, transformers; written for Python 3.12, torch 2.11,
 triton 3.6, transformers 5.17, huggingface_hub 1.33 and later): nothing is installed, and nothing on its path imports
-the Hub client (dgemma_cli/hub.py needs huggingface_hub 2). In order, each part printed as soon as it is done and
+the Hub client (dgemma_cli/store/hub.py needs huggingface_hub 2). In order, each part printed as soon as it is done and
 appended to DIR/bench-gpu.json (DIR: $OUT, else the current folder):
 1. the kernel tests compiled for the GPU (pytest tests/test_kernels.py and tests/test_fused_head.py: NVFP4, INT8,
    fused MoE, the fused head

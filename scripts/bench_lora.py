@@ -34,7 +34,7 @@ def cpu_rows(reps: int = 7) -> list[dict]:
     from train_sudoku import prompt_text
 
     from dgemma_cli.engine import load
-    from dgemma_cli.names import resolve_adapter
+    from dgemma_cli.checkpoint.names import resolve_adapter
 
     prompts = [prompt_text(p) for p, _ in held_out(32)]
     models = {"demo alone": load("demo", device="cpu", dtype="float32"),

@@ -100,7 +100,7 @@ def run(model: str, max_batch: int, requests: list[dict], clients: int, device: 
 
 
 def in_process(model: str, device: str, requests: list[dict], batches: list[int]) -> None:
-    from dgemma_cli.batching import BatchLoop, Job, RowDone
+    from dgemma_cli.server.batching import BatchLoop, Job, RowDone
     from dgemma_cli.engine import load
 
     engine = load(model, device=device)

@@ -1,7 +1,7 @@
 """What compiling a structure costs at the real model's vocabulary size (BENCHMARKS.md, "Structure compiles").
 
 Realistic JSON Schemas (an OpenAI function-calling schema, a nested pydantic model, 50-property forms) compiled by
-`dgemma_cli.structure_worker.StructureCompiler`, exactly as `dgemma serve` and `dgemma run` compile a client's
+`dgemma_cli.structured.worker.StructureCompiler`, exactly as `dgemma serve` and `dgemma run` compile a client's
 schema: the cheap checks in this process, the automaton in the worker process under its time and memory budget.
 The vocabulary is 262,144 tokens (scripts/bench_structured.py's synthetic byte vocabulary: printable ASCII strings of
 one to three characters). Per schema: cold (a fresh worker: its start and the vocabulary sent included), the worker's
@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_structured import SyntheticVocab  # noqa: E402
 
 from dgemma_cli.errors import UsageError  # noqa: E402
-from dgemma_cli.structure import Structure  # noqa: E402
-from dgemma_cli.structure_worker import StructureCompiler  # noqa: E402
+from dgemma_cli.structured.structure import Structure  # noqa: E402
+from dgemma_cli.structured.worker import StructureCompiler  # noqa: E402
 
 V = 262_144
 

@@ -4,7 +4,7 @@
 2. The search alone at the real model's sizes: a canvas of 256 positions over a vocabulary of 262,144 tokens (a
    synthetic byte vocabulary: every printable ASCII string of one to three characters, then four-character ones,
    as many as a real vocabulary has ids), for a JSON Schema and a grammar: compile time, and per step the argmax
-   and the sample search (dgemma_cli/constrain.py), from random log-probabilities.
+   and the sample search (dgemma_cli/structured/constrain.py), from random log-probabilities.
 3. The same search in the kernel report's terms (what a CUDA device would run; no GPU needed): every torch op the
    step launches, metered as the whole-step trace meters them (dgemma_cli.step_trace's meter: bytes each op reads
    and writes), each at its bytes at the GPU's peak bandwidth, summed; and the kernels launched and host round
@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dgemma_cli.constrain import Structure, compile_structure  # noqa: E402
+from dgemma_cli.structured.constrain import Structure, compile_structure  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                             "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -88,7 +88,7 @@ def search_ops(structure: Structure, tok, vocab: int, canvas: int = 256) -> dict
     kernels launched, bytes read and written, host round trips (a nonzero's size, an int() or bool())."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from dgemma_cli import constrain
+    from dgemma_cli.structured import constrain
     from dgemma_cli.step_trace import _Meter
 
     def unmetered(*args, host=constrain.host_path):  # the dynamic programme runs on the host: no kernels

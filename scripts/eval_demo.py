@@ -53,7 +53,7 @@ def eval_infill(model_dir, n: int, methods=("held",), seed: int = 0) -> dict:
     """Fill a random hole inside the answer line of `upper: <text>\n<TEXT>\n` with each `dgemma fim` method;
     a fill is correct when the filled file equals the original exactly. Returns {method: accuracy}."""
     from dgemma_cli.engine import load
-    from dgemma_cli.fim import DEFAULT_MARKER, Hole, fill_holes
+    from dgemma_cli.cli.fim import DEFAULT_MARKER, Hole, fill_holes
 
     engine = load(model_dir, device="cpu", dtype="float32")
     rng = random.Random(HELD_OUT_SEED + 1)

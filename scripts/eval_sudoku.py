@@ -213,7 +213,7 @@ def main() -> int:
         overrides = {"max_denoising_steps": G.max_denoising_steps, "t_max": G.t_max, "t_min": G.t_min,
                      "entropy_bound": args.entropy_bound or G.entropy_bound}
     puzzles = held_out(args.n) if args.puzzles == "held-out" else validation(args.n)
-    from dgemma_cli.names import resolve_adapter
+    from dgemma_cli.checkpoint.names import resolve_adapter
 
     if args.adapter and args.reference:
         ap.error("--adapter applies to dgemma only")

@@ -27,7 +27,7 @@ import checkpoints  # noqa: E402
 from make_ct_fixtures import FIXTURES as CT, SPEC, VISION  # noqa: E402
 
 from dgemma_cli.engine import load  # noqa: E402
-from dgemma_cli.quantize import quantize_checkpoint  # noqa: E402
+from dgemma_cli.store.quantize import quantize_checkpoint  # noqa: E402
 
 CASES = {"ct_fp8_dynamic": ("fp8", "llmcompressor FP8_DYNAMIC", CT["ct_fp8_dynamic"][2]),
          "ct_int8_dynamic": ("int8", "llmcompressor W8A8", CT["ct_int8_dynamic"][2]),

@@ -33,11 +33,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from dgemma_cli.bench import MID, random_model  # noqa: E402
-from dgemma_cli.chat import Conversation  # noqa: E402
+from dgemma_cli.conversation import Conversation  # noqa: E402
 from dgemma_cli.config import GenerationSettings, ModelConfig  # noqa: E402
 from dgemma_cli.engine import Engine  # noqa: E402
 from dgemma_cli.tokenizer import Tokenizer  # noqa: E402
-from dgemma_cli.view import DEFAULT_FPS as MAX_FPS  # noqa: E402
+from dgemma_cli.cli.view import DEFAULT_FPS as MAX_FPS  # noqa: E402
 from tokenizer_fixture import build_tokenizer_files  # noqa: E402
 
 WORDS = ("the model reads the prompt into a cache and then denoises a whole canvas at once step by step "
@@ -95,7 +95,7 @@ def main() -> int:
           + " ".join(f"{r[1]:.3f}" for r in runs))
     print(f"  speed-up:       {full / reuse:.2f}x")
 
-    from dgemma_cli.view import view_for
+    from dgemma_cli.cli.view import view_for
 
     prompt = tok.encode_chat([{"role": "user", "content": texts[0]}])
     one = settings.override(max_new_tokens=256, max_denoising_steps=16)

@@ -93,7 +93,7 @@ def child(directory: str, dtype_name: str) -> dict:
     """Load the checkpoint in this process and return the figures (see the module docstring)."""
     import torch
 
-    from dgemma_cli.weights import index_checkpoint, load_model
+    from dgemma_cli.checkpoint.weights import index_checkpoint, load_model
 
     dtype = None if dtype_name == "none" else getattr(torch, dtype_name)
     records = index_checkpoint(Path(directory))
@@ -173,7 +173,7 @@ def measure(directory: Path, dtype_name: str = "none", timeout: float = 1800) ->
 
 
 def checkpoint_dtype(directory: Path) -> str:
-    from dgemma_cli.weights import index_checkpoint, text_prefix
+    from dgemma_cli.checkpoint.weights import index_checkpoint, text_prefix
 
     records = index_checkpoint(directory)
     return str(records[text_prefix(records) + "embed_tokens.weight"].dtype).replace("torch.", "")

@@ -30,7 +30,7 @@ GB = 1_000_000_000
 CHILD = """
 import json, sys, time
 sys.path.insert(0, {root!r})
-from dgemma_cli.quantize import quantize_checkpoint
+from dgemma_cli.store.quantize import quantize_checkpoint
 def status():
     with open('/proc/self/status') as f:
         return {{l.split(':')[0]: int(l.split()[1]) * 1024 for l in f if l.startswith(('VmRSS', 'VmHWM'))}}
@@ -93,7 +93,7 @@ def main() -> int:
         index = json.loads((src / "model.safetensors.index.json").read_text())
         size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
         sys.path.insert(0, str(ROOT))
-        from dgemma_cli.weights import index_checkpoint
+        from dgemma_cli.checkpoint.weights import index_checkpoint
 
         largest = max(r.end - r.start for r in index_checkpoint(src).values())
         bound = 2 * GB + largest

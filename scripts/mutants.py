@@ -69,13 +69,13 @@ def mutation(name: str, file: str, old: str, new: str, *tests: str) -> Mutation:
     return Mutation(name, file, old, new, tests)
 
 
-GUARD, GUARD_T = "dgemma_cli/guard.py", "tests/test_guard.py"
+GUARD, GUARD_T = "dgemma_cli/server/guard.py", "tests/test_guard.py"
 FAULTS_T = "tests/test_serve_faults.py"
-OLLAMA, OLLAMA_T = "dgemma_cli/ollama_api.py", "tests/test_ollama.py"
+OLLAMA, OLLAMA_T = "dgemma_cli/server/ollama_api.py", "tests/test_ollama.py"
 CACHE_T = "tests/test_prefix_cache.py"
 ANSWER_T = "tests/test_answer_text.py"
 TOOLS_T = "tests/test_tools.py"
-TUNE, TUNE_T = "dgemma_cli/tune.py", "tests/test_tune.py"
+TUNE, TUNE_T = "dgemma_cli/tuner/tune.py", "tests/test_tune.py"
 STRUCT_T = "tests/test_structured.py"
 
 MUTATIONS: list[Mutation] = [
@@ -93,7 +93,7 @@ MUTATIONS: list[Mutation] = [
         "path != \"/api/generate\":",
         f"{GUARD_T}::test_every_route_refuses_a_foreign_host_and_answers_its_own"),
     mutation(
-        "guard/allow-host-ignored", "dgemma_cli/serve.py",
+        "guard/allow-host-ignored", "dgemma_cli/server/app.py",
         "app = build_app(server, allowed_hosts(host, allow_hosts), allow_origins)",
         "app = build_app(server, allowed_hosts(host), allow_origins)",
         f"{GUARD_T}::test_every_route_refuses_a_foreign_host_and_answers_its_own"),
@@ -114,22 +114,22 @@ MUTATIONS: list[Mutation] = [
         f"{GUARD_T}::test_ollama_routes_take_a_body_sent_without_jsons_type"),
     # ------------------------------------------------------------------ request bodies (body.py, serve.read_json)
     mutation(
-        "body/depth-checked-4-late", "dgemma_cli/body.py",
+        "body/depth-checked-4-late", "dgemma_cli/server/body.py",
         "            if depth > MAX_DEPTH:",
         "            if depth > MAX_DEPTH + 4:",
         f"{FAULTS_T}::test_nesting_is_refused_past_exactly_the_documented_depth"),
     mutation(
-        "body/max-depth-raised-by-4", "dgemma_cli/body.py",
+        "body/max-depth-raised-by-4", "dgemma_cli/server/body.py",
         "MAX_DEPTH = 64 ",
         "MAX_DEPTH = 68 ",
         f"{FAULTS_T}::test_nesting_is_refused_past_exactly_the_documented_depth"),
     mutation(
-        "body/limit-not-checked-while-reading", "dgemma_cli/serve.py",
+        "body/limit-not-checked-while-reading", "dgemma_cli/server/app.py",
         "            total += len(chunk)\n            if total > MAX_BODY:\n",
         "            total += len(chunk)\n            if False:\n",
         f"{FAULTS_T}::test_a_chunked_body_over_the_limit_is_refused_while_it_is_read"),
     mutation(
-        "body/parsed-in-the-server-process", "dgemma_cli/body.py",
+        "body/parsed-in-the-server-process", "dgemma_cli/server/body.py",
         'if data.count(b"{") + data.count(b"[") > MAX_BRACKETS_HERE:',
         'if False and data.count(b"{") + data.count(b"[") > MAX_BRACKETS_HERE:',
         f"{FAULTS_T}::test_a_body_of_many_objects_is_parsed_in_the_helper_not_the_server"),
@@ -172,17 +172,17 @@ MUTATIONS: list[Mutation] = [
         f"{FAULTS_T}::test_a_body_over_the_limit_on_ollamas_routes_is_refused_in_ollamas_shape"),
     # ------------------------------------------------------------------ the prompt cache (prefix_cache.py, batching.py)
     mutation(
-        "cache/pictures-stored", "dgemma_cli/batching.py",
+        "cache/pictures-stored", "dgemma_cli/server/batching.py",
         "shareable = prefixes is not None and job.image_features is None",
         "shareable = prefixes is not None",
         f"{CACHE_T}::test_prompts_with_pictures_are_neither_stored_nor_served"),
     mutation(
-        "cache/fifo-not-lru", "dgemma_cli/prefix_cache.py",
+        "cache/fifo-not-lru", "dgemma_cli/server/prefix_cache.py",
         "        if best is not None:\n            self.entries.move_to_end((space, best.ids))\n",
         "        if best is not None:\n            pass\n",
         f"{CACHE_T}::test_the_least_recently_used_entry_goes_first"),
     mutation(
-        "cache/exact-resend-missed", "dgemma_cli/prefix_cache.py",
+        "cache/exact-resend-missed", "dgemma_cli/server/prefix_cache.py",
         "if sp == space and len(ids) <= len(prompt)",
         "if sp == space and len(ids) < len(prompt)",
         f"{CACHE_T}::test_an_exact_resend_reuses_the_whole_prompt"),
@@ -253,17 +253,17 @@ MUTATIONS: list[Mutation] = [
         "tests/test_fused_head.py::test_the_prepared_steps_draws_follow_the_distribution[True]"),
     # ------------------------------------------------------------------ held answers (constrain.py, structure.py)
     mutation(
-        "constrain/search-past-max-new-tokens", "dgemma_cli/constrain.py",
+        "constrain/search-past-max-new-tokens", "dgemma_cli/structured/constrain.py",
         "        room = _room(self.limit, self.produced, C)\n",
         "        room = _room(self.limit + 1, self.produced, C)\n",
         f"{STRUCT_T}::test_the_search_puts_nothing_past_max_new_tokens"),
     mutation(
-        "constrain/repeat-over-max-accepted", "dgemma_cli/structure.py",
+        "constrain/repeat-over-max-accepted", "dgemma_cli/structured/structure.py",
         "    count = repeat_product(regex)\n    if count > MAX_REPEAT:\n",
         "    count = repeat_product(regex)\n    if count > MAX_REPEAT + 1:\n",
         f"{STRUCT_T}::test_repetitions_up_to_max_repeat_are_taken_and_one_more_is_refused"),
     mutation(
-        "constrain/satisfied-always-false", "dgemma_cli/constrain.py",
+        "constrain/satisfied-always-false", "dgemma_cli/structured/constrain.py",
         "        return self.ok and (self.ended or bool(self.auto.final[self.state]))",
         "        return False",
         f"{STRUCT_T}::test_the_search_puts_nothing_past_max_new_tokens"),

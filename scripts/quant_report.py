@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from dgemma_cli.engine import DEMO_MODEL, load  # noqa: E402
-from dgemma_cli.quantize import quantize_checkpoint  # noqa: E402
-from dgemma_cli.weights import load_model  # noqa: E402
+from dgemma_cli.store.quantize import quantize_checkpoint  # noqa: E402
+from dgemma_cli.checkpoint.weights import load_model  # noqa: E402
 from quant import int8, nvfp4  # noqa: E402
 
 CASES = [("int8", "experts"), ("int8", "all"), ("nvfp4", "experts"), ("nvfp4", "all")]

@@ -3,7 +3,7 @@
     python scripts/real_sizes.py
 
 Weights (what dgemma holds; on disk the same plus safetensors headers and the small files), split by part, and the
-estimated GPU memory of a run at 2k, 8k and 32k tokens of context (dgemma_cli/footprint.py: weights, bf16 KV cache,
+estimated GPU memory of a run at 2k, 8k and 32k tokens of context (dgemma_cli/checkpoint/footprint.py: weights, bf16 KV cache,
 the sampler's canvas x vocab buffers, one layer's experts dequantized by the PyTorch path, 0.5 GB slack). These
 are computed, not measured. Decimal units: 1 GB = 1e9 bytes.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dgemma_cli.config import DIFFUSIONGEMMA_26B_A4B, ModelConfig  # noqa: E402
-from dgemma_cli.footprint import runtime_bytes, weight_bytes  # noqa: E402
+from dgemma_cli.checkpoint.footprint import runtime_bytes, weight_bytes  # noqa: E402
 
 cfg = ModelConfig.from_dict(DIFFUSIONGEMMA_26B_A4B)
 GB = 1e9

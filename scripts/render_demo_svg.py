@@ -26,7 +26,7 @@ def frames(model: str, prompt: str, seed: int, width: int):
 
     from dgemma_cli.engine import load
     from dgemma_cli.sampler import Done, Step
-    from dgemma_cli.view import Board, view_for
+    from dgemma_cli.cli.view import Board, view_for
 
     engine = load(model, device="cpu", dtype="float32")
     board = Board.from_hint(engine.view_hints.get("board"), engine.config.canvas_length)

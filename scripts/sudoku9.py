@@ -80,7 +80,7 @@ def data(out: Path, train: int, heldout: int, givens: int, seed: int) -> None:
 
 def evaluate(path: Path, adapter: str | None, steps: int, n: int, seed: int) -> dict:
     from dgemma_cli.engine import load
-    from dgemma_cli.names import resolve_adapter
+    from dgemma_cli.checkpoint.names import resolve_adapter
 
     items = [json.loads(line) for line in path.read_text().splitlines()][:n]
     engine = load("demo", device="cpu", dtype="float32", adapters=[resolve_adapter(adapter)] if adapter else [])

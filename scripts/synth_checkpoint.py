@@ -1,6 +1,6 @@
 """Write a synthetic DiffusionGemma checkpoint of a requested size, in the published layout, with little memory.
 
-The checkpoint is what `dgemma_cli.weights.load_model` reads: a `config.json` (model_type diffusion_gemma,
+The checkpoint is what `dgemma_cli.checkpoint.weights.load_model` reads: a `config.json` (model_type diffusion_gemma,
 a `text_config`), safetensors shards of about `shard_gb` each listed by `model.safetensors.index.json`, the text
 stack under `model.decoder.*`, experts as fused 3-D tensors (`experts.gate_up_proj [E, 2I, H]`,
 `experts.down_proj [E, H, I]`), layer scalars `[1]` under `model.decoder.layers.N.layer_scalar` and
@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from dgemma_cli.config import ModelConfig  # noqa: E402
-from dgemma_cli.weights import INDEX_FILE, checkpoint_name, expected_tensors  # noqa: E402
+from dgemma_cli.checkpoint.weights import INDEX_FILE, checkpoint_name, expected_tensors  # noqa: E402
 
 GB = 1_000_000_000
 PREFIX = "model.decoder."

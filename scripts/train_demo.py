@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from dgemma_cli.config import ModelConfig  # noqa: E402
 from dgemma_cli.model import DiffusionGemma  # noqa: E402
 from dgemma_cli.tokenizer import FALLBACK_CHAT_TEMPLATE  # noqa: E402
-from dgemma_cli.tune import learning_rate  # noqa: E402  (the demos' schedule, dgemma tune's too)
+from dgemma_cli.tuner.tune import learning_rate  # noqa: E402  (the demos' schedule, dgemma tune's too)
 
 CONTROL = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 4: "<mask>", 48: "<|tool_call>", 49: "<tool_call|>",
            50: "<|tool_response>", 98: "<|think|>", 100: "<|channel>", 101: "<channel|>", 105: "<|turn>",
@@ -208,7 +208,7 @@ def save(model: DiffusionGemma, config: dict, out: Path, generation_config: dict
     """Write the checkpoint in the published layout: text stack under model.decoder.*, encoder scalars apart."""
     from safetensors.torch import save_file
 
-    from dgemma_cli.weights import checkpoint_name, expected_tensors
+    from dgemma_cli.checkpoint.weights import checkpoint_name, expected_tensors
 
     out.mkdir(parents=True, exist_ok=True)
     params = dict(model.named_parameters())

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dgemma_cli.chat import Conversation
+from dgemma_cli.conversation import Conversation
 from dgemma_cli.engine import load
 from dgemma_cli.sampler import Done, Step
 
@@ -101,7 +101,7 @@ def test_cancel_retry_and_transcript(demo, tmp_path):
     assert conv.retry() == "upper: 940 c wzvu 505 h" and len(conv.turns) == 1
     md = conv.markdown()
     assert "## User\n\nupper: hello diffusions" in md and "HELLO DIFFUSIONS" in md
-    from dgemma_cli.chat import save_markdown
+    from dgemma_cli.cli.chat import save_markdown
 
     target = tmp_path / "chat.md"
     save_markdown(target, md)
@@ -288,7 +288,7 @@ def test_a_transcript_keeps_dropped_turns_until_reset(demo):
 
 TYPE_AHEAD_CHILD = """
 import sys, time
-from dgemma_cli.chat import TypeAheadKept, prompt_session
+from dgemma_cli.cli.chat import TypeAheadKept, prompt_session
 keep = sys.argv[1] != "cooked"
 print("generating", flush=True)
 try:
@@ -370,7 +370,7 @@ def test_chat_refuses_a_pipe(capsys, monkeypatch):
 
 
 def test_set_and_settings_commands(demo):
-    from dgemma_cli.chat import set_setting, settings_text
+    from dgemma_cli.cli.chat import set_setting, settings_text
     from dgemma_cli.errors import UsageError
 
     conv = Conversation(demo, 100000)
@@ -393,7 +393,7 @@ def test_a_dumb_terminal_gets_plain_progress_lines(demo, monkeypatch):
     """/view live where the terminal cannot move the cursor (TERM=dumb): a line per canvas, as `dgemma run`."""
     import io
 
-    from dgemma_cli.chat import answer_turn
+    from dgemma_cli.cli.chat import answer_turn
 
     class Tty(io.StringIO):
         def isatty(self):
@@ -430,7 +430,7 @@ def test_set_holds_the_answers_to_a_structure(demo, tmp_path):
     import json
     import re
 
-    from dgemma_cli.chat import set_structure, settings_text
+    from dgemma_cli.cli.chat import set_structure, settings_text
     from dgemma_cli.errors import UsageError
 
     conv = Conversation(demo, 4096)

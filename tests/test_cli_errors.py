@@ -472,7 +472,7 @@ def test_help_is_fast():
 
 
 def test_importing_the_cli_does_not_import_torch():
-    p = subprocess.run([sys.executable, "-c", "import sys, dgemma_cli.cli; print('torch' in sys.modules)"],
+    p = subprocess.run([sys.executable, "-c", "import sys, dgemma_cli.cli.commands; print('torch' in sys.modules)"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "False"

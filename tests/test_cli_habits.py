@@ -139,10 +139,10 @@ def test_show_and_info_of_a_quantized_checkpoint_say_the_same_as_before():
     """describe() reads headers without torch: its answer for quantized fixtures, the bundled models and a model
     with a vision tower is the one the loader's own readers give (weights.index_checkpoint, torch dtypes)."""
     from dgemma_cli.config import ModelConfig
-    from dgemma_cli.layout import DTYPE_SIZES
-    from dgemma_cli.names import BUNDLED
-    from dgemma_cli.store import _TORCH_DTYPE_NAMES, describe
-    from dgemma_cli.weights import _DTYPES, index_checkpoint, read_format, text_prefix
+    from dgemma_cli.checkpoint.layout import DTYPE_SIZES
+    from dgemma_cli.checkpoint.names import BUNDLED
+    from dgemma_cli.store.models import _TORCH_DTYPE_NAMES, describe
+    from dgemma_cli.checkpoint.weights import _DTYPES, index_checkpoint, read_format, text_prefix
 
     assert set(DTYPE_SIZES) == set(_DTYPES) == set(_TORCH_DTYPE_NAMES)
     assert all(DTYPE_SIZES[k] == _DTYPES[k].itemsize and _TORCH_DTYPE_NAMES[k] == str(_DTYPES[k])[6:] for k in _DTYPES)
@@ -163,7 +163,7 @@ def test_weight_bytes_counted_from_the_config_equal_the_built_models(config):
 
     from dgemma_cli.bench import config_for
     from dgemma_cli.config import ModelConfig
-    from dgemma_cli.footprint import DEFAULT_POLICY, packed_bytes, weight_bytes
+    from dgemma_cli.checkpoint.footprint import DEFAULT_POLICY, packed_bytes, weight_bytes
     from dgemma_cli.model import DiffusionGemma, Experts
 
     cfg = ModelConfig.from_dict(config_for(config)[1])

@@ -29,7 +29,7 @@ from cli_helpers import run_main
 from dgemma_cli.engine import Engine, load
 from dgemma_cli.errors import ModelError
 from dgemma_cli.model import QuantizedExperts
-from dgemma_cli.weights import load_model
+from dgemma_cli.checkpoint.weights import load_model
 from quant import w8a8
 from quant.modules import W8A8Linear
 
@@ -463,7 +463,7 @@ def test_tensors_of_another_dtype_are_refused(tmp_path):
 
 def test_the_format_module_is_the_only_place_that_knows_it():
     """The loader reaches the format through quant.formats: its label and layouts come from there."""
-    from dgemma_cli.weights import read_format, read_quant_format
+    from dgemma_cli.checkpoint.weights import read_format, read_quant_format
 
     for name, (kind, _) in CASES.items():
         config = json.loads((FIXTURES / name / "config.json").read_text())

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from cli_helpers import run_main
 
-from dgemma_cli.names import DEMO_SHAPES
+from dgemma_cli.checkpoint.names import DEMO_SHAPES
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))

@@ -18,9 +18,9 @@ import torch
 from cli_helpers import run_main
 from rich.console import Console
 
-from dgemma_cli.names import DEMO_SUDOKU
+from dgemma_cli.checkpoint.names import DEMO_SUDOKU
 from dgemma_cli.sampler import Step
-from dgemma_cli.view import NEW_STYLE, Board, CanvasView, view_for
+from dgemma_cli.cli.view import NEW_STYLE, Board, CanvasView, view_for
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -135,7 +135,7 @@ def test_a_hint_that_is_not_a_board_of_this_canvas_draws_text(hint):
 
 
 def test_view_delay_draws_every_step_and_pauses_after_each(engine, monkeypatch):
-    import dgemma_cli.view as view_mod
+    import dgemma_cli.cli.view as view_mod
 
     paused = []
     monkeypatch.setattr(view_mod.time, "sleep", lambda s: paused.append(s))
@@ -166,7 +166,7 @@ def test_view_delay_is_checked_before_the_model_loads(capsys, args, message):
 
 def test_run_with_view_delay_draws_the_board_live(capsys, monkeypatch):
     """On a terminal, `--view-delay` paces the live view, which draws the board; stdout gets the solved board."""
-    import dgemma_cli.view as view_mod
+    import dgemma_cli.cli.view as view_mod
 
     paused = []
     monkeypatch.setattr(view_mod.time, "sleep", lambda s: paused.append(s))
@@ -201,7 +201,7 @@ def test_make_demo_runs_the_sudoku_and_prints_a_solution():
 
 
 def test_the_board_draws_given_cells_apart_and_a_malformed_puzzle_is_said(capsys):
-    from dgemma_cli.view import GIVEN_STYLE, Board, CanvasView
+    from dgemma_cli.cli.view import GIVEN_STYLE, Board, CanvasView
 
     hint = json.loads((DEMO_SUDOKU / "dgemma_view.json").read_text())["board"]
     board = Board.from_hint(hint, 32)

@@ -12,7 +12,7 @@ import torch
 
 from cli_helpers import run_main
 from dgemma_cli.engine import load
-from dgemma_cli.weights import load_model
+from dgemma_cli.checkpoint.weights import load_model
 
 SHAPES = ["five_to_one", "alternating"]
 

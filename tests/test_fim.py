@@ -491,7 +491,7 @@ def test_in_place_second_hole_failing_writes_nothing(capsysbinary, tmp_path, mon
 def test_in_place_interrupted_while_writing(capsysbinary, tmp_path, monkeypatch, target):
     """Ctrl-C at the rename of the backup or of the file itself: the file keeps its bytes and mode and the
     temporary file is removed."""
-    import dgemma_cli.fim as fim_mod
+    import dgemma_cli.cli.fim as fim_mod
 
     # a hole the demo model fills (text before `upper:` makes it fill nothing, which is said on stderr)
     f, before = _setup_file(tmp_path, BLOCK + "\t\u00e9 \u65e5\u672c \U0001F389\r\nend \u00e9".encode())

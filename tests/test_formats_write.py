@@ -29,10 +29,10 @@ from safetensors.torch import load_file, save_file
 
 from checkpoints import checkpoint_tensors, first_step_logits, write_float_copy
 from cli_helpers import run_main
-from dgemma_cli import store
+from dgemma_cli.store import models as store
 from dgemma_cli.engine import Engine, load
-from dgemma_cli.quantize import quantize_checkpoint
-from dgemma_cli.weights import load_model
+from dgemma_cli.store.quantize import quantize_checkpoint
+from dgemma_cli.checkpoint.weights import load_model
 from quant import int8 as qint8
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -174,7 +174,7 @@ def test_dgemma_nvfp4_input_scales_follow_modelopts_rule(dgemma_nvfp4):
     """One activation scale per projection type per layer, shared by its experts (ModelOpt's fused-experts export),
     gate equal to up, positive, and amax / (6 * 448) of what the float model's experts read on the calibration set."""
     from dgemma_cli.model import Experts
-    from dgemma_cli.quantize import calibrate
+    from dgemma_cli.store.quantize import calibrate
 
     src, out = dgemma_nvfp4
     tensors = checkpoint_tensors(out)
@@ -414,7 +414,7 @@ def test_nvfp4_calibration_records_what_the_experts_read(dgemma_nvfp4, monkeypat
     run. A calibration that recorded a multiple of the activations, or missed a token, fails here."""
     import dgemma_cli.model as model_mod
     from dgemma_cli.model import gelu_tanh
-    from dgemma_cli.quantize import calibrate
+    from dgemma_cli.store.quantize import calibrate
 
     src, _ = dgemma_nvfp4
     seen: dict[int, list[torch.Tensor]] = {}

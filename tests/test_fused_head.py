@@ -86,7 +86,7 @@ def test_fused_head_draws_follow_the_distribution():
 @pytest.fixture
 def fused_head_on(monkeypatch):
     """The sampler takes the fused head wherever asked (here: the CPU, in the interpreter)."""
-    import dgemma_cli.batching as batching
+    import dgemma_cli.server.batching as batching
     import dgemma_cli.sampler as sampler
 
     monkeypatch.setattr(sampler, "use_fused_head", lambda device, dtype: True)
@@ -127,8 +127,8 @@ def test_the_servers_batch_loop_through_the_fused_head(fused_head_on, monkeypatc
     import dataclasses
     import threading
 
-    import dgemma_cli.batching as batching
-    from dgemma_cli.batching import BatchLoop, Job, RowDone
+    import dgemma_cli.server.batching as batching
+    from dgemma_cli.server.batching import BatchLoop, Job, RowDone
     from dgemma_cli.engine import load
 
     engine = load("demo", device=DEVICE, dtype="bfloat16")
@@ -161,7 +161,7 @@ def test_the_servers_batch_loop_through_the_fused_head(fused_head_on, monkeypatc
     alone = answers(words, 1, engine.settings)
     assert all(w.upper() in alone[w][0] for w in words), alone  # the demo's (bfloat16) answers
     together = answers(words, 2, engine.settings)
-    if DEVICE == "cpu":  # bit for bit per row on the CPU (batching.py); a GPU's matmuls may round rows otherwise
+    if DEVICE == "cpu":  # bit for bit per row on the CPU (server/batching.py); a GPU's matmuls may round rows otherwise
         assert together == alone
     else:
         assert all(w.upper() in together[w][0] for w in words), together
@@ -229,9 +229,9 @@ def test_structured_rows_through_the_fused_head(fused_head_on):
     greedily answers as the torch path's loop does; a free row beside it keeps the fused head's answer."""
     import threading
 
-    import dgemma_cli.batching as batching
-    from dgemma_cli.batching import BatchLoop, Job, RowDone
-    from dgemma_cli.constrain import Structure
+    import dgemma_cli.server.batching as batching
+    from dgemma_cli.server.batching import BatchLoop, Job, RowDone
+    from dgemma_cli.structured.constrain import Structure
     from dgemma_cli.engine import load
 
     engine = load("demo", device=DEVICE, dtype="bfloat16")
@@ -285,8 +285,8 @@ def test_logprobs_through_the_fused_head_are_the_torch_paths(fused_head_on):
     import math
     import threading
 
-    import dgemma_cli.batching as batching
-    from dgemma_cli.batching import BatchLoop, Job, RowCanvas, RowDone
+    import dgemma_cli.server.batching as batching
+    from dgemma_cli.server.batching import BatchLoop, Job, RowCanvas, RowDone
     from dgemma_cli.engine import load
 
     engine = load("demo", device=DEVICE, dtype="bfloat16")

@@ -1,5 +1,5 @@
-"""Who may talk to `dgemma serve` (dgemma_cli/guard.py), through real sockets to real server processes on the demo
-model: the Host check on every route, --allow-host, a server bound to every interface, web pages' Origin, the
+"""Who may talk to `dgemma serve` (dgemma_cli/server/guard.py), through real sockets to real server processes on the
+demo model: the Host check on every route, --allow-host, a server bound to every interface, web pages' Origin, the
 Content-Type rule (OpenAI's routes want JSON's type; Ollama's take any body as JSON, as Ollama and its clients do,
 and keep pages out by Origin and Host), and each refusal in its route's own error shape.
 """
@@ -16,7 +16,7 @@ import httpx
 import pytest
 from test_serve import ServerProcess
 
-from dgemma_cli.guard import allowed_hosts
+from dgemma_cli.server.guard import allowed_hosts
 
 APP = "http://app.example:5173"
 LAN_NAME = "dgemma.lan"

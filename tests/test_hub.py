@@ -1,4 +1,4 @@
-"""`dgemma pull`'s download side (dgemma_cli.hub) against a local fake Hub: what is fetched, resume, errors."""
+"""`dgemma pull`'s download side (dgemma_cli.store.hub) against a local fake Hub: what is fetched, resume, errors."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from fake_hub import (
     set_offline,
 )
 
-from dgemma_cli import hub as hub_mod
+from dgemma_cli.store import hub as hub_mod
 from dgemma_cli.errors import DgemmaError
-from dgemma_cli.hub import download
+from dgemma_cli.store.hub import download
 
 REPO = "acme/diffusion-gemma-tiny"
 TEXT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "processor_config.json",

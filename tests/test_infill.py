@@ -52,7 +52,7 @@ def test_a_hole_longer_than_a_canvas_continues_over_several_canvases(checkpoints
 
 
 def test_a_prefix_longer_than_the_context_keeps_its_end(checkpoints):
-    from dgemma_cli.fim import DEFAULT_MARKER, fill_holes, marker_holes
+    from dgemma_cli.cli.fim import DEFAULT_MARKER, fill_holes, marker_holes
 
     engine = load(checkpoints["short_context"], device="cpu", dtype="float32")  # 64 positions
     text = "word " * 200 + DEFAULT_MARKER + " tail text here and more\n"

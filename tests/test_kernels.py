@@ -344,7 +344,7 @@ def test_switch_semantics(monkeypatch):
 @pytest.mark.parametrize("fmt", ["nvfp4", "int8"])
 def test_triton_and_torch_give_the_same_tokens(checkpoints, tmp_path, monkeypatch, fmt):
     from dgemma_cli.engine import load
-    from dgemma_cli.quantize import quantize_checkpoint
+    from dgemma_cli.store.quantize import quantize_checkpoint
 
     out = tmp_path / fmt
     quantize_checkpoint(checkpoints["five_to_one"], out, fmt, "all")
@@ -384,7 +384,7 @@ def test_lora_linear_takes_the_fused_kernel_with_row_slots(monkeypatch):
     """lora.LoRALinear in 16-bit where the kernels run: one lora_kernel launch per adapter, the base's rows of the
     server's other adapters untouched, the same values as the torch ops (DGEMMA_KERNELS=torch) to bfloat16
     rounding."""
-    from dgemma_cli.lora import LoRALinear, LowRank
+    from dgemma_cli.tuner.lora import LoRALinear, LowRank
     from dgemma_cli.model import Phase
     import quant.kernels.lora as kernel
 
@@ -417,7 +417,7 @@ def test_adapted_experts_run_the_fused_kernels(fmt, dtype, monkeypatch):
     row (run): the fused kernels, with the terms in their epilogues, against the reference path (DGEMMA_KERNELS=torch:
     the dequantized experts and torch's grouped low-rank terms). No expert weight is dequantized on the fused path
     (compressed-tensors' INT8 experts: the weight-only INT8 kernels, which take the terms)."""
-    from dgemma_cli.lora import ExpertLowRank
+    from dgemma_cli.tuner.lora import ExpertLowRank
     from dgemma_cli.model import Phase, QuantizedExperts
     import quant.kernels.moe_gate_up as gate_up_kernel
 
@@ -467,7 +467,7 @@ def test_adapted_nvfp4_linears_take_the_terms_in_their_epilogue(monkeypatch):
     (no separate lora_add_ launch), the dense MLP's gate and up still one gated launch with both halves' terms before
     the activation; rows of the server's slots 0 (base alone), 1 and 2; the torch path's values (DGEMMA_KERNELS=torch)
     to bfloat16 rounding."""
-    from dgemma_cli.lora import LoRALinear, LowRank
+    from dgemma_cli.tuner.lora import LoRALinear, LowRank
     from dgemma_cli.model import MLP, Phase
     import quant.kernels.lora as lora_kernels
     import quant.kernels.nvfp4_linear as linear_kernel

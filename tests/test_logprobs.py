@@ -1,4 +1,4 @@
-"""`logprobs` / `top_logprobs` on `dgemma serve` (dgemma_cli/logprobs.py), through the official `openai` client.
+"""`logprobs` / `top_logprobs` on `dgemma serve` (dgemma_cli/server/logprobs.py), through the official `openai` client.
 
 A canvas keeps the argmax canvas of its last denoising step, so each answer token's log-probability is read from
 that step's distribution: log_softmax(logits / T) at the step's temperature. These tests compute it independently,
@@ -226,7 +226,7 @@ def test_tokens_follow_the_answers_own_decoding(engine):
     whitespace and a stop string are not in the content, so their tokens are not among the logprobs; handed out
     canvas by canvas (as a stream), every token of the content comes once, in order, and the pieces add up to it."""
     from dgemma_cli.answer import AnswerText
-    from dgemma_cli.logprobs import AnswerLogprobs
+    from dgemma_cli.server.logprobs import AnswerLogprobs
 
     tok = engine.tokenizer
     cases = [  # (generated text, chat, tools, stops, the content)
@@ -268,7 +268,7 @@ def test_invalid_bytes_keep_the_linear_way_and_the_prefix_way_decodes_each_prefi
     from tokenizer_fixture import build_tokenizer_files
 
     from dgemma_cli.answer import AnswerText
-    from dgemma_cli.logprobs import AnswerLogprobs
+    from dgemma_cli.server.logprobs import AnswerLogprobs
     from dgemma_cli.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(build_tokenizer_files(tmp_path / "tok", 512))

@@ -1,4 +1,4 @@
-"""LoRA adapters in PEFT's format (dgemma_cli/lora.py) against transformers + peft on tiny random checkpoints.
+"""LoRA adapters in PEFT's format (dgemma_cli/tuner/lora.py) against transformers + peft on tiny random checkpoints.
 
 Adapters are made by peft itself (get_peft_model on transformers' DiffusionGemma, random A and B, saved with
 save_pretrained); dgemma applies them unmerged and must give peft's tokens (generation) and logits."""
@@ -88,14 +88,14 @@ def test_adapter_logits_match_peft_per_pass_with_token_rows(checkpoints, tmp_pat
     tied head takes the encoder's). Rows are replaced, not added: such an adapter runs at scale 1 and alone."""
     from transformers.cache_utils import DynamicCache
 
-    from dgemma_cli.lora import attach, read_adapter
-    from dgemma_cli.weights import load_model
+    from dgemma_cli.tuner.lora import attach, read_adapter
+    from dgemma_cli.checkpoint.weights import load_model
 
     path = checkpoints["five_to_one"]
     m = make_adapter(path, tmp_path / "ad", seed=1, tokens=[5, 7, 300])
     ref = m.base_model.model
     model, cfg = load_model(path, dtype=torch.float32)
-    from dgemma_cli.lora import AdapterError
+    from dgemma_cli.tuner.lora import AdapterError
 
     for pair in ([(read_adapter(tmp_path / "ad"), 0.5)], [(read_adapter(tmp_path / "ad"), 1.0)] * 2):
         with pytest.raises(AdapterError, match="embedding rows"):
@@ -149,8 +149,8 @@ def test_adapter_bad_inputs_one_line(checkpoints, tmp_path, capsys):
 def test_rank_above_the_layer_is_refused(checkpoints, tmp_path):
     from safetensors.torch import save_file
 
-    from dgemma_cli.lora import AdapterError, attach, read_adapter
-    from dgemma_cli.weights import load_model
+    from dgemma_cli.tuner.lora import AdapterError, attach, read_adapter
+    from dgemma_cli.checkpoint.weights import load_model
 
     path = checkpoints["five_to_one"]
     model, cfg = load_model(path, dtype=torch.float32)
@@ -172,8 +172,8 @@ def test_rank_above_the_layer_is_refused(checkpoints, tmp_path):
 def test_unmerged_expert_terms_equal_the_fold(checkpoints, tmp_path, monkeypatch):
     """Off the CPU the experts' deltas run as grouped low-rank matmuls beside the base's (never folded): the same
     logits as the fold, to float32 rounding."""
-    from dgemma_cli.lora import ExpertLowRank, attach, read_adapter
-    from dgemma_cli.weights import load_model
+    from dgemma_cli.tuner.lora import ExpertLowRank, attach, read_adapter
+    from dgemma_cli.checkpoint.weights import load_model
 
     path = checkpoints["five_to_one"]
     make_adapter(path, tmp_path / "ad", seed=2, target_modules=[])
@@ -195,8 +195,8 @@ def test_a_dgemma_adapter_loads_in_peft_with_the_same_tokens(checkpoints, tmp_pa
     from peft import PeftModel
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    from dgemma_cli.lora import new_adapter, save_adapter
-    from dgemma_cli.weights import load_model
+    from dgemma_cli.tuner.lora import new_adapter, save_adapter
+    from dgemma_cli.checkpoint.weights import load_model
 
     path = checkpoints["five_to_one"]
     model, cfg = load_model(path, dtype=torch.float32)
@@ -227,9 +227,9 @@ def test_a_dgemma_adapter_loads_in_peft_with_the_same_tokens(checkpoints, tmp_pa
 
 def demo_adapters(tmp_path, n=2):
     """n adapters for the bundled demo model with random B (so each changes the answers), saved as peft does."""
-    from dgemma_cli.lora import new_adapter, save_adapter
-    from dgemma_cli.weights import load_model
-    from dgemma_cli.names import DEMO_MODEL
+    from dgemma_cli.tuner.lora import new_adapter, save_adapter
+    from dgemma_cli.checkpoint.weights import load_model
+    from dgemma_cli.checkpoint.names import DEMO_MODEL
 
     model, _ = load_model(DEMO_MODEL, dtype=torch.float32)
     dirs = []
@@ -247,9 +247,9 @@ def demo_adapters(tmp_path, n=2):
 def test_rows_of_one_batch_choose_their_adapter(tmp_path):
     """Rows with adapter slots 0 (base), 1 and 2 in one forward: each row's logits are bit for bit the logits of
     that row alone with only its adapter."""
-    from dgemma_cli.lora import attach, read_adapter
-    from dgemma_cli.names import DEMO_MODEL
-    from dgemma_cli.weights import load_model
+    from dgemma_cli.tuner.lora import attach, read_adapter
+    from dgemma_cli.checkpoint.names import DEMO_MODEL
+    from dgemma_cli.checkpoint.weights import load_model
 
     dirs = demo_adapters(tmp_path)
     both, cfg = load_model(DEMO_MODEL, dtype=torch.float32)
@@ -289,9 +289,9 @@ def test_rows_choose_their_adapter_on_the_router_too():
     a base row and an adapted row in one forward each get the logits they get alone."""
     from pathlib import Path
 
-    from dgemma_cli.lora import Adapter, attach
-    from dgemma_cli.names import DEMO_MODEL
-    from dgemma_cli.weights import load_model
+    from dgemma_cli.tuner.lora import Adapter, attach
+    from dgemma_cli.checkpoint.names import DEMO_MODEL
+    from dgemma_cli.checkpoint.weights import load_model
 
     model, cfg = load_model(DEMO_MODEL, dtype=torch.float32)
     g = torch.Generator().manual_seed(5)
@@ -396,9 +396,9 @@ def test_quantized_experts_take_the_adapter_in_their_kernels(checkpoints, tmp_pa
     interpreter here) the experts run the fused kernels with the adapter's terms (one rank-product launch per
     adapted projection, the rest in their epilogues), no expert stack is dequantized, and the logits are the torch
     path's (which dequantizes and adds the terms with torch's ops) to float32 rounding."""
-    from dgemma_cli.lora import attach, read_adapter
-    from dgemma_cli.quantize import quantize_checkpoint
-    from dgemma_cli.weights import load_model
+    from dgemma_cli.tuner.lora import attach, read_adapter
+    from dgemma_cli.store.quantize import quantize_checkpoint
+    from dgemma_cli.checkpoint.weights import load_model
     import quant.kernels.moe_lora as moe_lora
     from quant.modules import NVFP4Stack
 

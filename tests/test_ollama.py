@@ -1,4 +1,4 @@
-"""Ollama's API on `dgemma serve` (dgemma_cli/ollama_api.py), driven through the official `ollama` Python client
+"""Ollama's API on `dgemma serve` (dgemma_cli/server/ollama_api.py), driven through the official `ollama` Python client
 against a real server process on the bundled demo model: every answer equals the same request run alone in this
 process (the batch changes nothing), streaming is Ollama's NDJSON, `format` holds answers to JSON or a schema; and
 what Ollama's API documents: `system`, `think` (and `thinking` back), `images`, `context`, long `stop` lists,
@@ -118,7 +118,7 @@ def test_ollama_messages_become_openai_ones():
     """Ollama's tool calls (arguments as an object) and tool results (named by tool_name) in OpenAI's shapes."""
     from types import SimpleNamespace
 
-    from dgemma_cli.ollama_api import _with_calls, chat_body
+    from dgemma_cli.server.ollama_api import _with_calls, chat_body
 
     body = chat_body(SimpleNamespace(model_id="demo", slot_of=lambda m: 0 if m == "demo" else None), {
         "model": "demo:latest", "tools": [{"type": "function", "function": {"name": "f"}}], "options": {"seed": 4},
@@ -262,7 +262,7 @@ def test_negative_num_predict_runs_to_the_end(client, server, engine):
 def test_stop_lists_as_long_as_editors_send_them(client, server):
     """Ollama has no cap on options.stop and editors send long lists: up to 64 strings (4096 characters together)
     here, where /v1 takes 8; past it a 400 in Ollama's shape."""
-    from dgemma_cli.ollama_api import MAX_STOP, MAX_STOP_CHARS
+    from dgemma_cli.server.ollama_api import MAX_STOP, MAX_STOP_CHARS
 
     assert MAX_STOP >= 64
     msgs = [{"role": "user", "content": PROMPT}]
@@ -369,7 +369,7 @@ class ScriptedLoop:
         return 0, 0
 
     def submit(self, job, deliver):
-        from dgemma_cli.batching import RowCanvas, RowDone, Ticket
+        from dgemma_cli.server.batching import RowCanvas, RowDone, Ticket
 
         self.jobs.append(job)
         deliver(RowCanvas(0, self.answer, 1))
@@ -387,7 +387,7 @@ def scripted_server(engine, answer: list[int]):
     import uvicorn
     from test_serve import wait_until
 
-    from dgemma_cli.serve import Server, build_app
+    from dgemma_cli.server.app import Server, build_app
 
     loop = ScriptedLoop(answer)
     sock = socket.socket()

@@ -1,4 +1,4 @@
-"""The server's prompt cache (dgemma_cli/prefix_cache.py): a prompt that begins with one already encoded reuses its
+"""The server's prompt cache (dgemma_cli/server/prefix_cache.py): a prompt that begins with one already encoded reuses its
 keys and values, exactly; the server reports the reused tokens as OpenAI does (usage.prompt_tokens_details)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from dgemma_cli.batching import BatchLoop, Job, RowDone
+from dgemma_cli.server.batching import BatchLoop, Job, RowDone
 from dgemma_cli.engine import load
-from dgemma_cli.prefix_cache import PrefixCache
+from dgemma_cli.server.prefix_cache import PrefixCache
 
 
 def _run(loop: BatchLoop, job: Job) -> RowDone:

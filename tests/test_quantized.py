@@ -16,8 +16,8 @@ from checkpoints import first_step_logits
 from cli_helpers import run_main
 from dgemma_cli.engine import Engine, load
 from dgemma_cli.model import QuantizedExperts
-from dgemma_cli.quantize import quantize_checkpoint
-from dgemma_cli.weights import load_model
+from dgemma_cli.store.quantize import quantize_checkpoint
+from dgemma_cli.checkpoint.weights import load_model
 from quant.convert import MANIFEST, verify
 
 CASES = [("nvfp4", "experts"), ("nvfp4", "all"), ("int8", "experts"), ("int8", "all")]

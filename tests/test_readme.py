@@ -198,7 +198,7 @@ def pull(command: Command, workspace) -> None:
     positional = [w for i, w in enumerate(words) if not w.startswith("-")
                   and not (i and words[i - 1] in options_with_values)]
     assert len(positional) <= 1, command.text
-    from dgemma_cli.store import DEFAULT_REPO
+    from dgemma_cli.store.models import DEFAULT_REPO
 
     repo = positional[0] if positional else DEFAULT_REPO
     hub = FakeHub().start()

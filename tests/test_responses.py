@@ -1,4 +1,4 @@
-"""OpenAI's Responses API on `dgemma serve` (dgemma_cli/responses_api.py), through the official `openai` client's
+"""OpenAI's Responses API on `dgemma serve` (dgemma_cli/server/responses_api.py), through the official `openai` client's
 `client.responses`: answers equal the chat path's for the same conversation and seed, streaming sends the API's
 event sequence, a function tool loop runs, and what the server cannot honour gets one 400."""
 
@@ -12,7 +12,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from dgemma_cli import responses_api  # noqa: E402
+from dgemma_cli.server import responses_api  # noqa: E402
 from dgemma_cli.engine import load  # noqa: E402
 from test_serve import ServerProcess  # noqa: E402
 

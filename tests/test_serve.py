@@ -24,7 +24,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from dgemma_cli.engine import load  # noqa: E402
-from dgemma_cli.serve import MAX_BODY  # noqa: E402
+from dgemma_cli.server.app import MAX_BODY  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ["hello diffusions", "abc def 12 ghijk", "the quick brown ", "lorem ipsum dolo", "zz top rocks 123",
@@ -430,7 +430,7 @@ def test_non_loopback_host_needs_an_api_key():
 
 
 def test_a_failing_request_fails_alone(engine):
-    from dgemma_cli.batching import BatchLoop, Job, RowDone, RowFailed
+    from dgemma_cli.server.batching import BatchLoop, Job, RowDone, RowFailed
 
     loop = BatchLoop(engine.model, max_batch=4, max_queue=4)
     try:
@@ -459,7 +459,7 @@ def test_a_failing_request_fails_alone(engine):
 def _run_jobs(loop, jobs: list) -> list:
     """Submit jobs to a BatchLoop at once (the loop admits them together); each job's last event (RowDone or
     RowFailed), in order."""
-    from dgemma_cli.batching import RowDone, RowFailed
+    from dgemma_cli.server.batching import RowDone, RowFailed
 
     ends: list = [None] * len(jobs)
     done = threading.Semaphore(0)
@@ -485,8 +485,8 @@ def test_a_row_whose_forward_raises_fails_alone_mid_batch(engine, monkeypatch, c
     fails with one line on stderr and an error that names no exception text, the others run on (two of them
     mid-canvas) and answer token for token what they answer alone. Then every batched forward raises: each row runs
     every step alone, the answers are still the alone ones, and that failure is said once."""
-    import dgemma_cli.batching as batching
-    from dgemma_cli.batching import BatchLoop, Job, RowDone, RowFailed
+    import dgemma_cli.server.batching as batching
+    from dgemma_cli.server.batching import BatchLoop, Job, RowDone, RowFailed
 
     prompts = [("sudoku: ..4./..../.2.1/3...", 0), ("upper: hello diffusions", 1),
                ("sudoku: 1.../..4./.3../...2", 666), ("sudoku: ..1./4.../...3/.2..", 2)]
@@ -557,7 +557,7 @@ def test_adapter_and_base_rows_mixed_at_any_step_answer_as_alone(adapter_server,
     each sent a little after the others: rows join while others are mid-canvas, so one forward holds rows of both
     models, some at their first step and some self-conditioned. Every answer is the one the request gets alone.
     At most 12 steps a canvas keeps it fast; the base on a puzzle and the adapter on text take all 12."""
-    from dgemma_cli.names import resolve_adapter
+    from dgemma_cli.checkpoint.names import resolve_adapter
 
     engines = {"demo": engine, "sudoku": load("demo", device="cpu", dtype="float32",
                                               adapters=[resolve_adapter("demo-sudoku-lora")], adapter_slots=[1])}

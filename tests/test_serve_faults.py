@@ -237,7 +237,7 @@ def test_an_internal_error_costs_one_line_not_the_connection(capfd):
     socket, in this process; /health fails because its loop raises."""
     import uvicorn
 
-    from dgemma_cli.serve import Server, build_app
+    from dgemma_cli.server.app import Server, build_app
 
     class BrokenLoop:
         max_batch = max_queue = 1
@@ -340,8 +340,8 @@ def test_the_developer_role_is_the_system_turn(server, engine):
 def test_a_thought_comes_apart_as_reasoning_content(engine):
     """The thought channel of an answer is `reasoning_content`, streamed apart from the answer's text; what only
     begins a channel waits. (The demo model does not think, so the canvases are made here.)"""
-    from dgemma_cli.batching import Job
-    from dgemma_cli.serve import AnswerText, Prepared
+    from dgemma_cli.server.batching import Job
+    from dgemma_cli.server.app import AnswerText, Prepared
 
     tok = engine.tokenizer
     ids = tok.encode("<|channel>thought\nit shouts<channel|>HELLO")
@@ -394,8 +394,8 @@ def test_a_failing_request_gets_a_500_or_an_error_event_and_the_others_go_on(eng
     real socket, in this process, so that the engine can be made to fail."""
     import uvicorn
 
-    from dgemma_cli.batching import BatchLoop
-    from dgemma_cli.serve import Server, build_app
+    from dgemma_cli.server.batching import BatchLoop
+    from dgemma_cli.server.app import Server, build_app
 
     real = engine.check_context
     monkeypatch.setattr(engine, "check_context", lambda n, settings, held=0: 4 if n > 60 else real(n, settings, held))
@@ -452,7 +452,7 @@ def nested(levels: int) -> dict:
 def test_nesting_is_refused_past_exactly_the_documented_depth(server):
     """MAX_DEPTH levels are answered, one more is a 400, in each API's shape, parsed here or in the helper (a body
     with many brackets in its strings); the documentation says the same number."""
-    from dgemma_cli.body import MAX_BRACKETS_HERE, MAX_DEPTH
+    from dgemma_cli.server.body import MAX_BRACKETS_HERE, MAX_DEPTH
 
     assert f"JSON nested over {MAX_DEPTH} levels" in (ROOT / "docs" / "serve.md").read_text()
     assert MAX_DEPTH == 64
@@ -475,7 +475,7 @@ def test_nesting_is_refused_past_exactly_the_documented_depth(server):
 def over_limit_chunked(url: str, path: str) -> tuple[int, dict]:
     """A body of MAX_BODY + 1 bytes sent chunked (no Content-Length), its end never sent: the server must refuse it
     while reading, or it waits for the rest for ever (then this times out)."""
-    from dgemma_cli.serve import MAX_BODY
+    from dgemma_cli.server.app import MAX_BODY
 
     sock, host = F.connect(url)
     sock.settimeout(30)

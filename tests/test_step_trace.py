@@ -80,8 +80,8 @@ def test_transient_memory_and_the_vocab_tensor(traced):
     # [canvas, 32768]) and the MoE's padded activations are in it
     assert C * 32768 * 2 < nv["transient"] <= 64 * 2**20
     assert nv["vocab_f32"] == []  # no canvas x vocab float32 tensor anywhere in the step
-    # the footprint model's count from the shapes agrees with the trace's (dgemma_cli/footprint.py request_bytes)
-    from dgemma_cli import footprint
+    # the footprint model's count from the shapes agrees with the trace's (dgemma_cli/checkpoint/footprint.py request_bytes)
+    from dgemma_cli.checkpoint import footprint
     from dgemma_cli.config import DIFFUSIONGEMMA_26B_A4B, ModelConfig
 
     cfg = ModelConfig.from_dict(DIFFUSIONGEMMA_26B_A4B)

@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 
 import quant.convert as convert
 from cli_helpers import run_main
-from dgemma_cli import footprint, store
+from dgemma_cli.checkpoint import footprint
+from dgemma_cli.store import models as store
 from dgemma_cli.config import ModelConfig
 from test_quantized import write_modelopt_checkpoint
 
@@ -139,7 +140,7 @@ def test_pull_auto_picks_by_free_memory(served, monkeypatch, capsys, checkpoints
 def test_pull_quantizes_on_the_gpu_when_there_is_one(served, monkeypatch, capsys):
     """The device a pull quantizes on, with a fake GPU: the arithmetic is asked for on CUDA (the fake stops it
     there), and on the CPU without one."""
-    import dgemma_cli.quantize as quantize_mod
+    import dgemma_cli.store.quantize as quantize_mod
 
     asked = []
 
@@ -417,8 +418,8 @@ def test_quantize_never_deletes_a_partial_directory_it_did_not_make(checkpoints,
 def test_pull_of_a_lora_adapter_stores_it_as_published(fake_hub, checkpoints, tmp_path, capsys):  # noqa: F811
     """An adapter repository (PEFT's two files): pulled as is into OWNER--NAME--lora, listed with its base, run
     by its store name with --adapter, never taken for a model."""
-    from dgemma_cli.lora import new_adapter, save_adapter
-    from dgemma_cli.weights import load_model
+    from dgemma_cli.tuner.lora import new_adapter, save_adapter
+    from dgemma_cli.checkpoint.weights import load_model
 
     model, _ = load_model(checkpoints["five_to_one"], dtype=torch.float32)
     ad = new_adapter(model, rank=2, alpha=4, generator=torch.Generator().manual_seed(0), base=REPO)

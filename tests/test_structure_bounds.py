@@ -1,4 +1,4 @@
-"""Hostile structures (dgemma_cli/structure.py, structure_worker.py): refused on sight or bounded by the compile
+"""Hostile structures (dgemma_cli/structured/structure.py, worker.py): refused on sight or bounded by the compile
 worker's budget, never stalling other clients or the server's stop; answers with `stop` always valid.
 
 Through a real server socket on the bundled demo model, and through `dgemma run`."""
@@ -157,7 +157,7 @@ def test_sigterm_during_a_compile_stops_the_server_within_seconds(tmp_path):
     finally:
         s.stop()
     time.sleep(0.5)
-    workers = subprocess.run(["pgrep", "-f", "structure_worker import _worker_main", "-P", str(s.proc.pid)],
+    workers = subprocess.run(["pgrep", "-f", "structured.worker import _worker_main", "-P", str(s.proc.pid)],
                              capture_output=True, text=True).stdout
     assert workers == ""
 
@@ -219,7 +219,7 @@ SCHEMAS = {
 
 @pytest.mark.parametrize("name", list(SCHEMAS))
 def test_answers_that_stop_validate_against_their_schema(name):
-    from dgemma_cli.constrain import Structure
+    from dgemma_cli.structured.constrain import Structure
     from dgemma_cli.engine import load
 
     engine = load("demo", device="cpu", dtype="float32")
@@ -236,9 +236,9 @@ def test_a_schema_too_large_for_an_automaton_runs_as_llguidances_json_grammar():
     """A schema whose token automaton would hold over the edge limit (bounded strings times the vocabulary) compiles
     to llguidance's JSON Schema grammar instead of being refused; its answers that stop validate. The limit is
     lowered here so that the demo's small vocabulary crosses it."""
-    from dgemma_cli.constrain import LarkGrammar, TokenAutomaton
+    from dgemma_cli.structured.constrain import LarkGrammar, TokenAutomaton
     from dgemma_cli.engine import load
-    from dgemma_cli.structure_worker import Compile
+    from dgemma_cli.structured.worker import Compile
 
     engine = load("demo", device="cpu", dtype="float32")
     tok, V = engine.tokenizer, engine.config.text.vocab_size
@@ -253,7 +253,7 @@ def test_a_schema_too_large_for_an_automaton_runs_as_llguidances_json_grammar():
     assert kind == "grammar"
     auto = LarkGrammar(grammar, tok, V)
     engine._compiler = type("Fixed", (), {"compile": lambda self, s, c=None: auto})()  # what the worker would give
-    from dgemma_cli.constrain import Structure
+    from dgemma_cli.structured.constrain import Structure
 
     result = engine.generate(["upper: json"] * 4, seed=5, structure=Structure("json_schema", source),
                              max_new_tokens=48, max_denoising_steps=6)
@@ -295,7 +295,7 @@ def test_many_slow_compiles_never_starve_a_cached_structure(tmp_path):
 def test_the_expression_holds_what_outlines_core_alone_would_let_through(schema, bad, good):
     import re
 
-    from dgemma_cli.structure import Structure
+    from dgemma_cli.structured.structure import Structure
 
     rx = Structure("json_schema", json.dumps(schema)).regex()
     assert re.fullmatch(rx, good) and not re.fullmatch(rx, bad)

@@ -1,4 +1,4 @@
-"""Constrained canvases (dgemma_cli/constrain.py): answers held to a JSON Schema or a regular expression are valid
+"""Constrained canvases (dgemma_cli/structured/constrain.py): answers held to a JSON Schema or a regular expression are valid
 by construction, whatever the weights: a random-weight checkpoint in the real layout, many draws each, through the
 Python API, `dgemma run` and `dgemma serve` (the official `openai` client's structured-output parsing).
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dgemma_cli.constrain import (RowConstraint, Structure, best_path, compile_structure, integer_regex,
+from dgemma_cli.structured.constrain import (RowConstraint, Structure, best_path, compile_structure, integer_regex,
                                   number_regex, schema_regex)
 from dgemma_cli.errors import UsageError
 
@@ -405,7 +405,7 @@ def test_sample_step_leaves_the_log_probabilities():
 def test_big_groups_search_as_token_by_token(checkpoints, monkeypatch):
     """Groups above BIG_GROUP tokens are searched through masks: the same argmax paths as token by token, and
     draws distributed as the distribution restricted to the group (the Gumbel-max identity)."""
-    import dgemma_cli.constrain as constrain
+    import dgemma_cli.structured.constrain as constrain
     from dgemma_cli.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(checkpoints["five_to_one"])
@@ -487,7 +487,7 @@ def test_repetitions_up_to_max_repeat_are_taken_and_one_more_is_refused(kind, so
     """Counted repetitions (nested ones multiplied) are refused past MAX_REPEAT, in one line naming the count, in
     expressions, grammars and schemas (their maxLength and maxItems: n items repeat the item's count n - 1 times
     after the first); at the limit they are taken."""
-    from dgemma_cli.constrain import MAX_REPEAT
+    from dgemma_cli.structured.constrain import MAX_REPEAT
 
     assert MAX_REPEAT == 512
 

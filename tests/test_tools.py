@@ -226,8 +226,8 @@ def _demo_tok():
 
 def _holds(grammar: str, tok, text: str) -> bool:
     """Whether the call grammar takes `text` (a whole call block: <|tool_call>...<tool_call|>) token by token."""
-    from dgemma_cli.constrain import LarkGrammar
-    from dgemma_cli.structure import Structure
+    from dgemma_cli.structured.constrain import LarkGrammar
+    from dgemma_cli.structured.structure import Structure
 
     Structure("grammar", grammar).check()  # what the server's compile worker checks first
     m = LarkGrammar(grammar, tok, 208).matcher()
@@ -407,7 +407,7 @@ def test_control_token_text_sent_back_is_text(server, checkpoints):
     from tokenizers import AddedToken
     from tokenizers import Tokenizer as HF
 
-    from dgemma_cli.serve import tok_chat
+    from dgemma_cli.server.app import tok_chat
     from dgemma_cli.tools import check_tools
 
     tok = Tokenizer.from_dir(checkpoints["five_to_one"])
@@ -458,7 +458,7 @@ class ScriptedLoop:
         self.ids, self.ended, self.C = ids, ended, canvas
 
     def submit(self, job, deliver):
-        from dgemma_cli.batching import RowCanvas, RowDone, Ticket
+        from dgemma_cli.server.batching import RowCanvas, RowDone, Ticket
 
         ids = self.ids[: job.settings.max_new_tokens]
         tokens = ids + ([1] if self.ended else [])
@@ -489,7 +489,7 @@ def scripted(demo_engine):
 
     import uvicorn
 
-    from dgemma_cli.serve import Server, build_app
+    from dgemma_cli.server.app import Server, build_app
     from test_serve import wait_until
 
     tok = demo_engine.tokenizer
@@ -631,7 +631,7 @@ def test_a_required_calls_grammar_is_built_once_max_tokens_is_known(monkeypatch)
     the GIL, for a schema of thousands of nodes). The first reading checks only: no grammar is built, and a schema
     a call cannot hold is still one 400 there."""
     import dgemma_cli.tools as tools_module
-    from dgemma_cli.serve import ApiError, request_tools
+    from dgemma_cli.server.app import ApiError, request_tools
 
     tok = _demo_tok()
     params = {"type": "object", "properties": {f"p{i}": {"anyOf": [{"type": "string"}, {"type": "integer"}]}

@@ -1,4 +1,4 @@
-"""`dgemma tune` (dgemma_cli/tune.py): the objective trains the adapter, runs repeat and resume exactly, bad input
+"""`dgemma tune` (dgemma_cli/tuner/tune.py): the objective trains the adapter, runs repeat and resume exactly, bad input
 stops before any training with one line, a failed checkpoint keeps the previous one, and the result loads in peft."""
 
 import json
@@ -44,7 +44,7 @@ def test_tune_trains_repeats_and_resumes_exactly(tmp_path, capsys, monkeypatch):
     b = adapter_tensors(tmp_path / "b")
     assert all(torch.equal(a[k], b[k]) for k in a)
     # stopped after its first checkpoint (Ctrl-C at step 3), then run again: it resumes and ends equal
-    import dgemma_cli.tune as tune_mod
+    import dgemma_cli.tuner.tune as tune_mod
 
     real = tune_mod.Tuner.train_step
 
@@ -97,7 +97,7 @@ def test_rank_above_a_layer_is_one_line(tmp_path, capsys):
 def test_a_full_disk_while_checkpointing_keeps_the_previous_state(tmp_path, capsys, monkeypatch):
     import errno
 
-    import dgemma_cli.tune as tune_mod
+    import dgemma_cli.tuner.tune as tune_mod
 
     data = write_jsonl(tmp_path / "d.jsonl", UPPER)
     real = torch.save
@@ -128,7 +128,7 @@ def test_a_tuned_adapter_gives_the_same_tokens_in_peft(tmp_path, capsys):
     from transformers import DiffusionGemmaForBlockDiffusion
 
     from dgemma_cli.engine import load
-    from dgemma_cli.names import DEMO_MODEL
+    from dgemma_cli.checkpoint.names import DEMO_MODEL
     from test_exactness import ref_generate
 
     data = write_jsonl(tmp_path / "d.jsonl", UPPER)
@@ -173,7 +173,7 @@ def test_the_26b_nvfp4_estimate_fits_a_24_gb_card_at_batch_1():
     adapter on attention and the dense MLP, batch 1, 512 tokens of prompt, fits 24 GB with gradient checkpointing
     and not without (every layer's dequantized experts kept for the backward pass)."""
     from dgemma_cli.config import DIFFUSIONGEMMA_26B_A4B, ModelConfig
-    from dgemma_cli.footprint import adapter_parameters, tune_bytes, weight_bytes
+    from dgemma_cli.checkpoint.footprint import adapter_parameters, tune_bytes, weight_bytes
 
     cfg = ModelConfig.from_dict(DIFFUSIONGEMMA_26B_A4B)
     with_ck = tune_bytes(cfg, "nvfp4", 1, 512, 16)
@@ -196,7 +196,7 @@ def _demo():
 
 
 def _chat_example(tok, prompt: str, answer: str):
-    from dgemma_cli.tune import Example
+    from dgemma_cli.tuner.tune import Example
 
     prompt_ids = tok.encode_chat([{"role": "user", "content": prompt}])
     return Example(prompt_ids, tok.encode_text(answer) + [tok.end_of_turn_id], text=answer)
@@ -217,7 +217,7 @@ def _ok_examples(tok, n: int, seed: int = 0):
 
 
 def _settings(**kw):
-    from dgemma_cli.tune import TuneSettings
+    from dgemma_cli.tuner.tune import TuneSettings
 
     base = {"rank": 4, "alpha": 8, "steps": 4, "batch_size": 4, "lr": 0.01, "warmup": 1, "held_out": 0,
             "eval_every": 10**6, "eval_examples": 4, "checkpoint_every": 10**6, "max_denoising_steps": 4}
@@ -227,7 +227,7 @@ def _settings(**kw):
 def test_the_loss_is_scored_against_the_clean_canvas(monkeypatch):
     """The objective: the decoder, given a noised canvas, is scored on predicting the clean one. A predictor that
     answers the clean canvas scores (nearly) zero; one that copies back its noised input does not."""
-    from dgemma_cli.tune import batch_of, diffusion_loss
+    from dgemma_cli.tuner.tune import batch_of, diffusion_loss
 
     engine = _demo()
     model = engine.model
@@ -251,8 +251,8 @@ def test_the_loss_is_scored_against_the_clean_canvas(monkeypatch):
 def test_held_positions_are_never_noised(tmp_path, monkeypatch):
     """Fill in the middle: the suffix's tokens held at the canvas's end reach the decoder as they are in every
     training and evaluation forward (only the middle is noised), and the middle is noised."""
-    import dgemma_cli.tune as tune_mod
-    from dgemma_cli.tune import Example, Tuner
+    import dgemma_cli.tuner.tune as tune_mod
+    from dgemma_cli.tuner.tune import Example, Tuner
 
     engine = _demo()
     tok = engine.tokenizer
@@ -287,8 +287,8 @@ def test_the_learning_rate_warms_up_then_decays_by_cosine_to_zero(tmp_path, monk
     down to zero at the last step (docs/adapters.md)."""
     import math
 
-    import dgemma_cli.tune as tune_mod
-    from dgemma_cli.tune import Tuner
+    import dgemma_cli.tuner.tune as tune_mod
+    from dgemma_cli.tuner.tune import Tuner
 
     monkeypatch.setattr(tune_mod, "diffusion_loss", lambda *a, **kw: torch.zeros((), requires_grad=True))  # no forward
     engine = _demo()
@@ -308,8 +308,8 @@ def test_the_learning_rate_warms_up_then_decays_by_cosine_to_zero(tmp_path, monk
 def test_held_out_examples_are_never_trained_on(tmp_path, monkeypatch):
     """--held-out N: N examples (a fifth of the data at most) kept apart by seed; no training batch ever holds one
     (the batches draw from all the others), and the held-out loss is computed on them alone."""
-    import dgemma_cli.tune as tune_mod
-    from dgemma_cli.tune import Tuner
+    import dgemma_cli.tuner.tune as tune_mod
+    from dgemma_cli.tuner.tune import Tuner
 
     engine = _demo()
     examples = _ok_examples(engine.tokenizer, 40)
@@ -348,7 +348,7 @@ def test_the_exact_answer_rate_counts_the_answers_generated(tmp_path):
     """The exact-answer rate is the share of held-out examples whose generated answer is theirs: before any
     training (the adapter starts as the base), the demo upper-cases the two `upper:` examples and cannot answer the
     two `ok:` ones, so the rate is one half."""
-    from dgemma_cli.tune import Tuner
+    from dgemma_cli.tuner.tune import Tuner
 
     engine = _demo()
     tok = engine.tokenizer
@@ -366,7 +366,7 @@ def test_tuning_teaches_the_demo_a_reply_it_never_gives(tmp_path):
     """The objective's effect: the upper-casing demo answers `ok: <words>` with `OK: <WORDS>`, never `OK`. 80 steps
     of tuning on 64 such examples (about 15 s on one core) make it answer `OK` to held-out prompts it never saw:
     the held-out loss falls by far and the exact-answer rate rises from none to most."""
-    from dgemma_cli.tune import Tuner
+    from dgemma_cli.tuner.tune import Tuner
 
     engine = _demo()
     examples = _ok_examples(engine.tokenizer, 80)

@@ -16,7 +16,7 @@ from cli_helpers import run_main
 from rich.console import Console
 
 from dgemma_cli.sampler import CanvasDone, Done, Step
-from dgemma_cli.view import NOISE_GLYPHS, CanvasView, PlainProgress, choose_view, view_for
+from dgemma_cli.cli.view import NOISE_GLYPHS, CanvasView, PlainProgress, choose_view, view_for
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 # a character-level toy vocabulary: ids 10.. are letters; 1 is an end token, 0 pad; 100/101 open and close thought

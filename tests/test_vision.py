@@ -236,7 +236,7 @@ def chat_turn(conv, text, settings, seed):
 
 
 def test_chat_images_stay_in_the_cache(engine, tmp_path):
-    from dgemma_cli.chat import Conversation
+    from dgemma_cli.conversation import Conversation
 
     paths = write_images(tmp_path)
     settings = engine.settings.override(max_new_tokens=32, max_denoising_steps=8)
@@ -267,7 +267,7 @@ def test_chat_images_stay_in_the_cache(engine, tmp_path):
 
 
 def test_chat_image_command_errors_are_one_line(engine, tmp_path):
-    from dgemma_cli.chat import Conversation
+    from dgemma_cli.conversation import Conversation
     from dgemma_cli.errors import UsageError
 
     conv = Conversation(engine, 4096)
@@ -287,8 +287,8 @@ def test_server_image_parts_answer_as_the_engine(engine):
 
     from starlette.testclient import TestClient
 
-    from dgemma_cli.batching import BatchLoop
-    from dgemma_cli.serve import Server, build_app
+    from dgemma_cli.server.batching import BatchLoop
+    from dgemma_cli.server.app import Server, build_app
 
     files = [encoded(IMAGES[0], "PNG"), encoded(IMAGES[1], "JPEG")]
     urls = [f"data:image/{kind};base64,{base64.b64encode(b).decode()}" for b, kind in zip(files, ["png", "jpeg"])]
@@ -360,7 +360,7 @@ def test_pulled_entries_read_images(served_vision, vision_ckpt, engine, quant, t
     import fnmatch
     import re
 
-    from dgemma_cli import store
+    from dgemma_cli.store import models as store
     from dgemma_cli.engine import load
 
     assert run_main(["pull", VISION_REPO, "--quant", quant]) == 0
@@ -397,7 +397,7 @@ def test_pulled_entries_read_images(served_vision, vision_ckpt, engine, quant, t
 def test_text_only_entry_says_how_to_fetch_the_tower(served_vision, tmp_path, capsys):
     """An entry made before dgemma kept the vision tower (simulated: its vision shard, index lines and manifest
     lines removed), given an image: one line naming the commands; running them gives an entry that reads images."""
-    from dgemma_cli import store
+    from dgemma_cli.store import models as store
 
     assert run_main(["pull", VISION_REPO, "--quant", "int8"]) == 0
     (entry,) = store.entries()

@@ -2,7 +2,7 @@
 
 A format module knows one published layout: which checkpoints are its own (from their own description, config.json's
 `quantization_config` or a file beside it, never from a file name), how its tensors are named, which modules its own
-list leaves unquantized, and which `quant.modules` hold its weights. The loader (dgemma_cli.weights) knows none of
+list leaves unquantized, and which `quant.modules` hold its weights. The loader (dgemma_cli.checkpoint.weights) knows none of
 this: it calls `detect` and then asks the returned `Format`. A new format is one more module listed in `MODULES`.
 
 - `modelopt`: NVIDIA ModelOpt NVFP4 (experts per expert, a global scale per projection);

@@ -42,7 +42,7 @@ _warned: set[str] = set()  # stderr lines already printed (one per cause and fil
 
 def home() -> Path:
     """dgemma's home for caches: `$DGEMMA_HOME`, else `$XDG_CACHE_HOME/dgemma`, else `~/.cache/dgemma`. The same
-    rule as the model store (dgemma_cli/store.py), repeated here because quant/ never imports dgemma_cli."""
+    rule as the model store (dgemma_cli/store/models.py), repeated here because quant/ never imports dgemma_cli."""
     if os.environ.get("DGEMMA_HOME"):
         return Path(os.environ["DGEMMA_HOME"]).expanduser()
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")

@@ -154,8 +154,8 @@ class AnswerLogprobs:
     def _answer_region(self, ids: list[int]) -> list[int]:
         """The indices of a chat answer's ids outside its thought channel and before its first tool call."""
         tok = self.tok
-        from .tokenizer import CHANNEL_END, CHANNEL_START
-        from .tools import CALL_START
+        from ..tokenizer import CHANNEL_END, CHANNEL_START
+        from ..tools import CALL_START
 
         start, end, call = tok.token_id(CHANNEL_START), tok.token_id(CHANNEL_END), tok.token_id(CALL_START)
         keep = list(range(len(ids)))
@@ -171,7 +171,7 @@ class AnswerLogprobs:
     def _byte_tokens(self) -> set[int]:
         """The ids of the vocabulary's byte-fallback tokens ("<0x0A>"), as token_bytes reads them."""
         if self._bytes is None:
-            from .tokenizer import _BYTE_TOKEN
+            from ..tokenizer import _BYTE_TOKEN
 
             table, inner = self.tok.token_bytes(), self.tok._tokenizer
             self._bytes = {i for i, raw in enumerate(table) if raw is not None and len(raw) == 1

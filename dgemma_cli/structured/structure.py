@@ -1,7 +1,7 @@
 """What a structured answer may be held to, checked before anything is expanded: JSON Schemas, regular expressions and
 grammars as text, and their compilation to what the search needs (docs/design.md, Constrained canvases).
 
-The rule: nothing here imports torch or knows the model; the compile worker (structure_worker.py) runs this module
+The rule: nothing here imports torch or knows the model; the compile worker (worker.py) runs this module
 alone in its own process, and `constrain.py` turns what it returns into tensors.
 
 Every structure goes through `Structure.check()` first, on the request's own text, before any expansion: its size
@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 
-from .errors import UsageError
+from ..errors import UsageError
 
 MAX_SOURCE = 65536  # characters of a schema's JSON text, an expression or a grammar
 MAX_REPEAT = 512  # the largest count nested bounded repetitions multiply to ({m,n} inside {m,n}: their product)
@@ -56,7 +56,7 @@ class Structure:
 
     def check_size(self) -> None:
         """The check a server makes in its own process: the kind and the size (constant time). Everything else runs
-        in the compile worker, under its budget (structure_worker.py)."""
+        in the compile worker, under its budget (worker.py)."""
         if self.kind not in ("regex", "json_schema", "json_object", "grammar"):
             raise UsageError(f"unknown answer structure {self.kind!r}")
         if len(self.source) > MAX_SOURCE:

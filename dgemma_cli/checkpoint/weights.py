@@ -29,8 +29,8 @@ from quant import formats as qformats
 from quant.formats import dgemma_int8
 
 from . import layout
-from .config import ModelConfig
-from .errors import ModelError, UsageError
+from ..config import ModelConfig
+from ..errors import ModelError, UsageError
 from .layout import (DECODER_ONLY, DECODER_PREFIX, ENCODER_SCALAR, checkpoint_files,  # noqa: F401 - the loader's
                      checkpoint_name, expert_base, text_prefix)
 from .names import INDEX_FILE, SINGLE_FILE  # noqa: F401 - scripts import them from here
@@ -152,7 +152,7 @@ def swap_quantized_modules(model: torch.nn.Module, records: dict[str, TensorReco
     targets and ignore list), the two must agree. A quantized tensor in a checkpoint that declares no format is an
     error: the format is never guessed.
     """
-    from .model import Experts, QuantizedExperts
+    from ..model import Experts, QuantizedExperts
 
     def agree(module: str, quantized: bool) -> None:
         if fmt is None:
@@ -229,7 +229,7 @@ def load_model(directory: Path, device: str | torch.device = "cpu", dtype: torch
     dtype None keeps the checkpoint's dtype (the compute dtype; packed tensors always keep theirs).
     Returns (model, ModelConfig).
     """
-    from .model import DiffusionGemma
+    from ..model import DiffusionGemma
 
     directory = Path(directory)
     if not directory.is_dir():

@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ModelError, UsageError
+from ..errors import ModelError, UsageError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -61,9 +61,10 @@ def model_shards(weight_map: dict[str, str]) -> list[str]:
 
 # ----------------------------------------------------------------------------- models and the store
 
-DEMO_MODEL = Path(__file__).resolve().parent / "demo_model"
-DEMO_SUDOKU = Path(__file__).resolve().parent / "demo_sudoku"
-DEMO_SHAPES = Path(__file__).resolve().parent / "demo_shapes"
+PACKAGE = Path(__file__).resolve().parent.parent  # dgemma_cli/, where the bundled models sit
+DEMO_MODEL = PACKAGE / "demo_model"
+DEMO_SUDOKU = PACKAGE / "demo_sudoku"
+DEMO_SHAPES = PACKAGE / "demo_shapes"
 # names of the models that ship inside dgemma
 BUNDLED = {"demo": DEMO_MODEL, "demo-sudoku": DEMO_SUDOKU, "demo-shapes": DEMO_SHAPES}
 BUNDLED_ABOUT = {  # what each bundled model does, as `dgemma list` says it
@@ -170,7 +171,7 @@ def resolve(ref: str, demo: Path) -> Path:
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # a PEFT LoRA adapter's files
 # LoRA adapters that ship inside dgemma: name -> (directory, the bundled model it adapts, what it does)
-BUNDLED_ADAPTERS = {"demo-sudoku-lora": Path(__file__).resolve().parent / "demo_sudoku_lora"}
+BUNDLED_ADAPTERS = {"demo-sudoku-lora": PACKAGE / "demo_sudoku_lora"}
 BUNDLED_ADAPTERS_ABOUT = {
     "demo-sudoku-lora": ("demo", "teaches demo 4x4 sudoku (dgemma run --model demo --adapter demo-sudoku-lora "
                                  "\"sudoku: ..4./..../.2.1/3...\")"),

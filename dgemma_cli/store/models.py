@@ -23,11 +23,22 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import DgemmaError, ModelError, UsageError
 # The naming and listing half of the store (names.py), used here and by the CLI as store.entries, store.find, ...
-from .names import (MANIFEST, QUANTS, STORE_NAME, Entry, entries, entry_dir, find,  # noqa: F401
-                    looks_like_path, resolve, store_root)
-from .names import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from ..checkpoint.names import (  # noqa: F401
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    MANIFEST,
+    QUANTS,
+    STORE_NAME,
+    Entry,
+    entries,
+    entry_dir,
+    find,
+    looks_like_path,
+    resolve,
+    store_root,
+)
+from ..errors import ModelError, UsageError
 
 DEFAULT_REPO = "google/diffusiongemma-26B-A4B-it"
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -38,10 +49,17 @@ def describe(path: Path) -> dict:
 
     What is quantized is read from the checkpoint itself (a projection is quantized when its scale tensor is
     stored): `policy` is `all` when attention and the dense MLP are, `experts` when only the routed experts are."""
-    from .config import ModelConfig
-    from .errors import ModelError
-    from .footprint import runtime_bytes, weight_bytes
-    from .layout import checkpoint_files, checkpoint_name, expert_base, index_checkpoint, text_prefix, vision_records
+    from ..checkpoint.footprint import runtime_bytes, weight_bytes
+    from ..checkpoint.layout import (
+        checkpoint_files,
+        checkpoint_name,
+        expert_base,
+        index_checkpoint,
+        text_prefix,
+        vision_records,
+    )
+    from ..config import ModelConfig
+    from ..errors import ModelError
 
     cfg = ModelConfig.from_dir(path)
     fmt = _read_format(path, cfg.raw)
@@ -90,7 +108,7 @@ def _read_format(path: Path, raw_config: dict):
     quantization_config, no ModelOpt hf_quant_config.json) is told without importing quant's modules, and torch."""
     if raw_config.get("quantization_config") is None and not (path / "hf_quant_config.json").exists():
         return None
-    from .weights import read_format
+    from ..checkpoint.weights import read_format
 
     return read_format(path, raw_config)
 
@@ -119,7 +137,7 @@ def _store_as_is(snapshot: Path, out: Path, store_meta: dict, note) -> dict:
     `names.model_shards` chooses them), and a manifest."""
     from quant.convert import partial_dir, write_manifest
 
-    from .names import INDEX_FILE, SINGLE_FILE, model_shards
+    from ..checkpoint.names import INDEX_FILE, SINGLE_FILE, model_shards
 
     work = partial_dir(out)
     shutil.rmtree(work, ignore_errors=True)
@@ -141,32 +159,10 @@ def _store_as_is(snapshot: Path, out: Path, store_meta: dict, note) -> dict:
     return manifest
 
 
-def check_images(directory: Path) -> None:
-    """Before images are read with `directory`: ModelError (one line) when it is a store entry that holds only the
-    text model, saying how to get the vision tower. Anything else (not an entry, a whole entry, a damaged index) is
-    left to the loader, whose messages speak of files."""
-    from .names import INDEX_FILE, vision_names
-
-    d = Path(directory)
-    try:
-        meta = json.loads((d / MANIFEST).read_text())["store"]
-        repo, quant = str(meta["repo"]), str(meta["quant"])
-        names = vision_names(json.loads((d / INDEX_FILE).read_text())["weight_map"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return  # not an entry, or a single-file one (stored whole, as published)
-    if names and all((d / f).is_file() for f in set(names.values())):
-        return
-    name = f"{repo}:{quant}"
-    if meta.get("vision_tower") is False:  # recorded by pull: the source itself has no tower
-        raise ModelError(f"{name}: {repo} publishes no vision tower weights, so this model cannot read images")
-    raise ModelError(f"{name} holds only the text model (made before dgemma kept the vision tower); to read "
-                     f"images: dgemma rm {name} && dgemma pull {repo} --quant {quant}")
-
-
 def _has_vision(snapshot: Path) -> bool:
     """Whether a downloaded checkpoint holds a vision tower (per its index, or its single file's header)."""
-    from .names import INDEX_FILE, SINGLE_FILE, VISION_TENSOR_PREFIXES, vision_names
-    from .weights import read_header
+    from ..checkpoint.names import INDEX_FILE, SINGLE_FILE, VISION_TENSOR_PREFIXES, vision_names
+    from ..checkpoint.weights import read_header
 
     if (snapshot / INDEX_FILE).is_file():
         return bool(vision_names(json.loads((snapshot / INDEX_FILE).read_text())["weight_map"]))
@@ -196,7 +192,7 @@ def pull(repo: str, quant: str = "auto", revision: str | None = None, policy: st
          progress: bool = True, note=lambda s: sys.stderr.write(f"dgemma: {s}\n")) -> Entry | None:
     """Download `repo` and make its store entry in the requested format. Returns the entry (None when it was
     already there: that is said, and nothing else is done)."""
-    from .names import POLICIES
+    from ..checkpoint.names import POLICIES
 
     # Bad flags first, before anything imports torch (seconds).
     if not REPO_ID.match(repo):
@@ -205,11 +201,11 @@ def pull(repo: str, quant: str = "auto", revision: str | None = None, policy: st
         raise UsageError(f"--quant must be auto, {', '.join(QUANTS)} (got {quant!r})")
     if policy is not None and policy not in POLICIES:
         raise UsageError(f"--policy must be one of {', '.join(POLICIES)} (got {policy!r})")
+    from ..checkpoint.footprint import DEFAULT_POLICY, candidates, capability, choose_format, free_memory, runtime_bytes
+    from ..checkpoint.weights import read_quant_format
+    from ..config import ModelConfig
     from . import hub
-    from .config import ModelConfig
-    from .footprint import DEFAULT_POLICY, candidates, capability, choose_format, free_memory, runtime_bytes
     from .quantize import quantize_checkpoint
-    from .weights import read_quant_format
 
     present = [e for e in entries() if e.repo.lower() == repo.lower() and quant in ("auto", e.quant)]
     if present:
@@ -272,7 +268,7 @@ def _store_adapter(repo: str, quant: str, snapshot: Path, note) -> Entry:
     OWNER--NAME--lora with a manifest naming the model it adapts."""
     from quant.convert import partial_dir, write_manifest
 
-    from .lora import AdapterError, read_adapter
+    from ..tuner.lora import AdapterError, read_adapter
 
     if quant not in ("auto", "lora"):
         raise UsageError(f"{repo} is a LoRA adapter: it is stored as published (no --quant)")

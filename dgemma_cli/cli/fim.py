@@ -23,8 +23,12 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
-from .errors import UsageError
+import typer
+
+from ..errors import UsageError
+from .options import MODEL_HELP, QUIET_OPTION, be_quiet, model_arg, note
 
 DEFAULT_MARKER = "<FILL>"
 METHODS = ("held", "prefix", "instruct")
@@ -242,3 +246,62 @@ def save_in_place(path: Path, old: str, new: str, backup: bool) -> Path | None:
         raise FileError(f"{path}: cannot write the filled file ({e.strerror or e}); {path} is unchanged"
                         + (f", its backup is {kept}" if kept is not None and kept.exists() else "")) from None
     return kept
+
+
+# ----------------------------------------------------------------------------- the command
+
+def fim(
+    file: str = typer.Argument(..., help="The file to fill; '-' reads stdin."),
+    marker: str = typer.Option("<FILL>", "--marker", help="The text that marks a hole."),
+    lines: Optional[str] = typer.Option(None, "--lines", help="Regenerate lines A:B (1-based, inclusive)."),
+    in_place: bool = typer.Option(False, "--in-place",
+                                  help="Rewrite FILE atomically, keeping the file as it was in FILE.orig; an "
+                                       "existing FILE.orig is never overwritten (then FILE.orig.1, .2, ...)."),
+    no_backup: bool = typer.Option(False, "--no-backup", help="With --in-place: keep no backup."),
+    to_stdout: bool = typer.Option(False, "--stdout", help="Print the whole filled file instead of a diff."),
+    method: str = typer.Option("held", "--method", help="held (default), prefix or instruct."),
+    held_tokens: int = typer.Option(8, "--held-tokens", help="Suffix tokens held at the end of the canvas."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Most tokens for each hole."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Most denoising steps per canvas."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed torch's generator."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
+    dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto."),
+    quiet: bool = QUIET_OPTION,
+) -> None:
+    """Fill the holes of a file using the text on both sides. Prints a unified diff by default."""
+    be_quiet(quiet)
+    if in_place and file == "-":
+        raise UsageError("--in-place needs a file, not stdin")
+    if in_place and to_stdout:
+        raise UsageError("--in-place and --stdout exclude each other")
+    if no_backup and not in_place:
+        raise UsageError("--no-backup only applies with --in-place (without it, no file is written)")
+    if held_tokens < 0:
+        raise UsageError("--held-tokens must be >= 0")
+    if method not in METHODS:
+        raise UsageError(f"--method must be one of {', '.join(METHODS)} (got {method!r})")
+    from pathlib import Path
+
+    text = read_source(file)
+    if in_place:
+        check_writable(Path(file), backup=not no_backup)
+    name = "stdin" if file == "-" else file
+    holes = [lines_hole(text, lines, name)] if lines else marker_holes(text, marker, name)
+    model_dir = model_arg(model, quiet)  # before torch is imported
+    from ..engine import load  # heavy: torch
+
+    engine = load(model_dir, device=device, dtype=dtype)
+    new = fill_holes(engine, text, holes, method=method, held_tokens=held_tokens, name=name, marker=marker,
+                       warn=lambda m: None if quiet else sys.stderr.write(m + "\n"), seed=seed,
+                       max_new_tokens=max_new_tokens,
+                       max_denoising_steps=steps)
+    if in_place:
+        kept = save_in_place(Path(file), text, new, backup=not no_backup)
+        if kept is not None and kept.name != f"{Path(file).name}.orig":
+            note(f"{file}.orig holds an earlier original and is kept; this run's original is in {kept}")
+    elif to_stdout:
+        sys.stdout.buffer.write(new.encode("utf-8"))
+    else:
+        sys.stdout.write(unified_diff(text, new, name))
+    sys.stdout.flush()

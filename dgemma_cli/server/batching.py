@@ -48,10 +48,10 @@ from typing import Any, Callable
 
 import torch
 
-from .config import GenerationSettings
-from .model import DiffusionGemma
+from ..config import GenerationSettings
+from ..model import DiffusionGemma
 from .prefix_cache import PrefixCache
-from .sampler import (SamplerBuffers, _stable, entropy_bound_accept, prepare_step, sample_step, step_temperature,
+from ..sampler import (SamplerBuffers, _stable, entropy_bound_accept, prepare_step, sample_step, step_temperature,
                       use_fused_head)
 
 
@@ -143,7 +143,7 @@ def denoise_rows(model: DiffusionGemma, rows: list[_Row], canvas: torch.Tensor, 
     with one cache per row, its results in the sampler's buffers `buf` (engine.denoise_into). canvas [A, C] ids (row
     a is rows[a]); the rows that have a previous step (`row.sc`) are self-conditioned on it, read from `buf`.
     `experts_per_row`: see the module docstring."""
-    from .engine import denoise_into
+    from ..engine import denoise_into
 
     with rows_choose_adapters(model, [r.job.adapter for r in rows]):
         return denoise_into(model, canvas, [r.cache for r in rows], [r.ctx for r in rows], buf, True,

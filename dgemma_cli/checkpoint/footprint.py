@@ -8,7 +8,7 @@ estimate of GPU memory for a run: weights, the KV cache at a context length, eac
 
 from __future__ import annotations
 
-from .config import ModelConfig  # torch is imported only where a device is asked about: `dgemma show` never does
+from ..config import ModelConfig  # torch is imported only where a device is asked about: `dgemma show` never does
 
 FORMATS = ("bf16", "fp8", "int8", "nvfp4")  # least lossy first (FP8 and INT8 are the same size)
 # What each format quantizes by default, as its published releases do: NVFP4 the routed experts (NVIDIA's export),

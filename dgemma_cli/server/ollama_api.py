@@ -285,7 +285,7 @@ def _piece(server, kind: str, delta: str, thought: str, model: str = "") -> dict
 def _prepend(api, server, prep, ids: list[int], sized: bool) -> None:
     """A `context` before the request's prompt (its own <bos> dropped where the context has one); the answer's
     length (unless `sized` by num_predict) and KV cache reservation made again for the longer prompt."""
-    from .errors import UsageError
+    from ..errors import UsageError
 
     engine, job = server.engine, prep.job
     bos = engine.tokenizer.bos_id
@@ -366,8 +366,8 @@ def _capabilities(engine) -> list[str]:
     the vocabulary has the tool-call tokens the answers' calls are read by (tools.py; the chat template renders the
     tools, or dgemma writes Gemma 4's format); thinking where the template takes `enable_thinking` and the
     vocabulary has the thought channel's tokens; insert (infill: `suffix`), which every checkpoint serves."""
-    from .tokenizer import CHANNEL_END, CHANNEL_START
-    from .tools import CALL_END, CALL_START
+    from ..tokenizer import CHANNEL_END, CHANNEL_START
+    from ..tools import CALL_END, CALL_START
 
     tok = engine.tokenizer
     has = lambda *tokens: tok is not None and all(tok.token_id(t) is not None for t in tokens)

@@ -36,19 +36,20 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import answer, ollama_api, responses_api
+from .. import answer
+from . import ollama_api, responses_api
 from .batching import BatchLoop, Closed, Job, QueueFull, RowCanvas, RowDone, RowFailed, RowStep, Ticket
 from .body import BodyError
 from .body import parse as parse_body
-from .config import IMAGE_TOKEN_BUDGETS
-from .errors import DgemmaError, ModelError, UsageError
+from ..config import IMAGE_TOKEN_BUDGETS
+from ..errors import DgemmaError, ModelError, UsageError
 from .guard import INTERNAL, Guard, allowed_hosts, error_body, is_ollama
 from .header_timeout import DEFAULT_SECONDS as HEADER_TIMEOUT
 from .header_timeout import protocol as header_deadline_protocol
 from .logprobs import AnswerLogprobs
-from .store import check_images
-from .structure_worker import Busy, Cancelled, Stopped
-from .tokenizer import Control
+from ..checkpoint.layout import check_images
+from ..structured.worker import Busy, Cancelled, Stopped
+from ..tokenizer import Control
 
 MAX_BODY = 20 << 20  # bytes of one request body: room for a few photos as base64 data: URLs
 MAX_STOP = 8  # stop strings per request
@@ -438,8 +439,8 @@ def request_tools(tok, body: dict, kind: str, max_tokens: int | None = None):
     to or None). tool_choice: "auto" (the default with tools: the model may call), "none" (tools not offered),
     "required" (a call, of any of them), or {"type": "function", "function": {"name": ...}} (that one). max_tokens:
     the answer's, which the call's strings and arrays are bounded to fit (tools.call_grammar); None: checked only."""
-    from .constrain import Structure
-    from .tools import call_grammar, check_call_parameters, check_tools
+    from ..structured.constrain import Structure
+    from ..tools import call_grammar, check_call_parameters, check_tools
 
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools in (None, []):
@@ -544,7 +545,7 @@ def response_structure(fmt: Any, body: dict | None = None):
     fields guided_json (a schema), guided_regex, guided_grammar (Lark or GBNF), guided_choice (exactly one of its
     strings), and structured_outputs' json, regex, grammar, choice, json_object, so requests written for vLLM
     work."""
-    from .constrain import Structure
+    from ..structured.constrain import Structure
 
     guided = guided_fields(body)
     if guided:
@@ -1100,7 +1101,7 @@ def model_id(model: str) -> str:
     name."""
     from pathlib import Path
 
-    from .names import BUNDLED, resolve_model
+    from ..checkpoint.names import BUNDLED, resolve_model
 
     path = resolve_model(model)
     return model if model in BUNDLED or not Path(model).expanduser().is_dir() else path.resolve().name
@@ -1114,12 +1115,12 @@ def serve(model: str, *, host: str, port: int, api_key: str | None, max_batch: i
 
     adapters: (model id, directory, scale) of LoRA adapters served beside the base, each chosen per request;
     header_timeout: seconds a connection has to send a request's headers (header_timeout.py); compile_budget:
-    (seconds, bytes) of each structure's compile (structure_worker.py; None: the default)."""
+    (seconds, bytes) of each structure's compile (structured/worker.py; None: the default)."""
     import signal
 
     import uvicorn
 
-    from .engine import load
+    from ..engine import load
 
     sock = listen(host, port)
     names = [a[0] for a in adapters]
@@ -1129,7 +1130,7 @@ def serve(model: str, *, host: str, port: int, api_key: str | None, max_batch: i
                   adapter_slots=list(range(1, len(adapters) + 1)) or None)
     if engine.tokenizer is None:
         raise ModelError(f"{engine.path}: no tokenizer.json: the server needs one to read text")
-    engine.set_compile_budget(*compile_budget)  # each structure a client sends: structure_worker.py
+    engine.set_compile_budget(*compile_budget)  # each structure a client sends: structured/worker.py
     if engine.model.device.type == "cuda" and prefix_cache_bytes:  # the stored prompts live on the GPU: never more
         import torch
 

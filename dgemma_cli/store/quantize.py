@@ -39,13 +39,14 @@ from quant.convert import ConvertError, Group, OutTensor, Shard, write_checkpoin
 from quant.formats import compressed_tensors as ct_format
 from quant.formats import modelopt as modelopt_format
 
-from . import __version__
-from .config import ModelConfig
-from .device import resolve_device
-from .errors import ModelError, UsageError
-from .names import POLICIES
-from .footprint import DEFAULT_POLICY  # per format, as its published releases: NVFP4 experts, FP8 and INT8 all
-from .weights import (
+from .. import __version__
+from ..config import ModelConfig
+from ..device import resolve_device
+from ..errors import ModelError, UsageError
+from ..checkpoint.names import POLICIES
+# per format, as its published releases: NVFP4 experts, FP8 and INT8 all
+from ..checkpoint.footprint import DEFAULT_POLICY
+from ..checkpoint.weights import (
     TensorRecord, checked_record, checkpoint_files, checkpoint_name, expected_tensors, expert_base, index_checkpoint,
     read_converted, read_header, read_quant_format, text_prefix,
 )
@@ -167,7 +168,7 @@ def quantization_config(fmt: str, policy: str) -> dict:
 def calibration_ids(src: Path, vocab: int) -> tuple[list[list[int]], str]:
     """(token ids per prompt, what they are): CALIBRATION_PROMPTS in the checkpoint's chat format, or seeded random
     ids when the checkpoint has no tokenizer."""
-    from .tokenizer import Tokenizer
+    from ..tokenizer import Tokenizer
 
     try:
         tok = Tokenizer.from_dir(src)
@@ -186,8 +187,8 @@ def calibrate(src: Path, quantize_dense: bool, note: Callable[[str], None] = lam
     run), paths `layers.L.experts.gate_up` (every expert's gate and up input: the layer's expert input),
     `layers.L.experts.down` (every expert's gelu(gate) * up) and, with `quantize_dense`, `layers.L.self_attn.q_proj`,
     ... The model is memory-mapped on the CPU in the checkpoint's dtype (no copy of the weights)."""
-    from .model import Experts, gelu_tanh
-    from .weights import load_model
+    from ..model import Experts, gelu_tanh
+    from ..checkpoint.weights import load_model
 
     model, cfg = load_model(src, device="cpu")
     ids, what = calibration_ids(src, cfg.text.vocab_size)
@@ -247,7 +248,7 @@ def vision_sources(src: Path, records: dict[str, TensorRecord],
     `records`: the text model's (index_checkpoint); a single-file source has the tower among them, a sharded one
     in the shards its index names for it. Empty when the source has no tower, or when its shards are not here (a
     download of the text shards only): the output then reads text only, and says so when given an image."""
-    from .names import INDEX_FILE, VISION_TENSOR_PREFIXES, vision_names
+    from ..checkpoint.names import INDEX_FILE, VISION_TENSOR_PREFIXES, vision_names
 
     index = src / INDEX_FILE
     if not index.is_file():
@@ -273,7 +274,7 @@ def plan(src: Path, fmt: str, policy: str, search: bool, device,
          note: Callable[[str], None] = lambda s: None) -> tuple[list[Shard], dict[str, bytes], dict, dict]:
     """Check the source completely and describe the output: (shards, small files, job description, facts for the
     manifest)."""
-    from .model import DiffusionGemma, Experts
+    from ..model import DiffusionGemma, Experts
 
     if fmt not in FORMATS:
         raise UsageError(f"--quant must be one of {', '.join(FORMATS)} (got {fmt!r})")

@@ -43,8 +43,8 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import tqdm as hf_tqdm
 
-from .errors import DgemmaError
-from .names import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, INDEX_FILE, SINGLE_FILE, TEXT_PREFIXES, model_shards,
+from ..errors import DgemmaError
+from ..checkpoint.names import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, INDEX_FILE, SINGLE_FILE, TEXT_PREFIXES, model_shards,
                     text_shards)
 
 CONFIG_FILE = "config.json"

@@ -39,8 +39,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import ModelError
-from .names import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from ..errors import ModelError
+from ..checkpoint.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 CONFIG, WEIGHTS = ADAPTER_CONFIG, ADAPTER_WEIGHTS
 PREFIX = "base_model.model."
@@ -427,7 +427,7 @@ class ExpertLowRank:
                  slots: torch.Tensor | None = None) -> torch.Tensor | None:
         """x [S, in] grouped by expert (group e ends at offsets[e]) -> the sum of the low-rank terms [S, out].
         slots [S]: each assignment's adapter slot (None: all adapters on all)."""
-        from .model import grouped_linear
+        from ..model import grouped_linear
 
         out = None
         for A, B, scale, s in self.parts[self.phase.side][which]:

@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
-from .errors import UsageError
+from ..errors import UsageError
 
 DEFAULT_SECONDS = 30.0  # a structure's compile time budget (--compile-timeout)
 DEFAULT_MEMORY = 4 << 30  # the worker's resident memory budget, bytes (--compile-memory)
@@ -80,6 +80,10 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+# the directory that holds dgemma_cli/, on the worker's path as it is on ours
+_PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _worker_main() -> None:
@@ -262,12 +266,12 @@ class StructureCompiler:
         return LarkGrammar(result, self.tokenizer, self.vocab_size)
 
     def _start(self) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-c", "from dgemma_cli.structure_worker import _worker_main; "
+        proc = subprocess.Popen([sys.executable, "-c", "from dgemma_cli.structured.worker import _worker_main; "
                                  "_worker_main()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, start_new_session=True,
-                                env={**os.environ, "DGEMMA_COMPILE_PARENT": str(os.getpid()), "PYTHONPATH": os.pathsep.join(filter(None, [
-                                    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                    os.environ.get("PYTHONPATH")]))})
+                                env={**os.environ, "DGEMMA_COMPILE_PARENT": str(os.getpid()),
+                                     "PYTHONPATH": os.pathsep.join(filter(None, [_PROJECT_ROOT,
+                                                                                 os.environ.get("PYTHONPATH")]))})
         hf = getattr(self.tokenizer, "_tokenizer", None)  # a dgemma Tokenizer's tokenizers.Tokenizer
         _send(proc.stdin, ("vocab", list(self.tokenizer.token_bytes()), self.vocab_size,
                            hf.to_str() if hasattr(hf, "to_str") else None))

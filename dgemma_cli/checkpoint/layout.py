@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ModelError
+from ..errors import ModelError
 from .names import INDEX_FILE, SINGLE_FILE, TEXT_PREFIXES, VISION_EMBED, VISION_ROOTS, VISION_TOWER, text_shards
 
 # The dtypes dgemma reads, by safetensors' names, and their sizes in bytes (weights.py maps them to torch's).
@@ -179,3 +179,25 @@ def vision_records(directory: Path, read: Callable[[Path], dict] = read_header) 
         raise ModelError(f"{d}: the checkpoint holds no vision tower tensors")
     prefix = min(prefixes, key=VISION_PREFIXES.index)
     return records, prefix
+
+
+def check_images(directory: Path) -> None:
+    """Before images are read with `directory`: ModelError (one line) when it is a store entry that holds only the
+    text model, saying how to get the vision tower. Anything else (not an entry, a whole entry, a damaged index) is
+    left to the loader, whose messages speak of files."""
+    from .names import INDEX_FILE, MANIFEST, vision_names
+
+    d = Path(directory)
+    try:
+        meta = json.loads((d / MANIFEST).read_text())["store"]
+        repo, quant = str(meta["repo"]), str(meta["quant"])
+        names = vision_names(json.loads((d / INDEX_FILE).read_text())["weight_map"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return  # not an entry, or a single-file one (stored whole, as published)
+    if names and all((d / f).is_file() for f in set(names.values())):
+        return
+    name = f"{repo}:{quant}"
+    if meta.get("vision_tower") is False:  # recorded by pull: the source itself has no tower
+        raise ModelError(f"{name}: {repo} publishes no vision tower weights, so this model cannot read images")
+    raise ModelError(f"{name} holds only the text model (made before dgemma kept the vision tower); to read "
+                     f"images: dgemma rm {name} && dgemma pull {repo} --quant {quant}")

@@ -30,7 +30,7 @@ from collections import OrderedDict
 
 import torch
 
-from .errors import UsageError
+from ..errors import UsageError
 from .structure import (MAX_EDGES, MAX_REPEAT, Structure, integer_regex, lark_grammar,  # noqa: F401
                         number_regex, outlines_vocabulary, regex_tables, schema_regex)
 
@@ -110,7 +110,7 @@ _CACHE_SIZE = 16
 def compile_structure(structure: Structure, tokenizer, vocab_size: int):
     """`structure` compiled over `tokenizer`'s vocabulary in this process, without a budget: a TokenAutomaton
     (expressions, schemas) or a LarkGrammar (grammars); either makes a request's per-row state with `.row(...)`.
-    Cached per structure and tokenizer. What a client sends goes through `structure_worker.StructureCompiler`
+    Cached per structure and tokenizer. What a client sends goes through `worker.StructureCompiler`
     instead (a killable process with a time and memory budget), which builds the same objects."""
     key = (structure.kind, structure.source, id(tokenizer), vocab_size)
     with _CACHE_LOCK:

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .errors import DgemmaError, UsageError
+from ..errors import DgemmaError, UsageError
 
 STATE_DIR = ".tune"
 STATE = "state.pt"
@@ -221,9 +221,9 @@ def memory_estimate(model, ad, settings: TuneSettings, prompt_len: int, checkpoi
     loaded (plus a quantized layer's dequantized experts: one layer's with checkpointing, all without), the
     adapter's factors with their gradients and AdamW's moments, the activations kept for the backward pass, the
     head's float32 logits."""
-    from .footprint import dequantized_layer_bytes, tune_bytes
+    from ..checkpoint.footprint import dequantized_layer_bytes, tune_bytes
     from .lora import trainable
-    from .model import QuantizedExperts
+    from ..model import QuantizedExperts
 
     parts = tune_bytes(model.cfg, "bf16", settings.batch_size, prompt_len, settings.rank, settings.targets,
                        settings.expert_rank, checkpointing, dtype_bytes=model.dtype.itemsize)

@@ -36,17 +36,16 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, TextIO
 
-from rich.cells import set_cell_size
+from rich.cells import cell_len, set_cell_size
 from rich.console import Console, Group
 from rich.control import Control
 from rich.live import Live
 from rich.live_render import LiveRender
-from rich.cells import cell_len
 from rich.segment import ControlType, Segment
 from rich.text import Text
 
-from .sampler import CanvasDone, Done, Step, tokens_per_forward
-from .tokenizer import split_thought
+from ..sampler import CanvasDone, Done, Step, tokens_per_forward
+from ..tokenizer import split_thought
 
 NOISE_GLYPHS = "░▒▓▖▗▘▝▚▞■□▪▫◇◆◊"
 DEFAULT_FPS = 8.0  # redraws per second at most: a full 256-token frame costs a few ms (BENCHMARKS.md)

@@ -1,0 +1,10 @@
+"""The server (`dgemma serve`): the OpenAI API over HTTP (app.py: routes, requests, answers, streaming), the
+Responses API (responses_api.py) and Ollama's (ollama_api.py) on the same engine, the loop that batches requests at
+every denoise step (batching.py), the prompt cache (prefix_cache.py), log-probabilities (logprobs.py), and the walls
+every request passes first: the Host/Origin guard (guard.py), body limits (body.py), the header deadline
+(header_timeout.py).
+
+Owns: HTTP, the APIs' JSON, concurrency between requests, hostile input.
+May import the engine and everything below it, and the store; never the CLI (its flags are checked there and passed
+in). Nothing but the CLI imports it.
+"""
