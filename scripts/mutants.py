@@ -112,7 +112,7 @@ MUTATIONS: list[Mutation] = [
         'if method == "POST" and not is_ollama(path):',
         'if method == "POST":',
         f"{GUARD_T}::test_ollama_routes_take_a_body_sent_without_jsons_type"),
-    # ------------------------------------------------------------------ request bodies (body.py, serve.read_json)
+    # ------------------------------------------------------------------ request bodies (body.py, protocol.read_json)
     mutation(
         "body/depth-checked-4-late", "dgemma_cli/server/body.py",
         "            if depth > MAX_DEPTH:",
@@ -124,7 +124,7 @@ MUTATIONS: list[Mutation] = [
         "MAX_DEPTH = 68 ",
         f"{FAULTS_T}::test_nesting_is_refused_past_exactly_the_documented_depth"),
     mutation(
-        "body/limit-not-checked-while-reading", "dgemma_cli/server/app.py",
+        "body/limit-not-checked-while-reading", "dgemma_cli/server/protocol.py",
         "            total += len(chunk)\n            if total > MAX_BODY:\n",
         "            total += len(chunk)\n            if False:\n",
         f"{FAULTS_T}::test_a_chunked_body_over_the_limit_is_refused_while_it_is_read"),

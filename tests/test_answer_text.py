@@ -1,5 +1,5 @@
 """One place turns finished canvases into text (dgemma_cli/answer.py AnswerText): `dgemma run`'s streamed answer
-(FinishedCanvases) and the server's (serve.AnswerText) are the same text for the same canvases, and what streams
+(FinishedCanvases) and the server's (server/answering.AnswerText) are the same text for the same canvases, and what streams
 is always a prefix of the whole answer."""
 
 from __future__ import annotations

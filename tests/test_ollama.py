@@ -387,7 +387,8 @@ def scripted_server(engine, answer: list[int]):
     import uvicorn
     from test_serve import wait_until
 
-    from dgemma_cli.server.app import Server, build_app
+    from dgemma_cli.server.app import build_app
+    from dgemma_cli.server.state import Server
 
     loop = ScriptedLoop(answer)
     sock = socket.socket()

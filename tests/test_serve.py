@@ -24,7 +24,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from dgemma_cli.engine import load  # noqa: E402
-from dgemma_cli.server.app import MAX_BODY  # noqa: E402
+from dgemma_cli.server.protocol import MAX_BODY  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ["hello diffusions", "abc def 12 ghijk", "the quick brown ", "lorem ipsum dolo", "zz top rocks 123",

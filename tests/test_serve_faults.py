@@ -237,7 +237,8 @@ def test_an_internal_error_costs_one_line_not_the_connection(capfd):
     socket, in this process; /health fails because its loop raises."""
     import uvicorn
 
-    from dgemma_cli.server.app import Server, build_app
+    from dgemma_cli.server.app import build_app
+    from dgemma_cli.server.state import Server
 
     class BrokenLoop:
         max_batch = max_queue = 1
@@ -341,7 +342,8 @@ def test_a_thought_comes_apart_as_reasoning_content(engine):
     """The thought channel of an answer is `reasoning_content`, streamed apart from the answer's text; what only
     begins a channel waits. (The demo model does not think, so the canvases are made here.)"""
     from dgemma_cli.server.batching import Job
-    from dgemma_cli.server.app import AnswerText, Prepared
+    from dgemma_cli.server.answering import AnswerText
+    from dgemma_cli.server.requests import Prepared
 
     tok = engine.tokenizer
     ids = tok.encode("<|channel>thought\nit shouts<channel|>HELLO")
@@ -395,7 +397,8 @@ def test_a_failing_request_gets_a_500_or_an_error_event_and_the_others_go_on(eng
     import uvicorn
 
     from dgemma_cli.server.batching import BatchLoop
-    from dgemma_cli.server.app import Server, build_app
+    from dgemma_cli.server.app import build_app
+    from dgemma_cli.server.state import Server
 
     real = engine.check_context
     monkeypatch.setattr(engine, "check_context", lambda n, settings, held=0: 4 if n > 60 else real(n, settings, held))
@@ -475,7 +478,7 @@ def test_nesting_is_refused_past_exactly_the_documented_depth(server):
 def over_limit_chunked(url: str, path: str) -> tuple[int, dict]:
     """A body of MAX_BODY + 1 bytes sent chunked (no Content-Length), its end never sent: the server must refuse it
     while reading, or it waits for the rest for ever (then this times out)."""
-    from dgemma_cli.server.app import MAX_BODY
+    from dgemma_cli.server.protocol import MAX_BODY
 
     sock, host = F.connect(url)
     sock.settimeout(30)

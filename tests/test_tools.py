@@ -407,7 +407,7 @@ def test_control_token_text_sent_back_is_text(server, checkpoints):
     from tokenizers import AddedToken
     from tokenizers import Tokenizer as HF
 
-    from dgemma_cli.server.app import tok_chat
+    from dgemma_cli.server.messages import tok_chat
     from dgemma_cli.tools import check_tools
 
     tok = Tokenizer.from_dir(checkpoints["five_to_one"])
@@ -489,7 +489,8 @@ def scripted(demo_engine):
 
     import uvicorn
 
-    from dgemma_cli.server.app import Server, build_app
+    from dgemma_cli.server.app import build_app
+    from dgemma_cli.server.state import Server
     from test_serve import wait_until
 
     tok = demo_engine.tokenizer
@@ -626,12 +627,13 @@ def test_call_and_thought_text_the_model_spells_is_no_call_and_no_thought(demo_s
 
 
 def test_a_required_calls_grammar_is_built_once_max_tokens_is_known(monkeypatch):
-    """serve.prepare reads tools twice: first to check them (before the prompt is tokenized), then, with max_tokens
+    """requests.prepare reads tools twice: first to check them (before the prompt is tokenized), then, with max_tokens
     known, to build the call's grammar, whose bounds search builds it dozens of times (seconds of Python, holding
     the GIL, for a schema of thousands of nodes). The first reading checks only: no grammar is built, and a schema
     a call cannot hold is still one 400 there."""
     import dgemma_cli.tools as tools_module
-    from dgemma_cli.server.app import ApiError, request_tools
+    from dgemma_cli.server.constraints import request_tools
+    from dgemma_cli.server.protocol import ApiError
 
     tok = _demo_tok()
     params = {"type": "object", "properties": {f"p{i}": {"anyOf": [{"type": "string"}, {"type": "integer"}]}

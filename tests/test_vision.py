@@ -288,7 +288,8 @@ def test_server_image_parts_answer_as_the_engine(engine):
     from starlette.testclient import TestClient
 
     from dgemma_cli.server.batching import BatchLoop
-    from dgemma_cli.server.app import Server, build_app
+    from dgemma_cli.server.app import build_app
+    from dgemma_cli.server.state import Server
 
     files = [encoded(IMAGES[0], "PNG"), encoded(IMAGES[1], "JPEG")]
     urls = [f"data:image/{kind};base64,{base64.b64encode(b).decode()}" for b, kind in zip(files, ["png", "jpeg"])]

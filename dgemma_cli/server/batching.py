@@ -1,7 +1,7 @@
 """One engine loop for many requests: rows join the batch at their first canvas and leave when they are done.
 
-The rule: this module knows token ids, the network and the sampler; nothing of HTTP or text. `serve.py` turns
-requests into `Job`s and the events delivered here into the API's chunks.
+The rule: this module knows token ids, the network and the sampler; nothing of HTTP or text. `requests.py` turns
+requests into `Job`s and `answering.py` the events delivered here into the API's chunks.
 
 How a row is what it would be alone (`Engine.events(prompt, seed=S)` on the CPU, token for token):
 - Each request has its own KV cache (`KVCache` of batch 1) and its own place in its canvases (prompt length, canvas

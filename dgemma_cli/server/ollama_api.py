@@ -2,7 +2,7 @@
 
 Desktop clients that speak only Ollama reach dgemma through these routes: /api/chat, /api/generate (with `suffix`:
 infill), /api/tags, /api/show, /api/ps, /api/version, and GET / ("Ollama is running"). A request is translated into
-the OpenAI-shaped body `serve.prepare` checks, so both APIs share every limit, refusal and the batch; answers
+the OpenAI-shaped body `requests.prepare` checks, so both APIs share every limit, refusal and the batch; answers
 stream as Ollama streams them (newline-delimited JSON objects, the last with "done": true and its counts and
 durations in nanoseconds; /api/generate's also with `context`, the conversation's token ids, which a client may
 send back). Errors are Ollama's `{"error": "..."}` with the same status codes (the guard's refusals on these paths
@@ -24,8 +24,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from . import answering, protocol, requests
+
 VERSION = "0.12.0"  # the Ollama API version these routes follow (clients check it for features)
-MAX_STOP = 64  # stop strings per request (Ollama has none; /v1 takes serve.MAX_STOP)
+MAX_STOP = 64  # stop strings per request (Ollama has none; /v1 takes protocol.MAX_STOP)
 MAX_STOP_CHARS = 4096  # their characters together: each finished canvas's answer is searched for every one
 
 
@@ -228,16 +230,16 @@ def generate_body(server, body: dict) -> tuple[dict, str]:
     return {**common, "messages": messages, "thinking": bool(body.get("think"))}, "chat"
 
 
-async def _answer(api, server, prep) -> AsyncIterator[tuple[str, str, Any]]:
+async def _answer(server, prep) -> AsyncIterator[tuple[str, str, Any]]:
     """(answer delta, thought delta, None) per settled piece, then ("", "", final) with the row's RowDone (or None
     when a stop string ended it). The row is cancelled when the consumer stops."""
     from .batching import RowCanvas, RowDone
 
-    events, ticket = api.submit(server, prep)
-    text = api.AnswerText(server.engine.tokenizer, prep)
+    events, ticket = answering.submit(server, prep)
+    text = answering.AnswerText(server.engine.tokenizer, prep)
     try:
         while True:
-            ev = await api.next_event(events)
+            ev = await answering.next_event(events)
             if isinstance(ev, RowCanvas):
                 delta, thought = text.add(ev.tokens)
                 if delta or thought:
@@ -257,11 +259,11 @@ async def _answer(api, server, prep) -> AsyncIterator[tuple[str, str, Any]]:
         ticket.cancel()
 
 
-def _final(api, server, prep, done, text, started: float) -> dict:
+def _final(server, prep, done, text, started: float) -> dict:
     calls = text.tool_calls(text.ids) if done is not None else []
     total = int((time.perf_counter() - started) * 1e9)
     generated = int((done.seconds if done is not None else time.perf_counter() - started) * 1e9)
-    out = {"done": True, "done_reason": api.finish_reason(text, done), "total_duration": total, "load_duration": 0,
+    out = {"done": True, "done_reason": answering.finish_reason(text, done), "total_duration": total, "load_duration": 0,
            "prompt_eval_count": len(prep.job.prompt), "prompt_eval_duration": max(0, total - generated),
            "eval_count": text.returned_tokens(), "eval_duration": generated}
     if calls:  # Ollama's shape: the arguments as an object
@@ -282,7 +284,7 @@ def _piece(server, kind: str, delta: str, thought: str, model: str = "") -> dict
     return obj
 
 
-def _prepend(api, server, prep, ids: list[int], sized: bool) -> None:
+def _prepend(server, prep, ids: list[int], sized: bool) -> None:
     """A `context` before the request's prompt (its own <bos> dropped where the context has one); the answer's
     length (unless `sized` by num_predict) and KV cache reservation made again for the longer prompt."""
     from ..errors import UsageError
@@ -293,7 +295,7 @@ def _prepend(api, server, prep, ids: list[int], sized: bool) -> None:
     prompt = list(ids) + list(prompt)
     settings = job.settings
     if not sized:
-        settings = settings.override(max_new_tokens=api.default_max_tokens(engine, len(prompt), len(job.held)))
+        settings = settings.override(max_new_tokens=requests.default_max_tokens(engine, len(prompt), len(job.held)))
     try:
         capacity = engine.check_context(len(prompt), settings, held=len(job.held))
     except UsageError as e:
@@ -311,7 +313,7 @@ def _context_out(server, prep, done, text) -> list[int]:
     return ids
 
 
-async def respond(api, server, openai_body: dict, kind: str, shape: str, stream: bool,
+async def respond(server, openai_body: dict, kind: str, shape: str, stream: bool,
                   request: Request | None = None, stop: list[str] = (), ctx: list[int] = ()) -> Response:
     """Run the translated request and answer as Ollama does: NDJSON when streaming (its default), else one object.
     shape: "chat" (a message) or "generate" (a response, its last object with `context`); stop: options.stop
@@ -320,14 +322,14 @@ async def respond(api, server, openai_body: dict, kind: str, shape: str, stream:
     if stop and openai_body.get("response_format"):
         raise OllamaError(400, "options.stop cannot be used with format: a stop string would cut the structured "
                           "answer short of it")
-    prep = await api.prepared(server, openai_body, kind, request)  # a client leaving stops its structure's compile
-    prep.stops = list(stop)  # checked here (MAX_STOP), not by serve.prepare's /v1 limit
+    prep = await requests.prepared(server, openai_body, kind, request)  # a client leaving stops its structure's compile
+    prep.stops = list(stop)  # checked here (MAX_STOP), not by requests.prepare's /v1 limit
     if ctx:
-        _prepend(api, server, prep, ctx, "max_tokens" in openai_body)
+        _prepend(server, prep, ctx, "max_tokens" in openai_body)
 
     def last(done, text, answer: str = "", thought: str = "") -> dict:
         """The last object: the answer's counts and durations (and the whole answer, when not streamed)."""
-        obj = {**_piece(server, shape, answer, thought, prep.model), **_final(api, server, prep, done, text, started)}
+        obj = {**_piece(server, shape, answer, thought, prep.model), **_final(server, prep, done, text, started)}
         if shape == "generate":
             obj["context"] = _context_out(server, prep, done, text)
         return _with_calls(shape, obj)
@@ -335,14 +337,14 @@ async def respond(api, server, openai_body: dict, kind: str, shape: str, stream:
     if not stream:
         async def collect() -> tuple[str, str, Any]:
             answer, thought, final = "", "", None
-            async for delta, th, end in _answer(api, server, prep):
+            async for delta, th, end in _answer(server, prep):
                 answer, thought = answer + delta, thought + th
                 final = end or final
             return answer, thought, final
 
         # A client that leaves stops its row (cancelling `collect` closes _answer, which cancels the ticket), as on
         # /v1: else every request sent and dropped would run to its num_predict.
-        finished, result = await api.unless_gone(request, collect())
+        finished, result = await protocol.unless_gone(request, collect())
         if not finished:
             return Response(status_code=499)  # nobody is listening
         answer, thought, final = result
@@ -350,12 +352,12 @@ async def respond(api, server, openai_body: dict, kind: str, shape: str, stream:
 
     async def lines() -> AsyncIterator[bytes]:
         try:
-            async for delta, th, end in _answer(api, server, prep):
+            async for delta, th, end in _answer(server, prep):
                 if end is None:
                     yield (json.dumps(_piece(server, shape, delta, th, prep.model), ensure_ascii=False) + "\n").encode()
                 else:
                     yield (json.dumps(last(*end), ensure_ascii=False) + "\n").encode()
-        except api.ApiError as e:
+        except protocol.ApiError as e:
             yield (json.dumps({"error": e.message}) + "\n").encode()
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
@@ -391,34 +393,33 @@ def _details(server) -> dict:
             "quantization_level": fmt.upper(), "canvas_length": cfg.canvas_length}
 
 
-def routes(server, api) -> list[Route]:
-    """The routes, for serve.build_app; `api` is the serve module (its request checks, batch submission and answer
-    text), handed over rather than imported."""
+def routes(server) -> list[Route]:
+    """The routes, for app.build_app."""
 
     async def guarded(request: Request, work) -> Response:
         try:
             server.authorize(request)
             return await work()
-        except (api.ApiError, OllamaError) as e:
+        except (protocol.ApiError, OllamaError) as e:
             return _error(e.status, e.message)
 
     async def chat(request: Request) -> Response:
         async def work():
-            body = await api.read_json(request)
+            body = await protocol.read_json(request)
             stream = _stream(body)
             if body.get("messages") in (None, []):  # Ollama's way to load (or unload) a model
                 return _loaded(_model_name(server, body.get("model")), body, "chat")
-            return await respond(api, server, chat_body(server, body), "chat", "chat", stream, request, stops(body))
+            return await respond(server, chat_body(server, body), "chat", "chat", stream, request, stops(body))
         return await guarded(request, work)
 
     async def generate(request: Request) -> Response:
         async def work():
-            body = await api.read_json(request)
+            body = await protocol.read_json(request)
             stream = _stream(body)
             if body.get("prompt") in (None, "") and body.get("suffix") is None and not body.get("images"):
                 return _loaded(_model_name(server, body.get("model")), body, "generate")  # Ollama's load idiom
             openai_body, kind = generate_body(server, body)
-            return await respond(api, server, openai_body, kind, "generate", stream, request, stops(body),
+            return await respond(server, openai_body, kind, "generate", stream, request, stops(body),
                                  context(server, body))
         return await guarded(request, work)
 
@@ -440,11 +441,11 @@ def routes(server, api) -> list[Route]:
 
     async def show(request: Request) -> Response:
         async def work():
-            body = await api.read_json(request)
+            body = await protocol.read_json(request)
             name = _model_name(server, body.get("model") or body.get("name"))
             engine = server.engine
             s = engine.settings
-            params = (f"temperature {s.t_max}\nnum_predict {api.default_max_tokens(engine)}\n"  # a request without one
+            params = (f"temperature {s.t_max}\nnum_predict {requests.default_max_tokens(engine)}\n"  # a request without one
                       + "".join(f"stop {engine.tokenizer.decode([i], skip_special_tokens=False)}\n"
                                 for i in s.eos_token_ids if engine.tokenizer is not None))
             capabilities = _capabilities(engine)

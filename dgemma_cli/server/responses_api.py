@@ -1,9 +1,9 @@
 """OpenAI's Responses API (`POST /v1/responses`) on `dgemma serve`'s chat path (docs/serve.md, The Responses API).
 
-The rule: nothing here generates. A request is translated into the chat completions body `serve.prepare` checks
+The rule: nothing here generates. A request is translated into the chat completions body `requests.prepare` checks
 (input items -> messages, instructions -> a system message, function tools in the flat shape -> chat tools,
 text.format -> response_format, reasoning -> thinking, max_output_tokens -> max_tokens), so both APIs share every
-limit, refusal and the batch; the chat answer (`serve.whole`, or the chunks of `serve.stream_chunks`) is translated
+limit, refusal and the batch; the chat answer (`answering.whole`, or the chunks of `answering.stream_chunks`) is translated
 back into a response object, or into the Responses event stream (response.created, response.in_progress,
 response.output_item.added, response.content_part.added, response.output_text.delta, response.output_text.done,
 response.content_part.done, response.output_item.done, ..., response.completed).
@@ -24,6 +24,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from . import answering, protocol, requests
+
 ROLES = ("user", "system", "developer", "assistant")
 THINKING_EFFORTS = ("low", "medium", "high", "xhigh")  # reasoning.effort that turns thinking on (none, minimal: off)
 PASSED = ("model", "temperature", "top_p", "parallel_tool_calls", "seed", "steps", "entropy_bound", "image_tokens",
@@ -34,9 +36,9 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
-def chat_request(api, body: dict) -> dict:
-    """A Responses request -> the chat completions body (the `api` module's ApiError for what cannot be)."""
-    err, refuse = api.ApiError, api.refuse
+def chat_request(body: dict) -> dict:
+    """A Responses request -> the chat completions body (an ApiError for what cannot be)."""
+    err, refuse = protocol.ApiError, protocol.refuse
     if body.get("previous_response_id") is not None:
         raise refuse("previous_response_id", "this server keeps no responses; send the whole conversation in "
                      "'input' (earlier output items included)")
@@ -51,20 +53,20 @@ def chat_request(api, body: dict) -> dict:
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
-            raise api._type_error("instructions", "a string", instructions)
+            raise protocol.type_error("instructions", "a string", instructions)
         messages.append({"role": "system", "content": instructions})
-    messages += input_messages(api, body.get("input"))
+    messages += input_messages(body.get("input"))
     out["messages"] = messages
     if body.get("max_output_tokens") is not None:
-        out["max_tokens"] = api.get_int(body, "max_output_tokens", 1)
-    stream = api.get_bool(body, "stream")
+        out["max_tokens"] = protocol.get_int(body, "max_output_tokens", 1)
+    stream = protocol.get_bool(body, "stream")
     if stream:
         out["stream"] = True
         out["stream_options"] = {"include_usage": True}
     tools = body.get("tools")
     if tools not in (None, []):
         if not isinstance(tools, list):
-            raise api._type_error("tools", "a list", tools)
+            raise protocol.type_error("tools", "a list", tools)
         out["tools"] = []
         for i, t in enumerate(tools):
             if not isinstance(t, dict) or t.get("type") != "function":
@@ -85,7 +87,7 @@ def chat_request(api, body: dict) -> dict:
     text = body.get("text")
     if text is not None:
         if not isinstance(text, dict):
-            raise api._type_error("text", "an object", text)
+            raise protocol.type_error("text", "an object", text)
         fmt = text.get("format")
         if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
             out["response_format"] = {"type": "json_schema", "json_schema": {
@@ -95,7 +97,7 @@ def chat_request(api, body: dict) -> dict:
     reasoning = body.get("reasoning")
     if reasoning is not None:
         if not isinstance(reasoning, dict):
-            raise api._type_error("reasoning", "an object", reasoning)
+            raise protocol.type_error("reasoning", "an object", reasoning)
         effort = reasoning.get("effort")
         if effort not in (None, "none", "minimal", *THINKING_EFFORTS):
             raise err(400, f"'reasoning.effort' must be one of none, minimal, {', '.join(THINKING_EFFORTS)}",
@@ -105,19 +107,19 @@ def chat_request(api, body: dict) -> dict:
     top = body.get("top_logprobs")
     include = body.get("include") or []
     if not isinstance(include, list):
-        raise api._type_error("include", "a list", include)
+        raise protocol.type_error("include", "a list", include)
     if top is not None or "message.output_text.logprobs" in include:
         out["logprobs"] = True
-        out["top_logprobs"] = api.get_int(body, "top_logprobs", 0, api.MAX_TOP_LOGPROBS) or 0
+        out["top_logprobs"] = protocol.get_int(body, "top_logprobs", 0, requests.MAX_TOP_LOGPROBS) or 0
     return out
 
 
-def input_messages(api, value: Any) -> list[dict]:
+def input_messages(value: Any) -> list[dict]:
     """`input` (a string, or a list of items) -> chat messages. Items: messages (role and content: a string or
     input_text / output_text / input_image parts), function_call (the assistant's call: its message's tool_calls)
     and function_call_output (a tool message); reasoning items are passed over (a thought is not read back, as the
     chat template drops it)."""
-    err = api.ApiError
+    err = protocol.ApiError
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
@@ -127,14 +129,14 @@ def input_messages(api, value: Any) -> list[dict]:
     for i, item in enumerate(value):
         where = f"input[{i}]"
         if not isinstance(item, dict):
-            raise api._type_error(where, "an object", item)
+            raise protocol.type_error(where, "an object", item)
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             role = item.get("role")
             if role not in ROLES:
                 raise err(400, f"{where}.role must be one of {', '.join(ROLES)} (got {json.dumps(role)[:40]})",
                           param=f"{where}.role", code="invalid_value")
-            messages.append({"role": role, "content": message_content(api, item.get("content"), where)})
+            messages.append({"role": role, "content": message_content(item.get("content"), where)})
         elif kind == "function_call":
             call_id, name = item.get("call_id"), item.get("name")
             if not isinstance(call_id, str) or not isinstance(name, str):
@@ -157,7 +159,7 @@ def input_messages(api, value: Any) -> list[dict]:
                 output = "".join(p.get("text", "") for p in output if isinstance(p, dict)
                                  and p.get("type") in ("input_text", "output_text"))
             if not isinstance(output, str):
-                raise api._type_error(f"{where}.output", "a string", output)
+                raise protocol.type_error(f"{where}.output", "a string", output)
             tool = {"role": "tool", "tool_call_id": call_id, "content": output}
             if call_id in names:
                 tool["name"] = names[call_id]
@@ -176,12 +178,12 @@ def input_messages(api, value: Any) -> list[dict]:
     return messages
 
 
-def message_content(api, content: Any, where: str) -> Any:
+def message_content(content: Any, where: str) -> Any:
     """A message item's content -> chat content: a string, or text and image_url parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise api._type_error(f"{where}.content", "a string or a list of content parts", content)
+        raise protocol.type_error(f"{where}.content", "a string or a list of content parts", content)
     parts = []
     for k, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -193,11 +195,11 @@ def message_content(api, content: Any, where: str) -> Any:
         elif kind == "input_image":
             url = part.get("image_url")
             if not isinstance(url, str):
-                raise api.ApiError(400, f"{at}: an input_image needs an 'image_url' (a base64 data: URL; uploaded "
+                raise protocol.ApiError(400, f"{at}: an input_image needs an 'image_url' (a base64 data: URL; uploaded "
                                    "files are OpenAI's)", param=at, code="invalid_image_url")
             parts.append({"type": "image_url", "image_url": {"url": url}})
         else:
-            raise api.ApiError(400, f"{at}: only input_text, output_text and input_image parts are served here "
+            raise protocol.ApiError(400, f"{at}: only input_text, output_text and input_image parts are served here "
                                f"(got {json.dumps(kind)[:40]})", param=at, code="unsupported_parameter")
     return parts
 
@@ -407,16 +409,16 @@ async def events(answer: Answer, chunks: AsyncIterator[dict]) -> AsyncIterator[s
 PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
 
 
-def routes(server, api) -> list[Route]:
-    """The route, for serve.build_app; `api` is the serve module, handed over rather than imported."""
+def routes(server) -> list[Route]:
+    """The route, for app.build_app."""
 
     async def create(request: Request) -> Response:
         server.authorize(request)
-        body = await api.read_json(request)
-        chat = chat_request(api, body)
+        body = await protocol.read_json(request)
+        chat = chat_request(body)
         try:
-            prep = await api.prepared(server, chat, "chat", request)
-        except api.ApiError as e:  # named as this API names the field
+            prep = await requests.prepared(server, chat, "chat", request)
+        except protocol.ApiError as e:  # named as this API names the field
             head = (e.param or "").split("[")[0].split(".")[0]
             if head in PARAMS:  # a message's index is not its item's (instructions, calls merged): the input
                 e.param = PARAMS[head] if head == "messages" else PARAMS[head] + e.param[len(head):]
@@ -424,11 +426,11 @@ def routes(server, api) -> list[Route]:
             raise
         answer = Answer(server, body, chat, prep)
         if not prep.stream:
-            whole = await api.whole(server, request, prep)
+            whole = await answering.whole(server, request, prep)
             if whole is None:
                 return Response(status_code=499)
             return JSONResponse(response_of(answer, whole))
-        chunks, ticket = api.stream_chunks(server, prep)
-        return api.EventStream(events(answer, chunks), ticket)
+        chunks, ticket = answering.stream_chunks(server, prep)
+        return protocol.EventStream(events(answer, chunks), ticket)
 
     return [Route("/v1/responses", create, methods=["POST"])]
