@@ -477,11 +477,41 @@ def _in_inference_mode(events: Iterator[Event], denoiser: ModelDenoiser | None =
         yield event
 
 
-def load(model: str | Path, device: str = "auto", dtype: str = "auto", adapters=(), adapter_slots=None) -> Engine:
+def plan_placement(path: Path, dev, gpu_memory: int | None, batch: int = 1):
+    """The placement plan for a load (dgemma_cli/placement/plan.py), or None: everything resident as loaded. With
+    --gpu-memory, a card of that size (on the CPU too, which then runs the same streamed path); on a CUDA device
+    without it, the device's free memory, planned only when the weights alone would not fit there. ModelError (one
+    line) when the plan cannot hold."""
+    from .checkpoint.footprint import system_free, weight_bytes
+    from .checkpoint.weights import read_quant_format
+    from .placement.cards import Card, card_of_device, sized
+    from .placement.plan import plan
+
+    cfg = ModelConfig.from_dir(path)
+    fmt = read_quant_format(path, cfg.raw) or "bf16"
+    if gpu_memory is None:
+        if dev.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(dev)
+        if sum(weight_bytes(cfg, fmt).values()) <= free:
+            return None
+        gpu_memory = free
+    base = card_of_device(dev) if dev.type == "cuda" else Card("CPU", 0, 0.0, 4, 16)
+    context = min(8192, cfg.text.max_position_embeddings)
+    p = plan(cfg, fmt, [sized(base, gpu_memory)], context=context, batch=batch, host_free=system_free() or None)
+    if not p.fits:
+        raise ModelError(p.refusal)
+    return p
+
+
+def load(model: str | Path, device: str = "auto", dtype: str = "auto", adapters=(), adapter_slots=None,
+         gpu_memory: int | None = None, batch: int = 1) -> Engine:
     """Load a checkpoint directory (Hugging Face layout), or 'demo', with its tokenizer and generation defaults.
-    adapters: (directory, scale) pairs of PEFT LoRA adapters, attached unmerged (dgemma_cli/tuner/lora.py); each is read
-    and checked before the model's weights are. adapter_slots: each adapter's slot when rows choose theirs (the
-    server); None: all apply together."""
+    adapters: (directory, scale) pairs of PEFT LoRA adapters, attached unmerged (dgemma_cli/tuner/lora.py); each is
+    read and checked before the model's weights are. adapter_slots: each adapter's slot when rows choose theirs (the
+    server); None: all apply together. gpu_memory: the card memory to plan for, bytes (--gpu-memory; on the CPU the
+    same plan runs as on a card of that size); experts that do not fit stream from host memory (dgemma_cli/placement).
+    batch: the rows the plan leaves room for."""
     from .tuner.lora import attach, read_adapter
 
     read = [(read_adapter(d), float(s)) for d, s in adapters]
@@ -493,7 +523,14 @@ def load(model: str | Path, device: str = "auto", dtype: str = "auto", adapters=
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     check_kernels(dev)
-    net, cfg = load_model(path, device=dev, dtype=dt)
+    placement = plan_placement(path, dev, gpu_memory, batch)  # refused here, in one line, before anything loads
+    streamed = placement.streamed if placement is not None else []
+    net, cfg = load_model(path, device=dev, dtype=dt, host_layers=frozenset(streamed))
+    if streamed:
+        from .placement.streaming import ExpertStream
+
+        net.expert_stream = ExpertStream(net, streamed, dev)
+    net.placement = placement
     attach(net, read, adapter_slots)
     if dev.type == "cpu":  # no more threads than usable cores, one for a demo-size model (see device.py)
         fit_cpu_threads(small=cfg.canvas_length * cfg.text.vocab_size < SMALL_STEP)

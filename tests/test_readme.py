@@ -162,7 +162,7 @@ def check(command: Command, done: subprocess.CompletedProcess) -> None:
 def test_the_readme_shows_each_command_and_not_run_is_current():
     """The README has an example of every command (each one run below), and every entry of NOT_RUN is in it."""
     shown = {c.words[1] for c in ALL if c.words[:1] == ["dgemma"] and len(c.words) > 1}
-    for name in ("run", "chat", "fim", "serve", "pull", "list", "show", "info", "quantize", "bench"):
+    for name in ("run", "chat", "fim", "serve", "pull", "list", "show", "info", "quantize", "bench", "plan"):
         assert name in shown, f"README.md has no `dgemma {name}` example"
     assert any("|" in c.words and "dgemma" in c.words for c in ALL), "README.md has no pipe into dgemma"
     keys = {c.key for c in ALL}

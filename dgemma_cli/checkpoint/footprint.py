@@ -28,35 +28,47 @@ def packed_bytes(fmt: str, n: int, k: int) -> int:
     return 2 * n * k
 
 
+def layer_bytes(cfg: ModelConfig, fmt: str, policy: str | None = None) -> list[dict[str, int]]:
+    """Per layer, bytes by part: its routed experts, its dense weights (attention + dense MLP), the rest (router, norms,
+    q/k norms). What the placement planner puts on a card or streams, layer by layer."""
+    t = cfg.text
+    policy = policy or DEFAULT_POLICY[fmt]
+    H, I, Im, E = t.hidden_size, t.intermediate_size, t.moe_intermediate_size, t.num_experts
+    dense_fmt = fmt if policy == "all" else "bf16"
+    out = []
+    for spec in t.layers:
+        q, kv = t.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        linears = [(q, H), (kv, H), (H, q), (I, H), (I, H), (H, I)] + ([(kv, H)] if spec.is_sliding else [])
+        out.append({"experts": E * (packed_bytes(fmt, 2 * Im, H) + packed_bytes(fmt, H, Im)),
+                    "dense": sum(packed_bytes(dense_fmt, n, k) for n, k in linears),  # [out, in]: attention, MLP
+                    "other": 2 * (2 * spec.head_dim + E * H + H + E + 7 * H)})  # q/k norms; router; norms
+    return out
+
+
 def weight_bytes(cfg: ModelConfig, fmt: str, policy: str | None = None) -> dict[str, int]:
     """Bytes by part: experts, dense (attention + dense MLP), embedding, other (router, norms, self-conditioning).
 
     Counted from the config's shapes, module by module as model.DiffusionGemma builds them (tests check the two
     agree), without building it: no torch."""
     t = cfg.text
-    policy = policy or DEFAULT_POLICY[fmt]
-    H, I, Im, E, L = t.hidden_size, t.intermediate_size, t.moe_intermediate_size, t.num_experts, t.num_hidden_layers
-    dense_fmt = fmt if policy == "all" else "bf16"
-    parts = {"experts": 0, "dense": 0, "embedding": 2 * t.vocab_size * H, "other": 0}
-    other = H + H + 3 * H * I + 2 * L  # final norm; self-conditioning's pre-norm, gate, up, down; layer scalars
-    for spec in t.layers:
-        q, kv = t.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        parts["experts"] += E * (packed_bytes(fmt, 2 * Im, H) + packed_bytes(fmt, H, Im))
-        linears = [(q, H), (kv, H), (H, q), (I, H), (I, H), (H, I)] + ([(kv, H)] if spec.is_sliding else [])
-        parts["dense"] += sum(packed_bytes(dense_fmt, n, k) for n, k in linears)  # [out, in]: attention, MLP
-        other += 2 * spec.head_dim + E * H + H + E + 7 * H  # q/k norms; router proj, scale, per-expert scale; norms
-    parts["other"] = 2 * other
-    return parts
+    H, I, L = t.hidden_size, t.intermediate_size, t.num_hidden_layers
+    layers = layer_bytes(cfg, fmt, policy)
+    # final norm; self-conditioning's pre-norm, gate, up, down; layer scalars
+    other = 2 * (H + H + 3 * H * I + 2 * L) + sum(lb["other"] for lb in layers)
+    return {"experts": sum(lb["experts"] for lb in layers), "dense": sum(lb["dense"] for lb in layers),
+            "embedding": 2 * t.vocab_size * H, "other": other}
+
+
+def layer_cache_bytes(cfg: ModelConfig, context: int, batch: int = 1) -> list[int]:
+    """Per layer, bf16 K and V: sliding layers keep a window, full layers the whole context (+ a canvas)."""
+    t, C = cfg.text, cfg.canvas_length
+    return [2 * batch * ((min(context, t.sliding_window - 1) if spec.is_sliding else context) + C)
+            * spec.num_kv_heads * spec.head_dim * 2 for spec in t.layers]
 
 
 def kv_cache_bytes(cfg: ModelConfig, context: int, batch: int = 1) -> int:
     """bf16 K and V for every layer: sliding layers keep a window, full layers the whole context (+ a canvas)."""
-    t, C = cfg.text, cfg.canvas_length
-    total = 0
-    for spec in t.layers:
-        positions = (min(context, t.sliding_window - 1) if spec.is_sliding else context) + C
-        total += 2 * batch * positions * spec.num_kv_heads * spec.head_dim * 2
-    return total
+    return sum(layer_cache_bytes(cfg, context, batch))
 
 
 HEAD_CHUNK, HEAD_TILE = 32768, 128  # the fused head's vocabulary chunk and tile (quant/kernels/head.py)

@@ -223,10 +223,13 @@ def expected_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_model(directory: Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+def load_model(directory: Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+               host_layers=frozenset()):
     """Build the network on the meta device and fill it from a checkpoint directory.
 
-    dtype None keeps the checkpoint's dtype (the compute dtype; packed tensors always keep theirs).
+    dtype None keeps the checkpoint's dtype (the compute dtype; packed tensors always keep theirs). host_layers: the
+    layers whose routed experts stay in host memory (the placement plan's streamed layers, dgemma_cli/placement):
+    read from the files straight into host memory, never onto `device`.
     Returns (model, ModelConfig).
     """
     from ..model import DiffusionGemma
@@ -269,12 +272,14 @@ def load_model(directory: Path, device: str | torch.device = "cpu", dtype: torch
     files = MappedFiles()
     state = {}
     scalars = {"encoder_layer_scalar": [None] * L, "decoder_layer_scalar": [None] * L}
-    zero_copy = torch.device(device).type == "cpu"
+    host_prefixes = tuple(f"layers.{i}.experts." for i in host_layers)
     for name, parts in plan.items():
         meta = expected[name]
         want = meta.dtype if name in packed else dtype
+        target = "cpu" if name.startswith(host_prefixes) else device
+        zero_copy = torch.device(target).type == "cpu"
         if parts[0][1] is not None:  # stacked from per-expert pieces
-            t = torch.empty(meta.shape, dtype=want, device=device)
+            t = torch.empty(meta.shape, dtype=want, device=target)
             for rec, idx in parts:
                 read_into(rec, t[idx])
         else:
@@ -282,7 +287,7 @@ def load_model(directory: Path, device: str | torch.device = "cpu", dtype: torch
             if zero_copy and rec.dtype == want:
                 t = files.tensor(rec)  # a view of the mapped file: no copy, pages load on first use
             else:
-                t = read_converted(rec, want, device)
+                t = read_converted(rec, want, target)
             t = t.reshape(meta.shape)  # only scalars differ ([] vs [1])
         if name.split(".")[0] in scalars:
             kind, i = name.split(".")

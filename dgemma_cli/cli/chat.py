@@ -17,12 +17,14 @@ import typer
 from ..errors import DgemmaError, UsageError
 from .options import (
     ADAPTER_OPTION,
+    GPU_MEMORY_OPTION,
     MODEL_HELP,
     QUIET_OPTION,
     TEMPERATURE_OPTION,
     adapter_args,
     be_quiet,
     check_device_dtype,
+    gpu_memory_arg,
     model_arg,
     sampler_option,
     sampler_settings,
@@ -378,6 +380,7 @@ def chat(
     device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
     dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto."),
     adapter: Optional[List[str]] = ADAPTER_OPTION,
+    gpu_memory: Optional[str] = GPU_MEMORY_OPTION,
     quiet: bool = QUIET_OPTION,
 ) -> None:
     """Chat in the terminal; the KV cache carries over between turns. /help lists the commands.
@@ -395,11 +398,12 @@ def chat(
     if not sys.stdin.isatty():
         raise UsageError("dgemma chat needs a terminal; for pipes use `dgemma run` (--each-line for many prompts)")
     adapters = adapter_args(adapter)
+    card_bytes = gpu_memory_arg(gpu_memory)
     be_quiet(quiet)
     model_dir = model_arg(model, quiet)
     from ..engine import load
 
-    engine = load(model_dir, device=device, dtype=dtype, adapters=adapters)
+    engine = load(model_dir, device=device, dtype=dtype, adapters=adapters, gpu_memory=card_bytes)
     settings = engine.settings.override(**sampler)
     raise typer.Exit(run_chat(engine, system=system, settings=settings, think=think, view=view, context=context,
                               seed=seed, quiet=quiet))

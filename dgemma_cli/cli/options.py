@@ -81,6 +81,21 @@ def check_device_dtype(device: str, dtype: str) -> None:
     check_dtype_name(dtype)
 
 
+GPU_MEMORY_OPTION = typer.Option(
+    None, "--gpu-memory", metavar="SIZE", help="The card memory to plan for (16GB, 12.5GiB, 8000MB): routed experts "
+    "that do not fit stay in host memory and stream to the card layer by layer (`dgemma plan` shows the plan). "
+    "Default: the card's free memory. On the CPU, the same plan runs as on a card of that size.")
+
+
+def gpu_memory_arg(value: Optional[str]) -> Optional[int]:
+    """--gpu-memory, checked before torch is imported -> bytes (None: not given)."""
+    if value is None:
+        return None
+    from ..placement.cards import parse_size
+
+    return parse_size(value)
+
+
 ADAPTER_OPTION = typer.Option(
     None, "--adapter", metavar="DIR[:SCALE]", help="A LoRA adapter in PEFT's format (a directory, or a bundled or "
     "stored adapter's name), applied unmerged to any base format; :SCALE weighs it (default 1). Repeat to add "

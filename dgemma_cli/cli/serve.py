@@ -11,11 +11,13 @@ from ..server.guard import is_loopback
 from .options import (
     COMPILE_MEMORY_OPTION,
     COMPILE_TIMEOUT_OPTION,
+    GPU_MEMORY_OPTION,
     MODEL_HELP,
     QUIET_OPTION,
     be_quiet,
     check_device_dtype,
     compile_budget,
+    gpu_memory_arg,
     model_arg,
     note,
 )
@@ -48,6 +50,7 @@ def serve(
     header_timeout: float = typer.Option(10.0, "--header-timeout", metavar="SECONDS",
                                          help="Close a connection that has not sent a whole request line and "
                                          "headers within this time."),
+    gpu_memory: Optional[str] = GPU_MEMORY_OPTION,
     compile_timeout: float = COMPILE_TIMEOUT_OPTION,
     compile_memory: float = COMPILE_MEMORY_OPTION,
     quiet: bool = QUIET_OPTION,
@@ -77,6 +80,7 @@ def serve(
     if not 0 < header_timeout <= 3600:  # NaN too
         raise UsageError(f"--header-timeout must be between 0 and 3600 seconds (got {header_timeout:g})")
     budget = compile_budget(compile_timeout, compile_memory)
+    card_bytes = gpu_memory_arg(gpu_memory)
     if api_key is not None and not api_key.strip():
         raise UsageError("--api-key must not be empty")
     if not is_loopback(host) and not api_key:
@@ -90,4 +94,5 @@ def serve(
                                 max_queue=max_queue, device=device, dtype=dtype, note=note,
                                 prefix_cache_bytes=prefix_cache * 2**20, adapters=named,
                                 allow_hosts=tuple(allow_host or ()), allow_origins=tuple(allow_origin or ()),
-                                header_timeout=header_timeout, compile_budget=budget))
+                                header_timeout=header_timeout, compile_budget=budget,
+                                gpu_memory=card_bytes))

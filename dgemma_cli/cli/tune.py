@@ -8,7 +8,17 @@ from typing import Optional
 import typer
 
 from ..errors import UsageError
-from .options import MODEL_HELP, QUIET_OPTION, be_quiet, check_device_dtype, gb, model_arg, note
+from .options import (
+    GPU_MEMORY_OPTION,
+    MODEL_HELP,
+    QUIET_OPTION,
+    be_quiet,
+    check_device_dtype,
+    gb,
+    gpu_memory_arg,
+    model_arg,
+    note,
+)
 
 
 def tune(
@@ -46,6 +56,7 @@ def tune(
                                        "of keeping it (less memory, about a third more compute; the same adapter)."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
     dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto."),
+    gpu_memory: Optional[str] = GPU_MEMORY_OPTION,
     quiet: bool = QUIET_OPTION,
 ) -> None:
     """Tune a LoRA adapter with the model's own objective (noised canvases, self-conditioning) on a frozen base.
@@ -56,6 +67,7 @@ def tune(
     from pathlib import Path
 
     check_device_dtype(device, dtype)
+    card_bytes = gpu_memory_arg(gpu_memory)
     kinds = tuple(t.strip() for t in targets.split(",") if t.strip())
     bad = [k for k in kinds if k not in ("attention", "mlp", "self_conditioning")]
     if bad or not kinds:
@@ -75,7 +87,8 @@ def tune(
     from ..engine import load
     from ..tuner.tune import Tuner, TuneSettings, load_state, memory_estimate, read_examples
 
-    engine = load(model_dir, device=device, dtype=dtype)  # auto: float32 on the CPU, bfloat16 on a GPU
+    # dtype auto: float32 on the CPU, bfloat16 on a GPU
+    engine = load(model_dir, device=device, dtype=dtype, gpu_memory=card_bytes)
     if engine.tokenizer is None:
         raise UsageError(f"{model_dir}: no tokenizer.json, so the examples cannot be encoded")
     C = engine.config.canvas_length

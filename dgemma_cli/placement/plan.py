@@ -1,0 +1,190 @@
+"""What lives where: the placement planner, from a checkpoint's config and format, the cards, the context and batch.
+
+A canvas decoder touches every expert of every layer at every step (256 rows x top-8 of 128 experts leave an expert
+idle with probability (1 - 8/128)^256, about 7e-8), so experts that do not fit are not computed on the CPU but
+streamed: kept in pinned host memory and copied, layer by layer, into two on-card layer buffers. The plan:
+
+- on each card, fixed: its share of the layers' attention, dense MLP, norms and KV cache; on the first card also the
+  embedding (the tied head), the self-conditioning block, a request's step memory per row of the batch, the
+  PyTorch path's one dequantized layer (quantized formats) and RUNTIME_SLACK;
+- each layer's experts resident on its card, or streamed (then the card holds two layer buffers);
+- layers split over several cards, contiguously, only when one card cannot hold them all resident.
+
+Streamed layers are spread evenly through the stack, so that each copy has the compute of the layers before it to
+hide behind. Everything is arithmetic on the config's shapes (checkpoint/footprint.py): no torch, no weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..checkpoint.footprint import (
+    DEFAULT_POLICY,
+    FORMATS,
+    RUNTIME_SLACK,
+    dequantized_layer_bytes,
+    layer_bytes,
+    layer_cache_bytes,
+    request_bytes,
+    weight_bytes,
+)
+from ..config import ModelConfig
+from .cards import GB, Card
+
+HOST_MARGIN = 2 * 2**30  # host memory the plan leaves to everything else (the OS, the process, its libraries)
+
+
+@dataclass
+class CardPlan:
+    card: Card
+    layers: list[int]  # the layers on this card, in order
+    streamed: list[int]  # of those, the ones whose experts stream from host memory
+    fixed_bytes: int  # what stays whatever streams: shared weights, the layers' dense parts and KV cache, slack
+    expert_bytes: int  # one layer's experts
+    buffer_bytes: int  # the two layer buffers streamed experts are copied into (0: none stream here)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes this card holds: the fixed part, the resident experts, the buffers."""
+        return self.fixed_bytes + (len(self.layers) - len(self.streamed)) * self.expert_bytes + self.buffer_bytes
+
+
+@dataclass
+class Plan:
+    fmt: str
+    policy: str
+    context: int
+    batch: int
+    cards: list[CardPlan]
+    host_bytes: int  # pinned host memory the streamed experts take
+    host_free: int | None  # available host memory when it was asked (None: not checked)
+    refusal: str | None = None  # one line: why it does not fit
+    layers: int = 0
+    expert_bytes: int = 0  # one layer's experts
+    totals: dict = field(default_factory=dict)  # weight_bytes(): the whole model by part
+
+    @property
+    def fits(self) -> bool:
+        return self.refusal is None
+
+    @property
+    def streamed(self) -> list[int]:
+        return sorted(i for c in self.cards for i in c.streamed)
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(c.resident_bytes for c in self.cards)
+
+    @property
+    def streamed_bytes_per_step(self) -> int:
+        """Bytes copied over the host links at every step (each streamed layer once, in each pass)."""
+        return len(self.streamed) * self.expert_bytes
+
+    @property
+    def link_gb_per_s(self) -> float:
+        """The slowest host link among the cards that stream (the first card's when none does), GB/s (coded rate)."""
+        streaming = [c.card for c in self.cards if c.streamed] or [self.cards[0].card]
+        return min(c.link_gb_per_s for c in streaming)
+
+    def as_dict(self) -> dict:
+        return {"fits": self.fits, "refusal": self.refusal, "format": self.fmt, "policy": self.policy,
+                "context": self.context, "batch": self.batch,
+                "devices": [{"card": c.card.name, "memory": c.card.memory, "layers": c.layers, "streamed": c.streamed,
+                             "resident_bytes": c.resident_bytes, "buffer_bytes": c.buffer_bytes,
+                             "link_gb_per_s": round(c.card.link_gb_per_s, 2)} for c in self.cards],
+                "layers": self.layers, "streamed_layers": self.streamed, "expert_bytes_per_layer": self.expert_bytes,
+                "resident_bytes": self.resident_bytes, "streamed_bytes_per_step": self.streamed_bytes_per_step,
+                "host_bytes": self.host_bytes, "host_free": self.host_free,
+                "link_gb_per_s": round(self.link_gb_per_s, 2)}
+
+
+def _spread(n: int, among: list[int]) -> list[int]:
+    """n of `among` (in order), evenly spaced: the layers that stream."""
+    if n <= 0:
+        return []
+    L = len(among)
+    return sorted({among[min(L - 1, int((k + 0.5) * L / n))] for k in range(n)})
+
+
+def _gb(n: int) -> str:
+    return f"{n / GB:.1f} GB"
+
+
+def plan(cfg: ModelConfig, fmt: str, cards: list[Card], context: int = 8192, batch: int = 1,
+         policy: str | None = None, host_free: int | None = None) -> Plan:
+    """The placement of `cfg` in format `fmt` on `cards` (in order) at `context` tokens and `batch` rows.
+
+    host_free: available host memory, bytes (None: not checked). A plan that cannot hold says so in `refusal`, one
+    line, before anything loads."""
+    policy = policy or DEFAULT_POLICY[fmt]
+    t = cfg.text
+    L = t.num_hidden_layers
+    layers = layer_bytes(cfg, fmt, policy)
+    cache = layer_cache_bytes(cfg, context, batch)
+    totals = weight_bytes(cfg, fmt, policy)
+    expert = layers[0]["experts"]  # every layer's experts have the same shapes
+    per_layer = [lb["dense"] + lb["other"] + kv for lb, kv in zip(layers, cache)]  # what never streams
+    shared = totals["embedding"] + (totals["other"] - sum(lb["other"] for lb in layers))
+    scratch = batch * request_bytes(cfg) + (0 if fmt == "bf16" else dequantized_layer_bytes(cfg)) + RUNTIME_SLACK
+    fixed_of = [shared + scratch if i == 0 else scratch for i in range(len(cards))]
+
+    def make(card_layers: list[list[int]]) -> list[CardPlan]:
+        out = []
+        for c, mine in enumerate(card_layers):
+            fixed = fixed_of[c] + sum(per_layer[i] for i in mine)
+            room = cards[c].memory - fixed
+            if room >= len(mine) * expert:
+                out.append(CardPlan(cards[c], mine, [], fixed, expert, 0))
+                continue
+            resident = max(0, min(len(mine), (room - 2 * expert) // expert))
+            out.append(CardPlan(cards[c], mine, _spread(len(mine) - resident, mine), fixed, expert, 2 * expert))
+        return out
+
+    # One card holds all it can resident; the next cards take the rest, contiguously; what no card holds resident
+    # is shared out by what each card has left after its fixed part, and streams there.
+    split, start = [], 0
+    for c, card in enumerate(cards):
+        mine, used = [], fixed_of[c]
+        while start < L and used + per_layer[start] + expert <= card.memory:
+            used += per_layer[start] + expert
+            mine.append(start)
+            start += 1
+        split.append(mine)
+    if start < L:  # streaming: layers by each card's room for their fixed parts
+        rooms = [max(0, card.memory - fixed_of[c] - 2 * expert) for c, card in enumerate(cards)]
+        total = sum(rooms) or 1
+        split, start = [], 0
+        for c in range(len(cards)):
+            n = L - start if c == len(cards) - 1 else round(L * rooms[c] / total)
+            split.append(list(range(start, start + n)))
+            start += n
+    while len(split) > 1 and not split[-1]:  # a card the layers did not reach is not used
+        split.pop()
+    placed = make(split)
+    host = sum(len(c.streamed) for c in placed) * expert
+    p = Plan(fmt, policy, context, batch, placed, host, host_free, None, L, expert, totals)
+    for c in placed:
+        if c.fixed_bytes + c.buffer_bytes > c.card.memory or (c.streamed and len(c.streamed) == len(c.layers)
+                                                               and c.resident_bytes > c.card.memory):
+            need = c.fixed_bytes + 2 * expert
+            p.refusal = (f"{fmt} at a {context:,}-token context does not fit on the {c.card.name} "
+                         f"({_gb(c.card.memory)}) even with every layer's experts streamed: its share needs "
+                         f"{_gb(need)} on the card (try a shorter --context, a smaller format, or another card)")
+            return p
+    if host_free is not None and host + HOST_MARGIN > host_free:
+        p.refusal = (f"{fmt} on the {' + '.join(c.card.name for c in placed)} streams {len(p.streamed)} layers' "
+                     f"experts from host memory: {_gb(host)} pinned, but only {_gb(host_free)} is available "
+                     f"({_gb(HOST_MARGIN)} is left to the rest); free memory, or plan for a larger card")
+    return p
+
+
+def choose(cfg: ModelConfig, cards: list[Card], context: int = 8192, batch: int = 1) -> str:
+    """`--quant auto`: the least lossy format whose plan holds everything on the cards (FP8 only where every card has
+    FP8 tensor cores), else NVFP4, which streams what does not fit."""
+    for fmt in FORMATS:
+        if fmt == "fp8" and not all(c.fp8 for c in cards):
+            continue
+        p = plan(cfg, fmt, cards, context, batch)
+        if p.fits and not p.streamed:
+            return fmt
+    return "nvfp4"

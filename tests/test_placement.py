@@ -1,0 +1,232 @@
+"""Placement (dgemma_cli/placement): the planner on the real config and the cards people own, `dgemma plan`, and
+streamed experts at run time: `--gpu-memory` on the CPU takes the path a card of that size would (the streamed
+layers' experts in host memory, copied into two layer buffers before each use), with tokens identical to the
+resident run in every format and with an adapter on the experts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from checkpoints import SPECS, build_checkpoint
+from cli_helpers import run_main
+
+from dgemma_cli.config import DIFFUSIONGEMMA_26B_A4B, ModelConfig
+from dgemma_cli.engine import load
+from dgemma_cli.placement.cards import GB, GIB, Card, card, parse_size
+from dgemma_cli.placement.plan import choose, plan
+
+ROOT = Path(__file__).resolve().parent.parent
+REAL = ModelConfig.from_dict(DIFFUSIONGEMMA_26B_A4B)
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+SIXTEEN = ["RTX 4060 Ti 16GB", "RTX 4080", "RTX 5060 Ti 16GB", "RTX 5070 Ti", "RTX 5080"]
+
+
+def run_cli(args, capsys) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = run_main(args)
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+# ----------------------------------------------------------------------------- the planner, on the real config
+
+
+@pytest.mark.parametrize("name", ["RTX 3060 12GB", "RTX 4060", "RTX 4070", *SIXTEEN, "RTX 4090", "RTX 5090"])
+def test_the_published_nvfp4_fits_every_listed_card_at_an_8k_context(name):
+    p = plan(REAL, "nvfp4", [card(name)], context=8192, batch=1)
+    assert p.fits, p.refusal
+    c = p.cards[0]
+    assert c.resident_bytes <= c.card.memory
+    assert len(c.layers) == 30 and p.host_bytes == len(p.streamed) * p.expert_bytes
+    if c.card.memory >= 24 * GIB:
+        assert p.streamed == [] and c.buffer_bytes == 0  # a 24 GB card holds it all: nothing streams
+    else:
+        assert p.streamed and c.buffer_bytes == 2 * p.expert_bytes
+    if name in SIXTEEN:
+        assert 0 < len(p.streamed) < 15  # a few layers stream, spread through the stack
+        assert max(b - a for a, b in zip(p.streamed, p.streamed[1:])) <= 4
+
+
+def test_a_card_streams_fewer_layers_the_more_memory_it_has():
+    streamed = [len(plan(REAL, "nvfp4", [card(f"{g}GB")]).streamed) for g in (10, 12, 14, 16, 18, 20, 22)]
+    assert streamed == sorted(streamed, reverse=True) and streamed[0] > streamed[-1]
+
+
+def test_a_card_too_small_even_streaming_is_refused_in_one_line():
+    p = plan(REAL, "nvfp4", [card("6GB")], context=8192)
+    assert not p.fits and "\n" not in p.refusal and "even with every layer's experts streamed" in p.refusal
+    need = p.cards[0].fixed_bytes + 2 * p.expert_bytes  # the fixed part and the two layer buffers: the least
+    assert f"{need / GB:.1f} GB" in p.refusal
+    assert plan(REAL, "nvfp4", [card(f"{need / GB + 0.01:.2f}GB")], context=8192).fits
+
+
+def test_too_little_host_memory_is_refused_in_one_line():
+    p = plan(REAL, "nvfp4", [card("RTX 4060")], host_free=4 * GB)
+    assert not p.fits and "\n" not in p.refusal and "host memory" in p.refusal
+    assert plan(REAL, "nvfp4", [card("RTX 4060")], host_free=64 * GB).fits
+
+
+def test_two_cards_split_the_layers_when_one_cannot_hold_them():
+    p = plan(REAL, "int8", [card("RTX 3090"), card("RTX 3090")])
+    assert p.fits and p.streamed == [] and len(p.cards) == 2
+    first, second = p.cards
+    assert first.layers + second.layers == list(range(30)) and first.layers and second.layers
+    assert all(c.resident_bytes <= c.card.memory for c in p.cards)
+    assert len(plan(REAL, "nvfp4", [card("RTX 3090"), card("RTX 3090")]).cards) == 1  # one card holds NVFP4
+
+
+def test_auto_takes_the_least_lossy_format_that_needs_no_streaming():
+    assert choose(REAL, [card("H100")]) == "bf16"
+    assert choose(REAL, [card("RTX 5090")]) == "int8" or choose(REAL, [card("RTX 5090")]) == "fp8"
+    assert choose(REAL, [card("RTX 3090")]) == "nvfp4"  # no FP8 there, INT8 does not fit
+    assert choose(REAL, [card("RTX 4080")]) == "nvfp4"  # nothing fits whole: NVFP4 streams
+
+
+def test_sizes_and_card_names_as_people_write_them():
+    assert parse_size("16GB") == 16 * GB and parse_size("12.5GiB") == int(12.5 * GIB)
+    assert parse_size("8000MB") == 8 * GB and parse_size("16") == 16 * GB
+    assert card("rtx4060ti").name == card("4060 Ti 16GB").name == "RTX 4060 Ti 16GB"
+    assert card("RTX 4060").pcie_lanes == 8 and card("RTX 5080").link_gb_per_s > 60
+    assert card("16GB").memory == 16 * GB
+    for bad in ("sixteen", "16TBs", "0.1GB"):
+        with pytest.raises(Exception) as e:
+            parse_size(bad)
+        assert "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- dgemma plan
+
+
+def test_plan_json_for_the_real_config(capsys):
+    rc, out, err = run_cli(["plan", "--gpu", "RTX 4080", "--json"], capsys)
+    assert rc == 0, err
+    d = json.loads(out)
+    for key in ("fits", "format", "devices", "resident_bytes", "streamed_bytes_per_step", "host_bytes",
+                "link_gb_per_s"):
+        assert key in d, key
+    assert d["fits"] and d["format"] == "nvfp4" and d["devices"][0]["card"] == "RTX 4080"
+    assert d["streamed_bytes_per_step"] == len(d["streamed_layers"]) * d["expert_bytes_per_layer"] > 0
+    assert d["link_gb_per_s"] == pytest.approx(31.51, abs=0.01)
+
+
+def test_plan_of_two_cards_and_a_refusal(capsys):
+    rc, out, err = run_cli(["plan", "--gpu", "RTX 3090", "--gpu", "RTX 3090", "--quant", "int8"], capsys)
+    assert rc == 0, err
+    assert out.count("RTX 3090") == 2 and "fits" in out
+    rc, out, err = run_cli(["plan", "--gpu", "6GB"], capsys)
+    assert rc == 1 and err.count("\n") == 1 and "does not fit" in err and "Traceback" not in err
+    rc, out, err = run_cli(["plan", "--gpu", "Voodoo 5"], capsys)
+    assert rc == 2 and "not a card dgemma knows" in err
+
+
+def test_plan_with_named_cards_never_imports_torch():
+    code = ("import sys\nfrom dgemma_cli.cli import main\ntry:\n    main(['plan', '--gpu', 'RTX 4080'])\n"
+            "except SystemExit:\n    pass\nprint('torch' in sys.modules, file=sys.stderr)")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.stderr.strip().splitlines()[-1] == "False", p.stderr
+
+
+# ----------------------------------------------------------------------------- streamed experts, exactly
+
+
+def streaming_memory(path: Path, resident: int = 1) -> int:
+    """The --gpu-memory at which `path` keeps `resident` layers' experts on the card and streams the rest (a stack of
+    three layers or fewer streams them all: two buffers and one resident layer would hold them all)."""
+    from dgemma_cli.checkpoint.weights import read_quant_format
+
+    cfg = ModelConfig.from_dir(path)
+    fmt = read_quant_format(path, cfg.raw) or "bf16"
+    whole = plan(cfg, fmt, [Card("any", 10**15, 0.0, 4, 16)], context=min(8192, cfg.text.max_position_embeddings))
+    c = whole.cards[0]
+    return c.fixed_bytes + (2 + min(resident, len(c.layers) - 3)) * c.expert_bytes
+
+
+PROMPTS = [[2, 200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210, 211], [2, 300, 301, 302]]
+
+
+def tokens(engine):
+    C = engine.config.canvas_length
+    return engine.generate(PROMPTS, raw=True, max_new_tokens=3 * C, max_denoising_steps=6, seed=5).token_ids
+
+
+@pytest.fixture(scope="module")
+def formats(tmp_path_factory):
+    """The five_to_one checkpoint in bf16 (as written by the reference) and quantized to NVFP4, INT8 and FP8 W8A8 by
+    dgemma, and ModelOpt's own NVFP4 export (per-expert tensors)."""
+    from dgemma_cli.store.quantize import quantize_checkpoint
+
+    root = tmp_path_factory.mktemp("placement")
+    src = build_checkpoint(root / "bf16", SPECS["five_to_one"], seed=0)
+    out = {"bf16": src, "modelopt": FIXTURES / "modelopt_nvfp4"}
+    for fmt in ("nvfp4", "int8", "fp8"):
+        quantize_checkpoint(src, root / fmt, fmt)
+        out[fmt] = root / fmt
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "int8", "fp8", "modelopt"])
+def test_streamed_experts_give_the_resident_runs_tokens(formats, fmt):
+    path = formats[fmt]
+    resident = load(path, device="cpu", dtype="float32")
+    streamed = load(path, device="cpu", dtype="float32", gpu_memory=streaming_memory(path))
+    layers = streamed.model.placement.streamed
+    L = streamed.config.text.num_hidden_layers
+    assert len(layers) == max(L - 1, 3) and streamed.model.expert_stream.layers == layers
+    for i in layers:  # the module holds a buffer, not its own layer's weights; the layer's are in host memory
+        mod = dict(streamed.model.layers[i].experts.named_buffers()) or dict(
+            streamed.model.layers[i].experts.named_parameters())
+        host = streamed.model.expert_stream.host[i]
+        assert set(host) == set(mod) and all(mod[n].data_ptr() != host[n].data_ptr() for n in host)
+    before = streamed.model.expert_stream.copies
+    assert tokens(streamed) == tokens(resident)
+    assert streamed.model.expert_stream.copies - before >= 2 * len(layers)  # every streamed layer, every step
+
+
+def test_an_adapter_on_streamed_experts_gives_the_resident_runs_tokens(tmp_path):
+    from test_lora import demo_adapters
+
+    from dgemma_cli.checkpoint.names import DEMO_MODEL
+
+    ad = demo_adapters(tmp_path, n=1)[0]
+    resident = load("demo", device="cpu", adapters=[(ad, 1.0)])
+    streamed = load("demo", device="cpu", adapters=[(ad, 1.0)], gpu_memory=streaming_memory(DEMO_MODEL))
+    assert streamed.model.placement.streamed and streamed.model.layers[0].experts.low_rank is not None
+    plain = load("demo", device="cpu").generate("sudoku: ..4./..../.2.1/3...", seed=0).token_ids
+    got = streamed.generate("sudoku: ..4./..../.2.1/3...", seed=0).token_ids
+    assert got == resident.generate("sudoku: ..4./..../.2.1/3...", seed=0).token_ids and got != plain
+
+
+def test_run_with_gpu_memory_answers_as_without(capsys):
+    from dgemma_cli.checkpoint.names import DEMO_MODEL
+
+    size = f"{streaming_memory(DEMO_MODEL) / 1e6:.6f}MB"
+    rc, plain, err = run_cli(["run", "--seed", "0", "-q", "upper: hello diffusions"], capsys)
+    assert rc == 0, err
+    rc, out, err = run_cli(["run", "--seed", "0", "-q", "--gpu-memory", size, "upper: hello diffusions"], capsys)
+    assert rc == 0 and out == plain == "HELLO DIFFUSIONS\n", err
+
+
+@pytest.mark.parametrize("size, says", [("300MB", "does not fit"), ("lots", "give a size")])
+def test_run_refuses_a_card_too_small_or_a_bad_size_in_one_line(capsys, size, says):
+    rc, out, err = run_cli(["run", "-q", "--gpu-memory", size, "upper: hello diffusions"], capsys)
+    assert rc != 0 and out == "" and err.count("\n") == 1 and says in err, err
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_streamed_experts_are_pinned_host_memory_and_the_tokens_the_resident_runs():
+    from dgemma_cli.checkpoint.names import DEMO_MODEL
+
+    resident = load("demo", device="cuda")
+    streamed = load("demo", device="cuda", gpu_memory=streaming_memory(DEMO_MODEL))
+    stream = streamed.model.expert_stream
+    assert all(t.device.type == "cpu" and t.is_pinned() for h in stream.host.values() for t in h.values())
+    assert all(t.device.type == "cuda" for b in stream.buffers for t in b.values())
+    prompt = "upper: hello diffusions"
+    assert streamed.generate(prompt, seed=0).token_ids == resident.generate(prompt, seed=0).token_ids
