@@ -49,7 +49,7 @@ bench-gpu:
 # registers, spills, shared memory, SASS, and per denoise step the DRAM / tensor / issue floors on six GPUs
 # (kernel-report/report.md; add ARGS=--update-benchmarks to rewrite BENCHMARKS.md's section).
 kernel-report: $(STAMP)
-	$(PY) scripts/kernel_report.py $(ARGS)
+	$(PY) scripts/kernel_report.py --update-tables $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

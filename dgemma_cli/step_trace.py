@@ -35,7 +35,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-FORMATS = ("nvfp4", "w8a8-fp8")  # NVIDIA's ModelOpt NVFP4 release; a compressed-tensors FP8 W8A8 release
+# NVIDIA's ModelOpt NVFP4 release; compressed-tensors FP8 and INT8 W8A8 releases
+FORMATS = ("nvfp4", "w8a8-fp8", "w8a8-int8")
 
 
 @dataclass
@@ -47,6 +48,7 @@ class TorchOp:
     written: int  # bytes written
     persistent: int  # of `read`, bytes of weights and KV cache (what no cache can keep between steps)
     flops: int = 0  # 2 x M x N x K for matmuls, attention's 4 x B x H x T x S x D; 0 for the rest
+    layer: int | None = None  # the layer whose weights or KV cache it reads; -1: other weights; None: neither
 
     @property
     def bytes(self) -> int:
@@ -65,6 +67,8 @@ class StepTrace:
     persistent_bytes: int = 0  # weights the step reads (of the model's parameters and buffers), each once
     cache_bytes: int = 0  # the KV cache of the whole batch
     vocab_f32: list = field(default_factory=list)  # shapes of float32 tensors of at least canvas x vocab elements
+    op_layers: list = field(default_factory=list)  # per op: its layer (what it reads, else the layer it runs in),
+    # None before the first layer and after the last (embedding, self-conditioning, head, sampler)
 
     @property
     def kernels(self) -> int:
@@ -108,9 +112,11 @@ def _span(t: torch.Tensor) -> int:
 class _Meter(TorchDispatchMode):
     """Records a TorchOp for each kernel-launching torch op, and the live bytes of the tensors the step made."""
 
-    def __init__(self, ops: list, persistent: set[int], untracked: set[int] = frozenset()):
+    def __init__(self, ops: list, persistent: set[int], untracked: set[int] = frozenset(),
+                 layer_of: dict[int, int] | None = None):
         super().__init__()
         self.ops, self.persistent = ops, persistent
+        self.layer_of = layer_of or {}  # persistent storage -> its layer (-1: weights of no layer)
         self.untracked = persistent | untracked  # storages that exist before the step: not its transient memory
         self.live: dict[int, list[int]] = {}  # storage -> [bytes, tensors alive that use it]
         self.live_bytes = self.peak = 0
@@ -152,6 +158,7 @@ class _Meter(TorchDispatchMode):
             return out
         flat = list(args) + [kwargs.get(a.name) for a in schema_args[len(args):]]
         read = persistent = written = 0
+        layer = None
         seen: set[int] = set()
         for a, v in zip(schema_args, flat):
             tensors = [v] if isinstance(v, torch.Tensor) else [y for y in v if isinstance(y, torch.Tensor)] \
@@ -170,6 +177,7 @@ class _Meter(TorchDispatchMode):
                 if _sid(t) in self.persistent:
                     persistent += n
                     self.touched.add(_sid(t))
+                    layer = self.layer_of.get(_sid(t), layer)
         if name in _GATHER:
             read += sum(_span(t) for t in outs)
         written = sum(_span(t) for t in outs)
@@ -179,7 +187,7 @@ class _Meter(TorchDispatchMode):
             a = by_name.get("mat1", by_name.get("batch1", by_name.get("self")))
             b = by_name.get("mat2", by_name.get("batch2"))
             flops = 2 * math.prod(a.shape) * b.shape[-1]
-        self.ops.append(TorchOp(name, read, written, persistent, flops))
+        self.ops.append(TorchOp(name, read, written, persistent, flops, layer))
         return out
 
 
@@ -239,7 +247,7 @@ def _install_format(model, fmt: str) -> None:
 
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)} (got {fmt!r})")
-    form = ModelOptNVFP4() if fmt == "nvfp4" else CompressedTensorsW8A8("fp8", ["Linear"], [])
+    form = ModelOptNVFP4() if fmt == "nvfp4" else CompressedTensorsW8A8(fmt.split("-")[1], ["Linear"], [])
     for layer in model.layers:
         for parent in (layer.self_attn, layer.mlp):
             for name, mod in list(parent.named_children()):
@@ -327,9 +335,15 @@ def trace_step(batch: int = 1, prompt: int = 256, target: int = 90, fmt: str = "
     step(_Dropped(), _Meter([], persistent))  # a first step, as the engine's eager steps before its graph: what
     # the modules make once (a per-row scale) is made here, not counted in the step
     events: list = []  # torch ops and launches in order; a recorded launch keeps its tensors alive
-    meter = _Meter(events, persistent, {_sid(t) for t in request})
+    layer_of = {sid: -1 for sid in weights}
+    for i, layer in enumerate(model.layers):
+        layer_of.update({_sid(t): i for t in list(layer.parameters()) + list(layer.buffers())})
+    for i, (k, v) in enumerate(zip(cache.k, cache.v)):
+        layer_of.update({_sid(k): i, _sid(v): i})
+    meter = _Meter(events, persistent, {_sid(t) for t in request}, layer_of)
     step(events, meter)
     trace.ops = events
+    trace.op_layers = _layers_of(events, layer_of)
     touched = meter.touched | {_sid(v) for op in trace.launches for v in op.named().values()
                                if isinstance(v, torch.Tensor)}
     trace.persistent_bytes = sum(weights[s].untyped_storage().nbytes() for s in touched if s in weights)
@@ -339,6 +353,25 @@ def trace_step(batch: int = 1, prompt: int = 256, target: int = 90, fmt: str = "
     made = [(tuple(t.shape), t.dtype) for t in request] + meter.shapes
     trace.vocab_f32 = [shape for shape, dt in made if dt == torch.float32 and math.prod(shape) >= C * V]
     return trace
+
+
+def _layers_of(ops: list, layer_of: dict[int, int]) -> list[int | None]:
+    """Each op's layer: the layer whose weights or cache it reads; an op that reads none runs in the layer of the op
+    before it (a residual add, an activation), and one that reads weights of no layer (the final norm, the head, the
+    self-conditioning MLP) ends the layers."""
+    out, current = [], None
+    for op in ops:
+        if isinstance(op, TorchOp):
+            mine = op.layer
+        else:  # a Triton launch: its tensor arguments
+            mine = next((layer_of[_sid(v)] for v in op.named().values()
+                         if isinstance(v, torch.Tensor) and layer_of.get(_sid(v), -1) >= 0), None)
+            if mine is None and any(isinstance(v, torch.Tensor) and _sid(v) in layer_of for v in op.named().values()):
+                mine = -1
+        if mine is not None:
+            current = None if mine < 0 else mine
+        out.append(current)
+    return out
 
 
 @dataclass

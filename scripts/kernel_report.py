@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from quant.kernels import aot, roofline  # noqa: E402
-from quant.kernels.roofline import GPUS  # noqa: E402
+from quant.kernels.roofline import CARD_GPUS, GPUS  # noqa: E402
 
 BEGIN, END = "<!-- kernel-report:begin -->", "<!-- kernel-report:end -->"
 MB, GFLOP = 1e6, 1e9
@@ -156,6 +156,100 @@ def whole_step_traces(targets) -> dict[int, list]:
                          flops=0, launches=trace.launches)
             w.trace = trace
             out.setdefault(cc, []).append(w)
+    return out
+
+
+# The placement tables (dgemma_cli/placement/step_tables.json, written with --update-tables): cards of 8 to 32 GB and
+# the formats they are planned in, at an 8k context, batch 1 and 4.
+CARD_RUNS = {"RTX 3060 12GB": ("nvfp4",), "RTX 4060": ("nvfp4",), "RTX 4060 Ti 16GB": ("nvfp4",),
+             "RTX 4080": ("nvfp4",), "RTX 5080": ("nvfp4",), "RTX 3090": ("nvfp4", "w8a8-int8"),
+             "RTX 4090": ("nvfp4",), "RTX 5090": ("nvfp4",)}
+CARD_BATCHES = (1, 4)
+CARD_CONTEXT = 8192
+TABLES = ROOT / "dgemma_cli" / "placement" / "step_tables.json"
+
+
+def card_traces() -> dict[int, list]:
+    """{cc: [Work]}: one Work per (format, batch) a card of that compute capability is tabled for, at CARD_CONTEXT."""
+    from dgemma_cli.step_trace import trace_step
+
+    wanted = sorted({(CARD_GPUS[name][0], fmt, batch) for name, fmts in CARD_RUNS.items() for fmt in fmts
+                     for batch in CARD_BATCHES})
+    out: dict[int, list] = {}
+    for cc, fmt, batch in wanted:
+        trace = trace_step(batch=batch, prompt=CARD_CONTEXT - aot.CANVAS, target=cc, fmt=fmt)
+        w = aot.Work(family="card step", label=fmt, batch=batch, dtype="bfloat16", count=1, floor_bytes=0, flops=0,
+                     launches=trace.launches)
+        w.trace = trace
+        out.setdefault(cc, []).append(w)
+    return out
+
+
+def card_tables(card_work, jobs, results, job_of, errors: list[str]) -> dict:
+    """Per card, format and batch: the step's bound in ms before the first layer, per layer, and after the last, each
+    op bounded with the card's figures (its compute capability's compiled kernels) as the whole-step table does."""
+    cards: dict = {}
+    for name, fmts in CARD_RUNS.items():
+        cc, gpu = CARD_GPUS[name]
+        for w in card_work.get(cc, []):
+            if w.label not in fmts:
+                continue
+            trace = w.trace
+            L = 1 + max(i for i in trace.op_layers if i is not None)
+            layer_ms, pre, post, seen_layer = [0.0] * L, 0.0, 0.0, False
+            for op, layer in zip(trace.ops, trace.op_layers):
+                if isinstance(op, aot.Launch):
+                    res = results[jobs[job_of[id(op)]].key]
+                    if not res["ok"]:
+                        errors.append(f"card step ({name}, {w.label}, batch {w.batch}): {op.kernel} did not compile")
+                        continue
+                    named = aot.routed(op.named(), w.batch * aot.CANVAS, w.batch)
+                    try:
+                        us = roofline.launch_bound(gpu, op.kernel, named, op.grid, res)["bound"]
+                    except roofline.LoopMismatch as e:
+                        errors.append(f"card step ({name}, {w.label}, batch {w.batch}): {e}")
+                        continue
+                else:
+                    us = torch_op_us(gpu, op)
+                if layer is not None:
+                    layer_ms[layer] += us / 1e3
+                    seen_layer = True
+                elif seen_layer:
+                    post += us / 1e3
+                else:
+                    pre += us / 1e3
+            cards.setdefault(name, {}).setdefault(w.label, {})[str(w.batch)] = dict(
+                pre_ms=round(pre, 4), layer_ms=[round(x, 4) for x in layer_ms], post_ms=round(post, 4),
+                kernels=trace.kernels, cc=cc)
+    return cards
+
+
+def placement_markdown(tables: dict) -> list[str]:
+    """The placement table: the published 26B-A4B on each card at an 8k context, as dgemma plans it."""
+    from dgemma_cli.config import DIFFUSIONGEMMA_26B_A4B, ModelConfig
+    from dgemma_cli.placement.bounds import STEPS_PER_CANVAS, step_bounds
+    from dgemma_cli.placement.cards import card
+    from dgemma_cli.placement.plan import plan
+
+    cfg = ModelConfig.from_dict(DIFFUSIONGEMMA_26B_A4B)
+    runs = [([n], "nvfp4") for n in ("RTX 3060 12GB", "RTX 4060", "RTX 4060 Ti 16GB", "RTX 4080", "RTX 5080")]
+    runs += [(["RTX 3090", "RTX 3090"], fmt) for fmt in ("nvfp4", "int8")]
+    out = ["| cards (layers on each) | format | batch | experts streamed (layers) | host link | step bound, as planned "
+           "(ms) | copies waiting (ms) | if the card held all (ms) | planned / max(held all, copies) | canvas tok/s at "
+           f"{STEPS_PER_CANVAS} steps |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for names, fmt in runs:
+        for batch in CARD_BATCHES:
+            p = plan(cfg, fmt, [card(n) for n in names], context=CARD_CONTEXT, batch=batch, policy="all")
+            b = step_bounds(p, tables)
+            copies = p.streamed_bytes_per_step / (min(c.card.copy_gb_per_s for c in p.cards) * 1e9) * 1e3
+            ratio = None if b["step_bound_ms"] is None else b["step_bound_ms"] / max(b["resident_step_bound_ms"],
+                                                                                      copies)
+            used = " + ".join(f"{c.card.name} ({c.layers[0]}-{c.layers[-1]})" for c in p.cards)
+            out.append(f"| {used} | {fmt} | {batch} | {len(p.streamed)} | "
+                       f"{p.link_gb_per_s:.1f} GB/s | {_f(b['step_bound_ms'])} | "
+                       f"{_f(b['serial_copy_step_bound_ms'])} | {_f(b['resident_step_bound_ms'])} | {_f(ratio)} | "
+                       f"{_f(b['canvas_tokens_per_s'], 0)} |"
+                       if p.fits else f"| {' + '.join(names)} | {fmt} | {batch} | does not fit: {p.refusal} |")
     return out
 
 
@@ -391,6 +485,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("-j", type=int, default=min(8, len(os.sched_getaffinity(0))), help="compiler processes")
     ap.add_argument("--targets", default=",".join(map(str, GPUS)), help="compute capabilities")
     ap.add_argument("--update-benchmarks", action="store_true", help="rewrite BENCHMARKS.md's kernel-report section")
+    ap.add_argument("--update-tables", action="store_true", help="also bound the step on the placement's cards and "
+                    "write dgemma_cli/placement/step_tables.json (what `dgemma plan` reads)")
     ap.add_argument("--fp16-targets", default=None,
                     help="compile the float16 builds for these targets only (default: every target; the tests take "
                          "two, for time)")
@@ -413,8 +509,12 @@ def main(argv: list[str]) -> int:
         (args.out / "kernels").mkdir(parents=True)
         work = {cc: aot.real_shape_work(cc, aot.DTYPES if cc in fp16 else aot.DTYPES[:1]) for cc in targets}
         step_work = whole_step_traces([cc for cc in STEP_TARGETS + LORA_ONLY_TARGETS if cc in targets])
+        card_work = card_traces() if args.update_tables else {}
+        missing = sorted(set(card_work) - set(targets))
+        if missing:
+            ap.error(f"--update-tables needs sm_{missing[0]} among --targets (the cards' compute capabilities)")
         t_capture = time.perf_counter() - t0
-        both = {cc: work.get(cc, []) + step_work.get(cc, []) for cc in targets}
+        both = {cc: work.get(cc, []) + step_work.get(cc, []) + card_work.get(cc, []) for cc in targets}
         jobs, results, job_of = compile_work(both, args.j, args.out / "kernels")
     finally:
         shutil.rmtree(cache, ignore_errors=True)
@@ -425,6 +525,13 @@ def main(argv: list[str]) -> int:
     launches = launch_rows(work, jobs, results, job_of, loop_errors)
     steps = step_rows(work, launches)
     whole = whole_step_rows(step_work, jobs, results, job_of, loop_errors)
+    tables = None
+    if args.update_tables:
+        tables = dict(**provenance(argv), context=CARD_CONTEXT, canvas=aot.CANVAS, hidden=2816,
+                      note="bounds in ms per denoise step, grouped before the first layer, per layer and after the "
+                           "last; written by scripts/kernel_report.py --update-tables",
+                      cards=card_tables(card_work, jobs, results, job_of, loop_errors))
+        TABLES.write_text(json.dumps(tables, indent=1) + "\n")
     compiled = compiled_rows(jobs, results, launches)
     errors, warnings = compile_errors + loop_errors, resource_warnings(compiled)
     prov = provenance(argv)
@@ -436,8 +543,11 @@ def main(argv: list[str]) -> int:
 
     timing = (f"{len(job_of)} launches -> {len(jobs)} compilations; capture {t_capture:.0f} s, compile "
               f"{t_compile:.0f} s, total {wall:.0f} s.")
+    placement = placement_markdown(tables) if tables is not None else []
     (args.out / "report.md").write_text("\n".join(report_markdown(head, timing, errors, warnings, steps, compiled,
-                                                                   targets, whole)))
+                                                                   targets, whole)
+                                                 + (["", "Cards smaller than the model (dgemma plan):", "", *placement]
+                                                    if placement else [])))
     (args.out / "results.json").write_text(json.dumps(dict(
         **prov, targets=targets, gpus={cc: vars(GPUS[cc]) for cc in targets}, compile_errors=compile_errors,
         loop_errors=loop_errors, warnings=warnings, steps=steps, compiled=compiled, launches=launches,
@@ -447,9 +557,16 @@ def main(argv: list[str]) -> int:
             head + ".", "", "The whole denoise step:", "", *whole_step_markdown(whole), "",
             "Per kernel family:", "", *step_tables(steps, targets),
             "Compiled kernels (the bf16 and float32 builds; the fp16 ones are in kernel-report/report.md):", "",
-            *compiled_markdown(compiled, ("bf16", "fp32"))])
+            *compiled_markdown(compiled, ("bf16", "fp32")),
+            *(["", "Cards smaller than the model: the 26B-A4B as `dgemma plan --policy all` places it at an 8k "
+               "context (NVFP4 and INT8 W8A8 on attention and the dense MLP too, as the step tables cost them; the "
+               "streamed experts' copies over PCIe at 80% of the link's coded rate, an assumption; bounds, not "
+               "measurements):", "", *placement]
+              if placement else [])])
     print("\n".join(summary_markdown(steps, targets)))
     print("\n".join(whole_step_markdown(whole)))
+    if placement:
+        print("\n".join(placement))
     log(f"wrote {args.out}/report.md and results.json ({wall:.0f} s)")
     for e in errors + warnings:
         log(f"kernel report: {e}")

@@ -440,3 +440,21 @@ def test_pull_of_a_lora_adapter_stores_it_as_published(fake_hub, checkpoints, tm
     assert "already in the store" in capsys.readouterr().err
     assert run_main(["run", "hi", "--model", "acme/tiny-lora", "--device", "cpu"]) != 0  # not a model
     assert "not in the store" in one_error_line(capsys)
+
+
+def test_pull_auto_on_a_card_too_small_plans_streamed_experts(served, monkeypatch, capsys, checkpoints):
+    """Nothing fits whole: NVFP4, and the note says how many layers' experts will stream, not that it may not fit."""
+    cfg = ModelConfig.from_dir(checkpoints["five_to_one"])
+    from dgemma_cli.placement.cards import Card
+    from dgemma_cli.placement.plan import plan
+
+    whole = plan(cfg, "nvfp4", [Card("x", 10**15, 0.0, 4, 16)], context=min(8192, cfg.text.max_position_embeddings))
+    c = whole.cards[0]
+    free = c.fixed_bytes + 3 * c.expert_bytes  # two layer buffers and one resident layer
+    assert free < footprint.runtime_bytes(cfg, "nvfp4")
+    monkeypatch.setattr(footprint, "free_memory", lambda: (free, "a test GPU"))
+    monkeypatch.setattr(footprint, "capability", lambda: (8, 9))
+    assert run_main(["pull", REPO]) == 0
+    err = capsys.readouterr().err
+    assert "--quant auto: nvfp4" in err
+    assert f"{len(c.layers) - 1} of {len(c.layers)} layers' experts will stream" in err

@@ -201,3 +201,11 @@ def check_images(directory: Path) -> None:
         raise ModelError(f"{name}: {repo} publishes no vision tower weights, so this model cannot read images")
     raise ModelError(f"{name} holds only the text model (made before dgemma kept the vision tower); to read "
                      f"images: dgemma rm {name} && dgemma pull {repo} --quant {quant}")
+
+
+def stored_policy(directory: Path) -> str:
+    """What a quantized checkpoint quantizes, read from its headers: "all" when the dense MLP's projections are stored
+    with scales (attention and the dense MLP quantized), else "experts"."""
+    records = index_checkpoint(Path(directory))
+    prefix = text_prefix(records)
+    return "all" if checkpoint_name("layers.0.mlp.up_proj.weight_scale", prefix) in records else "experts"

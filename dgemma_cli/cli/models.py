@@ -97,10 +97,34 @@ def info(
         return _adapter_info(model, as_json)
     path = resolve_model(model_arg(model))
     d = describe(path)
+    placement = _local_placement(path, d)
     if as_json:
-        sys.stdout.write(json.dumps(d) + "\n")
+        sys.stdout.write(json.dumps({**d, "placement": placement}) + "\n")
         return
     _info_rows(d)
+    if placement is not None:
+        _write_rows([("on this machine's card", placement["summary"])])
+
+
+def _local_placement(path, described: dict) -> dict | None:
+    """The model as stored (`described`: describe's format and policy), planned onto this machine's first NVIDIA
+    card at an 8k context (None: no card found). No torch."""
+    from ..config import ModelConfig
+    from ..placement.cards import local_cards
+    from ..placement.plan import plan
+
+    cards = local_cards()
+    if not cards:
+        return None
+    cfg = ModelConfig.from_dir(path)
+    fmt = described["format"] if described["format"] in ("nvfp4", "int8", "fp8") else "bf16"
+    p = plan(cfg, fmt, cards[:1], context=min(8192, cfg.text.max_position_embeddings),
+             policy=described["policy"] if fmt != "bf16" else None)
+    c = p.cards[0]
+    held = (f"{len(p.streamed)} of {p.layers} layers' experts stream from host memory ({gb(p.host_bytes)} pinned)"
+            if p.streamed else "everything on the card")
+    summary = p.refusal if not p.fits else f"{c.card.name} ({gb(c.card.memory)}): {held}"
+    return {**p.as_dict(), "summary": summary}
 
 
 def _is_adapter(ref: str) -> bool:

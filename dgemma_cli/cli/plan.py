@@ -17,10 +17,14 @@ def plan(
                                         "and format; no weights are read). Default: the published 26B-A4B."),
     gpu: Optional[List[str]] = typer.Option(None, "--gpu", metavar="CARD|SIZE", help="A card by name (\"RTX 4080\", "
                                             "\"RTX 4060\", \"H100\"...) or a size (16GB); once per card. Default: "
-                                            "this machine's first CUDA device."),
+                                            "this machine's first NVIDIA card."),
     quant: str = typer.Option("auto", "--quant", help="auto (the least lossy format that fits without streaming, "
                               "else nvfp4), bf16, fp8, int8 or nvfp4; a quantized --model keeps its own."),
-    context: int = typer.Option(8192, "--context", help="Tokens of context the KV cache is planned for."),
+    policy: Optional[str] = typer.Option(None, "--policy", help="What fp8/int8/nvfp4 quantize: experts or all (+ "
+                                         "attention, dense MLP); default as published: all for fp8/int8, experts "
+                                         "for nvfp4. The step's bound is tabled for all."),
+    context: Optional[int] = typer.Option(None, "--context", help="Tokens of context the KV cache is planned for "
+                                          "(default 8192, or the model's context if shorter).", show_default=False),
     batch: int = typer.Option(1, "--batch", help="Rows generated together."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object."),
     quiet: bool = QUIET_OPTION,
@@ -36,7 +40,9 @@ def plan(
 
     if quant not in QUANTS + ("auto",):
         raise UsageError(f"--quant must be auto, {', '.join(QUANTS)} (got {quant!r})")
-    if context < 1 or batch < 1:
+    if policy is not None and policy not in ("experts", "all"):
+        raise UsageError(f"--policy must be experts or all (got {policy!r})")
+    if (context is not None and context < 1) or batch < 1:
         raise UsageError("--context and --batch must be at least 1")
     cards = [card(g) for g in gpu or []]
     if model is None:
@@ -50,6 +56,7 @@ def plan(
         published = read_quant_format(path, cfg.raw)
     if published is not None and quant not in ("auto", published):
         raise UsageError(f"{model} is stored in {published}; plan it as it is (--quant auto or {published})")
+    context = context or min(8192, cfg.text.max_position_embeddings)
     if context > cfg.text.max_position_embeddings:
         raise UsageError(f"--context {context}: the model's context is {cfg.text.max_position_embeddings:,} tokens")
     if not cards:
@@ -57,11 +64,22 @@ def plan(
     from ..checkpoint.footprint import system_free
 
     fmt = published or (choose(cfg, cards, context, batch) if quant == "auto" else quant)
-    p = make_plan(cfg, fmt, cards, context=context, batch=batch, host_free=system_free() or None)
+    if published is not None:  # what the checkpoint quantizes, as stored
+        from ..checkpoint.layout import stored_policy
+
+        policy = stored_policy(path)
+    p = make_plan(cfg, fmt, cards, context=context, batch=batch, policy=policy if fmt != "bf16" else None,
+                  host_free=system_free() or None)
+    from ..placement.bounds import step_bounds
+
+    # the step's bound needs the 26B-A4B's per-layer tables: another model's shapes get none
+    bounds = step_bounds(p) if model is None and context == 8192 else {
+        "step_bound_ms": None, "serial_copy_step_bound_ms": None, "resident_step_bound_ms": None,
+        "canvas_tokens_per_s": None, "bound_note": "the step tables are for the published 26B-A4B at an 8k context"}
     if as_json:
-        sys.stdout.write(json.dumps(p.as_dict()) + "\n")
+        sys.stdout.write(json.dumps({**p.as_dict(), **bounds}) + "\n")
     else:
-        _table(p)
+        _table(p, bounds)
     if not p.fits:
         if as_json:
             raise typer.Exit(1)
@@ -69,17 +87,17 @@ def plan(
 
 
 def _local_card():
-    """This machine's first CUDA device, as the planner sees it."""
-    import torch
+    """This machine's first NVIDIA card (nvidia-smi's), as the planner sees it."""
+    from ..placement.cards import local_cards
 
-    if not torch.cuda.is_available():
-        raise UsageError("no CUDA device here: name the card(s) to plan for with --gpu (a name, or a size: 16GB)")
-    from ..placement.cards import card_of_device
+    found = local_cards()
+    if not found:
+        raise UsageError("no NVIDIA card found here (nvidia-smi): name the card(s) to plan for with --gpu (a name, "
+                         "or a size: 16GB)")
+    return found[0]
 
-    return card_of_device(torch.device("cuda", 0))
 
-
-def _table(p) -> None:
+def _table(p, bounds: dict) -> None:
     out = sys.stdout.write
     out(f"format {p.fmt} ({p.policy}), context {p.context:,}, batch {p.batch}: "
         + ("fits\n" if p.fits else "does not fit\n"))
@@ -90,3 +108,11 @@ def _table(p) -> None:
             + f"; host link {c.card.link_gb_per_s:.1f} GB/s\n")
     if p.streamed:
         out(f"  host memory (pinned): {gb(p.host_bytes)}; copied per step: {gb(p.streamed_bytes_per_step)}\n")
+    if bounds["step_bound_ms"] is not None:
+        out(f"  step bound: {bounds['step_bound_ms']:.1f} ms as planned (copies overlapped), "
+            f"{bounds['serial_copy_step_bound_ms']:.1f} ms with copies that wait for their layer (today's path), "
+            f"{bounds['resident_step_bound_ms']:.1f} ms were everything on the card; "
+            f"{bounds['canvas_tokens_per_s']:.0f} canvas tokens/s at {bounds['steps_per_canvas']} steps a canvas "
+            "(bounds, not measurements)\n")
+    else:
+        out(f"  step bound: not computed ({bounds['bound_note']})\n")

@@ -111,12 +111,40 @@ def card_of_device(device) -> Card:
     in the table: its memory on a PCIe 4.0 x16 link."""
     import torch
 
-    name = torch.cuda.get_device_name(device)
-    memory = torch.cuda.get_device_properties(device).total_memory
+    return _matched(torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory)
+
+
+def local_cards() -> list[Card]:
+    """This machine's NVIDIA cards as the driver's nvidia-smi reports them (name, total memory), each matched to the
+    table; [] without nvidia-smi or a card. No torch: `dgemma info` and `dgemma plan` stay fast."""
+    import shutil
+    import subprocess
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        out = subprocess.run([smi, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if out.returncode != 0:
+        return []
+    cards = []
+    for line in out.stdout.strip().splitlines():
+        name, _, mib = line.rpartition(",")
+        try:
+            memory = int(float(mib.strip())) * 2**20
+        except ValueError:
+            continue
+        cards.append(_matched(name.strip(), memory))
+    return cards
+
+
+def _matched(name: str, memory: int) -> Card:
+    """A device's name matched to the table (the longest match) with the device's own memory."""
     key = _key(name)
     keys = {_key(c.name): c for c in CARDS}
     keys.update({k: keys[_key(v)] for k, v in ALIASES.items()})
     best = max((k for k in keys if key.startswith(k)), key=len, default=None)
-    if best is None:
-        return Card(name, memory, 0.0, 4, 16)
-    return sized(keys[best], memory)
+    return Card(name, memory, 0.0, 4, 16) if best is None else sized(keys[best], memory)

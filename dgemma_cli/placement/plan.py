@@ -5,8 +5,8 @@ idle with probability (1 - 8/128)^256, about 7e-8), so experts that do not fit a
 streamed: kept in pinned host memory and copied, layer by layer, into two on-card layer buffers. The plan:
 
 - on each card, fixed: its share of the layers' attention, dense MLP, norms and KV cache; on the first card also the
-  embedding (the tied head), the self-conditioning block, a request's step memory per row of the batch, the
-  PyTorch path's one dequantized layer (quantized formats) and RUNTIME_SLACK;
+  embedding (the tied head), the self-conditioning block, a request's step memory per row of the batch and
+  RUNTIME_SLACK (and, where no fused MoE kernel reads quantized experts packed, one layer unpacked);
 - each layer's experts resident on its card, or streamed (then the card holds two layer buffers);
 - layers split over several cards, contiguously, only when one card cannot hold them all resident.
 
@@ -111,11 +111,12 @@ def _gb(n: int) -> str:
 
 
 def plan(cfg: ModelConfig, fmt: str, cards: list[Card], context: int = 8192, batch: int = 1,
-         policy: str | None = None, host_free: int | None = None) -> Plan:
+         policy: str | None = None, host_free: int | None = None, fused_experts: bool = True) -> Plan:
     """The placement of `cfg` in format `fmt` on `cards` (in order) at `context` tokens and `batch` rows.
 
-    host_free: available host memory, bytes (None: not checked). A plan that cannot hold says so in `refusal`, one
-    line, before anything loads."""
+    host_free: available host memory, bytes (None: not checked). fused_experts: the GPU's fused MoE kernels read
+    quantized experts packed (False: one layer is unpacked at a time, as on the CPU). A plan that cannot hold says
+    so in `refusal`, one line, before anything loads."""
     policy = policy or DEFAULT_POLICY[fmt]
     t = cfg.text
     L = t.num_hidden_layers
@@ -125,7 +126,10 @@ def plan(cfg: ModelConfig, fmt: str, cards: list[Card], context: int = 8192, bat
     expert = layers[0]["experts"]  # every layer's experts have the same shapes
     per_layer = [lb["dense"] + lb["other"] + kv for lb, kv in zip(layers, cache)]  # what never streams
     shared = totals["embedding"] + (totals["other"] - sum(lb["other"] for lb in layers))
-    scratch = batch * request_bytes(cfg) + (0 if fmt == "bf16" else dequantized_layer_bytes(cfg)) + RUNTIME_SLACK
+    # a request's step memory per row, and the slack; a quantized format's experts unpacked one layer at a time only
+    # where no fused MoE kernel reads them packed (the CPU's path: fused_experts=False)
+    unpacked = 0 if fmt == "bf16" or fused_experts else dequantized_layer_bytes(cfg)
+    scratch = batch * request_bytes(cfg) + unpacked + RUNTIME_SLACK
     fixed_of = [shared + scratch if i == 0 else scratch for i in range(len(cards))]
 
     def make(card_layers: list[list[int]]) -> list[CardPlan]:

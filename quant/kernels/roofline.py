@@ -60,6 +60,28 @@ GPUS = {
     # cc 12.0: 99 KB per block.
     120: GPU("RTX 5090", 170, 2.407, 1.792, 209.5, 99 * 1024, fp4_tflops=1676),
 }
+# The cards of the placement tables (dgemma_cli/placement: cards smaller than the model), each costed with the kernels
+# compiled for its compute capability. SMs, boost clock, memory bandwidth and L2 from NVIDIA's product pages (and the
+# Ampere GA10x / Ada whitepaper appendices where they list the card); the tensor peaks are the architecture's per-SM
+# rate with fp32 accumulation, as the whitepapers give it for the RTX 3090 / 4090 / 5090 above (about 512 dense
+# bf16 FLOP per SM per clock on GA10x, AD10x and GB20x; FP4 8x that on GB20x), times SMs x boost clock. The PCIe
+# links are in dgemma_cli/placement/cards.py.
+CARD_GPUS = {
+    # GA106, 28 SMs, 1,777 MHz boost, 360 GB/s, 3 MB L2
+    "RTX 3060 12GB": (86, GPU("RTX 3060 12GB", 28, 1.777, 0.360, 25.4, 99 * 1024)),
+    # GA102: the RTX 3090 above (6 MB L2)
+    "RTX 3090": (86, GPUS[86]),
+    # AD107, 24 SMs, 2,460 MHz boost, 272 GB/s, 24 MB L2
+    "RTX 4060": (89, GPU("RTX 4060", 24, 2.46, 0.272, 30.2, 99 * 1024)),
+    # AD106, 34 SMs, 2,535 MHz boost, 288 GB/s, 32 MB L2
+    "RTX 4060 Ti 16GB": (89, GPU("RTX 4060 Ti 16GB", 34, 2.535, 0.288, 44.1, 99 * 1024)),
+    # AD103, 76 SMs, 2,505 MHz boost, 716.8 GB/s, 64 MB L2; 97.5 TFLOPS in the Ada whitepaper appendix
+    "RTX 4080": (89, GPU("RTX 4080", 76, 2.505, 0.7168, 97.5, 99 * 1024)),
+    # GB203, 84 SMs, 2,617 MHz boost, 960 GB/s, 64 MB L2; 1,801 FP4 AI TOPS with sparsity, so about 900 dense
+    "RTX 5080": (120, GPU("RTX 5080", 84, 2.617, 0.960, 112.6, 99 * 1024, fp4_tflops=900)),
+    "RTX 4090": (89, GPUS[89]),  # above (72 MB L2)
+    "RTX 5090": (120, GPUS[120]),  # above (96 MB L2)
+}
 FP4_OPS = {"OMMA", "UTCOMMA"}  # block-scaled FP4 tensor-core instructions (sm_120, sm_100)
 ISSUE_PER_CLOCK = 4  # warp-instructions per SM per clock: four schedulers, one each
 OVER = 1.25  # issue / max(DRAM, tensor) above this is marked

@@ -1,0 +1,131 @@
+"""A placement's step, bounded: the whole-step trace's per-layer bounds on each card (step_tables.json, which `make
+kernel-report` writes: every kernel of a real-shape step compiled for the card's compute capability and bounded
+with the card's figures, grouped by layer) combined with the copies the plan makes over the host links.
+
+Streamed experts as planned: copies on a stream of their own, one layer buffer filled while the other is read.
+Copy k may start when copy k-1 is done and the buffer it fills is free again (the streamed layer two before it has
+run); a streamed layer starts when the layer before it is done and its copy has landed. Copies run on from one step
+into the next: the next step's first streamed layers are copied while the head and the sampler run. The bound is
+the steady step (the third of three in a row). With copies that wait for their layer (what runs today:
+dgemma_cli/placement/streaming.py), each copy adds its whole time. Layers split over cards add the
+hidden state's copy across each boundary and back to the first card for the head. Bounds, not measurements: a card
+runs no faster than this.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .plan import Plan
+
+TABLES = Path(__file__).resolve().parent / "step_tables.json"
+STEPS_PER_CANVAS = 12  # the published checkpoint's typical steps a canvas (the seed figure, not measured here)
+
+
+def load_tables(path: Path = TABLES) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _table_format(fmt: str) -> str:
+    return {"nvfp4": "nvfp4", "int8": "w8a8-int8", "fp8": "w8a8-fp8"}.get(fmt, fmt)
+
+
+def card_layers(tables: dict, card: str, fmt: str, batch: int) -> dict | None:
+    """The table's entry for a card, format and batch: pre_ms, layer_ms [L], post_ms, kernels (None: not there)."""
+    return tables.get("cards", {}).get(card, {}).get(_table_format(fmt), {}).get(str(batch))
+
+
+class Timeline:
+    """The compute stream and the copy stream of one card, step after step: `run` adds layers, copying the experts
+    of the streamed ones in as the module docstring says (overlap=False: each copy waits for its layer and delays it
+    by its whole time). Copies carry on from one step into the next: the next step's first streamed layers are
+    copied while the head and the sampler run, once their buffers are free."""
+
+    def __init__(self, copy_ms: float, overlap: bool = True):
+        self.copy_ms, self.overlap = copy_ms, overlap
+        self.t = 0.0  # the compute stream
+        self.copy_end = 0.0  # the copy stream
+        self.copied = 0  # copies so far (copy k fills buffer k % 2)
+        self.buffer_free = [0.0, 0.0]  # when each buffer's last reader ends
+
+    def compute(self, ms: float) -> None:
+        self.t += ms
+
+    def run(self, layer_ms: list[float], layers: list[int], streamed: list[int]) -> None:
+        streamed_set = set(streamed)
+        for i in layers:
+            if i in streamed_set:
+                b = self.copied % 2
+                if self.overlap:
+                    self.copy_end = max(self.copy_end, self.buffer_free[b]) + self.copy_ms
+                    self.t = max(self.t, self.copy_end)
+                else:
+                    self.t += self.copy_ms
+                self.copied += 1
+                self.t += layer_ms[i]
+                self.buffer_free[b] = self.t
+            else:
+                self.t += layer_ms[i]
+
+
+def streamed_ms(start: float, layer_ms: list[float], layers: list[int], streamed: list[int], copy_ms: float,
+                overlap: bool = True) -> float:
+    """One step's layers alone, from `start`, the first copy starting with them: when the last one ends."""
+    line = Timeline(copy_ms, overlap)
+    line.compute(start)
+    line.copy_end = 0.0
+    line.run(layer_ms, layers, streamed)
+    return line.t
+
+
+def step_bounds(p: Plan, tables: dict | None = None) -> dict:
+    """{step_bound_ms, serial_copy_step_bound_ms, resident_step_bound_ms, canvas_tokens_per_s, bound_note}: the
+    plan's step with copies overlapped as planned, with copies that wait (today's path), and on the same card had it
+    room for everything; None where a card has no table (bound_note says which)."""
+    tables = load_tables() if tables is None else tables
+    empty = {"step_bound_ms": None, "serial_copy_step_bound_ms": None, "resident_step_bound_ms": None,
+             "canvas_tokens_per_s": None, "steps_per_canvas": STEPS_PER_CANVAS}
+    if tables is None:
+        return {**empty, "bound_note": "no step tables in this install (make kernel-report writes them)"}
+    if p.policy != "all":
+        return {**empty, "bound_note": f"the step tables cost {p.fmt} attention and dense MLP too; this plan keeps "
+                                       "them 16-bit (--policy all plans them quantized)"}
+    rows = [card_layers(tables, c.card.name, p.fmt, p.batch) for c in p.cards]
+    missing = sorted({c.card.name for c, r in zip(p.cards, rows) if r is None})
+    if missing:
+        have = ", ".join(sorted(tables.get("cards", {})))
+        return {**empty, "bound_note": f"no step table for {', '.join(missing)} in {p.fmt} at batch {p.batch} "
+                                       f"(tables: {have}; batch 1 and 4)"}
+    canvas = tables.get("canvas", 256)
+    hidden = tables.get("hidden", 2816)
+    boundary_bytes = p.batch * canvas * hidden * 2  # the hidden state, bf16, across a split
+
+    def bound(overlap: bool, streaming: bool = True, steps: int = 3) -> float:
+        """The steady step: `steps` steps one after another, the last one's time (the first step's first copies wait
+        for nothing to hide behind; later steps' are made while the step before ends)."""
+        lines = [Timeline(p.expert_bytes / (c.card.copy_gb_per_s * 1e9) * 1e3, overlap) for c in p.cards]
+        ends = []
+        t = 0.0
+        for _ in range(steps):
+            t += rows[0]["pre_ms"]
+            for k, (c, row, line) in enumerate(zip(p.cards, rows, lines)):
+                if k:  # crossing into this card
+                    t += boundary_bytes / (c.card.copy_gb_per_s * 1e9) * 1e3
+                line.t = t
+                line.run(row["layer_ms"], c.layers, c.streamed if streaming else [])
+                t = line.t
+            if len(p.cards) > 1:  # back to the first card, for the head
+                t += boundary_bytes / (min(c.card.copy_gb_per_s for c in p.cards) * 1e9) * 1e3
+            t += rows[0]["post_ms"]
+            ends.append(t)
+        return ends[-1] - ends[-2] if steps > 1 else ends[-1]
+
+    planned = bound(True)
+    return {"step_bound_ms": round(planned, 3), "serial_copy_step_bound_ms": round(bound(False), 3),
+            "resident_step_bound_ms": round(bound(True, streaming=False), 3),
+            "canvas_tokens_per_s": round(p.batch * canvas / (STEPS_PER_CANVAS * planned / 1e3), 1),
+            "steps_per_canvas": STEPS_PER_CANVAS, "bound_note": None}
