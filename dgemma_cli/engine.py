@@ -488,17 +488,17 @@ def plan_placement(path: Path, dev, gpu_memory: int | None, batch: int = 1):
     from .placement.cards import Card, card_of_device, sized
     from .placement.plan import plan
 
+    if gpu_memory is None and dev.type != "cuda":
+        return None  # the CPU without --gpu-memory: everything resident, as ever
     cfg = ModelConfig.from_dir(path)
     fmt = read_quant_format(path, cfg.raw) or "bf16"
     policy = stored_policy(path) if fmt != "bf16" else None
     if gpu_memory is None:
-        if dev.type != "cuda":
-            return None
         free, _ = torch.cuda.mem_get_info(dev)
         if sum(weight_bytes(cfg, fmt, policy).values()) <= free:
             return None
         gpu_memory = free
-    base = card_of_device(dev) if dev.type == "cuda" else Card("CPU", 0, 0.0, 4, 16)
+    base = card_of_device(dev) if dev.type == "cuda" else Card("card of --gpu-memory", 0, 0.0, 4, 16)
     context = min(8192, cfg.text.max_position_embeddings)
     p = plan(cfg, fmt, [sized(base, gpu_memory)], context=context, batch=batch, policy=policy,
              host_free=system_free() or None, fused_experts=dev.type == "cuda")

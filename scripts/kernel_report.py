@@ -244,7 +244,8 @@ def placement_markdown(tables: dict) -> list[str]:
             copies = p.streamed_bytes_per_step / (min(c.card.copy_gb_per_s for c in p.cards) * 1e9) * 1e3
             ratio = None if b["step_bound_ms"] is None else b["step_bound_ms"] / max(b["resident_step_bound_ms"],
                                                                                       copies)
-            used = " + ".join(f"{c.card.name} ({c.layers[0]}-{c.layers[-1]})" for c in p.cards)
+            used = " + ".join(f"{c.card.name} ({c.layers[0]}-{c.layers[-1]})" if c.layers else c.card.name
+                              for c in p.cards)
             out.append(f"| {used} | {fmt} | {batch} | {len(p.streamed)} | "
                        f"{p.link_gb_per_s:.1f} GB/s | {_f(b['step_bound_ms'])} | "
                        f"{_f(b['serial_copy_step_bound_ms'])} | {_f(b['resident_step_bound_ms'])} | {_f(ratio)} | "

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from checkpoints import SPECS, build_checkpoint
 from cli_helpers import run_main
 
@@ -63,7 +64,7 @@ def test_a_card_too_small_even_streaming_is_refused_in_one_line():
     p = plan(REAL, "nvfp4", [card("6GB")], context=8192)
     assert not p.fits and "\n" not in p.refusal and "even with every layer's experts streamed" in p.refusal
     need = p.cards[0].fixed_bytes + 2 * p.expert_bytes  # the fixed part and the two layer buffers: the least
-    assert f"{need / GB:.1f} GB" in p.refusal
+    assert f"needs {need / GB:.2f} GB on the card" in p.refusal
     assert plan(REAL, "nvfp4", [card(f"{need / GB + 0.01:.2f}GB")], context=8192).fits
 
 
@@ -346,3 +347,23 @@ def test_info_and_plan_find_this_machines_card_through_nvidia_smi(tmp_path, monk
     assert rc == 2 and "--gpu" in err and err.count("\n") == 1
     rc, out, err = run_cli(["info", "demo", "--json"], capsys)
     assert rc == 0 and json.loads(out)["placement"] is None
+
+
+def test_tuning_with_streamed_experts_makes_the_resident_runs_adapter(tmp_path, capsys):
+    """`dgemma tune --gpu-memory`: the streamed experts are copied in again when the backward pass recomputes their
+    layer (gradient checkpointing), so the adapter, experts adapted too, is bit for bit the resident run's."""
+    from test_tune import UPPER, adapter_tensors, tune_args, write_jsonl
+
+    from dgemma_cli.checkpoint.names import DEMO_MODEL
+
+    data = write_jsonl(tmp_path / "d.jsonl", UPPER)
+    extra = ("--targets", "attention,mlp", "--expert-rank", "2")
+    size = f"{streaming_memory(DEMO_MODEL) / 1e6:.6f}MB"
+    assert run_main([*tune_args(data, tmp_path / "a"), *extra]) == 0
+    assert run_main([*tune_args(data, tmp_path / "b"), *extra, "--gpu-memory", size]) == 0
+    a, b = adapter_tensors(tmp_path / "a"), adapter_tensors(tmp_path / "b")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    capsys.readouterr()
+    rc = run_main([*tune_args(data, tmp_path / "c"), *extra, "--gpu-memory", size, "--no-gradient-checkpointing"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "--no-gradient-checkpointing" in err

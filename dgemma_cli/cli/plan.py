@@ -103,7 +103,8 @@ def _table(p, bounds: dict) -> None:
         + ("fits\n" if p.fits else "does not fit\n"))
     for c in p.cards:
         streamed = f"{len(c.streamed)} streamed ({', '.join(map(str, c.streamed))})" if c.streamed else "none streamed"
-        out(f"  {c.card.name:<18} {gb(c.card.memory):>9}  layers {c.layers[0]}-{c.layers[-1]}: {streamed}; holds "
+        layers = f"layers {c.layers[0]}-{c.layers[-1]}" if c.layers else "no layers"
+        out(f"  {c.card.name:<18} {gb(c.card.memory):>9}  {layers}: {streamed}; holds "
             f"{gb(c.resident_bytes)}" + (f" (two layer buffers {gb(c.buffer_bytes)})" if c.buffer_bytes else "")
             + f"; host link {c.card.link_gb_per_s:.1f} GB/s\n")
     if p.streamed:

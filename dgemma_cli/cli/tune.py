@@ -20,6 +20,11 @@ from .options import (
     note,
 )
 
+# Streamed experts share two layer buffers, so a layer's experts are in one only while that layer runs: the backward
+# pass must recompute the layer (which copies them in again), not keep what its forward saved.
+STREAMED_NEED_CHECKPOINTING = ("experts streamed from host memory (--gpu-memory, or a card too small) need "
+                               "--gradient-checkpointing: it cannot be combined with --no-gradient-checkpointing")
+
 
 def tune(
     data: str = typer.Argument(..., metavar="DATA.jsonl", help="Training examples, one JSON object per line: "
@@ -68,6 +73,8 @@ def tune(
 
     check_device_dtype(device, dtype)
     card_bytes = gpu_memory_arg(gpu_memory)
+    if card_bytes is not None and not checkpointing:
+        raise UsageError(STREAMED_NEED_CHECKPOINTING)
     kinds = tuple(t.strip() for t in targets.split(",") if t.strip())
     bad = [k for k in kinds if k not in ("attention", "mlp", "self_conditioning")]
     if bad or not kinds:
@@ -114,6 +121,8 @@ def tune(
     if state is not None:
         tuner.restore(state)
         note(f"resuming {out_dir} at step {tuner.step} of {steps}")
+    if getattr(engine.model, "expert_stream", None) is not None and not checkpointing:
+        raise UsageError(STREAMED_NEED_CHECKPOINTING)  # planned onto a card too small: experts stream
     engine.model.checkpointing = checkpointing
     longest = max(len(e.prompt) + len(e.answer) for e in examples)
     est = memory_estimate(engine.model, tuner.adapter, settings, longest, checkpointing)

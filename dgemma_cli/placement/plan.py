@@ -107,7 +107,7 @@ def _spread(n: int, among: list[int]) -> list[int]:
 
 
 def _gb(n: int) -> str:
-    return f"{n / GB:.1f} GB"
+    return f"{n / GB:.1f} GB" if n >= 10 * GB else f"{n / GB:.2f} GB" if n >= GB else f"{n / 1e6:.1f} MB"
 
 
 def plan(cfg: ModelConfig, fmt: str, cards: list[Card], context: int = 8192, batch: int = 1,
@@ -173,7 +173,7 @@ def plan(cfg: ModelConfig, fmt: str, cards: list[Card], context: int = 8192, bat
             need = c.fixed_bytes + 2 * expert
             p.refusal = (f"{fmt} at a {context:,}-token context does not fit on the {c.card.name} "
                          f"({_gb(c.card.memory)}) even with every layer's experts streamed: its share needs "
-                         f"{_gb(need)} on the card (try a shorter --context, a smaller format, or another card)")
+                         f"{_gb(need)} on the card (a shorter context, a smaller format, or more card memory)")
             return p
     if host_free is not None and host + HOST_MARGIN > host_free:
         p.refusal = (f"{fmt} on the {' + '.join(c.card.name for c in placed)} streams {len(p.streamed)} layers' "
