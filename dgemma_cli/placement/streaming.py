@@ -36,7 +36,9 @@ class ExpertStream:
         pin = self.device.type == "cuda"
         for k, i in enumerate(self.layers):
             experts = model.layers[i].experts
-            tensors = {**dict(experts.named_parameters()), **dict(experts.named_buffers())}
+            # every name a tensor is held under (a tensor two projections share is repointed under both)
+            tensors = {**dict(experts.named_parameters(remove_duplicate=False)),
+                       **dict(experts.named_buffers(remove_duplicate=False))}
             buffer = self.buffers[k % 2]
             host = {}
             for name, t in tensors.items():
