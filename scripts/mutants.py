@@ -166,8 +166,8 @@ MUTATIONS: list[Mutation] = [
         f"{OLLAMA_T}::test_thinking_and_tool_calls_come_back_in_ollamas_shape"),
     mutation(
         "ollama/body-limit-in-openai-shape", OLLAMA,
-        "        except (api.ApiError, OllamaError) as e:\n            return _error(e.status, e.message)\n",
-        "        except (api.ApiError, OllamaError) as e:\n            if e.status == 413:\n"
+        "        except (protocol.ApiError, OllamaError) as e:\n            return _error(e.status, e.message)\n",
+        "        except (protocol.ApiError, OllamaError) as e:\n            if e.status == 413:\n"
         "                return e.response()\n            return _error(e.status, e.message)\n",
         f"{FAULTS_T}::test_a_body_over_the_limit_on_ollamas_routes_is_refused_in_ollamas_shape"),
     # ------------------------------------------------------------------ the prompt cache (prefix_cache.py, batching.py)
