@@ -7,7 +7,7 @@ made in `OWNER--NAME--QUANT.partial/` and renamed into place only when complete 
 always whole; `.partial` directories (an interrupted pull) are never listed and are resumed by the next pull.
 
 How a `--model` value names a model, and the store's location and listing (`entries`, `find`,
-`resolve`), live in names.py, below the engine; they are imported here too.
+`resolve`), live in checkpoint/names.py, below the engine; they are imported here too.
 
 An entry holds the text stack and the vision tower (when the source has one). Entries made before dgemma kept the
 tower hold only the text model: `check_images` says, in one line, how to replace one when it is given an image.
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-# The naming and listing half of the store (names.py), used here and by the CLI as store.entries, store.find, ...
+# The naming and listing half of the store (checkpoint/names.py), used here and by the CLI as store.entries, store.find, ...
 from ..checkpoint.names import (  # noqa: F401
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
