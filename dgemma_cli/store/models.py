@@ -23,7 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-# The naming and listing half of the store (checkpoint/names.py), used here and by the CLI as store.entries, store.find, ...
+# The naming and listing half of the store (checkpoint/names.py), used here and by the CLI as store.entries,
+# store.find, ...
 from ..checkpoint.names import (  # noqa: F401
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
