@@ -486,7 +486,7 @@ def plan_placement(path: Path, dev, gpu_memory: int | None, batch: int = 1):
     from .checkpoint.layout import stored_policy
     from .checkpoint.weights import read_quant_format
     from .placement.cards import Card, card_of_device, sized
-    from .placement.plan import plan
+    from .placement.plan import plan, planned_context
 
     if gpu_memory is None and dev.type != "cuda":
         return None  # the CPU without --gpu-memory: everything resident, as ever
@@ -499,8 +499,7 @@ def plan_placement(path: Path, dev, gpu_memory: int | None, batch: int = 1):
             return None
         gpu_memory = free
     base = card_of_device(dev) if dev.type == "cuda" else Card("card of --gpu-memory", 0, 0.0, 4, 16)
-    context = min(8192, cfg.text.max_position_embeddings)
-    p = plan(cfg, fmt, [sized(base, gpu_memory)], context=context, batch=batch, policy=policy,
+    p = plan(cfg, fmt, [sized(base, gpu_memory)], context=planned_context(cfg), batch=batch, policy=policy,
              host_free=system_free() or None, fused_experts=dev.type == "cuda")
     if not p.fits:
         raise ModelError(p.refusal)

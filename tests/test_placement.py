@@ -20,7 +20,7 @@ from cli_helpers import run_main
 from dgemma_cli.config import DIFFUSIONGEMMA_26B_A4B, ModelConfig
 from dgemma_cli.engine import load
 from dgemma_cli.placement.cards import GB, GIB, Card, card, parse_size, sized
-from dgemma_cli.placement.plan import choose, plan
+from dgemma_cli.placement.plan import choose, plan, planned_context
 
 ROOT = Path(__file__).resolve().parent.parent
 REAL = ModelConfig.from_dict(DIFFUSIONGEMMA_26B_A4B)
@@ -147,7 +147,7 @@ def streaming_memory(path: Path, resident: int = 1) -> int:
 
     cfg = ModelConfig.from_dir(path)
     fmt = read_quant_format(path, cfg.raw) or "bf16"
-    whole = plan(cfg, fmt, [Card("any", 10**15, 0.0, 4, 16)], context=min(8192, cfg.text.max_position_embeddings),
+    whole = plan(cfg, fmt, [Card("any", 10**15, 0.0, 4, 16)], context=planned_context(cfg),
                  policy=stored_policy(path) if fmt != "bf16" else None,
                  fused_experts=False)  # the CPU's path unpacks a quantized layer at a time
     c = whole.cards[0]
@@ -242,7 +242,13 @@ def test_on_a_gpu_streamed_experts_are_pinned_host_memory_and_the_tokens_the_res
 
 
 def test_copies_hide_behind_compute_or_compute_behind_copies():
-    from dgemma_cli.placement.bounds import streamed_ms
+    from dgemma_cli.placement.bounds import Timeline
+
+    def streamed_ms(start, layer_ms, layers, streamed, copy_ms, overlap=True):  # one step from the step's start
+        line = Timeline(copy_ms, overlap)
+        line.t = start
+        line.run(layer_ms, layers, streamed)
+        return line.t
 
     layers, ms = list(range(8)), [1.0] * 8
     assert streamed_ms(0.0, ms, layers, [], 5.0) == 8.0  # nothing streams: the layers' sum

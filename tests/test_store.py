@@ -446,9 +446,9 @@ def test_pull_auto_on_a_card_too_small_plans_streamed_experts(served, monkeypatc
     """Nothing fits whole: NVFP4, and the note says how many layers' experts will stream, not that it may not fit."""
     cfg = ModelConfig.from_dir(checkpoints["five_to_one"])
     from dgemma_cli.placement.cards import Card
-    from dgemma_cli.placement.plan import plan
+    from dgemma_cli.placement.plan import plan, planned_context
 
-    whole = plan(cfg, "nvfp4", [Card("x", 10**15, 0.0, 4, 16)], context=min(8192, cfg.text.max_position_embeddings))
+    whole = plan(cfg, "nvfp4", [Card("x", 10**15, 0.0, 4, 16)], context=planned_context(cfg))
     c = whole.cards[0]
     free = c.fixed_bytes + 3 * c.expert_bytes  # two layer buffers and one resident layer
     assert free < footprint.runtime_bytes(cfg, "nvfp4")

@@ -111,14 +111,14 @@ def _local_placement(path, described: dict) -> dict | None:
     card at an 8k context (None: no card found). No torch."""
     from ..config import ModelConfig
     from ..placement.cards import local_cards
-    from ..placement.plan import plan
+    from ..placement.plan import plan, planned_context
 
     cards = local_cards()
     if not cards:
         return None
     cfg = ModelConfig.from_dir(path)
     fmt = described["format"] if described["format"] in ("nvfp4", "int8", "fp8") else "bf16"
-    p = plan(cfg, fmt, cards[:1], context=min(8192, cfg.text.max_position_embeddings),
+    p = plan(cfg, fmt, cards[:1], context=planned_context(cfg),
              policy=described["policy"] if fmt != "bf16" else None)
     c = p.cards[0]
     held = (f"{len(p.streamed)} of {p.layers} layers' experts stream from host memory ({gb(p.host_bytes)} pinned)"

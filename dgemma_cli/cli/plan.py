@@ -37,6 +37,7 @@ def plan(
     from ..placement.cards import card
     from ..placement.plan import choose
     from ..placement.plan import plan as make_plan
+    from ..placement.plan import planned_context
 
     if quant not in QUANTS + ("auto",):
         raise UsageError(f"--quant must be auto, {', '.join(QUANTS)} (got {quant!r})")
@@ -56,7 +57,7 @@ def plan(
         published = read_quant_format(path, cfg.raw)
     if published is not None and quant not in ("auto", published):
         raise UsageError(f"{model} is stored in {published}; plan it as it is (--quant auto or {published})")
-    context = context or min(8192, cfg.text.max_position_embeddings)
+    context = context or planned_context(cfg)
     if context > cfg.text.max_position_embeddings:
         raise UsageError(f"--context {context}: the model's context is {cfg.text.max_position_embeddings:,} tokens")
     if not cards:
@@ -70,12 +71,10 @@ def plan(
         policy = stored_policy(path)
     p = make_plan(cfg, fmt, cards, context=context, batch=batch, policy=policy if fmt != "bf16" else None,
                   host_free=system_free() or None)
-    from ..placement.bounds import step_bounds
+    from ..placement.bounds import no_bound, step_bounds
 
-    # the step's bound needs the 26B-A4B's per-layer tables: another model's shapes get none
-    bounds = step_bounds(p) if model is None and context == 8192 else {
-        "step_bound_ms": None, "serial_copy_step_bound_ms": None, "resident_step_bound_ms": None,
-        "canvas_tokens_per_s": None, "bound_note": "the step tables are for the published 26B-A4B at an 8k context"}
+    # the tables hold the published 26B-A4B's layers: another model's shapes get no bound
+    bounds = step_bounds(p) if model is None else no_bound("the step tables are for the published 26B-A4B")
     if as_json:
         sys.stdout.write(json.dumps({**p.as_dict(), **bounds}) + "\n")
     else:

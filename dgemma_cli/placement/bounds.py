@@ -52,9 +52,6 @@ class Timeline:
         self.copied = 0  # copies so far (copy k fills buffer k % 2)
         self.buffer_free = [0.0, 0.0]  # when each buffer's last reader ends
 
-    def compute(self, ms: float) -> None:
-        self.t += ms
-
     def run(self, layer_ms: list[float], layers: list[int], streamed: list[int]) -> None:
         streamed_set = set(streamed)
         for i in layers:
@@ -72,14 +69,10 @@ class Timeline:
                 self.t += layer_ms[i]
 
 
-def streamed_ms(start: float, layer_ms: list[float], layers: list[int], streamed: list[int], copy_ms: float,
-                overlap: bool = True) -> float:
-    """One step's layers alone, from `start`, the first copy starting with them: when the last one ends."""
-    line = Timeline(copy_ms, overlap)
-    line.compute(start)
-    line.copy_end = 0.0
-    line.run(layer_ms, layers, streamed)
-    return line.t
+def no_bound(note: str) -> dict:
+    """step_bounds' answer where no bound can be given: every figure None, `bound_note` says why."""
+    return {"step_bound_ms": None, "serial_copy_step_bound_ms": None, "resident_step_bound_ms": None,
+            "canvas_tokens_per_s": None, "steps_per_canvas": STEPS_PER_CANVAS, "bound_note": note}
 
 
 def step_bounds(p: Plan, tables: dict | None = None) -> dict:
@@ -87,19 +80,19 @@ def step_bounds(p: Plan, tables: dict | None = None) -> dict:
     plan's step with copies overlapped as planned, with copies that wait (today's path), and on the same card had it
     room for everything; None where a card has no table (bound_note says which)."""
     tables = load_tables() if tables is None else tables
-    empty = {"step_bound_ms": None, "serial_copy_step_bound_ms": None, "resident_step_bound_ms": None,
-             "canvas_tokens_per_s": None, "steps_per_canvas": STEPS_PER_CANVAS}
     if tables is None:
-        return {**empty, "bound_note": "no step tables in this install (make kernel-report writes them)"}
+        return no_bound("no step tables in this install (make kernel-report writes them)")
+    if p.context != tables.get("context", p.context):
+        return no_bound(f"the step tables are for an {tables['context']:,}-token context")
     if p.policy != "all":
-        return {**empty, "bound_note": f"the step tables cost {p.fmt} attention and dense MLP too; this plan keeps "
-                                       "them 16-bit (--policy all plans them quantized)"}
+        return no_bound(f"the step tables cost {p.fmt} attention and dense MLP too; this plan keeps them 16-bit "
+                        "(--policy all plans them quantized)")
     rows = [card_layers(tables, c.card.name, p.fmt, p.batch) for c in p.cards]
     missing = sorted({c.card.name for c, r in zip(p.cards, rows) if r is None})
     if missing:
         have = ", ".join(sorted(tables.get("cards", {})))
-        return {**empty, "bound_note": f"no step table for {', '.join(missing)} in {p.fmt} at batch {p.batch} "
-                                       f"(tables: {have}; batch 1 and 4)"}
+        return no_bound(f"no step table for {', '.join(missing)} in {p.fmt} at batch {p.batch} (tables: {have}; "
+                        "batch 1 and 4)")
     canvas = tables.get("canvas", 256)
     hidden = tables.get("hidden", 2816)
     boundary_bytes = p.batch * canvas * hidden * 2  # the hidden state, bf16, across a split

@@ -31,6 +31,7 @@ from ..checkpoint.footprint import (
 from ..config import ModelConfig
 from .cards import GB, Card
 
+DEFAULT_CONTEXT = 8192  # tokens a plan leaves KV-cache room for unless told (the step tables' context too)
 HOST_MARGIN = 2 * 2**30  # host memory the plan leaves to everything else (the OS, the process, its libraries)
 
 
@@ -96,6 +97,11 @@ class Plan:
                 "resident_bytes": self.resident_bytes, "streamed_bytes_per_step": self.streamed_bytes_per_step,
                 "host_bytes": self.host_bytes, "host_free": self.host_free,
                 "link_gb_per_s": round(self.link_gb_per_s, 2)}
+
+
+def planned_context(cfg: ModelConfig) -> int:
+    """The context planned for when none is given: DEFAULT_CONTEXT, or the model's own if shorter."""
+    return min(DEFAULT_CONTEXT, cfg.text.max_position_embeddings)
 
 
 def _spread(n: int, among: list[int]) -> list[int]:

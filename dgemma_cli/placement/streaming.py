@@ -28,18 +28,19 @@ class ExpertStream:
 
     def __init__(self, model: torch.nn.Module, layers: list[int], device: torch.device):
         self.layers = sorted(layers)
+        self.buffer_of = {i: k % 2 for k, i in enumerate(self.layers)}  # streamed layers alternate the buffers
         self.device = torch.device(device)
         self.host: dict[int, dict[str, torch.Tensor]] = {}  # layer -> tensor name (in its experts module) -> host copy
         self.buffers: list[dict[str, torch.Tensor]] = [{}, {}]
         self.copies = 0  # layers copied in so far (what the tests count)
         self._hooks = []
         pin = self.device.type == "cuda"
-        for k, i in enumerate(self.layers):
+        for i in self.layers:
             experts = model.layers[i].experts
             # every name a tensor is held under (a tensor two projections share is repointed under both)
             tensors = {**dict(experts.named_parameters(remove_duplicate=False)),
                        **dict(experts.named_buffers(remove_duplicate=False))}
-            buffer = self.buffers[k % 2]
+            buffer = self.buffers[self.buffer_of[i]]
             host = {}
             for name, t in tensors.items():
                 src = t.detach()
@@ -60,7 +61,7 @@ class ExpertStream:
 
     def fetch(self, layer: int) -> None:
         """Copy `layer`'s experts into its buffer (on the current stream: the experts' kernels wait for it)."""
-        buffer = self.buffers[self.layers.index(layer) % 2]
+        buffer = self.buffers[self.buffer_of[layer]]
         for name, src in self.host[layer].items():
             buffer[name].copy_(src, non_blocking=True)
         self.copies += 1

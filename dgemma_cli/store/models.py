@@ -239,10 +239,9 @@ def pull(repo: str, quant: str = "auto", revision: str | None = None, policy: st
                 fits = "fits"
             else:  # NVFP4 with the experts that do not fit streamed from host memory (dgemma_cli/placement)
                 from ..placement.cards import Card
-                from ..placement.plan import plan
+                from ..placement.plan import plan, planned_context
 
-                context = min(8192, cfg.text.max_position_embeddings)
-                placed = plan(cfg, fmt, [Card(where, free, 0.0, 4, 16)], context=context)
+                placed = plan(cfg, fmt, [Card(where, free, 0.0, 4, 16)], context=planned_context(cfg))
                 fits = (f"does not fit whole in; {len(placed.streamed)} of {placed.layers} layers' experts will stream "
                         "from host memory (`dgemma plan` shows the plan), in" if placed.fits else "does not fit")
             note(f"--quant auto: {fmt} of {weighed} ({need / 1e9:.1f} GB estimated at an 8k context {fits} the "
