@@ -89,8 +89,10 @@ def present_pages(start: int, end: int) -> int:
     return sum(1 for i in range(7, len(raw), 8) if raw[i] & 0x80)
 
 
-def child(directory: str, dtype_name: str) -> dict:
-    """Load the checkpoint in this process and return the figures (see the module docstring)."""
+def child(directory: str, dtype_name: str, gpu_memory: int | None = None) -> dict:
+    """Load the checkpoint in this process and return the figures (see the module docstring). With `gpu_memory`,
+    the load follows the placement plan for a card of that size, as `--gpu-memory` makes it on the CPU: the streamed
+    layers' experts read into the host store and the two layer buffers made (dgemma_cli/placement/streaming.py)."""
     import torch
 
     from dgemma_cli.checkpoint.weights import index_checkpoint, load_model
@@ -99,10 +101,21 @@ def child(directory: str, dtype_name: str) -> dict:
     records = index_checkpoint(Path(directory))
     files = {str(r.file) for r in records.values()}
     checkpoint_bytes = sum(os.path.getsize(f) for f in files)
+    placement = None
+    if gpu_memory is not None:
+        from dgemma_cli.engine import plan_placement
+
+        placement = plan_placement(Path(directory), torch.device("cpu"), gpu_memory)
+    streamed = placement.streamed if placement is not None else []
     baseline = proc_status()
 
     t0 = time.perf_counter()
-    model, cfg = load_model(directory, device="cpu", dtype=dtype)
+    model, cfg = load_model(directory, device="cpu", dtype=dtype, host_layers=frozenset(streamed))
+    stream = None
+    if streamed:
+        from dgemma_cli.placement.streaming import ExpertStream
+
+        stream = ExpertStream(model, streamed, torch.device("cpu"))
     load_s = time.perf_counter() - t0
     after_load = proc_status()
 
@@ -131,8 +144,14 @@ def child(directory: str, dtype_name: str) -> dict:
                 if lo < hi:
                     skipped_pages += present_pages(lo, hi)
 
+    store = [t for host in (stream.host.values() if stream else []) for t in host.values()]
     return {
         "dtype": dtype_name,
+        "streamed_layers": streamed,
+        "plan_host_bytes": placement.host_bytes if placement is not None else 0,
+        "store_bytes": sum(t.numel() * t.element_size() for t in store),
+        "buffer_bytes": stream.buffer_bytes if stream else 0,
+        "store_file_backed": sum(any(a <= t.data_ptr() < b for a, b, _, _ in maps) for t in store),
         "model_dtype": str(model.dtype).replace("torch.", ""),
         "checkpoint_bytes": checkpoint_bytes,
         "param_bytes": param_bytes,
@@ -158,9 +177,10 @@ def child(directory: str, dtype_name: str) -> dict:
 # ----------------------------------------------------------------------------- the parent
 
 
-def measure(directory: Path, dtype_name: str = "none", timeout: float = 1800) -> dict:
+def measure(directory: Path, dtype_name: str = "none", timeout: float = 1800, gpu_memory: int | None = None) -> dict:
     """Run `child` in a fresh interpreter and return its figures, plus peak growth over the baseline."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(directory), dtype_name]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(directory), dtype_name,
+           *([str(gpu_memory)] if gpu_memory is not None else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"loading subprocess failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -229,7 +249,7 @@ def run(directory: Path, slack: float, convert: bool) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
-        print(json.dumps(child(argv[1], argv[2])))
+        print(json.dumps(child(argv[1], argv[2], int(argv[3]) if len(argv) > 3 else None)))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gb", type=float, default=3.0, help="size of the synthetic checkpoint in GB (1e9 bytes)")

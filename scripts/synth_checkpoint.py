@@ -171,8 +171,9 @@ def write_shard(path: Path, tensors: list[tuple[str, tuple[int, ...]]], pool: to
 
 
 def write_checkpoint(directory: Path, gb: float, dtype: torch.dtype = torch.float32, shard_gb: float = 1.0,
-                     seed: int = 0) -> dict:
-    """Write a synthetic checkpoint of about `gb` GB into `directory` (created if needed).
+                     seed: int = 0, layers: int | None = None, experts: int | None = None) -> dict:
+    """Write a synthetic checkpoint of about `gb` GB into `directory` (created if needed); with `layers` and
+    `experts`, of exactly that many instead (`gb` is then not used).
 
     Returns a summary: total file bytes, text bytes (what a loader reads), shard count, layers, experts.
     The vision dummy is placed right after the embedding, inside a shard among text tensors, as in a real
@@ -180,7 +181,7 @@ def write_checkpoint(directory: Path, gb: float, dtype: torch.dtype = torch.floa
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    config = text_config_for(int(gb * GB), dtype)
+    config = make_config(layers, experts, dtype) if layers else text_config_for(int(gb * GB), dtype)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     tensors = checkpoint_tensors(config)
     tensors.insert(1, (VISION_DUMMY, VISION_DUMMY_SHAPE))

@@ -17,6 +17,7 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 GB = 1_000_000_000
 SIZE_GB = 0.3
 SLACK = 0.25 * GB
+STREAM_SLACK = 0.1 * GB  # the streamed load's: its checkpoint is about 0.4 GB, its host store 0.23 GB
 # The two [L] layer-scalar parameters are stacked from per-layer [1] tensors, so they own their (tiny) memory.
 STACKED = {"encoder_layer_scalar", "decoder_layer_scalar"}
 
@@ -88,3 +89,46 @@ def test_quantize_streams_a_checkpoint_without_holding_it(synthetic, tmp_path):
     large_rise, large = peak_rise(larger, tmp_path / "q2")
     assert large - small > 0.5 * GB
     assert large_rise - small_rise < 0.25 * (large - small), (small_rise, large_rise, small, large)
+
+
+@pytest.fixture(scope="module")
+def synthetic_bf16(tmp_path_factory) -> Path:
+    import torch
+
+    directory = tmp_path_factory.mktemp("rss_bf16") / "checkpoint"
+    _script("synth_checkpoint").write_checkpoint(directory, 0, torch.bfloat16, layers=8, experts=12)  # ~0.4 GB
+    return directory
+
+
+def _streaming_size(directory: Path, layers: int) -> int:
+    """The largest card size (in steps of one layer's experts) at which the plan streams at least `layers` layers."""
+    from dgemma_cli.checkpoint.footprint import weight_bytes
+    from dgemma_cli.config import ModelConfig
+    from dgemma_cli.placement.cards import Card, sized
+    from dgemma_cli.placement.plan import plan, planned_context
+
+    cfg = ModelConfig.from_dir(directory)
+    size = sum(weight_bytes(cfg, "bf16").values()) + 4 * GB  # from a card that holds it all, one layer's experts less
+    while size > 0:
+        p = plan(cfg, "bf16", [sized(Card("card", 0, 0.0, 4, 16), size)], context=planned_context(cfg),
+                 fused_experts=False)
+        if p.fits and len(p.streamed) >= layers:
+            return size
+        size -= p.expert_bytes
+    raise AssertionError("no card size streams that many layers")
+
+
+@pytest.mark.slow
+def test_streamed_load_reads_streamed_experts_once_into_the_host_store(synthetic_bf16):
+    """`--gpu-memory` on a card too small: the streamed layers' experts are read from the files into host memory the
+    store owns (pinned on CUDA), not mapped and then copied, so the load's peak is the checkpoint once plus the two
+    layer buffers (on the CPU the card's share is host memory too): within the plan's figure plus the slack."""
+    size = _streaming_size(synthetic_bf16, 6)
+    r = _script("measure_load_rss").measure(synthetic_bf16, "none", gpu_memory=size)
+    S = r["checkpoint_bytes"]
+    assert len(r["streamed_layers"]) >= 6, r["streamed_layers"]
+    assert r["store_bytes"] == r["plan_host_bytes"] > 2 * STREAM_SLACK, r  # the plan's host figure is the store's
+    assert r["store_file_backed"] == 0, r  # owned, not views of the mapped files
+    assert r["peak_growth"] < S + r["buffer_bytes"] + STREAM_SLACK, r  # no second copy of the streamed experts
+    assert r["anon_growth"] < r["store_bytes"] + r["buffer_bytes"] + STREAM_SLACK, r
+    assert r["file_growth"] < S - r["store_bytes"] + STREAM_SLACK, r  # their file pages were read, not kept mapped

@@ -273,10 +273,19 @@ def load_model(directory: Path, device: str | torch.device = "cpu", dtype: torch
     state = {}
     scalars = {"encoder_layer_scalar": [None] * L, "decoder_layer_scalar": [None] * L}
     host_prefixes = tuple(f"layers.{i}.experts." for i in host_layers)
+    pin = torch.device(device).type == "cuda"  # the host store of streamed experts: pinned where a card copies from it
     for name, parts in plan.items():
         meta = expected[name]
         want = meta.dtype if name in packed else dtype
-        target = "cpu" if name.startswith(host_prefixes) else device
+        if name.startswith(host_prefixes):
+            # a streamed layer's experts: read from the files into host memory the store owns (pinned on CUDA), one
+            # copy, never a mapping (its pages would be a second copy of what the store holds) nor the device
+            t = torch.empty(meta.shape, dtype=want, pin_memory=pin)
+            for rec, idx in parts:
+                read_into(rec, t[idx] if idx is not None else t)
+            state[name] = t
+            continue
+        target = device
         zero_copy = torch.device(target).type == "cpu"
         if parts[0][1] is not None:  # stacked from per-expert pieces
             t = torch.empty(meta.shape, dtype=want, device=target)
