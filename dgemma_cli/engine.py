@@ -532,6 +532,7 @@ def load(model: str | Path, device: str = "auto", dtype: str = "auto", adapters=
         from .placement.streaming import ExpertStream
 
         net.expert_stream = ExpertStream(net, streamed, dev)
+        net.expert_stream.check(net)  # overlapped copies against copies that wait; waits from now on if they differ
     net.placement = placement
     attach(net, read, adapter_slots)
     if dev.type == "cpu":  # no more threads than usable cores, one for a demo-size model (see device.py)

@@ -600,6 +600,9 @@ class DiffusionGemma(nn.Module):
         self.token_rows: dict = {}  # "encoder"/"decoder" -> embedding rows an adapter replaces (lora.TokenRows)
         self.adapters: list = []  # (name, scale) of the adapters attached (lora.attach)
         self.checkpointing = False  # recompute each feed-forward stage in the backward pass (`_feed_forward`)
+        # objects with start_pass() and end_pass(), called around each `encode` and `denoise` (streamed experts'
+        # copies: placement/streaming.py, which joins its copy stream at a pass's end)
+        self.pass_hooks: list = []
         # RoPE tables are derived from the config, never loaded: plain tensors, moved on use.
         self.inv_freq = {k: rope_inv_freq(t.rope_parameters[k], t.head_dim_of(k)) for k in set(t.layer_types)}
 
@@ -709,10 +712,14 @@ class DiffusionGemma(nn.Module):
         Returns the final-normed hidden states [B, T, H] only if asked (the sampler never needs them).
         """
         self.phase.encoding = True
+        for hook in self.pass_hooks:
+            hook.start_pass()
         try:
             return self._encode(ids, cache, valid, return_hidden, image_features)
         finally:
             self.phase.encoding = False
+            for hook in self.pass_hooks:
+                hook.end_pass()
 
     def _encode(self, ids: torch.Tensor, cache: KVCache, valid: torch.Tensor | None,
                 return_hidden: bool, image_features: torch.Tensor | None) -> torch.Tensor | None:
@@ -876,6 +883,17 @@ class DiffusionGemma(nn.Module):
         experts_per_row: the routed experts on each row apart (Layer.feed_forward). Returns float32 soft-capped
         logits [B, C, V], written into `out` [B*C, V] when given.
         """
+        for hook in self.pass_hooks:
+            hook.start_pass()
+        try:
+            return self._denoise(canvas, cache, ctx, sc_logits, sc_probs, sc_soft, out, return_hidden, sc_rows,
+                                 experts_per_row)
+        finally:
+            for hook in self.pass_hooks:
+                hook.end_pass()
+
+    def _denoise(self, canvas: torch.Tensor, cache, ctx, sc_logits, sc_probs, sc_soft, out, return_hidden: bool,
+                 sc_rows, experts_per_row: bool) -> torch.Tensor:
         B, C = canvas.shape
         caches, ctxs = ([cache], [ctx]) if isinstance(cache, KVCache) else (list(cache), list(ctx))
         x = self.embed(canvas)

@@ -561,8 +561,10 @@ def main(argv: list[str]) -> int:
             *compiled_markdown(compiled, ("bf16", "fp32")),
             *(["", "Cards smaller than the model: the 26B-A4B as `dgemma plan --policy all` places it at an 8k "
                "context (NVFP4 and INT8 W8A8 on attention and the dense MLP too, as the step tables cost them; the "
-               "streamed experts' copies over PCIe at 80% of the link's coded rate, an assumption; bounds, not "
-               "measurements):", "", *placement]
+               "streamed experts' copies over PCIe at 80% of the link's coded rate, an assumption, scheduled as "
+               "dgemma_cli/placement/streaming.py runs them on a GPU: each layer's copy queued when its buffer is "
+               "free, the next step's first two landing before the step ends; bounds, not measurements):", "",
+               *placement]
               if placement else [])])
     print("\n".join(summary_markdown(steps, targets)))
     print("\n".join(whole_step_markdown(whole)))

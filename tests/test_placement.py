@@ -21,6 +21,7 @@ from dgemma_cli.config import DIFFUSIONGEMMA_26B_A4B, ModelConfig
 from dgemma_cli.engine import load
 from dgemma_cli.placement.cards import GB, GIB, Card, card, parse_size, sized
 from dgemma_cli.placement.plan import choose, plan, planned_context
+from dgemma_cli.placement.streaming import Copier
 
 ROOT = Path(__file__).resolve().parent.parent
 REAL = ModelConfig.from_dict(DIFFUSIONGEMMA_26B_A4B)
@@ -225,6 +226,197 @@ def test_run_refuses_a_card_too_small_or_a_bad_size_in_one_line(capsys, size, sa
     assert rc != 0 and out == "" and err.count("\n") == 1 and says in err, err
 
 
+# Copiers that overlap, as a CUDA copy stream would, on the CPU: a copy queued by copy_later lands as late as the
+# ordering allows (only when the compute stream waits for it, the copy stream in order), as early as it allows (at
+# once: on the CPU everything queued before it has run), or at random points between. A schedule that reads a buffer
+# before waiting for its copy, or copies into a buffer a layer still needs, gives other tokens under one of them.
+
+
+class LateCopier(Copier):
+    overlaps = True
+
+    def __init__(self):
+        self.queue, self.ahead = [], 0
+
+    def copy_later(self, pairs):
+        self.ahead += 1
+        token = object()
+        self.queue.append((token, pairs))
+        return token
+
+    def land(self, upto=None, count=None):
+        while self.queue and (count is None or count > 0):
+            token, pairs = self.queue.pop(0)
+            Copier.copy_now(self, pairs)
+            count = None if count is None else count - 1
+            if token is upto:
+                return
+
+    def wait(self, token):
+        self.land(upto=token)
+
+
+class EarlyCopier(LateCopier):
+    def copy_later(self, pairs):
+        token = super().copy_later(pairs)
+        self.land()
+        return token
+
+
+class RandomCopier(LateCopier):
+    def __init__(self, seed):
+        super().__init__()
+        self.rng = __import__("random").Random(seed)
+
+    def copy_later(self, pairs):
+        self.land(count=self.rng.randint(0, len(self.queue)))
+        return super().copy_later(pairs)
+
+    def wait(self, token):
+        self.land(count=self.rng.randint(0, len(self.queue)))
+        super().wait(token)
+
+
+class ForgetfulCopier(LateCopier):
+    """A broken copy stream: waiting for a copy does not make it land first (it lands at the next copy queued)."""
+
+    def copy_later(self, pairs):
+        self.land()
+        return super().copy_later(pairs)
+
+    def wait(self, token):
+        pass
+
+
+COPIERS = {"late": LateCopier, "early": EarlyCopier, "random": lambda: RandomCopier(3)}
+
+
+@pytest.fixture(scope="module")
+def resident_and_streamed(formats):
+    path = formats["nvfp4"]
+    return load(path, device="cpu", dtype="float32"), load(path, device="cpu", dtype="float32",
+                                                             gpu_memory=streaming_memory(path))
+
+
+@pytest.mark.parametrize("name", sorted(COPIERS))
+def test_copies_ahead_of_their_layer_give_the_resident_runs_tokens(resident_and_streamed, name):
+    resident, streamed = resident_and_streamed
+    stream = streamed.model.expert_stream
+    stream.copier = copier = COPIERS[name]()
+    try:
+        before = stream.copies
+        assert tokens(streamed) == tokens(resident)
+        n = len(stream.layers)
+        assert copier.ahead == stream.copies - before >= 2 * n  # every copy was made ahead, none waited on the spot
+        assert stream.holds == stream.first[:2] and stream.pending == [None, None]  # as every pass leaves them
+        # a pass copies each streamed layer once: s0 and s1 were copied ahead by the pass before
+        with torch.inference_mode():
+            d = __import__("dgemma_cli.engine", fromlist=["ModelDenoiser"]).ModelDenoiser(streamed.model, 1, 40)
+            d.encode(torch.tensor([PROMPTS[0]]), None)
+            d.start_canvas()
+            canvas = torch.randint(0, streamed.config.text.vocab_size, (1, streamed.config.canvas_length))
+            before = stream.copies
+            streamed.model.denoise(canvas, d.cache, d.ctx)
+            assert stream.copies - before == n
+    finally:
+        stream.copier = Copier()
+
+
+@pytest.mark.parametrize("name", sorted(COPIERS))
+def test_rows_run_apart_through_streamed_layers_copied_ahead(resident_and_streamed, name):
+    """The server's batch on the CPU runs each row's experts apart (experts_per_row): one layer's experts are called
+    once per row, and its buffer takes the next layer only after the last of them."""
+    from dgemma_cli.engine import ModelDenoiser
+
+    resident, streamed = resident_and_streamed
+    stream = streamed.model.expert_stream
+    cfg = streamed.config
+    canvas = torch.randint(0, cfg.text.vocab_size, (2, cfg.canvas_length), generator=torch.Generator().manual_seed(0))
+    prompts = torch.tensor([PROMPTS[0][:4], PROMPTS[1]])
+    logits = []
+    for engine, copier in ((resident, None), (streamed, COPIERS[name]())):
+        if copier is not None:
+            stream.copier = copier
+        try:
+            with torch.inference_mode():
+                d = ModelDenoiser(engine.model, 2, 40)
+                d.encode(prompts, None)
+                d.start_canvas()
+                before = stream.copies
+                logits.append(engine.model.denoise(canvas, d.cache, d.ctx, experts_per_row=True))
+        finally:
+            stream.copier = Copier()
+    assert torch.equal(logits[0], logits[1])
+    assert stream.copies - before == len(stream.layers)  # each layer once, not again for the second row
+
+
+def test_a_broken_copy_stream_gives_other_tokens_and_the_first_use_check_finds_it(resident_and_streamed, capsys):
+    resident, streamed = resident_and_streamed
+    stream = streamed.model.expert_stream
+    stream.copier = ForgetfulCopier()
+    try:
+        assert tokens(streamed) != tokens(resident)  # what the copiers above would catch
+        capsys.readouterr()
+        reason = stream.check(streamed.model)
+        err = capsys.readouterr().err
+        assert reason and "differ" in reason and err.count("\n") == 1 and err.startswith("dgemma: "), err
+        assert type(stream.copier) is Copier  # falls back to copies that wait for their layer
+        assert tokens(streamed) == tokens(resident)
+        stream.copier = EarlyCopier()
+        assert stream.check(streamed.model) is None and type(stream.copier) is EarlyCopier  # a sound one passes
+    finally:
+        stream.copier = Copier()
+
+
+def test_the_bound_schedules_the_copies_as_the_stream_makes_them(resident_and_streamed):
+    """placement/bounds.py's Timeline and placement/streaming.py copy the same layers in the same order (five streamed
+    layers: an odd count, where s4 and s0 follow each other in buffer 0)."""
+    from dgemma_cli.placement.bounds import Timeline
+    from dgemma_cli.placement.plan import buffer_order
+
+    assert buffer_order([0, 1, 3, 4, 5]) == ({0: 0, 1: 1, 3: 0, 4: 1, 5: 0}, {0: 3, 1: 4, 3: 5, 4: 1, 5: 0})
+    assert buffer_order([2, 6, 7, 9])[1] == {2: 7, 6: 9, 7: 2, 9: 6}
+    _, streamed = resident_and_streamed
+    stream = streamed.model.expert_stream
+    order = []
+
+    class Recording(EarlyCopier):
+        def copy_later(self, pairs):
+            order.append(next(i for i, h in stream.host.items() if h[next(iter(h))] is pairs[0][1]))
+            return super().copy_later(pairs)
+
+    stream.copier = Recording()
+    lead = sum(h != f for h, f in zip(stream.holds, stream.first))  # s0 or s1 not in place: the first pass copies them
+    try:
+        tokens(streamed)
+    finally:
+        stream.copier = Copier()
+    L = streamed.config.text.num_hidden_layers
+    line = Timeline(1.0)
+    for _ in range(3):
+        line.run([1.0] * L, list(range(L)), stream.layers)
+        line.join()
+    n = len(stream.layers)
+    order = order[lead:]
+    assert len(order) > 2 * n and line.issued[2 : 2 + 2 * n] == order[: 2 * n]  # the Timeline's first two: s0, s1
+
+
+def test_training_waits_for_each_copy_whatever_the_copier(resident_and_streamed):
+    """With gradients on, a layer's experts are read again by the backward pass after its hooks ran: no copy is made
+    ahead then, each waits for its layer."""
+    resident, streamed = resident_and_streamed
+    stream = streamed.model.expert_stream
+    stream.copier = copier = LateCopier()
+    try:
+        with torch.enable_grad():
+            assert not stream.overlapping()
+        with torch.no_grad():
+            assert stream.overlapping()
+        assert copier.ahead == 0
+    finally:
+        stream.copier = Copier()
+
+
 @pytest.mark.gpu
 def test_on_a_gpu_streamed_experts_are_pinned_host_memory_and_the_tokens_the_resident_runs():
     from dgemma_cli.checkpoint.names import DEMO_MODEL
@@ -234,8 +426,12 @@ def test_on_a_gpu_streamed_experts_are_pinned_host_memory_and_the_tokens_the_res
     stream = streamed.model.expert_stream
     assert all(t.device.type == "cpu" and t.is_pinned() for h in stream.host.values() for t in h.values())
     assert all(t.device.type == "cuda" for b in stream.buffers for t in b.values())
+    # copies on their own stream, and the first-use check (run by load) found them equal to copies that wait
+    assert stream.copier.overlaps and stream.check(streamed.model) is None
     prompt = "upper: hello diffusions"
-    assert streamed.generate(prompt, seed=0).token_ids == resident.generate(prompt, seed=0).token_ids
+    done = streamed.generate(prompt, seed=0)
+    assert done.token_ids == resident.generate(prompt, seed=0).token_ids
+    assert done.stats.get("graph_replays", 0) > 0, done.stats  # the streamed step captured and replayed
 
 
 # ----------------------------------------------------------------------------- the step's bound with streamed experts

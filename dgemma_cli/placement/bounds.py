@@ -2,12 +2,13 @@
 kernel-report` writes: every kernel of a real-shape step compiled for the card's compute capability and bounded
 with the card's figures, grouped by layer) combined with the copies the plan makes over the host links.
 
-Streamed experts as planned: copies on a stream of their own, one layer buffer filled while the other is read.
-Copy k may start when copy k-1 is done and the buffer it fills is free again (the streamed layer two before it has
-run); a streamed layer starts when the layer before it is done and its copy has landed. Copies run on from one step
-into the next: the next step's first streamed layers are copied while the head and the sampler run. The bound is
-the steady step (the third of three in a row). With copies that wait for their layer (what runs today:
-dgemma_cli/placement/streaming.py), each copy adds its whole time. Layers split over cards add the
+Streamed experts as placement/streaming.py runs them on a GPU: copies on a stream of their own, one layer buffer
+filled while the other is read. A copy may start when the copy before it is done and the buffer it fills is free
+again (the streamed layer before it in that buffer has run); a streamed layer starts when the layer before it is
+done and its copy has landed. The next step's first two streamed layers are copied while this step's last layers,
+head and sampler run, and land before the step ends (its end joins the copy stream: a CUDA graph leaves no copy
+behind). The bound is the steady step (the third of three in a row). With copies that wait for their layer (the
+CPU's path, and a GPU's whose first-use check failed), each copy adds its whole time. Layers split over cards add the
 hidden state's copy across each boundary and back to the first card for the head. Bounds, not measurements: a card
 runs no faster than this.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .plan import Plan
+from .plan import Plan, buffer_order
 
 TABLES = Path(__file__).resolve().parent / "step_tables.json"
 STEPS_PER_CANVAS = 12  # the published checkpoint's typical steps a canvas (the seed figure, not measured here)
@@ -40,33 +41,45 @@ def card_layers(tables: dict, card: str, fmt: str, batch: int) -> dict | None:
 
 
 class Timeline:
-    """The compute stream and the copy stream of one card, step after step: `run` adds layers, copying the experts
-    of the streamed ones in as the module docstring says (overlap=False: each copy waits for its layer and delays it
-    by its whole time). Copies carry on from one step into the next: the next step's first streamed layers are
-    copied while the head and the sampler run, once their buffers are free."""
+    """The compute stream and the copy stream of one card, step after step, as placement/streaming.py schedules them:
+    `run` adds layers; when a streamed layer has run, the copy of the layer its buffer takes next (plan.buffer_order)
+    is queued on the copy stream, which runs copies one after another; a streamed layer starts once the layer before
+    it is done and its copy has landed. The last copies of a step fill the buffers for the next one, and `join` (at
+    the step's end) waits for them. overlap=False: each copy waits for its layer and delays it by its whole time."""
 
     def __init__(self, copy_ms: float, overlap: bool = True):
         self.copy_ms, self.overlap = copy_ms, overlap
         self.t = 0.0  # the compute stream
         self.copy_end = 0.0  # the copy stream
-        self.copied = 0  # copies so far (copy k fills buffer k % 2)
-        self.buffer_free = [0.0, 0.0]  # when each buffer's last reader ends
+        self.ready: dict[int, float] = {}  # streamed layer -> when its copy, made ahead, lands
+        self.issued: list[int] = []  # the layers copied ahead, in the copy stream's order
+
+    def _copy(self, layer: int, at: float) -> None:
+        self.issued.append(layer)
+        self.copy_end = max(self.copy_end, at) + self.copy_ms
+        self.ready[layer] = self.copy_end
 
     def run(self, layer_ms: list[float], layers: list[int], streamed: list[int]) -> None:
-        streamed_set = set(streamed)
+        buffer_of, after = buffer_order(streamed)
+        if self.overlap:  # a pass starts with s0 and s1 in their buffers (copied by the step before, or now)
+            for first in sorted(streamed)[:2]:
+                if first not in self.ready:
+                    self._copy(first, self.t)
         for i in layers:
-            if i in streamed_set:
-                b = self.copied % 2
-                if self.overlap:
-                    self.copy_end = max(self.copy_end, self.buffer_free[b]) + self.copy_ms
-                    self.t = max(self.t, self.copy_end)
-                else:
-                    self.t += self.copy_ms
-                self.copied += 1
+            if i not in buffer_of:
                 self.t += layer_ms[i]
-                self.buffer_free[b] = self.t
+            elif not self.overlap:
+                self.t += self.copy_ms + layer_ms[i]
             else:
-                self.t += layer_ms[i]
+                self.t = max(self.t, self.ready.pop(i)) + layer_ms[i]
+                if after[i] != i:  # its buffer is free: the next layer that uses it is copied in
+                    self._copy(after[i], self.t)
+                else:  # a buffer of its own: it stays there
+                    self.ready[i] = self.t
+
+    def join(self) -> None:
+        """The step's end waits for the copies still in flight (a captured step leaves none behind)."""
+        self.t = max(self.t, self.copy_end)
 
 
 def no_bound(note: str) -> dict:
@@ -114,6 +127,10 @@ def step_bounds(p: Plan, tables: dict | None = None) -> dict:
             if len(p.cards) > 1:  # back to the first card, for the head
                 t += boundary_bytes / (min(c.card.copy_gb_per_s for c in p.cards) * 1e9) * 1e3
             t += rows[0]["post_ms"]
+            for line in lines:  # the copies for the next step land before this one ends (joined at its end)
+                line.t = t
+                line.join()
+                t = line.t
             ends.append(t)
         return ends[-1] - ends[-2] if steps > 1 else ends[-1]
 

@@ -112,6 +112,18 @@ def _spread(n: int, among: list[int]) -> list[int]:
     return sorted({among[min(L - 1, int((k + 0.5) * L / n))] for k in range(n)})
 
 
+def buffer_order(streamed: list[int]) -> tuple[dict[int, int], dict[int, int]]:
+    """The two layer buffers' schedule for the streamed layers s0 < s1 < ... (placement/streaming.py runs it,
+    placement/bounds.py bounds it): (buffer_of: layer -> 0 or 1, alternating; after: layer -> the streamed layer its
+    buffer takes once it has run, the next one cyclically that uses the same buffer: s(k+2), and at the end of the
+    stack s0 and s1 for the next pass; with an odd count s(n-1) -> s0, both in buffer 0)."""
+    layers = sorted(streamed)
+    buffer_of = {i: k % 2 for k, i in enumerate(layers)}
+    after = {i: next(j for j in layers[k + 1 :] + layers[: k + 1] if buffer_of[j] == buffer_of[i])
+             for k, i in enumerate(layers)}
+    return buffer_of, after
+
+
 def _gb(n: int) -> str:
     return f"{n / GB:.1f} GB" if n >= 10 * GB else f"{n / GB:.2f} GB" if n >= GB else f"{n / 1e6:.1f} MB"
 

@@ -1,20 +1,37 @@
 """Streamed experts at run time: each streamed layer's experts live in host memory (pinned on a CUDA machine) and are
-copied into one of two on-card layer buffers just before that layer's experts run.
+copied into one of two on-card layer buffers before that layer's experts run.
 
-The streamed layers alternate between the two buffers, so a layer's copy never overwrites the experts of the layer
-just before it. The experts' modules hold the buffers themselves (their parameters and packed buffers are the
-buffer's tensors), so every path that reads them (the reference grouped matmuls, the fused MoE kernels, adapters'
-folds) reads the streamed layer's weights without knowing it; a packed module that caches something derived from
-its tensors keys the cache by the tensor's version, which a copy advances (quant/modules.py row_scale_2).
+The streamed layers s0, s1, ... s(n-1) alternate between the two buffers (s0, s2, ... in buffer 0; s1, s3, ... in
+buffer 1: with n odd, s(n-1) and s0 follow each other in buffer 0). The experts' modules hold the buffers themselves (their parameters and packed buffers are the buffer's
+tensors), so every path that reads them (the reference grouped matmuls, the fused MoE kernels, adapters' folds)
+reads the streamed layer's weights without knowing it; a packed module that caches something derived from its
+tensors keys the cache by the tensor's version, which a copy advances (quant/modules.py row_scale_2).
 
-This is the path whose copies wait for their layer: the copy is issued on the compute stream right before the
-layer's experts, so it is exact everywhere and overlaps nothing. The tokens are the resident run's, bit for bit
-(tests/test_placement.py, every format, with an adapter on the experts).
+Two ways to copy (a `Copier`):
+- overlapped (CUDA): copies run on a stream of their own. When layer s(k) has run (the next layer's first norm, or
+  the final norm, is about to start), s(k+2)'s experts are copied into the buffer s(k) used, ordered after
+  everything the compute stream has queued so far (an event), and s(k+2)'s experts wait for that copy (another
+  event). The last copies fill the buffers with s0 and s1 for the next pass; every pass (`encode`,
+  `denoise`: the model's pass hooks) starts with s0 and s1 in the buffers and ends by joining the copy stream, so a
+  pass captured in a CUDA graph has no work left outside it and a replay starts from the state it was captured in.
+- waiting (the CPU, training, and a GPU whose first-use check failed): the copy is issued on the compute stream right
+  before the layer's experts, so the experts wait for it; nothing overlaps. Training (gradients on) always waits: the
+  backward pass reads a layer's experts after its forward hooks have run, and recomputes them in reverse order.
+
+Either way the tokens are the resident run's, bit for bit (tests/test_placement.py: every format, an adapter on the
+experts, and copiers that land copies as late or as early as the ordering allows). The first-use check on CUDA runs
+two streamed layers that share a buffer both ways and compares; if they differ it says so in one line and waits.
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
+
+from .plan import buffer_order
+
+Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (destination in a layer buffer, source in host memory)
 
 
 def _owner(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
@@ -22,16 +39,65 @@ def _owner(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
     return (module.get_submodule(parent) if parent else module), leaf
 
 
+class Copier:
+    """Copies on the compute stream (the waiting path): `overlaps` False, so ExpertStream copies just before use."""
+
+    overlaps = False
+
+    def copy_now(self, pairs: Pairs) -> None:
+        """On the compute stream: what runs after it sees the copy."""
+        for dst, src in pairs:
+            dst.copy_(src, non_blocking=True)
+
+    def copy_later(self, pairs: Pairs):
+        """Queue the copy after everything queued so far (on the copy stream); returns what `wait` takes."""
+        self.copy_now(pairs)
+
+    def wait(self, token) -> None:
+        """The compute stream waits for a copy `copy_later` queued."""
+
+
+class CudaCopier(Copier):
+    """Copies on a CUDA stream of their own, ordered by events (each can be captured in a CUDA graph: the copy stream
+    forks from the compute stream at an event recorded on it, and joins back when the compute stream waits)."""
+
+    overlaps = True
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device)
+
+    def copy_later(self, pairs: Pairs) -> torch.cuda.Event:
+        queued = torch.cuda.Event()
+        queued.record()  # on the compute stream: the buffer's readers so far are before this point
+        self.stream.wait_event(queued)
+        with torch.cuda.stream(self.stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        return done
+
+    def wait(self, token: torch.cuda.Event) -> None:
+        torch.cuda.current_stream().wait_event(token)
+
+
 class ExpertStream:
     """The streamed layers of `model` (indices into model.layers), their host copies and the two layer buffers on
-    `device`. Built after the weights are loaded, with the streamed layers' expert tensors in host memory."""
+    `device`. Built after the weights are loaded, with the streamed layers' expert tensors in host memory. `copier`:
+    how copies are made (None: CudaCopier on CUDA, else the waiting Copier)."""
 
-    def __init__(self, model: torch.nn.Module, layers: list[int], device: torch.device):
+    def __init__(self, model: torch.nn.Module, layers: list[int], device: torch.device, copier: Copier | None = None):
         self.layers = sorted(layers)
-        self.buffer_of = {i: k % 2 for k, i in enumerate(self.layers)}  # streamed layers alternate the buffers
+        n = len(self.layers)
+        # streamed layers alternate the buffers; after[i]: the layer i's buffer takes once i has run (plan.py)
+        self.buffer_of, self.after = buffer_order(self.layers)
+        self.first = [self.layers[b] if b < n else None for b in (0, 1)]  # what each buffer holds between passes
         self.device = torch.device(device)
+        self.copier = copier or (CudaCopier(self.device) if self.device.type == "cuda" else Copier())
         self.host: dict[int, dict[str, torch.Tensor]] = {}  # layer -> tensor name (in its experts module) -> host copy
         self.buffers: list[dict[str, torch.Tensor]] = [{}, {}]
+        self.holds: list[int | None] = [None, None]  # the layer each buffer holds, or will once its copy lands
+        self.pending: list = [None, None]  # the copy into each buffer not yet waited for (copy_later's token)
         self.copies = 0  # layers copied in so far (what the tests count)
         self._hooks = []
         pin = self.device.type == "cuda"
@@ -57,14 +123,114 @@ class ExpertStream:
                 else:
                     owner._buffers[leaf] = buffer[name]
             self.host[i] = host
-            self._hooks.append(experts.register_forward_pre_hook(lambda module, args, i=i: self.fetch(i)))
+            self._hooks.append(experts.register_forward_pre_hook(lambda module, args, i=i: self.before_experts(i)))
+            # layer i has run when the next layer's first norm starts (the final norm after the last layer)
+            following = model.layers[i + 1].input_layernorm if i + 1 < len(model.layers) else model.norm
+            self._hooks.append(following.register_forward_pre_hook(lambda module, args, i=i: self.after_layer(i)))
+        model.pass_hooks.append(self)
 
-    def fetch(self, layer: int) -> None:
-        """Copy `layer`'s experts into its buffer (on the current stream: the experts' kernels wait for it)."""
+    # ------------------------------------------------------------------ the schedule
+
+    def overlapping(self) -> bool:
+        """Copies ahead of their layer: a copier that overlaps, and no gradients (module docstring)."""
+        return self.copier.overlaps and not torch.is_grad_enabled()
+
+    def _pairs(self, layer: int) -> Pairs:
         buffer = self.buffers[self.buffer_of[layer]]
-        for name, src in self.host[layer].items():
-            buffer[name].copy_(src, non_blocking=True)
+        return [(buffer[name], src) for name, src in self.host[layer].items()]
+
+    def _copy_ahead(self, layer: int) -> None:
+        b = self.buffer_of[layer]
+        self.pending[b] = self.copier.copy_later(self._pairs(layer))
+        self.holds[b] = layer
         self.copies += 1
+
+    def _wait(self, b: int) -> None:
+        if self.pending[b] is not None:
+            self.copier.wait(self.pending[b])
+            self.pending[b] = None
+
+    def before_experts(self, layer: int) -> None:
+        """Layer `layer`'s experts are about to run: its weights in its buffer, copied now or waited for."""
+        b = self.buffer_of[layer]
+        if not self.overlapping():  # copies that wait, after any copy into this buffer still in flight
+            self._wait(b)
+            self.copier.copy_now(self._pairs(layer))
+            self.holds[b] = layer
+            self.copies += 1
+            return
+        if self.holds[b] != layer:  # not copied ahead (the first pass, or a pass that ran out of order)
+            self._copy_ahead(layer)
+        self._wait(b)
+
+    def after_layer(self, layer: int) -> None:
+        """Layer `layer` has run (all its experts' calls): its buffer takes the streamed layer two on."""
+        if not self.overlapping():
+            return
+        b, nxt = self.buffer_of[layer], self.after[layer]
+        if self.holds[b] == layer and nxt != layer:
+            self._copy_ahead(nxt)
+
+    def start_pass(self) -> None:
+        """A pass begins: s0 and s1 in their buffers (already, after a pass that ended as it should)."""
+        if self.overlapping():
+            for b, layer in enumerate(self.first):
+                if layer is not None and self.holds[b] != layer:
+                    self._copy_ahead(layer)
+
+    def end_pass(self) -> None:
+        """A pass ends: s0 and s1 copied (a pass may skip layers: the encoder's last layer needs no experts) and the
+        copy stream joined, so that no copy is left outside a captured graph."""
+        if self.overlapping():
+            self.start_pass()
+        for b in (0, 1):
+            self._wait(b)
+
+    # ------------------------------------------------------------------ the first-use check
+
+    def check(self, model: torch.nn.Module, rows: int = 64, seed: int = 0) -> str | None:
+        """Run two streamed layers that share a buffer (s0 then s2; s0 alone when fewer stream) on a random input,
+        with copies overlapped and with copies that wait, and compare bit for bit. None when they agree (or nothing
+        overlaps here), else what differed: then this stream waits from now on, and that is said in one line."""
+        if not self.copier.overlaps:
+            return None
+        probe = [self.layers[0]] + self.layers[2:3]
+        cfg = model.cfg.text
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(rows, cfg.hidden_size, generator=g).to(self.device, model.dtype)
+        index = torch.stack([torch.randperm(cfg.num_experts, generator=g)[: cfg.top_k_experts] for _ in range(rows)])
+        weights = torch.rand(rows, cfg.top_k_experts, generator=g).softmax(-1)
+        index, weights = index.to(self.device), weights.to(self.device)
+
+        def run() -> list[torch.Tensor]:
+            self.start_pass()
+            out = []
+            for i in probe:
+                out.append(model.layers[i].experts(x, index, weights).clone())
+                self.after_layer(i)
+            self.end_pass()
+            return out
+
+        copier = self.copier
+        with torch.no_grad():
+            overlapped = run()
+            self.copier = Copier()
+            try:
+                waited = run()
+            finally:
+                self.copier = copier
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        differ = [i for i, a, b in zip(probe, overlapped, waited) if not torch.equal(a, b)]
+        if not differ:
+            return None
+        self.copier = Copier()
+        reason = (f"streamed layer {differ[0]}'s experts differ when their copy overlaps the compute "
+                  f"({len(differ)} of {len(probe)} layers checked)")
+        print(f"dgemma: {reason}; copying each streamed layer just before it runs instead", file=sys.stderr)
+        return reason
+
+    # ------------------------------------------------------------------ sizes
 
     @property
     def host_bytes(self) -> int:
