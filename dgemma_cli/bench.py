@@ -70,6 +70,9 @@ class BenchResult:
     prefill_ms: float
     statistic: str
     graph_replays: int  # timed steps served by replaying a CUDA graph
+    streamed_layers: int = 0  # layers whose experts stream from host memory (--gpu-memory), 0: all resident
+    gpu_memory_gb: float | None = None  # the card memory planned for (--gpu-memory)
+    streamed_bytes_per_step: int = 0  # their bytes, copied over the host link at every step
     reference_ms_per_step: float | None = None
     reference_mode: str | None = None
     speedup_vs_reference: float | None = None
@@ -89,6 +92,10 @@ class BenchResult:
                 ("weight-read floor", f"{self.floor_ms:.3f} ms ({self.floor_bytes / 1e9:.3f} GB of weights at "
                                       f"{self.bandwidth_gbs:.0f} GB/s peak copy bandwidth)"),
                 ("step / floor", f"{self.floor_ratio:.2f}x")]
+        if self.gpu_memory_gb is not None:
+            rows += [("planned for", f"{self.gpu_memory_gb:.2f} GB of card memory: {self.streamed_layers} layers' "
+                                     f"experts stream from host memory ({self.streamed_bytes_per_step / 1e9:.3f} GB "
+                                     f"a step)")]
         rows += [(f"  + {what}", f"{self.ms_at_peak(n):.3f} ms ({n / 1e9:.3f} GB), not in the floor")
                  for what, n in (("2nd embedding read", self.soft_embedding_bytes),
                                  ("canvas x vocab fp32", self.canvas_vocab_bytes),
@@ -127,8 +134,10 @@ def config_for(name: str) -> tuple[str, dict]:
         raise UsageError(str(e)) from None
 
 
-def random_model(cfg: ModelConfig, fmt: str, policy: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """The network with random weights made on `device`, quantized modules filled with random packed values."""
+def random_model(cfg: ModelConfig, fmt: str, policy: str, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                 host_layers=frozenset()):
+    """The network with random weights made on `device`, quantized modules filled with random packed values.
+    host_layers: layers whose routed experts are made in host memory instead (streamed: placement/streaming.py)."""
     from quant import modules as q
 
     from .model import DiffusionGemma, Experts, QuantizedExperts, RMSNorm
@@ -151,14 +160,20 @@ def random_model(cfg: ModelConfig, fmt: str, policy: str, device: torch.device, 
         for key, p in list(mod._parameters.items()):
             if p is not None:
                 mod._parameters[key] = torch.nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=False)
+    held = {i: model.layers[i].experts for i in host_layers}  # made apart, in host memory, never on the device
+    for i in held:
+        model.layers[i].experts = torch.nn.Module()
     model = model.to_empty(device=device)
+    for i, experts in held.items():
+        model.layers[i].experts = experts.to_empty(device="cpu")
     g = torch.Generator(device=device).manual_seed(seed)
+    g_host = g if torch.device(device).type == "cpu" else torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("layer_scalar") or name.endswith(("router.scale", "per_expert_scale")):
                 p.fill_(1.0)
             else:
-                p.normal_(0.0, 0.02, generator=g)
+                p.normal_(0.0, 0.02, generator=g if p.device.type == torch.device(device).type else g_host)
         for mod in model.modules():
             if isinstance(mod, RMSNorm) and mod.weight is not None:
                 mod.weight.fill_(1.0)
@@ -357,8 +372,11 @@ def time_reference(config: dict, prompts: torch.Tensor, steps: int, canvases: in
 
 def run_bench(config: str = "mid", fmt: str = "nvfp4", policy: str = "experts", batch: int = 1, prompt: int = 512,
               steps: int = 16, canvases: int = 1, device: str = "auto", dtype: str = "auto",
-              compare: str | None = None, note: Callable[[str], None] | None = None) -> BenchResult:
-    """`note(message)`, when given, hears each phase as it starts (a run takes from seconds to minutes)."""
+              compare: str | None = None, note: Callable[[str], None] | None = None,
+              gpu_memory: int | None = None) -> BenchResult:
+    """`note(message)`, when given, hears each phase as it starts (a run takes from seconds to minutes). gpu_memory:
+    the card memory to plan for, bytes (--gpu-memory): the experts that do not fit are made in host memory and
+    stream to the card at every step, as `dgemma run --gpu-memory` runs them (dgemma_cli/placement)."""
     from .engine import Engine, check_kernels, resolve_device, resolve_dtype
 
     say = note or (lambda message: None)
@@ -382,9 +400,19 @@ def run_bench(config: str = "mid", fmt: str = "nvfp4", policy: str = "experts", 
         if free and need > 0.8 * free:
             raise UsageError(f"--config {name} needs about {need / 1e9:.0f} GB for its weights on the CPU; "
                              f"{free / 1e9:.0f} GB are free (use a GPU, or --config mid)")
-    say(f"building {name} with random {fmt} weights on {dev} ({str(dt).removeprefix('torch.')})")
+    placement = None
+    if gpu_memory is not None:
+        placement = bench_placement(cfg, fmt, policy, dev, gpu_memory, batch, prompt + canvases * cfg.canvas_length)
+    streamed = placement.streamed if placement is not None else []
+    say(f"building {name} with random {fmt} weights on {dev} ({str(dt).removeprefix('torch.')})"
+        + (f", {len(streamed)} layers' experts in host memory" if streamed else ""))
     torch.manual_seed(0)
-    model = random_model(cfg, fmt, policy, dev, dt)
+    model = random_model(cfg, fmt, policy, dev, dt, host_layers=frozenset(streamed))
+    if streamed:
+        from .placement.streaming import ExpertStream
+
+        model.expert_stream = ExpertStream(model, streamed, dev)
+        model.expert_stream.check(model)
     engine = Engine(model, None, GenerationSettings(eos_token_ids=(1,)))
     V = cfg.text.vocab_size
     prompts = torch.randint(107, V, (batch, prompt), generator=torch.Generator().manual_seed(1))
@@ -405,7 +433,9 @@ def run_bench(config: str = "mid", fmt: str = "nvfp4", policy: str = "experts", 
     result = BenchResult(name, fmt if fmt == "bf16" or policy == "experts" else f"{fmt} ({policy})", str(dev), batch,
                          prompt, steps, ms, batch * cfg.canvas_length * 1000 / (ms * steps), peak, floor, ms / floor,
                          nbytes, bw / 1e9, **beside, prefill_ms=prefill, statistic=statistic(steps, canvases),
-                         graph_replays=replays)
+                         graph_replays=replays, streamed_layers=len(streamed),
+                         gpu_memory_gb=None if gpu_memory is None else gpu_memory / 1e9,
+                         streamed_bytes_per_step=placement.streamed_bytes_per_step if placement is not None else 0)
     if compare:
         del engine, model  # the reference gets the device to itself
         if dev.type == "cuda":
@@ -416,6 +446,22 @@ def run_bench(config: str = "mid", fmt: str = "nvfp4", policy: str = "experts", 
         result.reference_ms_per_step, result.reference_mode = ref_ms, mode
         result.speedup_vs_reference = ref_ms / ms
     return result
+
+
+def bench_placement(cfg: ModelConfig, fmt: str, policy: str, dev: torch.device, gpu_memory: int, batch: int,
+                    context: int):
+    """The placement plan for a bench run on a card of `gpu_memory` bytes (the device's own figures on CUDA, a card
+    of that size on the CPU); UsageError (one line) when it cannot hold."""
+    from .checkpoint.footprint import system_free
+    from .placement.cards import Card, card_of_device, sized
+    from .placement.plan import plan
+
+    base = card_of_device(dev) if dev.type == "cuda" else Card("card of --gpu-memory", 0, 0.0, 4, 16)
+    p = plan(cfg, fmt, [sized(base, gpu_memory)], context=context, batch=batch, policy=policy,
+             host_free=system_free() or None, fused_experts=dev.type == "cuda")
+    if not p.fits:
+        raise UsageError(p.refusal)
+    return p
 
 
 def as_dict(r: BenchResult) -> dict:

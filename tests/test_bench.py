@@ -282,3 +282,41 @@ def test_the_kernel_check_fails_a_bug_confined_to_some_positions(fmt, policy):
     rel, share, failures = judge(broken, 0.9, fmt, policy)
     assert rel <= tol and share > 0.3 and any("positions differ" in f for f in failures)
     assert judge(healthy, 0.4, fmt, policy)[2]  # too few tokens agree
+
+
+def _streaming_size(cfg: ModelConfig, context: int, streamed: int) -> int:
+    """The largest card size (in steps of one layer's experts) at which `cfg` (bf16, batch 1) streams `streamed`
+    layers at `context` tokens."""
+    from dgemma_cli.placement.cards import Card, sized
+    from dgemma_cli.placement.plan import plan
+
+    size = 2 * 10**9
+    while size > 0:
+        p = plan(cfg, "bf16", [sized(Card("card", 0, 0.0, 4, 16), size)], context=context, fused_experts=False)
+        if p.fits and len(p.streamed) >= streamed:
+            return size
+        size -= p.expert_bytes
+    raise AssertionError("no size streams that many layers")
+
+
+def test_bench_with_gpu_memory_streams_the_experts_that_do_not_fit(capsys, monkeypatch, checkpoints):
+    made = []
+    real = bench.random_model
+    monkeypatch.setattr(bench, "random_model", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    cfg = ModelConfig.from_dir(checkpoints["five_to_one"])
+    size = _streaming_size(cfg, 20 + cfg.canvas_length, 4)
+    args = ["bench", "--config", str(checkpoints["five_to_one"]), "--format", "bf16", "--prompt", "20", "--steps", "5",
+            "--device", "cpu", "--json", "--gpu-memory", f"{size / 1e6:.6f}MB"]
+    assert run_main(args) == 0
+    r = json.loads(capsys.readouterr().out)
+    stream = made[0].expert_stream
+    n = len(stream.layers)
+    assert r["streamed_layers"] == n >= 4 and r["gpu_memory_gb"] == pytest.approx(size / 1e9, rel=1e-6)
+    t = cfg.text
+    assert r["streamed_bytes_per_step"] == n * 3 * t.num_experts * t.moe_intermediate_size * t.hidden_size * 2
+    assert stream.copies >= n * 10  # every streamed layer at every step (warm-up and timed)
+    assert all(t.device.type == "cpu" for h in stream.host.values() for t in h.values())
+    capsys.readouterr()
+    assert run_main(args[:-1] + ["300MB"]) != 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not fit" in err, err

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from .options import QUIET_OPTION, be_quiet, note
+from .options import GPU_MEMORY_OPTION, QUIET_OPTION, be_quiet, gpu_memory_arg, note
 
 
 def bench(
@@ -26,11 +26,13 @@ def bench(
     compare: Optional[str] = typer.Option(None, "--compare", help="'transformers': also time the reference (its "
                                           "compiled static-cache path where it has one); 'transformers-eager'."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object."),
+    gpu_memory: Optional[str] = GPU_MEMORY_OPTION,
     quiet: bool = QUIET_OPTION,
 ) -> None:
     """Time the denoise step on random weights (no download) against the weight-read floor. Each phase is said on
     stderr when it is a terminal (stdout keeps only the table or the JSON object)."""
     be_quiet(quiet)
+    card_bytes = gpu_memory_arg(gpu_memory)
     from ..bench import as_dict, run_bench
 
     def phase(message: str) -> None:
@@ -38,5 +40,5 @@ def bench(
         sys.stderr.flush()
 
     result = run_bench(config, fmt, policy, batch, prompt, steps, canvases, device, dtype, compare,
-                       note=phase if sys.stderr.isatty() and not quiet else None)
+                       note=phase if sys.stderr.isatty() and not quiet else None, gpu_memory=card_bytes)
     sys.stdout.write((json.dumps(as_dict(result)) if as_json else result.table()) + "\n")

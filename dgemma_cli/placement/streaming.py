@@ -2,10 +2,11 @@
 copied into one of two on-card layer buffers before that layer's experts run.
 
 The streamed layers s0, s1, ... s(n-1) alternate between the two buffers (s0, s2, ... in buffer 0; s1, s3, ... in
-buffer 1: with n odd, s(n-1) and s0 follow each other in buffer 0). The experts' modules hold the buffers themselves (their parameters and packed buffers are the buffer's
-tensors), so every path that reads them (the reference grouped matmuls, the fused MoE kernels, adapters' folds)
-reads the streamed layer's weights without knowing it; a packed module that caches something derived from its
-tensors keys the cache by the tensor's version, which a copy advances (quant/modules.py row_scale_2).
+buffer 1: with n odd, s(n-1) and s0 follow each other in buffer 0; placement/plan.py buffer_order). The experts'
+modules hold the buffers themselves (their parameters and packed buffers are the buffer's tensors), so every path
+that reads them (the reference grouped matmuls, the fused MoE kernels, adapters' folds) reads the streamed layer's
+weights without knowing it; a packed module that caches something derived from its tensors keys the cache by the
+tensor's version, which a copy advances (quant/modules.py row_scale_2).
 
 Two ways to copy (a `Copier`):
 - overlapped (CUDA): copies run on a stream of their own. When layer s(k) has run (the next layer's first norm, or
