@@ -116,6 +116,41 @@ def check_dtype_name(dtype: str) -> None:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPE_NAMES)} or auto (got {dtype!r})")
 
 
+def parse_devices(text: str) -> list[str] | str:
+    """`--devices` (checked without torch): "auto" (every CUDA device, split over only when one cannot hold the
+    model), or a comma-separated list of CUDA indices (0,1) or names (cuda:0,cuda:1); "cpu,cpu" runs on the CPU the
+    split a list of that many cards would (with --gpu-memory: each card's size). Returns "auto" or the names."""
+    if text.strip() == "auto":
+        return "auto"
+    names = []
+    for part in text.split(","):
+        part = part.strip()
+        name = f"cuda:{part}" if part.isdigit() else part
+        if not (name == "cpu" or (name.startswith("cuda:") and name[5:].isdigit())):
+            raise UsageError(f"--devices takes auto or a list such as 0,1 (got {text!r})")
+        names.append(name)
+    cards = [n for n in names if n != "cpu"]
+    if cards and len(cards) != len(names):
+        raise UsageError(f"--devices {text}: CUDA devices or the CPU, not both")
+    if len(set(cards)) != len(cards):
+        raise UsageError(f"--devices {text}: a card is named twice")
+    return names
+
+
+def resolve_devices(spec: list[str] | str) -> list[torch.device]:
+    """parse_devices' answer -> devices; UsageError (one line) for a card this machine does not have."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if spec == "auto":
+        return [torch.device(f"cuda:{i}") for i in range(count)] or [torch.device("cpu")]
+    for name in spec:
+        if name.startswith("cuda:") and int(name[5:]) >= count:
+            raise UsageError(f"--devices: no {name} ({'no CUDA device' if not count else f'{count} CUDA devices'} "
+                             "on this machine)")
+    return [torch.device(n) for n in spec]
+
+
 def resolve_device(device: str = "auto") -> torch.device:
     import torch
 

@@ -21,7 +21,7 @@ import torch
 from .config import GenerationSettings, ModelConfig
 from .structured.constrain import Structure
 from .structured.worker import DEFAULT_MEMORY, DEFAULT_SECONDS
-from .device import SMALL_STEP, fit_cpu_threads, resolve_device, resolve_dtype
+from .device import SMALL_STEP, fit_cpu_threads, parse_devices, resolve_device, resolve_devices, resolve_dtype
 from .errors import ModelError, UsageError
 from .model import DiffusionGemma, KVCache
 from .checkpoint.names import DEMO_MODEL, resolve_model  # noqa: F401 (engine.DEMO_MODEL is part of the API)
@@ -148,7 +148,8 @@ class GraphedDenoiser(ModelDenoiser):
 def graph_safe(model: DiffusionGemma) -> bool:
     """Whether the forward can be captured: bfloat16 weights with torch's grouped matmul (its fallback syncs)."""
     return (model.dtype == torch.bfloat16 and hasattr(torch.nn.functional, "grouped_mm")
-            and torch.cuda.get_device_capability(model.device) >= (8, 0))
+            and torch.cuda.get_device_capability(model.device) >= (8, 0)
+            and model.split() is None)  # one graph, one device: a split over cards runs eagerly
 
 
 def make_denoiser(model: DiffusionGemma, batch: int, capacity: int) -> ModelDenoiser:
@@ -477,29 +478,34 @@ def _in_inference_mode(events: Iterator[Event], denoiser: ModelDenoiser | None =
         yield event
 
 
-def plan_placement(path: Path, dev, gpu_memory: int | None, batch: int = 1):
+def plan_placement(path: Path, dev, gpu_memory: int | None, batch: int = 1, devices: list | None = None):
     """The placement plan for a load (dgemma_cli/placement/plan.py), or None: everything resident as loaded. With
-    --gpu-memory, a card of that size (on the CPU too, which then runs the same streamed path); on a CUDA device
-    without it, the device's free memory, planned only when the weights alone would not fit there. ModelError (one
-    line) when the plan cannot hold."""
+    --gpu-memory, cards of that size (on the CPU too, which then runs the same streamed path); on CUDA devices
+    without it, each device's free memory, planned on one device only when the weights alone would not fit there.
+    devices: the cards the layers may be split over, in order (--devices; default [dev]). ModelError (one line) when
+    the plan cannot hold."""
     from .checkpoint.footprint import system_free, weight_bytes
     from .checkpoint.layout import stored_policy
     from .checkpoint.weights import read_quant_format
     from .placement.cards import Card, card_of_device, sized
     from .placement.plan import plan, planned_context
 
+    devices = list(devices or [dev])
     if gpu_memory is None and dev.type != "cuda":
+        if len(devices) > 1:
+            raise UsageError("--devices on the CPU runs the split of cards of --gpu-memory SIZE: give it")
         return None  # the CPU without --gpu-memory: everything resident, as ever
     cfg = ModelConfig.from_dir(path)
     fmt = read_quant_format(path, cfg.raw) or "bf16"
     policy = stored_policy(path) if fmt != "bf16" else None
+    sizes = [gpu_memory] * len(devices)
     if gpu_memory is None:
-        free, _ = torch.cuda.mem_get_info(dev)
-        if sum(weight_bytes(cfg, fmt, policy).values()) <= free:
+        sizes = [torch.cuda.mem_get_info(d)[0] for d in devices]
+        if len(devices) == 1 and sum(weight_bytes(cfg, fmt, policy).values()) <= sizes[0]:
             return None
-        gpu_memory = free
-    base = card_of_device(dev) if dev.type == "cuda" else Card("card of --gpu-memory", 0, 0.0, 4, 16)
-    p = plan(cfg, fmt, [sized(base, gpu_memory)], context=planned_context(cfg), batch=batch, policy=policy,
+    cards = [sized(card_of_device(d) if d.type == "cuda" else Card("card of --gpu-memory", 0, 0.0, 4, 16), size)
+             for d, size in zip(devices, sizes)]
+    p = plan(cfg, fmt, cards, context=planned_context(cfg), batch=batch, policy=policy,
              host_free=system_free() or None, fused_experts=dev.type == "cuda")
     if not p.fits:
         raise ModelError(p.refusal)
@@ -507,13 +513,15 @@ def plan_placement(path: Path, dev, gpu_memory: int | None, batch: int = 1):
 
 
 def load(model: str | Path, device: str = "auto", dtype: str = "auto", adapters=(), adapter_slots=None,
-         gpu_memory: int | None = None, batch: int = 1) -> Engine:
+         gpu_memory: int | None = None, batch: int = 1, devices: list[str] | str | None = None) -> Engine:
     """Load a checkpoint directory (Hugging Face layout), or 'demo', with its tokenizer and generation defaults.
     adapters: (directory, scale) pairs of PEFT LoRA adapters, attached unmerged (dgemma_cli/tuner/lora.py); each is
     read and checked before the model's weights are. adapter_slots: each adapter's slot when rows choose theirs (the
     server); None: all apply together. gpu_memory: the card memory to plan for, bytes (--gpu-memory; on the CPU the
     same plan runs as on a card of that size); experts that do not fit stream from host memory (dgemma_cli/placement).
-    batch: the rows the plan leaves room for."""
+    batch: the rows the plan leaves room for. devices: the cards the layers may be split over (--devices: "auto" or
+    names, device.parse_devices); the first replaces `device`; the plan splits only when one card cannot hold the
+    model."""
     from .tuner.lora import attach, read_adapter
 
     read = [(read_adapter(d), float(s)) for d, s in adapters]
@@ -522,17 +530,32 @@ def load(model: str | Path, device: str = "auto", dtype: str = "auto", adapters=
         raise ModelError(f"{path}: no such model directory")
     if not path.is_dir():
         raise ModelError(f"{path}: not a directory")
-    dev = resolve_device(device)
+    if isinstance(devices, str):
+        devices = parse_devices(devices)
+    devs = resolve_devices(devices) if devices is not None else None
+    dev = devs[0] if devs else resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    check_kernels(dev)
-    placement = plan_placement(path, dev, gpu_memory, batch)  # refused here, in one line, before anything loads
+    for d in devs or [dev]:
+        check_kernels(d)
+    placement = plan_placement(path, dev, gpu_memory, batch, devs)  # refused here, in one line, before anything loads
     streamed = placement.streamed if placement is not None else []
-    net, cfg = load_model(path, device=dev, dtype=dt, host_layers=frozenset(streamed))
+    layer_devices = None
+    if placement is not None and len(placement.cards) > 1:
+        if read:
+            raise UsageError(f"adapters on a model split over {len(placement.cards)} cards are not supported yet "
+                             "(a larger --gpu-memory, or one card streaming what does not fit: no --devices)")
+        layer_devices = [devs[k] for k, c in enumerate(placement.cards) for _ in c.layers]
+    net, cfg = load_model(path, device=dev, dtype=dt, host_layers=frozenset(streamed), layer_devices=layer_devices)
+    net.expert_streams = []
     if streamed:
         from .placement.streaming import ExpertStream
 
-        net.expert_stream = ExpertStream(net, streamed, dev)
-        net.expert_stream.check(net)  # overlapped copies against copies that wait; waits from now on if they differ
+        for k, c in enumerate(placement.cards):  # each card streams its own layers into its own two buffers
+            if c.streamed:
+                stream = ExpertStream(net, c.streamed, (devs or [dev])[k])
+                stream.check(net)  # overlapped copies against copies that wait; waits from now on if they differ
+                net.expert_streams.append(stream)
+        net.expert_stream = net.expert_streams[0]
     net.placement = placement
     attach(net, read, adapter_slots)
     if dev.type == "cpu":  # no more threads than usable cores, one for a demo-size model (see device.py)

@@ -519,11 +519,12 @@ class KVCache:
         self.window = cfg.sliding_window - 1  # cached positions a sliding layer keeps
         C = model.cfg.canvas_length
         self.k, self.v = [], []
-        for spec in cfg.layers:
+        for i, spec in enumerate(cfg.layers):
             slots = (self.window if spec.is_sliding else capacity) + C
             shape = (batch, spec.num_kv_heads, slots, spec.head_dim)
-            self.k.append(torch.zeros(shape, device=device, dtype=dtype))
-            self.v.append(torch.zeros(shape, device=device, dtype=dtype))
+            on = model.layer_devices[i] if model.layer_devices is not None else device  # a split: the layer's card
+            self.k.append(torch.zeros(shape, device=on, dtype=dtype))
+            self.v.append(torch.zeros(shape, device=on, dtype=dtype))
         self.valid = torch.ones(batch, capacity, dtype=torch.bool, device=device)
 
     @property
@@ -574,6 +575,41 @@ class Phase:
         return "encoder" if self.encoding else "decoder"
 
 
+class LayerSplit:
+    """One pass over layers split across several devices (`DiffusionGemma.layer_devices`, the placement plan's split):
+    the hidden state moves to each layer's device as it enters it (the CUDA device made current there, which Triton
+    launches on) and back to the first for the head; tensors made once on the first device for the whole pass (RoPE
+    tables, masks, layer scalars) are copied once to each other device, on first use there."""
+
+    def __init__(self, devices: list[torch.device], first: torch.device):
+        self.devices, self.first, self.dev = devices, first, first
+        self.copies: dict = {}  # (id, device) -> (the tensor, kept alive so the id stays its own; its copy)
+
+    def enter(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        self._switch(self.devices[layer])
+        return x if x.device == self.dev else x.to(self.dev)
+
+    def here(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """t on the current layer's device."""
+        if t is None or t.device == self.dev:
+            return t
+        key = (id(t), self.dev)
+        if key not in self.copies:
+            self.copies[key] = (t, t.to(self.dev))
+        return self.copies[key][1]
+
+    def leave(self, x: torch.Tensor) -> torch.Tensor:
+        """x back on the first device (for the final norm and the head)."""
+        self._switch(self.first)
+        return x if x.device == self.first else x.to(self.first)
+
+    def _switch(self, dev: torch.device) -> None:
+        if dev != self.dev:
+            self.dev = dev
+            if dev.type == "cuda":
+                torch.cuda.set_device(dev)
+
+
 class DiffusionGemma(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -603,6 +639,9 @@ class DiffusionGemma(nn.Module):
         # objects with start_pass() and end_pass(), called around each `encode` and `denoise` (streamed experts'
         # copies: placement/streaming.py, which joins its copy stream at a pass's end)
         self.pass_hooks: list = []
+        # each layer's device when the layers are split over several (the placement plan's split, engine.load); None:
+        # every layer on `device`. The embedding, self-conditioning, final norm and head stay on the first.
+        self.layer_devices: list[torch.device] | None = None
         # RoPE tables are derived from the config, never loaded: plain tensors, moved on use.
         self.inv_freq = {k: rope_inv_freq(t.rope_parameters[k], t.head_dim_of(k)) for k in set(t.layer_types)}
 
@@ -696,6 +735,12 @@ class DiffusionGemma(nn.Module):
         return fused_head(hidden.reshape(B * T, H), self.embed_tokens.weight, self.cfg.text.final_logit_softcapping,
                           self.embed_scale(as_float=True), temperature, uniforms, buffers)
 
+    def split(self) -> LayerSplit | None:
+        """A pass's LayerSplit when the layers span several devices, else None."""
+        if self.layer_devices is None or all(d == self.device for d in self.layer_devices):
+            return None
+        return LayerSplit(self.layer_devices, self.device)
+
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         return KVCache(self, batch, capacity, self.device, self.dtype)
 
@@ -762,9 +807,14 @@ class DiffusionGemma(nn.Module):
 
         rope = {k: rope_cos_sin(f, qpos[None], x.dtype) for k, f in self.inv_freq.items()}
         last = len(self.layers) - 1
+        split = self.split()
         for i, layer in enumerate(self.layers):
             kind = layer.spec.kind
             cos, sin = rope[kind]
+            mask, scalar = masks[kind], self.encoder_layer_scalar[i]
+            if split is not None:  # onto the layer's device
+                x = split.enter(i, x)
+                cos, sin, mask, scalar = split.here(cos), split.here(sin), split.here(mask), split.here(scalar)
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
             if kind == FULL:
                 cache.k[i][:, :, L0 : L0 + T] = k
@@ -779,9 +829,11 @@ class DiffusionGemma(nn.Module):
                 cache.v[i][:, :, cache.window - keep : cache.window] = values[:, :, -keep:]
             if i == last and not return_hidden:
                 break  # the last layer's output feeds nothing the cache needs
-            h = layer.self_attn.o_proj(attend(q, keys, values, masks[kind], causal=True))
+            h = layer.self_attn.o_proj(attend(q, keys, values, mask, causal=True))
             x = layer.post_attention_layernorm.add_to(x, h)
-            x = self._feed_forward(layer, x, self.encoder_layer_scalar[i])
+            x = self._feed_forward(layer, x, scalar)
+        if split is not None:
+            x = split.leave(x)
         cache.length = L0 + T
         return self.norm(x) if return_hidden else None
 
@@ -909,10 +961,15 @@ class DiffusionGemma(nn.Module):
             x = self._self_condition_rows(x, self._soft_of_rows(sc_probs, sc_rows, C), sc_rows)
         else:
             x = self.self_conditioning(x, None)
+        split = self.split()
         for i, layer in enumerate(self.layers):
             kind = layer.spec.kind
             cos = ctxs[0].cos[kind] if len(ctxs) == 1 else torch.cat([c.cos[kind] for c in ctxs])  # [B, C, 1, D]
             sin = ctxs[0].sin[kind] if len(ctxs) == 1 else torch.cat([c.sin[kind] for c in ctxs])
+            scalar = self.decoder_layer_scalar[i]
+            if split is not None:  # onto the layer's device
+                x = split.enter(i, x)
+                cos, sin, scalar = split.here(cos), split.here(sin), split.here(scalar)
             # the canvas's k and v go to scratch slots past the cached prefix (the cache is not advanced): written
             # there by their norms when there is one cache, copied into each row's cache when there are several
             slots = None
@@ -928,12 +985,14 @@ class DiffusionGemma(nn.Module):
                     part.k[i][:, :, end - C : end] = k[rows]
                     part.v[i][:, :, end - C : end] = v[rows]
                 heads.append(attend(q[rows], part.k[i][:, :, start:end], part.v[i][:, :, start:end],
-                                    pctx.mask[kind]))
+                                    pctx.mask[kind] if split is None else split.here(pctx.mask[kind])))
                 row += part.batch
             if row != B:
                 raise ValueError(f"the caches cover {row} rows, the canvas has {B}")
             h = layer.self_attn.o_proj(heads[0] if len(heads) == 1 else torch.cat(heads))
             x = layer.post_attention_layernorm.add_to(x, h)
-            x = self._feed_forward(layer, x, self.decoder_layer_scalar[i], experts_per_row)
+            x = self._feed_forward(layer, x, scalar, experts_per_row)
+        if split is not None:
+            x = split.leave(x)
         x = self.norm(x)
         return x if return_hidden else self.logits(x, out)

@@ -175,6 +175,10 @@ def formats(tmp_path_factory):
     for fmt in ("nvfp4", "int8", "fp8"):
         quantize_checkpoint(src, root / fmt, fmt)
         out[fmt] = root / fmt
+    # a 64-token context: the KV cache no longer outweighs the experts, so a split over two cards streams some
+    short = build_checkpoint(root / "bf16_short", SPECS["five_to_one"], seed=0, max_position_embeddings=64)
+    quantize_checkpoint(short, root / "nvfp4_short", "nvfp4")
+    out["nvfp4_short"] = root / "nvfp4_short"
     return out
 
 
@@ -415,6 +419,92 @@ def test_training_waits_for_each_copy_whatever_the_copier(resident_and_streamed)
         assert copier.ahead == 0
     finally:
         stream.copier = Copier()
+
+
+# ----------------------------------------------------------------------------- layers split over several cards
+
+
+def split_memory(path: Path, streamed: bool) -> int:
+    """A --gpu-memory at which two cards of that size split `path`'s layers (streaming some if `streamed`)."""
+    from dgemma_cli.checkpoint.layout import stored_policy
+    from dgemma_cli.checkpoint.weights import read_quant_format
+
+    cfg = ModelConfig.from_dir(path)
+    fmt = read_quant_format(path, cfg.raw) or "bf16"
+    policy = stored_policy(path) if fmt != "bf16" else None
+    size = plan(cfg, fmt, [Card("any", 10**15, 0.0, 4, 16)], context=planned_context(cfg), policy=policy,
+                fused_experts=False).resident_bytes  # one card that holds it all, then less
+    while size > 0:
+        p = plan(cfg, fmt, [sized(Card("c", 0, 0.0, 4, 16), size)] * 2, context=planned_context(cfg), policy=policy,
+                 fused_experts=False)
+        if p.fits and len(p.cards) == 2 and any(c.streamed for c in p.cards) == streamed:
+            return size
+        size -= p.expert_bytes // 4
+    raise AssertionError("no such size")
+
+
+@pytest.mark.parametrize("fmt, streamed", [("bf16", False), ("nvfp4", False), ("nvfp4_short", True)])
+def test_layers_split_over_two_cards_give_the_resident_runs_tokens(formats, fmt, streamed):
+    path = formats[fmt]
+    resident = load(path, device="cpu", dtype="float32")
+    split = load(path, dtype="float32", devices="cpu,cpu", gpu_memory=split_memory(path, streamed))
+    cards = split.model.placement.cards
+    assert len(cards) == 2 and cards[0].layers and cards[1].layers
+    L = split.config.text.num_hidden_layers
+    assert split.model.layer_devices == [torch.device("cpu")] * L
+    assert [s.layers for s in split.model.expert_streams] == [c.streamed for c in cards if c.streamed]
+    assert bool(split.model.expert_streams) == streamed
+    assert tokens(split) == tokens(resident)
+
+
+def test_a_split_pass_moves_everything_a_layer_reads_onto_its_card(formats, monkeypatch):
+    """The second card's layers on the meta device: any tensor a layer reads from the first card (the hidden state,
+    RoPE tables, masks, layer scalars, the KV cache) that was not moved there makes the op fail, as it would on two
+    GPUs. The hidden state's way back cannot be read from meta, so it comes back as zeros here."""
+    from dgemma_cli.engine import ModelDenoiser
+    from dgemma_cli.model import LayerSplit
+
+    engine = load(formats["bf16"], device="cpu", dtype="bfloat16")  # meta's grouped matmul is the GPU's: bf16
+    model = engine.model
+    L = len(model.layers)
+    meta, cpu = torch.device("meta"), torch.device("cpu")
+    for i in range(L // 2, L):
+        model.layers[i].to(meta)
+    model.layer_devices = [cpu] * (L // 2) + [meta] * (L - L // 2)
+    back = []
+
+    def leave(self, x):
+        back.append(x.device)
+        self._switch(self.first)
+        return torch.zeros(x.shape, dtype=x.dtype, device=self.first)
+
+    monkeypatch.setattr(LayerSplit, "leave", leave)
+    with torch.inference_mode():
+        d = ModelDenoiser(model, 2, 40)
+        assert d.cache.k[0].device == cpu and d.cache.k[L - 1].device == meta  # each layer's cache on its card
+        d.encode(torch.tensor([PROMPTS[0][:4], PROMPTS[1]]), None)
+        d.start_canvas()
+        canvas = torch.randint(0, engine.config.text.vocab_size, (2, engine.config.canvas_length))
+        logits = model.denoise(canvas, d.cache, d.ctx)
+    assert back == [meta, meta] and logits.device == cpu and logits.shape[0] == 2
+
+
+@pytest.mark.parametrize("devices, says", [("0,x", "takes auto or a list"), ("0,0", "named twice"),
+                                           ("cpu,0", "not both"), ("3", "no cuda:3")])
+def test_devices_refused_in_one_line(capsys, devices, says):
+    rc, out, err = run_cli(["run", "-q", "--devices", devices, "upper: hello diffusions"], capsys)
+    assert rc != 0 and out == "" and err.count("\n") == 1 and says in err, err
+
+
+def test_run_on_a_split_answers_as_without(capsys):
+    from dgemma_cli.checkpoint.names import DEMO_MODEL
+
+    size = f"{split_memory(DEMO_MODEL, False) / 1e6:.6f}MB"
+    rc, out, err = run_cli(["run", "--seed", "0", "-q", "--devices", "cpu,cpu", "--gpu-memory", size,
+                            "upper: hello diffusions"], capsys)
+    assert rc == 0 and out == "HELLO DIFFUSIONS\n", err
+    rc, out, err = run_cli(["run", "-q", "--devices", "cpu,cpu", "upper: hello diffusions"], capsys)
+    assert rc != 0 and err.count("\n") == 1 and "--gpu-memory" in err, err
 
 
 @pytest.mark.gpu

@@ -224,12 +224,13 @@ def expected_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_model(directory: Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-               host_layers=frozenset()):
+               host_layers=frozenset(), layer_devices: list | None = None):
     """Build the network on the meta device and fill it from a checkpoint directory.
 
     dtype None keeps the checkpoint's dtype (the compute dtype; packed tensors always keep theirs). host_layers: the
     layers whose routed experts stay in host memory (the placement plan's streamed layers, dgemma_cli/placement):
-    read from the files straight into host memory, never onto `device`.
+    read from the files straight into host memory, never onto `device`. layer_devices: each layer's device when the
+    plan splits the layers over several cards (the rest, embedding and head, on `device`); None: all on `device`.
     Returns (model, ModelConfig).
     """
     from ..model import DiffusionGemma
@@ -286,6 +287,8 @@ def load_model(directory: Path, device: str | torch.device = "cpu", dtype: torch
             state[name] = t
             continue
         target = device
+        if layer_devices is not None and name.startswith("layers."):
+            target = layer_devices[int(name.split(".")[1])]
         zero_copy = torch.device(target).type == "cpu"
         if parts[0][1] is not None:  # stacked from per-expert pieces
             t = torch.empty(meta.shape, dtype=want, device=target)
@@ -306,6 +309,8 @@ def load_model(directory: Path, device: str | torch.device = "cpu", dtype: torch
     for kind, parts in scalars.items():
         state[kind] = torch.stack(parts).to(device=device, dtype=dtype)
     model.load_state_dict(state, assign=True, strict=True)
+    if layer_devices is not None:
+        model.layer_devices = [torch.device(d) for d in layer_devices]
     model.eval().requires_grad_(False)
     return model, cfg
 

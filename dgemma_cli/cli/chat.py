@@ -17,6 +17,7 @@ import typer
 from ..errors import DgemmaError, UsageError
 from .options import (
     ADAPTER_OPTION,
+    DEVICES_OPTION,
     GPU_MEMORY_OPTION,
     MODEL_HELP,
     QUIET_OPTION,
@@ -24,6 +25,7 @@ from .options import (
     adapter_args,
     be_quiet,
     check_device_dtype,
+    devices_arg,
     gpu_memory_arg,
     model_arg,
     sampler_option,
@@ -381,6 +383,7 @@ def chat(
     dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto."),
     adapter: Optional[List[str]] = ADAPTER_OPTION,
     gpu_memory: Optional[str] = GPU_MEMORY_OPTION,
+    devices: Optional[str] = DEVICES_OPTION,
     quiet: bool = QUIET_OPTION,
 ) -> None:
     """Chat in the terminal; the KV cache carries over between turns. /help lists the commands.
@@ -399,11 +402,12 @@ def chat(
         raise UsageError("dgemma chat needs a terminal; for pipes use `dgemma run` (--each-line for many prompts)")
     adapters = adapter_args(adapter)
     card_bytes = gpu_memory_arg(gpu_memory)
+    cards = devices_arg(devices)
     be_quiet(quiet)
     model_dir = model_arg(model, quiet)
     from ..engine import load
 
-    engine = load(model_dir, device=device, dtype=dtype, adapters=adapters, gpu_memory=card_bytes)
+    engine = load(model_dir, device=device, dtype=dtype, adapters=adapters, gpu_memory=card_bytes, devices=cards)
     settings = engine.settings.override(**sampler)
     raise typer.Exit(run_chat(engine, system=system, settings=settings, think=think, view=view, context=context,
                               seed=seed, quiet=quiet))

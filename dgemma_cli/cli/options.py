@@ -87,6 +87,21 @@ GPU_MEMORY_OPTION = typer.Option(
     "Default: the card's free memory. On the CPU, the same plan runs as on a card of that size.")
 
 
+DEVICES_OPTION = typer.Option(
+    None, "--devices", metavar="LIST", help="The cards to split the layers over when one cannot hold the model: 0,1 "
+    "or auto (every CUDA device); each card's share streams what does not fit there. `dgemma plan --gpu A --gpu B` "
+    "shows the split.")
+
+
+def devices_arg(value: Optional[str]):
+    """--devices, checked before torch is imported -> "auto", the device names, or None (not given)."""
+    if value is None:
+        return None
+    from ..device import parse_devices
+
+    return parse_devices(value)
+
+
 def gpu_memory_arg(value: Optional[str]) -> Optional[int]:
     """--gpu-memory, checked before torch is imported -> bytes (None: not given)."""
     if value is None:

@@ -15,6 +15,7 @@ from .options import (
     ADAPTER_OPTION,
     COMPILE_MEMORY_OPTION,
     COMPILE_TIMEOUT_OPTION,
+    DEVICES_OPTION,
     GPU_MEMORY_OPTION,
     MODEL_HELP,
     QUIET_OPTION,
@@ -24,6 +25,7 @@ from .options import (
     check_device_dtype,
     compile_budget,
     fail,
+    devices_arg,
     gpu_memory_arg,
     model_arg,
     note,
@@ -80,6 +82,7 @@ def run(
         "syntax (start: ...), or llama.cpp's GBNF (root ::= ...)."),
     adapter: Optional[List[str]] = ADAPTER_OPTION,
     gpu_memory: Optional[str] = GPU_MEMORY_OPTION,
+    devices: Optional[str] = DEVICES_OPTION,
     compile_timeout: float = COMPILE_TIMEOUT_OPTION,
     compile_memory: float = COMPILE_MEMORY_OPTION,
     quiet: bool = QUIET_OPTION,
@@ -115,6 +118,7 @@ def run(
     adapters = adapter_args(adapter)
     budget = compile_budget(compile_timeout, compile_memory)
     card_bytes = gpu_memory_arg(gpu_memory)
+    cards = devices_arg(devices)
     be_quiet(quiet)
     joined = prompt_words(prompt)
     structure = _structure(json_schema, regex, grammar, stdin_prompt=joined is None)
@@ -126,7 +130,7 @@ def run(
                     t_min=t_min, temperature=temperature, entropy_bound=entropy_bound,
                     confidence_threshold=confidence_threshold, stability_threshold=stability_threshold, think=False,
                     view=view or "live", context=None, seed=seed, device=device, dtype=dtype, adapter=adapter,
-                    gpu_memory=gpu_memory, quiet=quiet)
+                    gpu_memory=gpu_memory, devices=devices, quiet=quiet)
     _check_images(image or [], image_tokens, stdin_prompt=joined is None, each_line=each_line)
     text = read_prompt(joined)
     if joined is None and not raw and not each_line:
@@ -134,7 +138,8 @@ def run(
     if each_line:
         return _run_each_line(text, model=model, as_json=as_json, batch_size=batch_size or 8, device=device,
                               dtype=dtype, quiet=quiet, raw=raw, system=system, seed=seed, structure=structure,
-                              adapters=adapters, compile_budget=budget, gpu_memory=card_bytes, **sampler)
+                              adapters=adapters, compile_budget=budget, gpu_memory=card_bytes, devices=cards,
+                              **sampler)
     if not text.strip():
         raise UsageError("empty prompt")
     model_dir = model_arg(model, quiet)  # a missing model is said before torch is imported (seconds)
@@ -147,7 +152,7 @@ def run(
 
     from ..engine import load  # heavy: torch
 
-    engine = load(model_dir, device=device, dtype=dtype, adapters=adapters, gpu_memory=card_bytes)
+    engine = load(model_dir, device=device, dtype=dtype, adapters=adapters, gpu_memory=card_bytes, devices=cards)
     engine.set_compile_budget(*budget)
     kwargs = dict(raw=raw, system=system, seed=seed, **sampler)
     if structure is not None:
@@ -374,7 +379,7 @@ class _CtrlCHeld:
 
 def _run_each_line(text: str, *, model, as_json: bool, batch_size: int, device: str, dtype: str,
                    quiet: bool = False, adapters=(), compile_budget=(None, None), gpu_memory: int | None = None,
-                   **gen) -> None:
+                   devices=None, **gen) -> None:
     """One answer (or JSON Lines object) per input line, in input order; blank lines give blank answers.
 
     Each batch's answers are written and flushed as soon as it is done, so a reader sees them arrive; what is on
@@ -392,7 +397,7 @@ def _run_each_line(text: str, *, model, as_json: bool, batch_size: int, device: 
     from ..engine import load  # heavy: torch
 
     engine = load(model_dir, device=device, dtype=dtype, adapters=adapters, gpu_memory=gpu_memory,
-                  batch=batch_size)
+                  batch=batch_size, devices=devices)
     engine.set_compile_budget(*compile_budget)
     todo = [i for i, line in enumerate(lines) if line.strip()]
     written = 0  # input lines answered on stdout so far

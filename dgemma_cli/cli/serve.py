@@ -11,12 +11,14 @@ from ..server.guard import is_loopback
 from .options import (
     COMPILE_MEMORY_OPTION,
     COMPILE_TIMEOUT_OPTION,
+    DEVICES_OPTION,
     GPU_MEMORY_OPTION,
     MODEL_HELP,
     QUIET_OPTION,
     be_quiet,
     check_device_dtype,
     compile_budget,
+    devices_arg,
     gpu_memory_arg,
     model_arg,
     note,
@@ -51,6 +53,7 @@ def serve(
                                          help="Close a connection that has not sent a whole request line and "
                                          "headers within this time."),
     gpu_memory: Optional[str] = GPU_MEMORY_OPTION,
+    devices: Optional[str] = DEVICES_OPTION,
     compile_timeout: float = COMPILE_TIMEOUT_OPTION,
     compile_memory: float = COMPILE_MEMORY_OPTION,
     quiet: bool = QUIET_OPTION,
@@ -81,6 +84,7 @@ def serve(
         raise UsageError(f"--header-timeout must be between 0 and 3600 seconds (got {header_timeout:g})")
     budget = compile_budget(compile_timeout, compile_memory)
     card_bytes = gpu_memory_arg(gpu_memory)
+    cards = devices_arg(devices)
     if api_key is not None and not api_key.strip():
         raise UsageError("--api-key must not be empty")
     if not is_loopback(host) and not api_key:
@@ -95,4 +99,4 @@ def serve(
                                 prefix_cache_bytes=prefix_cache * 2**20, adapters=named,
                                 allow_hosts=tuple(allow_host or ()), allow_origins=tuple(allow_origin or ()),
                                 header_timeout=header_timeout, compile_budget=budget,
-                                gpu_memory=card_bytes))
+                                gpu_memory=card_bytes, devices=cards))

@@ -65,11 +65,14 @@ class CudaCopier(Copier):
     overlaps = True
 
     def __init__(self, device: torch.device):
+        self.device = device
         self.stream = torch.cuda.Stream(device)
 
     def copy_later(self, pairs: Pairs) -> torch.cuda.Event:
         queued = torch.cuda.Event()
-        queued.record()  # on the compute stream: the buffer's readers so far are before this point
+        # on this card's compute stream (with layers split over cards, another card may be current): the buffer's
+        # readers so far are before this point
+        queued.record(torch.cuda.current_stream(self.device))
         self.stream.wait_event(queued)
         with torch.cuda.stream(self.stream):
             for dst, src in pairs:
@@ -79,7 +82,7 @@ class CudaCopier(Copier):
         return done
 
     def wait(self, token: torch.cuda.Event) -> None:
-        torch.cuda.current_stream().wait_event(token)
+        torch.cuda.current_stream(self.device).wait_event(token)
 
 
 class ExpertStream:

@@ -157,9 +157,11 @@ def model_id(model: str) -> str:
 def serve(model: str, *, host: str, port: int, api_key: str | None, max_batch: int, max_queue: int,
           device: str, dtype: str, note, allow_hosts: tuple[str, ...] = (), allow_origins: tuple[str, ...] = (),
           prefix_cache_bytes: int = 0, adapters=(), header_timeout: float = HEADER_TIMEOUT,
-          compile_budget: tuple[float | None, int | None] = (None, None), gpu_memory: int | None = None) -> int:
+          compile_budget: tuple[float | None, int | None] = (None, None), gpu_memory: int | None = None,
+          devices=None) -> int:
     """Bind, load, serve until SIGTERM or Ctrl-C, then finish every request in flight and return 0.
-    gpu_memory: the card memory the placement plans for (--gpu-memory; engine.load), for max_batch rows.
+    gpu_memory: the card memory the placement plans for (--gpu-memory; engine.load), for max_batch rows. devices:
+    the cards the layers may be split over (--devices; engine.load).
 
     adapters: (model id, directory, scale) of LoRA adapters served beside the base, each chosen per request;
     header_timeout: seconds a connection has to send a request's headers (header_timeout.py); compile_budget:
@@ -175,7 +177,7 @@ def serve(model: str, *, host: str, port: int, api_key: str | None, max_batch: i
     if model_id(model) in names:
         raise UsageError(f"--adapter {model_id(model)}: the base model answers to that name already")
     engine = load(model, device=device, dtype=dtype, adapters=[(d, s) for _, d, s in adapters],
-                  adapter_slots=list(range(1, len(adapters) + 1)) or None, gpu_memory=gpu_memory,
+                  adapter_slots=list(range(1, len(adapters) + 1)) or None, gpu_memory=gpu_memory, devices=devices,
                   batch=max_batch)
     if engine.tokenizer is None:
         raise ModelError(f"{engine.path}: no tokenizer.json: the server needs one to read text")
