@@ -659,3 +659,19 @@ def test_tuning_with_streamed_experts_makes_the_resident_runs_adapter(tmp_path, 
     rc = run_main([*tune_args(data, tmp_path / "c"), *extra, "--gpu-memory", size, "--no-gradient-checkpointing"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "--no-gradient-checkpointing" in err
+
+
+@pytest.mark.gpu
+def test_on_two_gpus_a_split_gives_the_resident_runs_tokens():
+    """Two real cards: the layers split (each card's share on it, with its own streamed layers), the tokens of one
+    card holding everything."""
+    from dgemma_cli.checkpoint.names import DEMO_MODEL
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    resident = load("demo", device="cuda:0")
+    split = load("demo", devices="0,1", gpu_memory=split_memory(DEMO_MODEL, False))
+    assert {d.index for d in split.model.layer_devices} == {0, 1}
+    assert split.model.layers[-1].experts.gate_up_proj.device.index == 1
+    prompt = "upper: hello diffusions"
+    assert split.generate(prompt, seed=0).token_ids == resident.generate(prompt, seed=0).token_ids
