@@ -108,9 +108,11 @@ def _table(p, bounds: dict) -> None:
             + f"; host link {c.card.link_gb_per_s:.1f} GB/s\n")
     if p.streamed:
         out(f"  host memory (pinned): {gb(p.host_bytes)}; copied per step: {gb(p.streamed_bytes_per_step)}\n")
+    if p.fits and len(p.cards) > 1:
+        out(f"  run it with --devices {','.join(map(str, range(len(p.cards))))} (the cards in this order)\n")
     if bounds["step_bound_ms"] is not None:
         out(f"  step bound: {bounds['step_bound_ms']:.1f} ms as planned (copies overlapped), "
-            f"{bounds['serial_copy_step_bound_ms']:.1f} ms with copies that wait for their layer (today's path), "
+            f"{bounds['serial_copy_step_bound_ms']:.1f} ms with copies that wait for their layer (the fallback), "
             f"{bounds['resident_step_bound_ms']:.1f} ms were everything on the card; "
             f"{bounds['canvas_tokens_per_s']:.0f} canvas tokens/s at {bounds['steps_per_canvas']} steps a canvas "
             "(bounds, not measurements)\n")

@@ -90,7 +90,7 @@ def no_bound(note: str) -> dict:
 
 def step_bounds(p: Plan, tables: dict | None = None) -> dict:
     """{step_bound_ms, serial_copy_step_bound_ms, resident_step_bound_ms, canvas_tokens_per_s, bound_note}: the
-    plan's step with copies overlapped as planned, with copies that wait (today's path), and on the same card had it
+    plan's step with copies overlapped as planned, with copies that wait (the fallback), and on the same card had it
     room for everything; None where a card has no table (bound_note says which)."""
     tables = load_tables() if tables is None else tables
     if tables is None:
