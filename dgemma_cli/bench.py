@@ -73,6 +73,7 @@ class BenchResult:
     streamed_layers: int = 0  # layers whose experts stream from host memory (--gpu-memory), 0: all resident
     gpu_memory_gb: float | None = None  # the card memory planned for (--gpu-memory)
     streamed_bytes_per_step: int = 0  # their bytes, copied over the host link at every step
+    host_to_device_gbs: float | None = None  # measured: the fastest of several pinned host-to-device copies (CUDA)
     reference_ms_per_step: float | None = None
     reference_mode: str | None = None
     speedup_vs_reference: float | None = None
@@ -96,6 +97,10 @@ class BenchResult:
             rows += [("planned for", f"{self.gpu_memory_gb:.2f} GB of card memory: {self.streamed_layers} layers' "
                                      f"experts stream from host memory ({self.streamed_bytes_per_step / 1e9:.3f} GB "
                                      f"a step)")]
+            if self.host_to_device_gbs:
+                ms = 1000 * self.streamed_bytes_per_step / (self.host_to_device_gbs * 1e9)
+                rows += [("  their copies", f"{ms:.3f} ms a step at {self.host_to_device_gbs:.1f} GB/s (measured "
+                                            "pinned host-to-device copies)")]
         rows += [(f"  + {what}", f"{self.ms_at_peak(n):.3f} ms ({n / 1e9:.3f} GB), not in the floor")
                  for what, n in (("2nd embedding read", self.soft_embedding_bytes),
                                  ("canvas x vocab fp32", self.canvas_vocab_bytes),
@@ -207,6 +212,21 @@ def copy_bandwidth(device: torch.device) -> float:
         sync(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * n / best
+
+
+def host_to_device_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> float:
+    """Bytes per second of the fastest of several copies of a pinned host buffer to the device (the link streamed
+    experts cross)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(6):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
 
 
 def experts_hit(cfg: ModelConfig, batch: int) -> float:
@@ -427,6 +447,7 @@ def run_bench(config: str = "mid", fmt: str = "nvfp4", policy: str = "experts", 
     prefill = time_prefill(model, prompts)
     peak = torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None
     bw = copy_bandwidth(dev)
+    h2d = host_to_device_bandwidth(dev) / 1e9 if streamed and dev.type == "cuda" else None
     nbytes = floor_bytes(model, batch)
     beside = beside_floor_bytes(model, batch, prompt + (canvases - 1) * cfg.canvas_length)  # the last canvas's
     floor = 1000 * nbytes / bw
@@ -435,7 +456,8 @@ def run_bench(config: str = "mid", fmt: str = "nvfp4", policy: str = "experts", 
                          nbytes, bw / 1e9, **beside, prefill_ms=prefill, statistic=statistic(steps, canvases),
                          graph_replays=replays, streamed_layers=len(streamed),
                          gpu_memory_gb=None if gpu_memory is None else gpu_memory / 1e9,
-                         streamed_bytes_per_step=placement.streamed_bytes_per_step if placement is not None else 0)
+                         streamed_bytes_per_step=placement.streamed_bytes_per_step if placement is not None else 0,
+                         host_to_device_gbs=h2d)
     if compare:
         del engine, model  # the reference gets the device to itself
         if dev.type == "cuda":
