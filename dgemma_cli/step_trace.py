@@ -36,7 +36,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 # NVIDIA's ModelOpt NVFP4 release; compressed-tensors FP8 and INT8 W8A8 releases
-FORMATS = ("nvfp4", "w8a8-fp8", "w8a8-int8")
+# "nvfp4-experts": the routed experts alone in NVFP4, attention and the dense MLP 16-bit (NVIDIA's published release)
+FORMATS = ("nvfp4", "w8a8-fp8", "w8a8-int8", "nvfp4-experts")
 
 
 @dataclass
@@ -239,7 +240,7 @@ def _install_format(model, fmt: str) -> None:
     """The published release's quantized modules in place of the float ones: attention and dense-MLP linears and
     the routed experts (NVFP4 with calibrated activation scales, per-expert layout as NVIDIA stores it; FP8 W8A8
     with per-token activation scales); the embedding (tied logits), router, self-conditioning MLP and norms stay
-    16-bit."""
+    16-bit. "nvfp4-experts" quantizes the routed experts alone, as NVIDIA's published NVFP4 release does."""
     from quant.formats.compressed_tensors import CompressedTensorsW8A8
     from quant.formats.modelopt import ModelOptNVFP4
 
@@ -247,9 +248,9 @@ def _install_format(model, fmt: str) -> None:
 
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)} (got {fmt!r})")
-    form = ModelOptNVFP4() if fmt == "nvfp4" else CompressedTensorsW8A8(fmt.split("-")[1], ["Linear"], [])
+    form = ModelOptNVFP4() if fmt.startswith("nvfp4") else CompressedTensorsW8A8(fmt.split("-")[1], ["Linear"], [])
     for layer in model.layers:
-        for parent in (layer.self_attn, layer.mlp):
+        for parent in (layer.self_attn, layer.mlp) if fmt != "nvfp4-experts" else ():
             for name, mod in list(parent.named_children()):
                 if isinstance(mod, torch.nn.Linear):
                     new = form.make_linear(mod.in_features, mod.out_features, "meta")

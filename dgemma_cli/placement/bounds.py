@@ -31,13 +31,19 @@ def load_tables(path: Path = TABLES) -> dict | None:
         return None
 
 
-def _table_format(fmt: str) -> str:
-    return {"nvfp4": "nvfp4", "int8": "w8a8-int8", "fp8": "w8a8-fp8"}.get(fmt, fmt)
+def table_format(fmt: str, policy: str) -> str | None:
+    """The step tables' name for a format and policy (step_trace.FORMATS); None: no table costs it. "all" quantizes
+    attention and the dense MLP too; NVFP4 "experts" is NVIDIA's published release as it is."""
+    if policy == "all":
+        return {"nvfp4": "nvfp4", "int8": "w8a8-int8", "fp8": "w8a8-fp8"}.get(fmt)
+    return "nvfp4-experts" if (fmt, policy) == ("nvfp4", "experts") else None
 
 
-def card_layers(tables: dict, card: str, fmt: str, batch: int) -> dict | None:
-    """The table's entry for a card, format and batch: pre_ms, layer_ms [L], post_ms, kernels (None: not there)."""
-    return tables.get("cards", {}).get(card, {}).get(_table_format(fmt), {}).get(str(batch))
+def card_layers(tables: dict, card: str, fmt: str, batch: int, policy: str = "all") -> dict | None:
+    """The table's entry for a card, format, batch and policy: pre_ms, layer_ms [L], post_ms, kernels (None: not
+    there)."""
+    name = table_format(fmt, policy)
+    return None if name is None else tables.get("cards", {}).get(card, {}).get(name, {}).get(str(batch))
 
 
 class Timeline:
@@ -97,15 +103,15 @@ def step_bounds(p: Plan, tables: dict | None = None) -> dict:
         return no_bound("no step tables in this install (make kernel-report writes them)")
     if p.context != tables.get("context", p.context):
         return no_bound(f"the step tables are for an {tables['context']:,}-token context")
-    if p.policy != "all":
-        return no_bound(f"the step tables cost {p.fmt} attention and dense MLP too; this plan keeps them 16-bit "
-                        "(--policy all plans them quantized)")
-    rows = [card_layers(tables, c.card.name, p.fmt, p.batch) for c in p.cards]
+    if table_format(p.fmt, p.policy) is None:
+        return no_bound(f"no step table costs {p.fmt} with policy {p.policy} (tables: NVFP4, INT8 and FP8 with "
+                        "--policy all, and NVFP4 experts as published)")
+    rows = [card_layers(tables, c.card.name, p.fmt, p.batch, p.policy) for c in p.cards]
     missing = sorted({c.card.name for c, r in zip(p.cards, rows) if r is None})
     if missing:
         have = ", ".join(sorted(tables.get("cards", {})))
-        return no_bound(f"no step table for {', '.join(missing)} in {p.fmt} at batch {p.batch} (tables: {have}; "
-                        "batch 1 and 4)")
+        return no_bound(f"no step table for {', '.join(missing)} in {p.fmt} ({p.policy}) at batch {p.batch} "
+                        f"(tables: {have}; batch 1 and 4)")
     canvas = tables.get("canvas", 256)
     hidden = tables.get("hidden", 2816)
     boundary_bytes = p.batch * canvas * hidden * 2  # the hidden state, bf16, across a split
