@@ -533,6 +533,9 @@ def load(model: str | Path, device: str = "auto", dtype: str = "auto", adapters=
     if isinstance(devices, str):
         devices = parse_devices(devices)
     devs = resolve_devices(devices) if devices is not None else None
+    if devs and device != "auto" and resolve_device(device) != devs[0]:
+        raise UsageError(f"--device {device} and --devices {','.join(map(str, devs))}: give one (--devices names the "
+                         "first card too)")
     dev = devs[0] if devs else resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     for d in devs or [dev]:

@@ -490,9 +490,11 @@ def test_a_split_pass_moves_everything_a_layer_reads_onto_its_card(formats, monk
 
 
 @pytest.mark.parametrize("devices, says", [("0,x", "takes auto or a list"), ("0,0", "named twice"),
-                                           ("cpu,0", "not both"), ("3", "no cuda:3")])
+                                           ("cpu,0", "not both"), ("3", "no cuda:3"),
+                                           ("cpu,cpu --device cuda", "no CUDA device")])
 def test_devices_refused_in_one_line(capsys, devices, says):
-    rc, out, err = run_cli(["run", "-q", "--devices", devices, "upper: hello diffusions"], capsys)
+    devices, *more = devices.split()
+    rc, out, err = run_cli(["run", "-q", "--devices", devices, *more, "upper: hello diffusions"], capsys)
     assert rc != 0 and out == "" and err.count("\n") == 1 and says in err, err
 
 
