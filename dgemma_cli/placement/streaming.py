@@ -26,6 +26,7 @@ two streamed layers that share a buffer both ways and compares; if they differ i
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -216,7 +217,8 @@ class ExpertStream:
             return out
 
         copier = self.copier
-        with torch.no_grad():
+        on_card = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        with torch.no_grad(), on_card:  # this stream's card current (with a split it may not be the first)
             overlapped = run()
             self.copier = Copier()
             try:
