@@ -77,6 +77,7 @@ ANSWER_T = "tests/test_answer_text.py"
 TOOLS_T = "tests/test_tools.py"
 TUNE, TUNE_T = "dgemma_cli/tuner/tune.py", "tests/test_tune.py"
 STRUCT_T = "tests/test_structured.py"
+STREAMING, PLACEMENT_T = "dgemma_cli/placement/streaming.py", "tests/test_placement.py"
 
 MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ who may talk to the server (guard.py)
@@ -267,6 +268,32 @@ MUTATIONS: list[Mutation] = [
         "        return self.ok and (self.ended or bool(self.auto.final[self.state]))",
         "        return False",
         f"{STRUCT_T}::test_the_search_puts_nothing_past_max_new_tokens"),
+    # ------------------------------------------------------------------ placement: streamed experts, split layers
+    mutation(
+        "placement/experts-run-before-their-copy-lands", STREAMING,
+        "        if self.holds[b] != layer:  # not copied ahead (the first pass, or a pass that ran out of order)\n"
+        "            self._copy_ahead(layer)\n        self._wait(b)\n",
+        "        if self.holds[b] != layer:  # not copied ahead (the first pass, or a pass that ran out of order)\n"
+        "            self._copy_ahead(layer)\n",
+        f"{PLACEMENT_T}::test_copies_ahead_of_their_layer_give_the_resident_runs_tokens[late]"),
+    mutation(
+        "placement/pass-ends-with-copies-in-flight", STREAMING,
+        "        if self.overlapping():\n            self.start_pass()\n        for b in (0, 1):\n"
+        "            self._wait(b)\n",
+        "        if self.overlapping():\n            self.start_pass()\n",
+        f"{PLACEMENT_T}::test_copies_ahead_of_their_layer_give_the_resident_runs_tokens[early]"),
+    mutation(
+        "placement/copies-aimed-at-the-other-buffer", "dgemma_cli/placement/plan.py",
+        "    after = {i: next(j for j in layers[k + 1 :] + layers[: k + 1] if buffer_of[j] == buffer_of[i])",
+        "    after = {i: next(j for j in layers[k + 1 :] + layers[: k + 1] if buffer_of[j] != buffer_of[i])",
+        f"{PLACEMENT_T}::test_copies_ahead_of_their_layer_give_the_resident_runs_tokens[early]"),
+    mutation(
+        "placement/hidden-state-left-on-the-first-card", "dgemma_cli/model.py",
+        "            if split is not None:  # onto the layer's device\n                x = split.enter(i, x)\n"
+        "                cos, sin, scalar",
+        "            if split is not None:  # onto the layer's device\n                split.enter(i, x)\n"
+        "                cos, sin, scalar",
+        f"{PLACEMENT_T}::test_a_split_pass_moves_everything_a_layer_reads_onto_its_card"),
 ]
 
 
