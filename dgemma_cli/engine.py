@@ -140,6 +140,8 @@ class GraphedDenoiser(ModelDenoiser):
             self.eager = True
             self.fallback = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             torch.cuda.synchronize()
+            for hook in self.model.pass_hooks:  # streamed experts: the failed capture's copies never ran
+                hook.reset()
             return
         self.graph = (graph, static)  # the capture recorded work without running it: `buf` holds this step
         self.captures += 1

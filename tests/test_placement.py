@@ -405,6 +405,22 @@ def test_the_bound_schedules_the_copies_as_the_stream_makes_them(resident_and_st
     assert len(order) > 2 * n and line.issued[2 : 2 + 2 * n] == order[: 2 * n]  # the Timeline's first two: s0, s1
 
 
+def test_after_a_reset_the_next_pass_copies_its_first_layers_afresh(resident_and_streamed):
+    """What a failed CUDA graph capture leaves (engine.GraphedDenoiser resets the stream): copies recorded, never run."""
+    resident, streamed = resident_and_streamed
+    stream = streamed.model.expert_stream
+    stream.copier = copier = LateCopier()
+    try:
+        tokens(streamed)
+        for b, layer in enumerate(stream.first):  # the buffers hold garbage, as if their copies never ran
+            for t in stream.buffers[b].values():
+                t.zero_() if t.is_floating_point() else t.fill_(1)
+        stream.reset()
+        assert tokens(streamed) == tokens(resident) and stream.holds == stream.first and copier.ahead > 0
+    finally:
+        stream.copier = Copier()
+
+
 def test_training_waits_for_each_copy_whatever_the_copier(resident_and_streamed):
     """With gradients on, a layer's experts are read again by the backward pass after its hooks ran: no copy is made
     ahead then, each waits for its layer."""

@@ -191,6 +191,11 @@ class ExpertStream:
         for b in (0, 1):
             self._wait(b)
 
+    def reset(self) -> None:
+        """Forget what the buffers hold and the copies in flight (a CUDA graph capture that failed recorded them
+        without running them): the next pass copies s0 and s1 afresh."""
+        self.holds, self.pending = [None, None], [None, None]
+
     # ------------------------------------------------------------------ the first-use check
 
     def check(self, model: torch.nn.Module, rows: int = 64, seed: int = 0) -> str | None:
