@@ -222,6 +222,8 @@ def test_run_with_gpu_memory_answers_as_without(capsys):
     assert rc == 0, err
     rc, out, err = run_cli(["run", "--seed", "0", "-q", "--gpu-memory", size, "upper: hello diffusions"], capsys)
     assert rc == 0 and out == plain == "HELLO DIFFUSIONS\n", err
+    rc, out, err = run_cli(["run", "--seed", "0", "--gpu-memory", size, "upper: hello diffusions"], capsys)
+    assert rc == 0 and "layers' experts stream from host memory (" in err, err  # said, unless -q
 
 
 @pytest.mark.parametrize("size, says", [("300MB", "does not fit"), ("lots", "give a size")])
@@ -406,7 +408,7 @@ def test_the_bound_schedules_the_copies_as_the_stream_makes_them(resident_and_st
 
 
 def test_after_a_reset_the_next_pass_copies_its_first_layers_afresh(resident_and_streamed):
-    """What a failed CUDA graph capture leaves (engine.GraphedDenoiser resets the stream): copies recorded, never run."""
+    """What a failed CUDA graph capture leaves (engine.GraphedDenoiser resets the stream): copies recorded, not run."""
     resident, streamed = resident_and_streamed
     stream = streamed.model.expert_stream
     stream.copier = copier = LateCopier()
@@ -440,8 +442,9 @@ def test_training_waits_for_each_copy_whatever_the_copier(resident_and_streamed)
 # ----------------------------------------------------------------------------- layers split over several cards
 
 
-def split_memory(path: Path, streamed: bool) -> int:
-    """A --gpu-memory at which two cards of that size split `path`'s layers (streaming some if `streamed`)."""
+def split_memory(path: Path, streamed: bool | None, batch: int = 1) -> int:
+    """A --gpu-memory at which two cards of that size split `path`'s layers (streaming some if `streamed`, none if
+    not, either if None), for `batch` rows."""
     from dgemma_cli.checkpoint.layout import stored_policy
     from dgemma_cli.checkpoint.weights import read_quant_format
 
@@ -449,11 +452,11 @@ def split_memory(path: Path, streamed: bool) -> int:
     fmt = read_quant_format(path, cfg.raw) or "bf16"
     policy = stored_policy(path) if fmt != "bf16" else None
     size = plan(cfg, fmt, [Card("any", 10**15, 0.0, 4, 16)], context=planned_context(cfg), policy=policy,
-                fused_experts=False).resident_bytes  # one card that holds it all, then less
+                fused_experts=False, batch=batch).resident_bytes  # one card that holds it all, then less
     while size > 0:
         p = plan(cfg, fmt, [sized(Card("c", 0, 0.0, 4, 16), size)] * 2, context=planned_context(cfg), policy=policy,
-                 fused_experts=False)
-        if p.fits and len(p.cards) == 2 and any(c.streamed for c in p.cards) == streamed:
+                 fused_experts=False, batch=batch)
+        if p.fits and len(p.cards) == 2 and streamed in (None, any(c.streamed for c in p.cards)):
             return size
         size -= p.expert_bytes // 4
     raise AssertionError("no such size")
@@ -505,6 +508,37 @@ def test_a_split_pass_moves_everything_a_layer_reads_onto_its_card(formats, monk
     assert back == [meta, meta] and logits.device == cpu and logits.shape[0] == 2
 
 
+def test_a_server_on_a_split_answers_concurrent_requests_as_one_card_does(tmp_path):
+    """`dgemma serve --devices cpu,cpu --gpu-memory SIZE` through a real socket: four requests at once, batched (each
+    row's experts run apart on the CPU), answered as the demo answers them on one card."""
+    from test_serve import ServerProcess
+
+    from dgemma_cli.checkpoint.names import DEMO_MODEL
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    words = ["hello diffusions", "abc def 12 ghijk", "the quick brown ", "lorem ipsum dolo"]
+    size = f"{split_memory(DEMO_MODEL, None, batch=4) / 1e6:.6f}MB"
+    answers = {}
+    for name, args in (("one card", ()), ("split", ("--devices", "cpu,cpu", "--gpu-memory", size))):
+        server = ServerProcess(tmp_path / name.replace(" ", "_"), *args, "--max-batch", "4")
+        try:
+            client = server.client()
+
+            def ask(word):
+                return client.completions.create(model="demo", prompt=f"upper: {word}", max_tokens=16,
+                                                 seed=0).choices[0].text
+
+            with ThreadPoolExecutor(4) as pool:
+                answers[name] = list(pool.map(ask, words))
+            assert server.health()["peak_batch"] > 1
+            said = [line for line in server.lines if "layers split" in line]
+            assert bool(said) == bool(args), server.lines  # the split said once, at the start
+        finally:
+            assert server.stop() == 0, "".join(server.lines)
+    assert answers["split"] == answers["one card"] and answers["one card"][0].startswith("HELLO")
+
+
 @pytest.mark.parametrize("devices, says", [("0,x", "takes auto or a list"), ("0,0", "named twice"),
                                            ("cpu,0", "not both"), ("3", "no cuda:3"),
                                            ("cpu,cpu --device cuda", "no CUDA device")])
@@ -521,6 +555,9 @@ def test_run_on_a_split_answers_as_without(capsys):
     rc, out, err = run_cli(["run", "--seed", "0", "-q", "--devices", "cpu,cpu", "--gpu-memory", size,
                             "upper: hello diffusions"], capsys)
     assert rc == 0 and out == "HELLO DIFFUSIONS\n", err
+    rc, out, err = run_cli(["run", "--seed", "0", "--devices", "cpu,cpu", "--gpu-memory", size,
+                            "upper: hello diffusions"], capsys)
+    assert rc == 0 and "dgemma: layers split: 0-2 on cpu #0, 3 on cpu #1\n" in err, err
     rc, out, err = run_cli(["run", "-q", "--devices", "cpu,cpu", "upper: hello diffusions"], capsys)
     assert rc != 0 and err.count("\n") == 1 and "--gpu-memory" in err, err
 

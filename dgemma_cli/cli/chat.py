@@ -28,6 +28,7 @@ from .options import (
     devices_arg,
     gpu_memory_arg,
     model_arg,
+    note_placement,
     sampler_option,
     sampler_settings,
 )
@@ -408,6 +409,7 @@ def chat(
     from ..engine import load
 
     engine = load(model_dir, device=device, dtype=dtype, adapters=adapters, gpu_memory=card_bytes, devices=cards)
+    note_placement(engine)
     settings = engine.settings.override(**sampler)
     raise typer.Exit(run_chat(engine, system=system, settings=settings, think=think, view=view, context=context,
                               seed=seed, quiet=quiet))

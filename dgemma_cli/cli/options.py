@@ -165,6 +165,15 @@ def note(message: str) -> None:
         sys.stderr.write(f"dgemma: {message}\n")
 
 
+def note_placement(engine) -> None:
+    """Say on stderr (unless quiet) when the loaded model streams experts or splits its layers (engine.load's plan)."""
+    from ..placement.plan import loaded_summary
+
+    said = loaded_summary(engine.model)
+    if said:
+        note(said)
+
+
 def gb(n: int) -> str:
     """Bytes in decimal units (1 GB = 1e9 bytes)."""
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"

@@ -29,6 +29,7 @@ from .options import (
     gpu_memory_arg,
     model_arg,
     note,
+    note_placement,
     prompt_words,
     read_prompt,
     sampler_option,
@@ -153,6 +154,7 @@ def run(
     from ..engine import load  # heavy: torch
 
     engine = load(model_dir, device=device, dtype=dtype, adapters=adapters, gpu_memory=card_bytes, devices=cards)
+    note_placement(engine)
     engine.set_compile_budget(*budget)
     kwargs = dict(raw=raw, system=system, seed=seed, **sampler)
     if structure is not None:
@@ -398,6 +400,7 @@ def _run_each_line(text: str, *, model, as_json: bool, batch_size: int, device: 
 
     engine = load(model_dir, device=device, dtype=dtype, adapters=adapters, gpu_memory=gpu_memory,
                   batch=batch_size, devices=devices)
+    note_placement(engine)
     engine.set_compile_budget(*compile_budget)
     todo = [i for i, line in enumerate(lines) if line.strip()]
     written = 0  # input lines answered on stdout so far

@@ -87,6 +87,20 @@ class Plan:
         streaming = [c.card for c in self.cards if c.streamed] or [self.cards[0].card]
         return min(c.link_gb_per_s for c in streaming)
 
+    def summary(self, devices: list | None = None) -> str | None:
+        """One line for a person when the plan streams or splits (None when everything sits on one card): which
+        layers' experts stream and how much a step copies; which layers are on which card (`devices`: their names)."""
+        parts = []
+        if self.streamed:
+            parts.append(f"{len(self.streamed)} of {self.layers} layers' experts stream from host memory "
+                         f"({_gb(self.streamed_bytes_per_step)} copied a step)")
+        if len(self.cards) > 1:
+            names = devices or [c.card.name for c in self.cards]
+            spans = [f"{c.layers[0]}-{c.layers[-1]}" if len(c.layers) > 1 else str(c.layers[0])
+                     for c in self.cards if c.layers]
+            parts.append("layers split: " + ", ".join(f"{span} on {name}" for span, name in zip(spans, names)))
+        return "; ".join(parts) or None
+
     def as_dict(self) -> dict:
         return {"fits": self.fits, "refusal": self.refusal, "format": self.fmt, "policy": self.policy,
                 "context": self.context, "batch": self.batch,
@@ -97,6 +111,20 @@ class Plan:
                 "resident_bytes": self.resident_bytes, "streamed_bytes_per_step": self.streamed_bytes_per_step,
                 "host_bytes": self.host_bytes, "host_free": self.host_free,
                 "link_gb_per_s": round(self.link_gb_per_s, 2)}
+
+
+def loaded_summary(model) -> str | None:
+    """Plan.summary for a loaded model (engine.load sets `placement` and `layer_devices`), each card named by its
+    device (numbered when they repeat: the CPU's split); None when nothing streams or splits."""
+    plan = getattr(model, "placement", None)
+    if plan is None:
+        return None
+    devices, names = getattr(model, "layer_devices", None), None
+    if devices is not None:
+        names = [str(devices[c.layers[0]]) for c in plan.cards if c.layers]
+        if len(set(names)) < len(names):
+            names = [f"{name} #{k}" for k, name in enumerate(names)]
+    return plan.summary(names)
 
 
 def planned_context(cfg: ModelConfig) -> int:

@@ -181,6 +181,10 @@ def serve(model: str, *, host: str, port: int, api_key: str | None, max_batch: i
                   batch=max_batch)
     if engine.tokenizer is None:
         raise ModelError(f"{engine.path}: no tokenizer.json: the server needs one to read text")
+    from ..placement.plan import loaded_summary
+
+    if said := loaded_summary(engine.model):  # experts streamed, layers split: said once, at the start
+        note(said)
     engine.set_compile_budget(*compile_budget)  # each structure a client sends: structured/worker.py
     if engine.model.device.type == "cuda" and prefix_cache_bytes:  # the stored prompts live on the GPU: never more
         import torch
