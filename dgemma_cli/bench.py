@@ -474,13 +474,9 @@ def bench_placement(cfg: ModelConfig, fmt: str, policy: str, dev: torch.device, 
                     context: int):
     """The placement plan for a bench run on a card of `gpu_memory` bytes (the device's own figures on CUDA, a card
     of that size on the CPU); UsageError (one line) when it cannot hold."""
-    from .checkpoint.footprint import system_free
-    from .placement.cards import Card, card_of_device, sized
-    from .placement.plan import plan
+    from .engine import plan_on
 
-    base = card_of_device(dev) if dev.type == "cuda" else Card("card of --gpu-memory", 0, 0.0, 4, 16)
-    p = plan(cfg, fmt, [sized(base, gpu_memory)], context=context, batch=batch, policy=policy,
-             host_free=system_free() or None, fused_experts=dev.type == "cuda")
+    p = plan_on(cfg, fmt, policy, [dev], [gpu_memory], context, batch)
     if not p.fits:
         raise UsageError(p.refusal)
     return p

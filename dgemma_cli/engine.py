@@ -486,11 +486,10 @@ def plan_placement(path: Path, dev, gpu_memory: int | None, batch: int = 1, devi
     without it, each device's free memory, planned on one device only when the weights alone would not fit there.
     devices: the cards the layers may be split over, in order (--devices; default [dev]). ModelError (one line) when
     the plan cannot hold."""
-    from .checkpoint.footprint import system_free, weight_bytes
+    from .checkpoint.footprint import weight_bytes
     from .checkpoint.layout import stored_policy
     from .checkpoint.weights import read_quant_format
-    from .placement.cards import Card, card_of_device, sized
-    from .placement.plan import plan, planned_context
+    from .placement.plan import planned_context
 
     devices = list(devices or [dev])
     if gpu_memory is None and dev.type != "cuda":
@@ -505,13 +504,23 @@ def plan_placement(path: Path, dev, gpu_memory: int | None, batch: int = 1, devi
         sizes = [torch.cuda.mem_get_info(d)[0] for d in devices]
         if len(devices) == 1 and sum(weight_bytes(cfg, fmt, policy).values()) <= sizes[0]:
             return None
-    cards = [sized(card_of_device(d) if d.type == "cuda" else Card("card of --gpu-memory", 0, 0.0, 4, 16), size)
-             for d, size in zip(devices, sizes)]
-    p = plan(cfg, fmt, cards, context=planned_context(cfg), batch=batch, policy=policy,
-             host_free=system_free() or None, fused_experts=dev.type == "cuda")
+    p = plan_on(cfg, fmt, policy, devices, sizes, planned_context(cfg), batch)
     if not p.fits:
         raise ModelError(p.refusal)
     return p
+
+
+def plan_on(cfg: ModelConfig, fmt: str, policy: str | None, devices: list, sizes: list[int], context: int,
+            batch: int):
+    """The placement plan (placement/plan.py) of `cfg` in `fmt` on `devices`, each with the memory in `sizes`, with
+    this machine's available host memory and the first device's MoE path (fused kernels read packed experts on
+    CUDA). Not checked: `fits` and `refusal` say whether it holds."""
+    from .checkpoint.footprint import system_free
+    from .placement.cards import card_for
+    from .placement.plan import plan
+
+    return plan(cfg, fmt, [card_for(d, size) for d, size in zip(devices, sizes)], context=context, batch=batch,
+                policy=policy, host_free=system_free() or None, fused_experts=devices[0].type == "cuda")
 
 
 def load(model: str | Path, device: str = "auto", dtype: str = "auto", adapters=(), adapter_slots=None,

@@ -285,18 +285,10 @@ def test_the_kernel_check_fails_a_bug_confined_to_some_positions(fmt, policy):
 
 
 def _streaming_size(cfg: ModelConfig, context: int, streamed: int) -> int:
-    """The largest card size (in steps of one layer's experts) at which `cfg` (bf16, batch 1) streams `streamed`
-    layers at `context` tokens."""
-    from dgemma_cli.placement.cards import Card, sized
-    from dgemma_cli.placement.plan import plan
+    """The largest card size at which `cfg` (bf16, batch 1) streams `streamed` layers at `context` tokens."""
+    from plan_sizes import card_size
 
-    size = 2 * 10**9
-    while size > 0:
-        p = plan(cfg, "bf16", [sized(Card("card", 0, 0.0, 4, 16), size)], context=context, fused_experts=False)
-        if p.fits and len(p.streamed) >= streamed:
-            return size
-        size -= p.expert_bytes
-    raise AssertionError("no size streams that many layers")
+    return card_size(cfg, "bf16", lambda p: len(p.streamed) >= streamed, context=context)
 
 
 def test_bench_with_gpu_memory_streams_the_experts_that_do_not_fit(capsys, monkeypatch, checkpoints):

@@ -101,21 +101,14 @@ def synthetic_bf16(tmp_path_factory) -> Path:
 
 
 def _streaming_size(directory: Path, layers: int) -> int:
-    """The largest card size (in steps of one layer's experts) at which the plan streams at least `layers` layers."""
-    from dgemma_cli.checkpoint.footprint import weight_bytes
+    """The largest card size at which the plan streams at least `layers` layers."""
+    from plan_sizes import card_size
+
     from dgemma_cli.config import ModelConfig
-    from dgemma_cli.placement.cards import Card, sized
-    from dgemma_cli.placement.plan import plan, planned_context
+    from dgemma_cli.placement.plan import planned_context
 
     cfg = ModelConfig.from_dir(directory)
-    size = sum(weight_bytes(cfg, "bf16").values()) + 4 * GB  # from a card that holds it all, one layer's experts less
-    while size > 0:
-        p = plan(cfg, "bf16", [sized(Card("card", 0, 0.0, 4, 16), size)], context=planned_context(cfg),
-                 fused_experts=False)
-        if p.fits and len(p.streamed) >= layers:
-            return size
-        size -= p.expert_bytes
-    raise AssertionError("no card size streams that many layers")
+    return card_size(cfg, "bf16", lambda p: len(p.streamed) >= layers, context=planned_context(cfg))
 
 
 @pytest.mark.slow

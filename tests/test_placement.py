@@ -16,6 +16,7 @@ import pytest
 import torch
 from checkpoints import SPECS, build_checkpoint
 from cli_helpers import run_main
+from plan_sizes import card_size
 
 from dgemma_cli.config import DIFFUSIONGEMMA_26B_A4B, ModelConfig
 from dgemma_cli.engine import load
@@ -450,16 +451,9 @@ def split_memory(path: Path, streamed: bool | None, batch: int = 1) -> int:
 
     cfg = ModelConfig.from_dir(path)
     fmt = read_quant_format(path, cfg.raw) or "bf16"
-    policy = stored_policy(path) if fmt != "bf16" else None
-    size = plan(cfg, fmt, [Card("any", 10**15, 0.0, 4, 16)], context=planned_context(cfg), policy=policy,
-                fused_experts=False, batch=batch).resident_bytes  # one card that holds it all, then less
-    while size > 0:
-        p = plan(cfg, fmt, [sized(Card("c", 0, 0.0, 4, 16), size)] * 2, context=planned_context(cfg), policy=policy,
-                 fused_experts=False, batch=batch)
-        if p.fits and len(p.cards) == 2 and streamed in (None, any(c.streamed for c in p.cards)):
-            return size
-        size -= p.expert_bytes // 4
-    raise AssertionError("no such size")
+    return card_size(cfg, fmt, lambda p: len(p.cards) == 2 and streamed in (None, any(c.streamed for c in p.cards)),
+                     context=planned_context(cfg), cards=2, batch=batch,
+                     policy=stored_policy(path) if fmt != "bf16" else None)
 
 
 @pytest.mark.parametrize("fmt, streamed", [("bf16", False), ("nvfp4", False), ("nvfp4_short", True)])

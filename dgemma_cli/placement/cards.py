@@ -106,6 +106,14 @@ def sized(base: Card, memory: int) -> Card:
     return Card(base.name, memory, base.dram_gb_per_s, base.pcie_gen, base.pcie_lanes, base.fp8)
 
 
+def card_for(device, memory: int) -> Card:
+    """The card a device plans as with `memory` bytes (--gpu-memory, or its free memory): a CUDA device's own figures
+    (card_of_device); the CPU, which runs the plan a card of that size would, as such a card."""
+    if device.type == "cuda":
+        return sized(card_of_device(device), memory)
+    return Card("card of --gpu-memory", memory, 0.0, 4, 16)
+
+
 def card_of_device(device) -> Card:
     """The table's card for a CUDA device (by its name, the longest match), with the device's own memory; one not
     in the table: its memory on a PCIe 4.0 x16 link."""
