@@ -431,8 +431,8 @@ def run_bench(config: str = "mid", fmt: str = "nvfp4", policy: str = "experts", 
     if streamed:
         from .placement.streaming import ExpertStream
 
-        model.expert_stream = ExpertStream(model, streamed, dev)
-        model.expert_stream.check(model)
+        model.expert_streams = [ExpertStream(model, streamed, dev)]
+        model.expert_streams[0].check(model)
     engine = Engine(model, None, GenerationSettings(eos_token_ids=(1,)))
     V = cfg.text.vocab_size
     prompts = torch.randint(107, V, (batch, prompt), generator=torch.Generator().manual_seed(1))

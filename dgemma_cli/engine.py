@@ -569,7 +569,6 @@ def load(model: str | Path, device: str = "auto", dtype: str = "auto", adapters=
                 stream = ExpertStream(net, c.streamed, (devs or [dev])[k])
                 stream.check(net)  # overlapped copies against copies that wait; waits from now on if they differ
                 net.expert_streams.append(stream)
-        net.expert_stream = net.expert_streams[0]
     net.placement = placement
     attach(net, read, adapter_slots)
     if dev.type == "cpu":  # no more threads than usable cores, one for a demo-size model (see device.py)

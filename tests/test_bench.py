@@ -301,7 +301,7 @@ def test_bench_with_gpu_memory_streams_the_experts_that_do_not_fit(capsys, monke
             "--device", "cpu", "--json", "--gpu-memory", f"{size / 1e6:.6f}MB"]
     assert run_main(args) == 0
     r = json.loads(capsys.readouterr().out)
-    stream = made[0].expert_stream
+    stream = made[0].expert_streams[0]
     n = len(stream.layers)
     assert r["streamed_layers"] == n >= 4 and r["gpu_memory_gb"] == pytest.approx(size / 1e9, rel=1e-6)
     t = cfg.text

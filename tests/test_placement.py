@@ -190,15 +190,15 @@ def test_streamed_experts_give_the_resident_runs_tokens(formats, fmt):
     streamed = load(path, device="cpu", dtype="float32", gpu_memory=streaming_memory(path))
     layers = streamed.model.placement.streamed
     L = streamed.config.text.num_hidden_layers
-    assert len(layers) == max(L - 1, 3) and streamed.model.expert_stream.layers == layers
+    assert len(layers) == max(L - 1, 3) and streamed.model.expert_streams[0].layers == layers
     for i in layers:  # the module holds a buffer, not its own layer's weights; the layer's are in host memory
         mod = dict(streamed.model.layers[i].experts.named_buffers()) or dict(
             streamed.model.layers[i].experts.named_parameters())
-        host = streamed.model.expert_stream.host[i]
+        host = streamed.model.expert_streams[0].host[i]
         assert set(host) == set(mod) and all(mod[n].data_ptr() != host[n].data_ptr() for n in host)
-    before = streamed.model.expert_stream.copies
+    before = streamed.model.expert_streams[0].copies
     assert tokens(streamed) == tokens(resident)
-    assert streamed.model.expert_stream.copies - before >= 2 * len(layers)  # every streamed layer, every step
+    assert streamed.model.expert_streams[0].copies - before >= 2 * len(layers)  # every streamed layer, every step
 
 
 def test_an_adapter_on_streamed_experts_gives_the_resident_runs_tokens(tmp_path):
@@ -308,7 +308,7 @@ def resident_and_streamed(formats):
 @pytest.mark.parametrize("name", sorted(COPIERS))
 def test_copies_ahead_of_their_layer_give_the_resident_runs_tokens(resident_and_streamed, name):
     resident, streamed = resident_and_streamed
-    stream = streamed.model.expert_stream
+    stream = streamed.model.expert_streams[0]
     stream.copier = copier = COPIERS[name]()
     try:
         before = stream.copies
@@ -336,7 +336,7 @@ def test_rows_run_apart_through_streamed_layers_copied_ahead(resident_and_stream
     from dgemma_cli.engine import ModelDenoiser
 
     resident, streamed = resident_and_streamed
-    stream = streamed.model.expert_stream
+    stream = streamed.model.expert_streams[0]
     cfg = streamed.config
     canvas = torch.randint(0, cfg.text.vocab_size, (2, cfg.canvas_length), generator=torch.Generator().manual_seed(0))
     prompts = torch.tensor([PROMPTS[0][:4], PROMPTS[1]])
@@ -359,7 +359,7 @@ def test_rows_run_apart_through_streamed_layers_copied_ahead(resident_and_stream
 
 def test_a_broken_copy_stream_gives_other_tokens_and_the_first_use_check_finds_it(resident_and_streamed, capsys):
     resident, streamed = resident_and_streamed
-    stream = streamed.model.expert_stream
+    stream = streamed.model.expert_streams[0]
     stream.copier = ForgetfulCopier()
     try:
         assert tokens(streamed) != tokens(resident)  # what the copiers above would catch
@@ -384,7 +384,7 @@ def test_the_bound_schedules_the_copies_as_the_stream_makes_them(resident_and_st
     assert buffer_order([0, 1, 3, 4, 5]) == ({0: 0, 1: 1, 3: 0, 4: 1, 5: 0}, {0: 3, 1: 4, 3: 5, 4: 1, 5: 0})
     assert buffer_order([2, 6, 7, 9])[1] == {2: 7, 6: 9, 7: 2, 9: 6}
     _, streamed = resident_and_streamed
-    stream = streamed.model.expert_stream
+    stream = streamed.model.expert_streams[0]
     order = []
 
     class Recording(EarlyCopier):
@@ -411,7 +411,7 @@ def test_the_bound_schedules_the_copies_as_the_stream_makes_them(resident_and_st
 def test_after_a_reset_the_next_pass_copies_its_first_layers_afresh(resident_and_streamed):
     """What a failed CUDA graph capture leaves (engine.GraphedDenoiser resets the stream): copies recorded, not run."""
     resident, streamed = resident_and_streamed
-    stream = streamed.model.expert_stream
+    stream = streamed.model.expert_streams[0]
     stream.copier = copier = LateCopier()
     try:
         tokens(streamed)
@@ -428,7 +428,7 @@ def test_training_waits_for_each_copy_whatever_the_copier(resident_and_streamed)
     """With gradients on, a layer's experts are read again by the backward pass after its hooks ran: no copy is made
     ahead then, each waits for its layer."""
     resident, streamed = resident_and_streamed
-    stream = streamed.model.expert_stream
+    stream = streamed.model.expert_streams[0]
     stream.copier = copier = LateCopier()
     try:
         with torch.enable_grad():
@@ -562,7 +562,7 @@ def test_on_a_gpu_streamed_experts_are_pinned_host_memory_and_the_tokens_the_res
 
     resident = load("demo", device="cuda")
     streamed = load("demo", device="cuda", gpu_memory=streaming_memory(DEMO_MODEL))
-    stream = streamed.model.expert_stream
+    stream = streamed.model.expert_streams[0]
     assert all(t.device.type == "cpu" and t.is_pinned() for h in stream.host.values() for t in h.values())
     assert all(t.device.type == "cuda" for b in stream.buffers for t in b.values())
     # copies on their own stream, and the first-use check (run by load) found them equal to copies that wait

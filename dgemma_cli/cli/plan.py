@@ -22,7 +22,7 @@ def plan(
                               "else nvfp4), bf16, fp8, int8 or nvfp4; a quantized --model keeps its own."),
     policy: Optional[str] = typer.Option(None, "--policy", help="What fp8/int8/nvfp4 quantize: experts or all (+ "
                                          "attention, dense MLP); default as published: all for fp8/int8, experts "
-                                         "for nvfp4. The step's bound is tabled for all."),
+                                         "for nvfp4. The step's bound is tabled for all, and for nvfp4 experts."),
     context: Optional[int] = typer.Option(None, "--context", help="Tokens of context the KV cache is planned for "
                                           "(default 8192, or the model's context if shorter).", show_default=False),
     batch: int = typer.Option(1, "--batch", help="Rows generated together."),

@@ -121,7 +121,7 @@ def tune(
     if state is not None:
         tuner.restore(state)
         note(f"resuming {out_dir} at step {tuner.step} of {steps}")
-    if getattr(engine.model, "expert_stream", None) is not None and not checkpointing:
+    if engine.model.expert_streams and not checkpointing:
         raise UsageError(STREAMED_NEED_CHECKPOINTING)  # planned onto a card too small: experts stream
     engine.model.checkpointing = checkpointing
     longest = max(len(e.prompt) + len(e.answer) for e in examples)
