@@ -121,8 +121,7 @@ def _local_placement(path, described: dict) -> dict | None:
     p = plan(cfg, fmt, cards[:1], context=planned_context(cfg),
              policy=described["policy"] if fmt != "bf16" else None)
     c = p.cards[0]
-    held = (f"{len(p.streamed)} of {p.layers} layers' experts stream from host memory ({gb(p.host_bytes)} pinned)"
-            if p.streamed else "everything on the card")
+    held = p.summary() or "everything on the card"
     summary = p.refusal if not p.fits else f"{c.card.name} ({gb(c.card.memory)}): {held}"
     return {**p.as_dict(), "summary": summary}
 
