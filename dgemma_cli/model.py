@@ -224,10 +224,12 @@ class Attention(nn.Module):
             kv_out: tuple[torch.Tensor, torch.Tensor] | None = None):
         """x [B, T, H] -> q [B, Hq, T, D], k, v [B, Hkv, T, D] (normed; q and k rotated). kv_out: where k and v go
         ([B, Hkv, T, D] views of a KV cache's slots: the norms write them there, no copy after); returned as k, v."""
+        from quant.modules import project
+
         B, T, _ = x.shape
-        q_raw = self.q_proj(x).view(B, T, -1, self.head_dim)
-        k_raw = self.k_proj(x).view(B, T, -1, self.head_dim)
-        v_raw = self.v_proj(x).view(B, T, -1, self.head_dim) if self.v_proj is not None else k_raw
+        q_raw, k_raw, v_raw = project(x, [self.q_proj, self.k_proj, self.v_proj])  # one activation quantization
+        q_raw, k_raw = q_raw.view(B, T, -1, self.head_dim), k_raw.view(B, T, -1, self.head_dim)
+        v_raw = v_raw.view(B, T, -1, self.head_dim) if v_raw is not None else k_raw
         D = self.head_dim
         if D & (D - 1) == 0 and _fused_norms(q_raw) and self.q_norm.eps == self.k_norm.eps:  # q's and k's in one
             from quant.kernels.rmsnorm import rms_norm_rope_pair
@@ -260,9 +262,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from quant.modules import project
+
         gated = getattr(self.gate_proj, "gated", None)  # a quantized linear that fuses the gate (quant/modules.py)
         h = gated(x, self.up_proj) if gated is not None and not x.requires_grad else None
-        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x) if h is None else h)
+        if h is None:
+            gate, up = project(x, [self.gate_proj, self.up_proj])  # one activation quantization for both
+            h = gelu_tanh(gate) * up
+        return self.down_proj(h)
 
 
 class Router(nn.Module):

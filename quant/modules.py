@@ -72,13 +72,17 @@ class NVFP4Linear(nn.Module):
         return nvfp4.dequantize_packed(self.weight, self.weight_scale, self.weight_scale_2.expand(self.out_features),
                                        dtype)
 
-    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora=None, quantized: tuple | None = None) -> torch.Tensor:
         """lora: adapters' terms (kernels/lora.LinearAdapters) for the kernel's epilogue, only where `takes_lora`
-        said so."""
+        said so. quantized: x already quantized as this linear's kernel takes it (`quantize_input`, shared with the
+        linears that read the same x: `project`), only where `input_quantization(x)` named one."""
         if self._w4a4(x):
             from .kernels.nvfp4_w4a4 import nvfp4_w4a4
 
-            return nvfp4_w4a4(x, self.weight, self.weight_scale, self.row_scale_2(), self.input_scale, lora)
+            return nvfp4_w4a4(x, self.weight, self.weight_scale, self.row_scale_2(), self.input_scale, lora,
+                              quantized=quantized)
+        if quantized is not None:
+            raise RuntimeError("NVFP4Linear: a quantized input given where its kernel takes 16-bit activations")
         if use_triton(x.device) and family_ok("nvfp4_linear", x.device, x.dtype):
             from .kernels.nvfp4_linear import nvfp4_linear
 
@@ -91,6 +95,22 @@ class NVFP4Linear(nn.Module):
         return (use_triton(x.device) and self.in_features % 32 == 0 and w4a4(x.device)
                 and family_ok("nvfp4_w4a4", x.device, x.dtype))
 
+    def input_quantization(self, x: torch.Tensor) -> tuple | None:
+        """How this linear's kernel quantizes x, as a key: linears of equal keys reading the same x can share one
+        quantization (`project`); None where it multiplies x as it is (16-bit activations)."""
+        if not self._w4a4(x):
+            return None
+        return ("nvfp4", self.in_features, "static" if self.input_scale is not None else "per token")
+
+    def quantize_input(self, x: torch.Tensor, peers: tuple = ()) -> tuple:
+        """x quantized once for this linear and `peers` (linears of the same `input_quantization`): NVFP4 codes,
+        block scales and a global scale per row (kernels/nvfp4_act.py), with the largest of their calibrated input
+        scales where the checkpoint has them (as vLLM's fused QKV and gate-up layers take them), per token
+        otherwise."""
+        from .kernels.nvfp4_act import quantize_act
+
+        return quantize_act(x.reshape(-1, self.in_features), global_scale=shared_input_scale((self, *peers)))
+
     def takes_lora(self, x: torch.Tensor) -> bool:
         """Whether adapters' terms on this linear run in its kernel's epilogue for x (`forward(x, lora)`): where
         either NVFP4 kernel runs (W4A4 included: the terms' rank products are taken from the 16-bit x)."""
@@ -98,16 +118,25 @@ class NVFP4Linear(nn.Module):
                 and family_ok("lora_epilogue", x.device, x.dtype))
 
     def gated(self, x: torch.Tensor, up: nn.Module, lora=None, lora_up=None) -> torch.Tensor | None:
-        """gelu_tanh(self(x)) * up(x) in one kernel where the NVFP4 linear kernel runs and `up` is an NVFP4Linear
-        of the same shape (not on the W4A4 path: its activations are quantized per linear); None elsewhere (the
-        caller runs the three ops). lora, lora_up: adapters' terms on both halves (`takes_lora`), in the epilogue."""
-        if (type(up) is not NVFP4Linear or up.weight.shape != self.weight.shape or not use_triton(x.device)
-                or (self.in_features % 32 == 0 and w4a4(x.device)) or not family_ok("nvfp4_linear", x.device, x.dtype)):
+        """gelu_tanh(self(x)) * up(x) in one kernel where an NVFP4 kernel runs and `up` is an NVFP4Linear of the
+        same shape (on the W4A4 path: x quantized once for both, without adapters); None elsewhere (the caller runs
+        the three ops). lora, lora_up: adapters' terms on both halves (`takes_lora`), in the epilogue."""
+        if (type(up) is not NVFP4Linear or up.weight.shape != self.weight.shape or not use_triton(x.device)):
+            return None
+        halves = (up.weight, up.weight_scale, up.row_scale_2())
+        if self._w4a4(x):
+            if lora is not None or lora_up is not None or up.input_quantization(x) != self.input_quantization(x):
+                return None
+            from .kernels.nvfp4_w4a4 import nvfp4_w4a4
+
+            return nvfp4_w4a4(x, self.weight, self.weight_scale, self.row_scale_2(),
+                              quantized=self.quantize_input(x, (up,)), up=halves)
+        if (self.in_features % 32 == 0 and w4a4(x.device)) or not family_ok("nvfp4_linear", x.device, x.dtype):
             return None
         from .kernels.nvfp4_linear import nvfp4_linear
 
-        return nvfp4_linear(x, self.weight, self.weight_scale, self.row_scale_2(),
-                            up=(up.weight, up.weight_scale, up.row_scale_2()), lora=lora, lora_up=lora_up)
+        return nvfp4_linear(x, self.weight, self.weight_scale, self.row_scale_2(), up=halves, lora=lora,
+                            lora_up=lora_up)
 
     def row_scale_2(self) -> torch.Tensor:
         """The global scale once per output row, float32 [N] contiguous, as the kernels read it: made at the first
@@ -118,6 +147,37 @@ class NVFP4Linear(nn.Module):
             self.__dict__["_row_scale_2"] = s2.float().expand(self.out_features).contiguous()
             self.__dict__["_row_scale_2_key"] = key
         return self.__dict__["_row_scale_2"]
+
+
+def shared_input_scale(linears: tuple) -> torch.Tensor | None:
+    """The calibrated input scale several NVFP4 linears reading the same x quantize it with: the largest of theirs
+    (equal in practice: calibration saw the same activations), made once and kept while theirs are unchanged; None
+    when they have none (per-token scales)."""
+    scales = [m.input_scale for m in linears]
+    if scales[0] is None:
+        return None
+    if len(scales) == 1:
+        return scales[0]
+    key = tuple((s.data_ptr(), s._version, s.device) for s in scales)
+    kept = linears[0].__dict__
+    if kept.get("_shared_scale_key") != key:
+        kept["_shared_scale"] = torch.stack([s.float().reshape(()) for s in scales]).amax()
+        kept["_shared_scale_key"] = key
+    return kept["_shared_scale"]
+
+
+def project(x: torch.Tensor, linears: list) -> list:
+    """[linear(x) for linear in linears] (None for None), with x's activation quantization made once for the
+    linears whose kernels quantize it alike (`input_quantization`: W4A4's NVFP4 activations, W8A8's per-token
+    8-bit ones) instead of once a linear: q, k and v read the same x, as do the dense MLP's gate and up."""
+    keys = [m.input_quantization(x) if hasattr(m, "input_quantization") else None for m in linears]
+    groups: dict = {}
+    for m, key in zip(linears, keys):
+        if key is not None:
+            groups.setdefault(key, []).append(m)
+    shared = {key: group[0].quantize_input(x, tuple(group[1:])) for key, group in groups.items() if len(group) > 1}
+    return [None if m is None else m(x, quantized=shared[key]) if key in shared else m(x)
+            for m, key in zip(linears, keys)]
 
 
 class Int8Linear(nn.Module):
@@ -365,14 +425,47 @@ class W8A8Linear(nn.Module):
     def mode(self, device: torch.device) -> str:
         return w8a8.mode(self.format, device) if self.act else "weights"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, quantized: tuple | None = None) -> torch.Tensor:
+        """quantized: x's 8-bit codes and per-token scales already made (`quantize_input`, shared with the linears
+        that read the same x: `project`), only where `input_quantization(x)` named one."""
         how = self.mode(x.device)
+        if quantized is not None:
+            if self.input_quantization(x) is None:
+                raise RuntimeError("W8A8Linear: a quantized input given where it does not quantize activations")
+            return w8a8.matmul(x, self.weight, self.weight_scale, self.format, how, lambda *_: quantized)
         if (how == "weights" and self.format == "int8" and use_triton(x.device)
                 and family_ok("int8_linear", x.device, x.dtype)):
             from .kernels.int8_linear import int8_linear
 
             return int8_linear(x, self.weight, self.weight_scale.view(-1))  # [N, 1] is [N] in memory
         return w8a8.matmul(x, self.weight, self.weight_scale, self.format, how, quantize_tokens_fused)
+
+    def input_quantization(self, x: torch.Tensor) -> tuple | None:
+        """How this linear quantizes x on torch's 8-bit matmul (per token, 8-bit codes of `format`), as a key that
+        linears reading the same x share (`project`); None where it does not quantize x there (weight-only, the
+        emulation, or shapes the matmul does not take)."""
+        if self.mode(x.device) != "hw" or not w8a8.hw_fits(x, self.weight):
+            return None
+        return ("w8a8", self.format, self.in_features)
+
+    def quantize_input(self, x: torch.Tensor, peers: tuple = ()) -> tuple:
+        """x [..., K] -> (codes [M, K], scales float32 [M, 1]) for this linear and `peers`: per token, the same for
+        every linear (w8a8.quantize_tokens)."""
+        return quantize_tokens_fused(x.reshape(-1, self.in_features), self.format)
+
+    def gated(self, x: torch.Tensor, up: nn.Module) -> torch.Tensor | None:
+        """gelu_tanh(self(x)) * up(x) with x quantized once for both products and the activation and product in
+        one kernel (kernels/gelu_mul.py), where torch's 8-bit matmul runs both and Triton runs on x's device; None
+        elsewhere (the caller runs the ops)."""
+        key = self.input_quantization(x)
+        if (key is None or type(up) is not W8A8Linear or up.input_quantization(x) != key
+                or up.weight.shape != self.weight.shape or not use_triton(x.device)
+                or not family_ok("gelu_mul", x.device, x.dtype)):
+            return None
+        from .kernels.gelu_mul import gelu_mul
+
+        quantized = self.quantize_input(x, (up,))
+        return gelu_mul(self(x, quantized=quantized), up(x, quantized=quantized))
 
 
 class W8A8Stack(_Stack):

@@ -195,7 +195,24 @@ def _w4a4(device: torch.device, dtype: torch.dtype) -> str | None:
         return "activation codes or scales differ"
     args = (q.weight, q.weight_scale, q.weight_scale_2.expand(N))
     got = nvfp4_w4a4(x.to(device), *(a.to(device) for a in args))
-    return _rel_error(got.cpu(), reference(x, *args), dtype)
+    err = _rel_error(got.cpu(), reference(x, *args), dtype)
+    if err is not None:
+        return err
+    # the gated MLP's first half (a second weight, x quantized once for both) against the three ops' emulation
+    u = nvfp4.quantize(torch.randn(N, K, generator=g))
+    up = (u.weight, u.weight_scale, u.weight_scale_2.expand(N))
+    got = nvfp4_w4a4(x.to(device), *(a.to(device) for a in args), up=tuple(a.to(device) for a in up))
+    want = torch.nn.functional.gelu(reference(x, *args), approximate="tanh") * reference(x, *up)
+    return _rel_error(got.cpu(), want, dtype)
+
+
+def _gelu_mul(device: torch.device, dtype: torch.dtype) -> str | None:
+    """gelu_tanh(gate) * up over 3 x 1,037 values (a partial block) against torch's two ops."""
+    from .kernels.gelu_mul import gelu_mul, reference
+
+    g = torch.Generator().manual_seed(0)
+    gate, up = ((torch.randn(3, 1037, generator=g) * 3).to(dtype) for _ in range(2))
+    return _rel_error(gelu_mul(gate.to(device), up.to(device)).cpu(), reference(gate, up), dtype)
 
 
 def _moe_w4a4(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -409,6 +426,7 @@ PROBLEMS = {
     "router": _router,
     "moe_plan": _moe_plan,
     "softcap": _softcap,
+    "gelu_mul": _gelu_mul,
     "lora": _lora,
     "rms_norm": _rms_norm,
     "nvfp4_linear": lambda device, dtype: _linear("nvfp4", device, dtype),

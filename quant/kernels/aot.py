@@ -244,6 +244,15 @@ def _linear_work(cc: int, batch: int, dtype: torch.dtype) -> list[Work]:
             out.append(Work(family, label, batch, str(dtype)[6:], count,
                             floor_bytes=_module_bytes(m) + es * rows * (k + n), flops=2 * rows * n * k,
                             launches=launches))
+    # the dense MLP's gate and up as the model runs them: one gated launch (W4A4: after one quantization of x)
+    gate, up = NVFP4Linear(HIDDEN, DENSE), NVFP4Linear(HIDDEN, DENSE)
+    for m in (gate, up):
+        m.expect_input_scale()
+    x = torch.empty(rows, HIDDEN, dtype=dtype)
+    launches = record(lambda: gate.gated(x, up), "NVFP4Linear.gated", cc)
+    out.append(Work("NVFP4 linear", "mlp gate + up (gated)", batch, str(dtype)[6:], LAYERS,
+                    floor_bytes=2 * _module_bytes(gate) + es * rows * (HIDDEN + DENSE),
+                    flops=2 * 2 * rows * DENSE * HIDDEN, launches=launches))
     return out
 
 
@@ -299,7 +308,8 @@ def _head_work(cc: int, batch: int) -> Work:
 def _layer_glue_work(cc: int, batch: int) -> list[Work]:
     """The layer's fused glue at the real shapes: a norm with everything around it (pre-add, weight, residual,
     layer scale), the same with the two post-feed-forward norms before the add, the two pre-feed-forward norms of
-    one input, a head norm with RoPE (sliding layers: 16 heads of 256), the router, and the logits' cap. Counts
+    one input, a head norm with RoPE (sliding layers: 16 heads of 256), the router, the W8A8 MLP's gelu_tanh(gate) *
+    up, and the logits' cap. Counts
     per step: 25 sliding layers' q and k norms; 30 layers' full residual updates and routers; one cap."""
     from quant.kernels.rmsnorm import rms_norm
     from quant.kernels.router import route
@@ -327,6 +337,12 @@ def _layer_glue_work(cc: int, batch: int) -> list[Work]:
     launches = record(lambda: route(x, w, router_w, pes, TOP_K, 1e-6), "router", cc)
     out.append(Work("router", "router", batch, "bfloat16", LAYERS, 2 * rows * HIDDEN + 2 * EXPERTS * HIDDEN
                     + rows * TOP_K * 12, 2 * rows * EXPERTS * HIDDEN, launches))
+    from quant.kernels.gelu_mul import gelu_mul
+
+    h = torch.empty(rows, DENSE, dtype=bf)
+    launches = record(lambda: gelu_mul(h, h), "gelu_mul", cc)
+    out.append(Work("gated activation (W8A8 MLP)", "mlp", batch, "bfloat16", LAYERS, 3 * 2 * rows * DENSE, 0,
+                    launches))
     logits = torch.empty(rows, VOCAB, dtype=bf, device="meta")  # canvas x vocab: no memory for it (never read)
     launches = record(lambda: softcap_into(torch.empty(rows, VOCAB, device="meta"), logits, 30.0), "softcap", cc)
     out.append(Work("logits cap", "logits", batch, "bfloat16", 1, (2 + 4) * rows * VOCAB, 0, launches))

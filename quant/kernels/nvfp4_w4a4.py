@@ -8,6 +8,11 @@ a_x s_x and a_w s_w, float32 accumulation; the epilogue multiplies by g_x[row] *
 reference is plain float arithmetic on the two dequantized operands without their global scales (the emulation in
 `reference`), up to the order of the float32 sum.
 
+GATED (the dense MLP's first half): a second weight (up) of the same shape multiplied by the same activation codes
+into a second accumulator; the epilogue rounds gate and up to the compute dtype, then gelu_tanh(gate) (rounded) *
+up, rounded once more: the three ops' values (gate(x), gelu, up(x), their product) in one launch. Linears that read
+the same input (q, k and v; gate and up) take one quantization of it (`quantized`: quant.modules.project).
+
 EMULATE (Triton's interpreter): `dot_scaled` there reads e4m3 scales as e8m0, so both tiles are decoded to float32
 a * s (common.nvfp4_tile, exact) and multiplied with an IEEE float32 dot: the same products, the same sum order
 as the emulation's float32 matmul up to blocking.
@@ -20,43 +25,64 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .common import UNSHIFT, load_nvfp4_tile, lora_expand
+from .common import UNSHIFT, gelu_tanh, load_nvfp4_tile, lora_expand, store_rounded, to_compute
 from .lora import LinearAdapters, lora_shrink
 
 
 @triton.jit
-def nvfp4_w4a4_kernel(xq_ptr, xs_ptr, xg_ptr, w_ptr, ws_ptr, wg_ptr, y_ptr, t_ptr, lb_ptr, M, N, K,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr,
-                      LORA: tl.constexpr = False, BLOCK_R: tl.constexpr = 16, IEEE: tl.constexpr = False):
+def _w4a4_step(acc, xq_ptr, xs_ptr, w_ptr, ws_ptr, rm, rn, k0, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
+    """acc + the [BLOCK_M, BLOCK_K] activation tile times the [BLOCK_N, BLOCK_K] weight tile at k0, both e2m1 with
+    e4m3 block scales."""
+    if EMULATE:
+        # a * s * 2^-62 exactly in bfloat16, times 2^62 exactly in float32: a * s
+        xt = load_nvfp4_tile(xq_ptr.to(tl.pointer_type(tl.int32)), xs_ptr, rm, k0, K, M, BLOCK_M, BLOCK_K,
+                             True, True, True).to(tl.float32) * UNSHIFT
+        wt = load_nvfp4_tile(w_ptr.to(tl.pointer_type(tl.int32)), ws_ptr, rn, k0, K, N, BLOCK_N, BLOCK_K,
+                             True, True, True).to(tl.float32) * UNSHIFT
+        return tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
+    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    xq = tl.load(xq_ptr + rm[:, None] * (K // 2) + kb[None, :], mask=rm[:, None] < M, other=0)
+    xs = tl.load(xs_ptr + rm[:, None] * (K // 16) + ks[None, :], mask=rm[:, None] < M, other=0)
+    wq = tl.load(w_ptr + rn[None, :] * (K // 2) + kb[:, None], mask=rn[None, :] < N, other=0)  # [BK/2, BN]
+    ws = tl.load(ws_ptr + rn[:, None] * (K // 16) + ks[None, :], mask=rn[:, None] < N, other=0)
+    return tl.dot_scaled(xq, xs.to(tl.float8e4nv, bitcast=True), "e2m1",
+                         wq, ws.to(tl.float8e4nv, bitcast=True), "e2m1", acc)
+
+
+@triton.jit
+def nvfp4_w4a4_kernel(xq_ptr, xs_ptr, xg_ptr, w_ptr, ws_ptr, wg_ptr, y_ptr, t_ptr, lb_ptr, wu_ptr, wsu_ptr, wgu_ptr,
+                      M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      EMULATE: tl.constexpr, LORA: tl.constexpr = False, BLOCK_R: tl.constexpr = 16,
+                      IEEE: tl.constexpr = False, GATED: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GATED: the up projection's (unused otherwise)
     for k0 in range(0, K, BLOCK_K):
-        if EMULATE:
-            # a * s * 2^-62 exactly in bfloat16, times 2^62 exactly in float32: a * s
-            xt = load_nvfp4_tile(xq_ptr.to(tl.pointer_type(tl.int32)), xs_ptr, rm, k0, K, M, BLOCK_M, BLOCK_K,
-                                 True, True, True).to(tl.float32) * UNSHIFT
-            wt = load_nvfp4_tile(w_ptr.to(tl.pointer_type(tl.int32)), ws_ptr, rn, k0, K, N, BLOCK_N, BLOCK_K,
-                                 True, True, True).to(tl.float32) * UNSHIFT
-            acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
-        else:
-            kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-            xq = tl.load(xq_ptr + rm[:, None] * (K // 2) + kb[None, :], mask=rm[:, None] < M, other=0)
-            xs = tl.load(xs_ptr + rm[:, None] * (K // 16) + ks[None, :], mask=rm[:, None] < M, other=0)
-            wq = tl.load(w_ptr + rn[None, :] * (K // 2) + kb[:, None], mask=rn[None, :] < N, other=0)  # [BK/2, BN]
-            ws = tl.load(ws_ptr + rn[:, None] * (K // 16) + ks[None, :], mask=rn[:, None] < N, other=0)
-            acc = tl.dot_scaled(xq, xs.to(tl.float8e4nv, bitcast=True), "e2m1",
-                                wq, ws.to(tl.float8e4nv, bitcast=True), "e2m1", acc)
+        acc = _w4a4_step(acc, xq_ptr, xs_ptr, w_ptr, ws_ptr, rm, rn, k0, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                         EMULATE)
+        if GATED:
+            acc_u = _w4a4_step(acc_u, xq_ptr, xs_ptr, wu_ptr, wsu_ptr, rm, rn, k0, M, N, K, BLOCK_M, BLOCK_N,
+                               BLOCK_K, EMULATE)
     xg = tl.load(xg_ptr + rm, mask=rm < M, other=0.0)
     wg = tl.load(wg_ptr + rn, mask=rn < N, other=0.0)
     out = acc * xg[:, None] * wg[None, :]
     if LORA:  # adapters: their rank product of the 16-bit activations (lora.lora_shrink's) times B's rows
         out = lora_expand(out, t_ptr, lb_ptr, rm, rm < M, rn, rn < N, BLOCK_R, IEEE, EMULATE)
-    tl.store(y_ptr + rm[:, None] * N + rn[None, :], out.to(y_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if GATED:  # gelu_tanh(gate) * up, each product and the activation rounded as the three torch ops round them
+        dtype = y_ptr.dtype.element_ty
+        wgu = tl.load(wgu_ptr + rn, mask=rn < N, other=0.0)
+        up = to_compute(acc_u * xg[:, None] * wgu[None, :], dtype, EMULATE).to(tl.float32)
+        gate = to_compute(out, dtype, EMULATE).to(tl.float32)
+        out = to_compute(gelu_tanh(gate), dtype, EMULATE).to(tl.float32) * up
+        store_rounded(y_ptr + rm[:, None] * N + rn[None, :], out, mask, EMULATE)
+    else:
+        tl.store(y_ptr + rm[:, None] * N + rn[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def supported(device: torch.device) -> bool:
@@ -68,30 +94,41 @@ def supported(device: torch.device) -> bool:
 
 
 def nvfp4_w4a4(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, row_scale_2: torch.Tensor,
-               input_scale: torch.Tensor | None = None, lora: LinearAdapters | None = None) -> torch.Tensor:
+               input_scale: torch.Tensor | None = None, lora: LinearAdapters | None = None,
+               quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+               up: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [..., K] -> [..., N]: x quantized to NVFP4 (nvfp4_act: with the checkpoint's static `input_scale`, or per
     token without one), then the FP4 x FP4 product. lora: adapters' terms, their rank products taken from the 16-bit
-    x (lora.lora_shrink) and their expansions added in the epilogue."""
+    x (lora.lora_shrink) and their expansions added in the epilogue. quantized: x's quantization already made
+    (quantize_act's codes, scales and row scales for x's rows; input_scale is then not used). up: (weight,
+    weight_scale, row_scale_2) of a second NVFP4 matrix of the same shape: gelu_tanh(x W^T) * (x W_up^T), the gated
+    MLP's first half, in one launch (no adapters)."""
     from .nvfp4_act import quantize_act
 
     N, half = weight.shape
     K = 2 * half
     if K % 32:
         raise ValueError(f"W4A4 needs the input dim to be a multiple of 32 (got {K})")
+    if up is not None and (up[0].shape != weight.shape or lora is not None):
+        raise ValueError("nvfp4_w4a4: the gated product takes an up weight of the gate's shape and no adapters")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
-    xq, xs, xg = quantize_act(x2, global_scale=input_scale)
+    xq, xs, xg = quantized if quantized is not None else quantize_act(x2, global_scale=input_scale)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     # 128 x 128 tiles, 8 warps: the block-scaled FP4 MMA on both targets without spills (make kernel-report); 64
-    # rows would fall back to 16-bit MMAs on sm_100
+    # rows would fall back to 16-bit MMAs on sm_100. Gated: two accumulators, so half the columns a program
     block_k = 128 if K % 128 == 0 else 64 if K % 64 == 0 else 32
-    grid = (triton.cdiv(N, 128), triton.cdiv(M, 128))
+    block_n = 64 if up is not None else 128
+    grid = (triton.cdiv(N, block_n), triton.cdiv(M, 128))
     t, lb, rank = (lora_shrink(x2.contiguous(), lora), lora.factors.B.contiguous(), lora.factors.A.shape[0]) \
         if lora is not None else (y, y, 16)  # stand-ins, never read
-    nvfp4_w4a4_kernel[grid](xq, xs, xg, weight.contiguous(), weight_scale.view(torch.uint8), row_scale_2.float()
-                            .contiguous(), y, t, lb, M, N, K, 128, 128, block_k, interpreting(), lora is not None, rank,
-                            x.dtype == torch.float32, num_warps=8)
+    w_scale, w_row = weight_scale.view(torch.uint8), row_scale_2.float().contiguous()
+    wu, wsu, wgu = (up[0].contiguous(), up[1].view(torch.uint8), up[2].float().contiguous()) if up is not None \
+        else (weight, w_scale, w_row)  # stand-ins, never read
+    nvfp4_w4a4_kernel[grid](xq, xs, xg, weight.contiguous(), w_scale, w_row, y, t, lb, wu, wsu, wgu, M, N, K, 128,
+                            block_n, block_k, interpreting(), lora is not None, rank, x.dtype == torch.float32,
+                            up is not None, num_warps=8)
     return y.reshape(*lead, N)
 
 

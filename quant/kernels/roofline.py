@@ -204,10 +204,15 @@ KERNELS = {
                                     * a["BLOCK_K"],
                                     useful=lambda a: 2 * _routed(a) * a["BLOCK_R"] * a["K"]),
     # W4A4: for k0 in range(0, K, BLOCK_K), FP4 x FP4 dot_scaled; one CTA per BLOCK_M x BLOCK_N tile of y
+    # GATED: the gate's and the up projection's weight tiles each step (two products on the same activation tile)
     "nvfp4_w4a4_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])],
-                               elems=lambda a: a["BLOCK_N"] * (a["K"] + _lora_rank(a)), passes=_lora_passes,
-                               mma=lambda a: _tile_mma(1, "K")(a) + _lora_epilogue(a, 1),
-                               useful=lambda a: 2 * a["M"] * a["N"] * (a["K"] + _lora_rank(a))),
+                               elems=lambda a: (2 if a.get("GATED") else 1) * a["BLOCK_N"] * (a["K"] + _lora_rank(a)),
+                               passes=lambda a: dict(_lora_passes(a), **{k: int(bool(a.get("GATED")))
+                                                                         for k in ("wu_ptr", "wsu_ptr", "wgu_ptr")}),
+                               mma=lambda a: (2 if a.get("GATED") else 1) * _tile_mma(1, "K")(a)
+                               + _lora_epilogue(a, 1),
+                               useful=lambda a: (2 if a.get("GATED") else 1) * 2 * a["M"] * a["N"] * a["K"]
+                               + 2 * a["M"] * a["N"] * _lora_rank(a)),
     # W4A4 experts: for k0 in range(0, H or I, BLOCK_K), FP4 x FP4 dot_scaled (gate and up each iteration); LORA
     # as the 16-bit MoE kernels' (its epilogue's 16-bit MMA counted at the launch's FP4 rate: a rank of 16 against
     # K of thousands)
@@ -262,6 +267,8 @@ KERNELS = {
                          useful=lambda a: 2 * a["M"] * a["R"] * (a["K"] + a["N"])),
     # no loop: one CTA converts and caps BLOCK logits
     "softcap_kernel": Loops(trips=lambda a: [], elems=lambda a: a["BLOCK"]),
+    # the W8A8 MLP's gelu_tanh(gate) * up (gelu_mul.py): loop-free, BLOCK elements a CTA
+    "gelu_mul_kernel": Loops(trips=lambda a: [], elems=lambda a: a["BLOCK"]),
     # no loop (the top-k rows unrolled): one CTA sums BLOCK columns of one token's TOPK rows
     "moe_sum_kernel": Loops(trips=lambda a: [], elems=lambda a: a["TOPK"] * a["BLOCK"]),
     # the fused head (quant/kernels/head.py), per vocab chunk: logits, for k0 in range(0, H, BLOCK_K), one CTA per
