@@ -281,9 +281,57 @@ def settle_step(buf: SamplerBuffers, canvas: torch.Tensor, argmax: torch.Tensor,
     return new_canvas, new_argmax, accepted, entropy, done | (stable & confident)
 
 
+class LaggedStop:
+    """The canvas's stop test (every row converged: `done.all()`) read one step late, so that the host never waits
+    for the step it has just queued. Each step's verdict is copied to host memory (pinned, on CUDA, behind an
+    event); the host queues the next step, then waits for the previous step's event only, which the GPU has then
+    usually passed: the GPU always has the next step queued, and no step waits on a device-to-host round trip.
+
+    The cost: when the verdict says stop, the step queued after it was not needed. It changes nothing: converged
+    rows keep their canvas and argmax (settle_step), take no step in the counts (`active`), and the caller restores
+    the random generator's state from before it (`rng_state`), so the next canvas draws what it would have."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        host = device if device.type == "meta" else "cpu"  # meta: dgemma_cli.step_trace counts the copies
+        self.verdicts = [torch.zeros((), dtype=torch.bool, device=host, pin_memory=self.cuda) for _ in range(2)]
+        self.events = [torch.cuda.Event() if self.cuda else None for _ in range(2)]
+        self.count = 0
+
+    def push(self, done: torch.Tensor) -> None:
+        """This step's verdict, copied without waiting (two slots: the previous one is read before it is reused)."""
+        i = self.count % 2
+        self.verdicts[i].copy_(done.all(), non_blocking=self.cuda)
+        if self.cuda:
+            self.events[i].record()
+        self.count += 1
+
+    def previous(self) -> bool | None:
+        """The verdict of the step before the last pushed one (None before two pushes): waits for that step only."""
+        if self.count < 2:
+            return None
+        i = self.count % 2  # the older of the two slots
+        if self.cuda:
+            self.events[i].synchronize()
+        return bool(self.verdicts[i])
+
+
+def rng_state(device: torch.device) -> torch.Tensor:
+    """The default generator's state on `device` (host side: no device round trip on CUDA)."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def set_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
 def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: GenerationSettings,
                     prompt_valid: torch.Tensor | None = None, held: torch.Tensor | None = None,
-                    constraints: list | None = None) -> Iterator[Event]:
+                    constraints: list | None = None, lagged_stop: bool | None = None) -> Iterator[Event]:
     """Run the block loop for a batch of prompts.
 
     prompt [B, T] ids (left-padded when lengths differ, with prompt_valid [B, T] False at padding).
@@ -297,6 +345,9 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
     constraints (one per row, or None for a free row): `constrain.RowConstraint`s whose `step` replaces a row's
     draws and argmax each step by its best paths through the row's automaton (from the step's log-probabilities:
     the torch path's buffers), and whose `end_canvas` follows each kept canvas. Not with held tokens.
+
+    lagged_stop (default: on CUDA without constraints, whose search reads the step on the host anyway): the stop
+    test read one step late (`LaggedStop`), so no step waits for the host; the events and tokens are the same.
     """
     t0 = time.perf_counter()
     B = prompt.shape[0]
@@ -323,6 +374,8 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
             raise ValueError(f"{h} held tokens leave no free position in a canvas of {C}")
         eos = torch.cat([eos, torch.tensor([pad], device=dev)])  # an infill's middle may also end at <pad>
 
+    if lagged_stop is None:
+        lagged_stop = dev.type == "cuda" and constraints is None
     for ci in range(settings.canvases_for(free)):
         denoiser.encode(chunk, chunk_valid)
         denoiser.start_canvas()
@@ -337,7 +390,10 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
         # the constraints of rows still generating (a row that ended keeps padding its canvases)
         live = None if constraints is None else [None if f else c for c, f in zip(constraints, finished_rows.tolist())]
 
+        stop = LaggedStop(dev) if lagged_stop else None
+        queued: list[Step] = []  # lagged: the step whose verdict is not read yet
         for n in range(N, 0, -1):
+            before = rng_state(dev) if stop is not None else None
             active = ~(done | finished_rows)
             forward_passes += active
             row_steps += active
@@ -348,9 +404,22 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
             canvas, argmax, accepted, entropy, done = settle_step(buf, canvas, argmax, done, history, temperature,
                                                                   settings, held, live)
             self_conditioned = True
-            yield Step(ci, N - n + 1, N, canvas, argmax, accepted, entropy, done.clone())
-            if bool(done.all()):
+            step = Step(ci, N - n + 1, N, canvas, argmax, accepted, entropy, done.clone())
+            if stop is None:
+                yield step
+                if bool(done.all()):
+                    break
+                continue
+            stop.push(done)
+            verdict = stop.previous()  # the step before this one's, which the GPU has finished or nearly
+            if verdict is not None:
+                yield queued.pop()
+            if verdict:  # every row had converged: this step was not needed (it changed none of them)
+                set_rng_state(dev, before)
+                batched_calls -= 1
                 break
+            queued.append(step)
+        yield from queued  # the canvas's last step, when it ran them all
 
         # Keep the argmax canvas; rows that ended earlier get pad; after a first EOS everything is pad.
         tokens = argmax[:, :free].clone()

@@ -12,9 +12,12 @@ other tool that wants to cost a step: it needs no GPU, only the model's code.
 What is traced is the code a CUDA device runs for one step of a canvas after its first (self-conditioning on): the
 engine's denoiser (`engine.ModelDenoiser.denoise`; its CUDA graph replays the same kernels), which runs
 `DiffusionGemma.denoise` on the previous step's soft embedding and ends in the fused head (quant/kernels/head.py),
-then `sampler.settle_step` (acceptance, renoising, the convergence test). The model is built on the meta device (no memory, no data) at the real shapes of `config` (DiffusionGemma 26B-A4B by default) with the format's
-quantized modules where its published release has them; the Triton wrappers answer as on a GPU of compute capability
-`target` (quant.kernels.aot's recorder: each launch is kept with its arguments, grid and launch settings, never
+then `sampler.settle_step` (acceptance, renoising, the convergence test), with what the engine adds around a
+step: the graph's input copy, the Step event's copy of the verdict and the verdict's copy to the host, read a step
+later (`sampler.LaggedStop`: no device-to-host wait in a step). The model is built on the meta device (no memory,
+no data) at the real shapes of `config` (DiffusionGemma 26B-A4B by default) with the format's quantized modules
+where its published release has them; the Triton wrappers answer as on a GPU of compute capability `target`
+(quant.kernels.aot's recorder: each launch is kept with its arguments, grid and launch settings, never
 run), and every torch op is metered by the tensors it reads and writes.
 
 Costing, by the caller: a TorchOp by its bytes (`read + written`, `persistent` of them weights or KV cache) and FLOPs;
@@ -279,7 +282,7 @@ def trace_step(batch: int = 1, prompt: int = 256, target: int = 90, fmt: str = "
     from .config import DIFFUSIONGEMMA_26B_A4B, FULL, SLIDING, GenerationSettings, ModelConfig
     from .model import DenoiseContext, DiffusionGemma, rope_cos_sin
     from .engine import ModelDenoiser
-    from .sampler import SamplerBuffers, prepare_step, settle_step, step_temperature
+    from .sampler import LaggedStop, SamplerBuffers, prepare_step, settle_step, step_temperature
 
     config = config or DIFFUSIONGEMMA_26B_A4B
     cfg = ModelConfig.from_dict(config)
@@ -314,6 +317,7 @@ def trace_step(batch: int = 1, prompt: int = 256, target: int = 90, fmt: str = "
     buf = SamplerBuffers(batch * C, V, "meta", head=(cfg.text.hidden_size, model.dtype))
     canvas = torch.zeros(batch, C, dtype=torch.long, device="meta")
     argmax = torch.zeros_like(canvas)
+    static = torch.zeros_like(canvas)  # the CUDA graph's input (engine.GraphedDenoiser)
     done = torch.zeros(batch, dtype=torch.bool, device="meta")
     settings = GenerationSettings()
     history = [torch.zeros_like(canvas)] * settings.stability_threshold
@@ -322,16 +326,21 @@ def trace_step(batch: int = 1, prompt: int = 256, target: int = 90, fmt: str = "
     trace.cache_bytes = sum(t.untyped_storage().nbytes() for t in cache.k + cache.v)
     persistent = set(weights) | {_sid(t) for t in cache.k + cache.v}
     # made once per generation: per-request memory, not per-step traffic
-    request = tuple(v for v in list(vars(buf).values()) + list(vars(buf.fused).values()) + [canvas, argmax]
+    request = tuple(v for v in list(vars(buf).values()) + list(vars(buf.fused).values()) + [canvas, argmax, static]
                     if isinstance(v, torch.Tensor))
+
+    stop = LaggedStop(torch.device("meta"))
 
     def step(events: list, meter: _Meter) -> None:
         with aot._recording(events, target), _w8a8_hardware_of(target), torch.no_grad(), meter, \
                 _attention_as_one_op(meter):
             temperature = step_temperature(settings.max_denoising_steps, settings, "meta")
             prepare_step(buf, temperature)
-            denoiser.denoise(canvas, buf, True)
-            settle_step(buf, canvas, argmax, done, list(history), temperature, settings)
+            static.copy_(canvas)  # the graph's input copy, before its replay
+            denoiser.denoise(static, buf, True)
+            done_now = settle_step(buf, canvas, argmax, done, list(history), temperature, settings)[4]
+            done_now.clone()  # the Step event's copy of it (sampler.generate_events)
+            stop.push(done_now)  # the stop test's verdict to the host, read a step later (sampler.LaggedStop)
 
     step(_Dropped(), _Meter([], persistent))  # a first step, as the engine's eager steps before its graph: what
     # the modules make once (a per-row scale) is made here, not counted in the step

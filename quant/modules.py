@@ -74,8 +74,8 @@ class NVFP4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, lora=None, quantized: tuple | None = None) -> torch.Tensor:
         """lora: adapters' terms (kernels/lora.LinearAdapters) for the kernel's epilogue, only where `takes_lora`
-        said so. quantized: x already quantized as this linear's kernel takes it (`quantize_input`, shared with the
-        linears that read the same x: `project`), only where `input_quantization(x)` named one."""
+        said so. quantized: x already quantized as this linear's W4A4 kernel takes it (`quantize_input`, shared with
+        the linears that read the same x: `joint`)."""
         if self._w4a4(x):
             from .kernels.nvfp4_w4a4 import nvfp4_w4a4
 
@@ -95,15 +95,37 @@ class NVFP4Linear(nn.Module):
         return (use_triton(x.device) and self.in_features % 32 == 0 and w4a4(x.device)
                 and family_ok("nvfp4_w4a4", x.device, x.dtype))
 
-    def input_quantization(self, x: torch.Tensor) -> tuple | None:
-        """How this linear's kernel quantizes x, as a key: linears of equal keys reading the same x can share one
-        quantization (`project`); None where it multiplies x as it is (16-bit activations)."""
-        if not self._w4a4(x):
-            return None
-        return ("nvfp4", self.in_features, "static" if self.input_scale is not None else "per token")
+    def joint_key(self, x: torch.Tensor) -> tuple | None:
+        """Which linears of the same x this one can run with in one launch (`joint`, through `project`): those of
+        an equal key, the NVFP4 linears of its kernel (W4A4: quantizing x alike); None: it runs alone."""
+        if self._w4a4(x):
+            return ("nvfp4 w4a4", self.in_features, "static" if self.input_scale is not None else "per token")
+        if use_triton(x.device) and family_ok("nvfp4_linear", x.device, x.dtype):
+            return ("nvfp4", self.in_features)
+        return None
+
+    def joint(self, x: torch.Tensor, peers: tuple) -> list[torch.Tensor]:
+        """[self(x), *(p(x) for p in peers)] for peers of this linear's `joint_key`, up to three linears a launch
+        (W4A4: x quantized once for all of them)."""
+        from .kernels.nvfp4_linear import nvfp4_linear
+        from .kernels.nvfp4_w4a4 import nvfp4_w4a4
+
+        mine = (self, *peers)
+        quantized = self.quantize_input(x, peers) if self._w4a4(x) else None
+        out = []
+        for i in range(0, len(mine), 3):
+            first, rest = mine[i], [(m.weight, m.weight_scale, m.row_scale_2()) for m in mine[i + 1:i + 3]]
+            args = (x, first.weight, first.weight_scale, first.row_scale_2())
+            if not rest:
+                out.append(first(x, quantized=quantized))
+            elif quantized is not None:
+                out += nvfp4_w4a4(*args, quantized=quantized, more=rest)
+            else:
+                out += nvfp4_linear(*args, more=rest)
+        return out
 
     def quantize_input(self, x: torch.Tensor, peers: tuple = ()) -> tuple:
-        """x quantized once for this linear and `peers` (linears of the same `input_quantization`): NVFP4 codes,
+        """x quantized once for this linear and `peers` (W4A4 linears of the same `joint_key`): NVFP4 codes,
         block scales and a global scale per row (kernels/nvfp4_act.py), with the largest of their calibrated input
         scales where the checkpoint has them (as vLLM's fused QKV and gate-up layers take them), per token
         otherwise."""
@@ -125,7 +147,7 @@ class NVFP4Linear(nn.Module):
             return None
         halves = (up.weight, up.weight_scale, up.row_scale_2())
         if self._w4a4(x):
-            if lora is not None or lora_up is not None or up.input_quantization(x) != self.input_quantization(x):
+            if lora is not None or lora_up is not None or up.joint_key(x) != self.joint_key(x):
                 return None
             from .kernels.nvfp4_w4a4 import nvfp4_w4a4
 
@@ -167,17 +189,19 @@ def shared_input_scale(linears: tuple) -> torch.Tensor | None:
 
 
 def project(x: torch.Tensor, linears: list) -> list:
-    """[linear(x) for linear in linears] (None for None), with x's activation quantization made once for the
-    linears whose kernels quantize it alike (`input_quantization`: W4A4's NVFP4 activations, W8A8's per-token
-    8-bit ones) instead of once a linear: q, k and v read the same x, as do the dense MLP's gate and up."""
-    keys = [m.input_quantization(x) if hasattr(m, "input_quantization") else None for m in linears]
+    """[linear(x) for linear in linears] (None for None), the linears that can run together (`joint_key`) run
+    together (`joint`): q, k and v read the same x, as do the dense MLP's gate and up. NVFP4: up to three linears
+    a launch (W4A4: x quantized once for them); W8A8 on torch's 8-bit matmul: x quantized once, a matmul each."""
+    keys = [m.joint_key(x) if hasattr(m, "joint_key") else None for m in linears]
     groups: dict = {}
     for m, key in zip(linears, keys):
         if key is not None:
             groups.setdefault(key, []).append(m)
-    shared = {key: group[0].quantize_input(x, tuple(group[1:])) for key, group in groups.items() if len(group) > 1}
-    return [None if m is None else m(x, quantized=shared[key]) if key in shared else m(x)
-            for m, key in zip(linears, keys)]
+    done = {}
+    for group in groups.values():
+        if len(group) > 1:
+            done.update(zip(map(id, group), group[0].joint(x, tuple(group[1:]))))
+    return [None if m is None else done[id(m)] if id(m) in done else m(x) for m in linears]
 
 
 class Int8Linear(nn.Module):
@@ -427,10 +451,14 @@ class W8A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, quantized: tuple | None = None) -> torch.Tensor:
         """quantized: x's 8-bit codes and per-token scales already made (`quantize_input`, shared with the linears
-        that read the same x: `project`), only where `input_quantization(x)` named one."""
+        that read the same x: `joint`), only where `joint_key(x)` names one."""
         how = self.mode(x.device)
+        if self._kernel(x):
+            from .kernels.w8a8_linear import w8a8_linear
+
+            return w8a8_linear(x, quantized or self.quantize_input(x), self.weight, self.weight_scale)
         if quantized is not None:
-            if self.input_quantization(x) is None:
+            if self.joint_key(x) is None:
                 raise RuntimeError("W8A8Linear: a quantized input given where it does not quantize activations")
             return w8a8.matmul(x, self.weight, self.weight_scale, self.format, how, lambda *_: quantized)
         if (how == "weights" and self.format == "int8" and use_triton(x.device)
@@ -440,13 +468,37 @@ class W8A8Linear(nn.Module):
             return int8_linear(x, self.weight, self.weight_scale.view(-1))  # [N, 1] is [N] in memory
         return w8a8.matmul(x, self.weight, self.weight_scale, self.format, how, quantize_tokens_fused)
 
-    def input_quantization(self, x: torch.Tensor) -> tuple | None:
-        """How this linear quantizes x on torch's 8-bit matmul (per token, 8-bit codes of `format`), as a key that
-        linears reading the same x share (`project`); None where it does not quantize x there (weight-only, the
-        emulation, or shapes the matmul does not take)."""
+    def joint_key(self, x: torch.Tensor) -> tuple | None:
+        """Which linears of the same x this one runs with (`joint`, through `project`): where torch's 8-bit matmul
+        takes x, those quantizing it alike (per token, 8-bit codes of `format`); None where it does not quantize x
+        (weight-only, the emulation, or shapes the matmul does not take)."""
         if self.mode(x.device) != "hw" or not w8a8.hw_fits(x, self.weight):
             return None
         return ("w8a8", self.format, self.in_features)
+
+    def _kernel(self, x: torch.Tensor) -> bool:
+        """Whether our W8A8 linear kernel (kernels/w8a8_linear.py) multiplies x here, where torch's 8-bit matmul
+        would: the linears of one x then share a launch (`joint`) and the MLP's gate and up take one (`gated`)."""
+        return (self.joint_key(x) is not None and use_triton(x.device)
+                and family_ok(f"w8a8_linear_{self.format}", x.device, x.dtype))
+
+    def joint(self, x: torch.Tensor, peers: tuple) -> list[torch.Tensor]:
+        """[self(x), *(p(x) for p in peers)] with x quantized once for all (peers of this linear's `joint_key`),
+        up to three linears a launch where our kernel runs, one torch matmul each elsewhere."""
+        quantized = self.quantize_input(x)
+        mine = (self, *peers)
+        if not self._kernel(x):
+            return [m(x, quantized=quantized) for m in mine]
+        from .kernels.w8a8_linear import w8a8_linear
+
+        out = []
+        for i in range(0, len(mine), 3):
+            first, rest = mine[i], [(m.weight, m.weight_scale) for m in mine[i + 1:i + 3]]
+            if rest:
+                out += w8a8_linear(x, quantized, first.weight, first.weight_scale, more=rest)
+            else:
+                out.append(first(x, quantized=quantized))
+        return out
 
     def quantize_input(self, x: torch.Tensor, peers: tuple = ()) -> tuple:
         """x [..., K] -> (codes [M, K], scales float32 [M, 1]) for this linear and `peers`: per token, the same for
@@ -454,17 +506,23 @@ class W8A8Linear(nn.Module):
         return quantize_tokens_fused(x.reshape(-1, self.in_features), self.format)
 
     def gated(self, x: torch.Tensor, up: nn.Module) -> torch.Tensor | None:
-        """gelu_tanh(self(x)) * up(x) with x quantized once for both products and the activation and product in
-        one kernel (kernels/gelu_mul.py), where torch's 8-bit matmul runs both and Triton runs on x's device; None
-        elsewhere (the caller runs the ops)."""
-        key = self.input_quantization(x)
-        if (key is None or type(up) is not W8A8Linear or up.input_quantization(x) != key
-                or up.weight.shape != self.weight.shape or not use_triton(x.device)
-                or not family_ok("gelu_mul", x.device, x.dtype)):
+        """gelu_tanh(self(x)) * up(x) with x quantized once for both products: both products, the activation and
+        the product in one launch where our W8A8 kernel runs (kernels/w8a8_linear.py GATED); torch's two 8-bit
+        matmuls and one kernel for the rest (kernels/gelu_mul.py) where only Triton does; None elsewhere (the
+        caller runs the ops)."""
+        key = self.joint_key(x)
+        if (key is None or type(up) is not W8A8Linear or up.joint_key(x) != key
+                or up.weight.shape != self.weight.shape or not use_triton(x.device)):
+            return None
+        quantized = self.quantize_input(x, (up,))
+        if self._kernel(x):
+            from .kernels.w8a8_linear import w8a8_linear
+
+            return w8a8_linear(x, quantized, self.weight, self.weight_scale, up=(up.weight, up.weight_scale))
+        if not family_ok("gelu_mul", x.device, x.dtype):
             return None
         from .kernels.gelu_mul import gelu_mul
 
-        quantized = self.quantize_input(x, (up,))
         return gelu_mul(self(x, quantized=quantized), up(x, quantized=quantized))
 
 

@@ -206,6 +206,31 @@ def _w4a4(device: torch.device, dtype: torch.dtype) -> str | None:
     return _rel_error(got.cpu(), want, dtype)
 
 
+def _w8a8_linear(kind: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """33 rows x K 256 -> q, k, v of 130, 64 and 40 columns in one launch, and a gated pair of 130, against the
+    float32 emulation of the same 8-bit products (w8a8.matmul_emulated, torch's gelu)."""
+    from . import w8a8
+    from .kernels.w8a8_linear import w8a8_linear
+
+    g = torch.Generator().manual_seed(0)
+    K = 256
+    x = torch.randn(33, K, generator=g).to(dtype)
+    ws = [w8a8.quantize(torch.randn(n, K, generator=g), kind) for n in (130, 64, 40, 130)]
+    ws = [(q, s.float()) for q, s in ws]
+    quantized = w8a8.quantize_tokens(x, kind)
+    on = [tuple(t.to(device) for t in w) for w in ws]
+    xd, qd = x.to(device), tuple(t.to(device) for t in quantized)
+    got = w8a8_linear(xd, qd, *on[0], more=on[1:3])
+    for y, w in zip(got, ws[:3]):
+        err = _rel_error(y.cpu(), w8a8.matmul_emulated(x, *w, kind), dtype)
+        if err is not None:
+            return err
+    gated = w8a8_linear(xd, qd, *on[0], up=on[3])
+    want = (torch.nn.functional.gelu(w8a8.matmul_emulated(x, *ws[0], kind), approximate="tanh")
+            * w8a8.matmul_emulated(x, *ws[3], kind))
+    return _rel_error(gated.cpu(), want, dtype)
+
+
 def _gelu_mul(device: torch.device, dtype: torch.dtype) -> str | None:
     """gelu_tanh(gate) * up over 3 x 1,037 values (a partial block) against torch's two ops."""
     from .kernels.gelu_mul import gelu_mul, reference
@@ -427,6 +452,8 @@ PROBLEMS = {
     "moe_plan": _moe_plan,
     "softcap": _softcap,
     "gelu_mul": _gelu_mul,
+    "w8a8_linear_fp8": lambda device, dtype: _w8a8_linear("fp8", device, dtype),
+    "w8a8_linear_int8": lambda device, dtype: _w8a8_linear("int8", device, dtype),
     "lora": _lora,
     "rms_norm": _rms_norm,
     "nvfp4_linear": lambda device, dtype: _linear("nvfp4", device, dtype),

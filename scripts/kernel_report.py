@@ -273,8 +273,7 @@ def whole_step_rows(step_work, jobs, results, job_of, errors: list[str]) -> list
 
     rows = []
     for cc, items in step_work.items():
-        gpu = GPUS[cc]
-        for w in items:
+        for gpu, w in [(gpu, w) for gpu in (GPUS[cc], *roofline.STEP_ALSO.get(cc, ())) for w in items]:
             trace, groups, unknown, tags = w.trace, {}, [], set()
             for op in trace.ops:
                 if isinstance(op, aot.Launch):
@@ -337,13 +336,15 @@ def whole_step_markdown(rows) -> list[str]:
            "linears, the head). Transient: per request, the sampler's buffers and the step's largest live "
            "activations (KV cache and weights apart).", "",
            "| GPU | format | batch | kernels (torch + Triton) | step bound ms | physical floor ms (memory / math) | "
-           "bound / floor | serial floor ms (/ floor) | transient MB per request | canvas x vocab float32 tensors |",
-           "|---|---|---:|---|---:|---|---:|---:|---:|---|"]
+           "bound / floor | serial floor ms (/ floor) | bound / serial | transient MB per request | "
+           "canvas x vocab float32 tensors |",
+           "|---|---|---:|---|---:|---|---:|---:|---:|---:|---|"]
     for r in rows:
+        per_serial = None if r["bound_ms"] is None or not r["serial_ms"] else r["bound_ms"] / r["serial_ms"]
         out.append(f"| {r['gpu']} | {r['fmt']} | {r['batch']} | {r['kernels']:,} ({r['torch_ops']:,} + "
                    f"{r['launches']}) | {_f(r['bound_ms'])} | {r['floor_ms']:.2f} ({r['floor_mem_ms']:.2f} / "
                    f"{r['floor_tc_ms']:.2f}) | {_f(r['ratio'])} | {_f(r['serial_ms'])} ({_f(r['serial_ratio'])}) | "
-                   f"{r['transient_mb']:,.0f} | "
+                   f"{_f(per_serial)} | {r['transient_mb']:,.0f} | "
                    f"{', '.join('x'.join(map(str, v)) for v in r['vocab_f32']) or 'none'} |")
     return out
 

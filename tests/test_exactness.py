@@ -127,6 +127,59 @@ def test_adaptive_stopping_matches_reference(checkpoints, reference):
         assert ours.tokens_per_forward[0] == pytest.approx(expected_tpf[0], rel=1e-6, abs=1e-6)
 
 
+def test_stop_test_read_a_step_late_changes_nothing(checkpoints, reference, monkeypatch):
+    """The stop test read one step late (sampler.LaggedStop, what a CUDA device runs: no device-to-host wait in a
+    step) against reading it at once and against the reference, with adaptive stopping and a batch: the same
+    tokens, the same events step by step, the same counts; the step queued after a canvas converged is run and
+    discarded, at most one a canvas, and the random draws go on as if it had not run (the next canvas, and the
+    generator after the run)."""
+    import dgemma_cli.engine as engine_mod
+    from dgemma_cli.sampler import CanvasDone, Done, Step, generate_events
+
+    path = checkpoints["confident"]
+    ref = reference(path)
+    engine = load(path, device="cpu", dtype="float32")
+    V, C = engine.config.text.vocab_size, engine.config.canvas_length
+    prompts = [random_prompt(20, V, 3), random_prompt(11, V, 4)]
+
+    def run(lagged: bool, **kw) -> tuple[list, list, torch.Tensor]:
+        forwards = []
+
+        def patched(denoiser, *a, **k):
+            real = denoiser.denoise
+            denoiser.denoise = lambda *x, **y: forwards.append(1) or real(*x, **y)
+            return generate_events(denoiser, *a, **k, lagged_stop=lagged)
+
+        monkeypatch.setattr(engine_mod, "generate_events", patched)
+        events = list(engine.events(prompts, seed=7, max_new_tokens=2 * C, **kw))
+        return events, forwards, torch.get_rng_state()
+
+    # no end-of-sequence id the model can write: both canvases run, each stopping early
+    for kw in ({}, {"eos_token_ids": (V + 1,)}):
+        (at_once, n_once, rng_once), (late, n_late, rng_late) = run(False, **kw), run(True, **kw)
+        assert [type(e) for e in at_once] == [type(e) for e in late]
+        for a, b in zip(at_once, late):
+            if isinstance(a, Step):
+                assert (a.canvas_index, a.step) == (b.canvas_index, b.step)
+                assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("canvas", "argmax", "accepted",
+                                                                                  "entropy", "finished"))
+            elif isinstance(a, CanvasDone):
+                assert torch.equal(a.tokens, b.tokens) and a.steps == b.steps and a.kept == b.kept
+            elif isinstance(a, Done):
+                assert (a.token_ids, a.steps_per_canvas, a.tokens_per_forward, a.forward_passes) == (
+                    b.token_ids, b.steps_per_canvas, b.tokens_per_forward, b.forward_passes)
+        assert torch.equal(rng_once, rng_late)
+        done = at_once[-1]
+        canvases = sum(isinstance(e, CanvasDone) for e in at_once)
+        assert canvases == (2 if kw else 1)
+        assert max(max(s) for s in done.steps_per_canvas) < engine.settings.max_denoising_steps  # stopped early
+        assert len(n_once) == done.forward_passes
+        assert len(n_once) < len(n_late) <= len(n_once) + canvases  # the discarded steps
+        if not kw:
+            expected, _ = ref_generate(ref, prompts, 7, max_new_tokens=2 * C)
+            assert late[-1].token_ids == expected
+
+
 @pytest.mark.parametrize("raw", [True, False])
 def test_cli_run_matches_reference(checkpoints, reference, capsys, raw):
     from dgemma_cli.tokenizer import Tokenizer

@@ -229,6 +229,12 @@ def test_whole_step_table_covers_three_gpus_two_formats_two_batches(report):
     assert {(r["cc"], r["fmt"], r["batch"]) for r in rows} == {(cc, f, b) for cc in (89, 90, 120)
                                                                for f in ("nvfp4", "w8a8-fp8") for b in (1, 4)} | {
         (cc, lora, 1) for cc in (89, 90, 100, 120)} | {(100, "nvfp4", 1)}
+    # the H100 SXM (the design card's GPU) costed with the sm_90 code, beside the H200: slower memory, same math
+    h100, h200 = ({(r["fmt"], r["batch"]): r for r in rows if r["gpu"] == name} for name in ("H100 SXM", "H200"))
+    assert set(h100) == set(h200) and len(h100) == 5
+    for key, r in h100.items():
+        assert r["kernels"] == h200[key]["kernels"] and r["floor_mem_ms"] == pytest.approx(
+            h200[key]["floor_mem_ms"] * 4.8 / 3.35) and r["bound_ms"] > h200[key]["bound_ms"]
     for cc in (89, 90, 100, 120):  # the adapter's step: its terms in the kernels' epilogues after one rank-product
         # launch per adapted projection (the experts' too: none dequantized), costed
         plain, adapted = (next(r for r in rows if (r["cc"], r["fmt"], r["batch"]) == (cc, f, 1))

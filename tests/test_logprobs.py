@@ -145,7 +145,8 @@ def test_completion_logprobs_over_several_canvases(server, engine, monkeypatch):
         assert lp.text_offset[i] == len("".join(lp.tokens[:i]))
         want = {tok.decode([j], skip_special_tokens=False): v for j, v in top}
         want.setdefault(lp.tokens[i], value)  # the chosen token too, as the API always gives it
-        assert lp.top_logprobs[i] == pytest.approx(want, abs=1e-4)
+        # float32 log-softmax of a batch of another shape: a tail alternative near -13 is 1e-5 relative apart
+        assert lp.top_logprobs[i] == pytest.approx(want, rel=1e-4, abs=1e-4)
     assert any(v < -0.01 for v in lp.token_logprobs)  # an answer the model is unsure of somewhere
 
 

@@ -1,5 +1,6 @@
-"""One activation quantization per distinct input (quant.modules.project), the W4A4 gated MLP in one launch and the
-W8A8 MLP's activation and product in one (quant/kernels/gelu_mul.py), against the per-linear paths they replace.
+"""Linears of one input run together (quant.modules.project): NVFP4's q, k and v in one launch, W4A4 and W8A8
+activations quantized once per distinct input; the W4A4 gated MLP in one launch and the W8A8 MLP's activation and
+product in one (quant/kernels/gelu_mul.py); all against the per-linear paths they replace.
 
 On this CPU the kernels run in Triton's interpreter; the W4A4 path is chosen by standing in an RTX 50's compute
 capability (kernels.arch = 120), torch's FP8 / INT8 matmul by answering that the hardware has it (torch's CPU build
@@ -221,4 +222,101 @@ def test_w8a8_mlp_quantizes_once_and_fuses_the_activation(kind, w8a8_hw):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DGEMMA_W8A8", "off")
         assert mlp.gate_proj.gated(x, mlp.up_proj) is None
-        assert mlp.gate_proj.input_quantization(x) is None
+        assert mlp.gate_proj.joint_key(x) is None
+
+
+class Launches:
+    """Counts a Triton kernel's launches (kernel[grid](...)) while the test runs."""
+
+    def __init__(self, module, name: str, monkeypatch):
+        self.grids = []
+        real = getattr(module, name)
+        grids = self.grids
+
+        class Counted:
+            def __getitem__(self, grid):
+                grids.append(grid)
+                return real[grid]
+
+        monkeypatch.setattr(module, name, Counted())
+
+
+@pytest.mark.parametrize("w4a4", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q_k_v_in_one_launch(dtype, w4a4, monkeypatch, counted_act):
+    """NVFP4 q, k and v (widths 96, 64, 40: the last tiles partial) through `project`: one launch (16-bit
+    activations: nvfp4_linear; W4A4 on an RTX 50 stand-in: one quantization and one launch), each output equal to
+    the linear's own call; four linears of one x take two launches."""
+    import quant.kernels as kernels
+    from quant.kernels import nvfp4_linear, nvfp4_w4a4
+
+    monkeypatch.setenv("DGEMMA_KERNELS", "triton")
+    monkeypatch.setattr(kernels, "arch", lambda device: 120 if w4a4 else 0)
+    module, name = (nvfp4_w4a4, "nvfp4_w4a4_kernel") if w4a4 else (nvfp4_linear, "nvfp4_linear_kernel")
+    g = torch.Generator().manual_seed(7)
+    K = 64
+    x = torch.randn(3, 7, K, generator=g).to(dtype)
+    lins = nvfp4_linears(1, 96, K, g) + nvfp4_linears(1, 64, K, g) + nvfp4_linears(1, 40, K, g)
+    launches = Launches(module, name, monkeypatch)
+    got = project(x, lins)
+    assert len(launches.grids) == 1 and len(counted_act) == int(w4a4)
+    alone = [m(x) for m in lins]
+    assert len(launches.grids) == 4
+    for a, b in zip(got, alone):
+        assert a.shape == b.shape and torch.equal(a, b)
+    four = lins + nvfp4_linears(1, 32, K, g)
+    launches.grids.clear()
+    got = project(x, four)
+    assert len(launches.grids) == 2
+    assert all(torch.equal(a, m(x)) for a, m in zip(got, four))
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_w8a8_kernel_against_torchs_8bit_matmul(kind, w8a8_hw, monkeypatch):
+    """Our W8A8 linear kernel (kernels/w8a8_linear.py) where torch's `_scaled_mm` / `_int_mm` ran: the same codes
+    and scales, INT8's integer sums exact, so equal to torch's product up to one rounding; q, k and v in one
+    launch; and where the kernel's first-use check refused it, torch's matmuls with the MLP's activation in the
+    gelu_mul kernel."""
+    import quant.modules as modules
+    from quant.kernels import w8a8_linear as kern
+
+    g = torch.Generator().manual_seed(8)
+    K = 128
+    x = torch.randn(2, 19, K, generator=g).to(torch.bfloat16)
+    lins = [w8a8_linear(kind, n, K, g) for n in (96, 64, 64)]
+    launches = Launches(kern, "w8a8_linear_kernel", monkeypatch)
+    ours = project(x, lins)
+    assert len(launches.grids) == 1 and len(w8a8_hw) == 1
+    real_ok = modules.family_ok
+    monkeypatch.setattr(modules, "family_ok", lambda family, *a: not family.startswith("w8a8_linear") and
+                        real_ok(family, *a))
+    torchs = project(x, lins)  # torch's matmul, x still quantized once
+    assert len(launches.grids) == 1 and len(w8a8_hw) == 2
+    for a, b in zip(ours, torchs):
+        assert a.shape == b.shape and rel(a, b) <= TOL[torch.bfloat16]
+    gate, up = lins[1], lins[2]
+    h = gate.gated(x, up)  # torch's two matmuls and the gelu_mul kernel
+    want = F.gelu(gate(x), approximate="tanh") * up(x)
+    assert rel(h, want) <= TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize("rows", [5, 70])
+def test_w8a8_kernel_matches_the_emulation(rows, kind, monkeypatch):
+    """The kernel on its own (N and K not multiples of its tiles) against w8a8.matmul_emulated: the same products
+    in float32, to the output's rounding; gated against torch's gelu of the emulated products."""
+    from quant.kernels.w8a8_linear import w8a8_linear
+
+    monkeypatch.setenv("DGEMMA_KERNELS", "triton")
+    g = torch.Generator().manual_seed(rows)
+    K = 96
+    x = torch.randn(rows, K, generator=g).to(torch.bfloat16)
+    (wg, sg), (wu, su) = (w8a8.quantize(torch.randn(80, K, generator=g), kind) for _ in range(2))
+    sg, su = sg.float(), su.float()
+    quantized = w8a8.quantize_tokens(x, kind)
+    got = w8a8_linear(x, quantized, wg, sg)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 80)
+    assert rel(got, w8a8.matmul_emulated(x, wg, sg, kind)) <= TOL[torch.bfloat16]
+    gated = w8a8_linear(x, quantized, wg, sg, up=(wu, su))
+    want = F.gelu(w8a8.matmul_emulated(x, wg, sg, kind), approximate="tanh") * w8a8.matmul_emulated(x, wu, su, kind)
+    assert rel(gated, want) <= TOL[torch.bfloat16]

@@ -244,6 +244,30 @@ def _linear_work(cc: int, batch: int, dtype: torch.dtype) -> list[Work]:
             out.append(Work(family, label, batch, str(dtype)[6:], count,
                             floor_bytes=_module_bytes(m) + es * rows * (k + n), flops=2 * rows * n * k,
                             launches=launches))
+    # the W8A8 dense linears (kernels/w8a8_linear.py) where the target has the 8-bit tensor cores: q, k and v of a
+    # sliding layer in one launch, the MLP's gate and up in one gated launch (the activations quantized before)
+    from quant.kernels.moe_w8a8 import MIN_ARCH
+    from quant.kernels.w8a8_linear import w8a8_linear
+
+    for kind in ("int8", "fp8"):
+        if cc < MIN_ARCH[kind] or dtype != torch.bfloat16:
+            continue
+        x = torch.empty(rows, HIDDEN, dtype=dtype)
+        codes = (torch.empty(rows, HIDDEN, dtype=torch.int8 if kind == "int8" else torch.float8_e4m3fn),
+                 torch.empty(rows, 1))
+
+        def weights(n: int, k: int = HIDDEN):
+            return (torch.empty(n, k, dtype=codes[0].dtype), torch.empty(n, 1))
+
+        (q, k), (g, u) = (weights(16 * 256), weights(8 * 256)), (weights(DENSE), weights(DENSE))
+        launches = record(lambda: w8a8_linear(x, codes, *q, more=[k, k]), f"w8a8_linear ({kind})", cc)
+        out.append(Work(f"W8A8 linear ({kind.upper()})", "q, k, v (sliding)", batch, "bfloat16", 25,
+                        floor_bytes=q[0].numel() + 2 * k[0].numel() + rows * HIDDEN + es * rows * 8192,
+                        flops=2 * rows * 8192 * HIDDEN, launches=launches))
+        launches = record(lambda: w8a8_linear(x, codes, *g, up=u), f"w8a8_linear gated ({kind})", cc)
+        out.append(Work(f"W8A8 linear ({kind.upper()})", "mlp gate + up (gated)", batch, "bfloat16", LAYERS,
+                        floor_bytes=2 * g[0].numel() + rows * HIDDEN + es * rows * DENSE,
+                        flops=2 * 2 * rows * DENSE * HIDDEN, launches=launches))
     # the dense MLP's gate and up as the model runs them: one gated launch (W4A4: after one quantization of x)
     gate, up = NVFP4Linear(HIDDEN, DENSE), NVFP4Linear(HIDDEN, DENSE)
     for m in (gate, up):

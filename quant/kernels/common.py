@@ -169,6 +169,24 @@ def block_rows(ids_ptr, pid_b, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def segment_of(pid_n, BLOCK_N: tl.constexpr, w_ptr, s_ptr, s2_ptr, y_ptr, N, w1_ptr, s1_ptr, s21_ptr, y1_ptr, N1,
+               w2_ptr, s2b_ptr, s22_ptr, y2_ptr, N2, SEGMENTS: tl.constexpr):
+    """Several linears of one input in one launch (q, k and v): the grid's column tiles are the first linear's, then
+    the second's, then the third's. -> the operands (weight, scales, row scales, output, width) of the linear that
+    column tile `pid_n` belongs to, and the tile's number within it."""
+    tiles = tl.cdiv(N, BLOCK_N)
+    if pid_n >= tiles:
+        pid_n = pid_n - tiles
+        w_ptr, s_ptr, s2_ptr, y_ptr, N = w1_ptr, s1_ptr, s21_ptr, y1_ptr, N1
+        if SEGMENTS > 2:
+            tiles = tl.cdiv(N1, BLOCK_N)
+            if pid_n >= tiles:
+                pid_n = pid_n - tiles
+                w_ptr, s_ptr, s2_ptr, y_ptr, N = w2_ptr, s2b_ptr, s22_ptr, y2_ptr, N2
+    return w_ptr, s_ptr, s2_ptr, y_ptr, N, pid_n
+
+
+@triton.jit
 def gelu_tanh(x):
     """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), float32; tanh(z) = 1 - 2 / (exp(2z) + 1)."""
     z = 0.7978845608028654 * (x + 0.044715 * x * x * x)

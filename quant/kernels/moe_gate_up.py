@@ -129,7 +129,7 @@ def candidates(rows_per_expert: float, H: int, I: int, device: torch.device) -> 
     if shared_b_operand(cc):
         small = cfg(64, (64, 128, 4), (128, 64, 4))
         large = cfg(128, (64, 128, 8), (128 if cc < 100 else 64, 64, 4))  # 128 x 128 spills on sm_100
-        return [small, large] if rows_per_expert <= 48 else [large, small]
+        return [small, large] if rows_per_expert <= 96 else [large, small]
     small = cfg(16, (64, 128, 4), (128, 64, 4))
     large = cfg(32, (64, 128, 4), (128, 64, 4))
     return [small, large] if rows_per_expert <= 10 else [large, small]

@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from . import arch, interpreting, m_bucket, shared_b_operand, tuning
-from .common import dot_acc, gelu_tanh, load_nvfp4_tile, lora_expand, nvfp4_operand, store_rounded, to_compute
+from .common import (dot_acc, gelu_tanh, load_nvfp4_tile, lora_expand, nvfp4_operand, segment_of, store_rounded,
+                     to_compute)
 from .lora import LinearAdapters, lora_shrink
 
 
@@ -31,9 +32,15 @@ from .lora import LinearAdapters, lora_shrink
 def nvfp4_linear_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, wu_ptr, su_ptr, s2u_ptr, t_ptr, lb_ptr, tu_ptr, lbu_ptr,
                         M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EVEN: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr, GATED: tl.constexpr,
-                        LORA: tl.constexpr = False, BLOCK_R: tl.constexpr = 16):
+                        LORA: tl.constexpr = False, BLOCK_R: tl.constexpr = 16,
+                        w1_ptr=None, s1_ptr=None, s21_ptr=None, y1_ptr=None, N1=0,
+                        w2_ptr=None, s2b_ptr=None, s22_ptr=None, y2_ptr=None, N2=0, SEGMENTS: tl.constexpr = 1):
     pid_n = tl.program_id(0)  # fastest: consecutive programs share the x rows... and M blocks of one N tile follow
     pid_m = tl.program_id(1)
+    if SEGMENTS > 1:  # the column tiles of 2 or 3 linears of the same x, one after another: this tile's linear
+        w_ptr, s_ptr, s2_ptr, y_ptr, N, pid_n = segment_of(
+            pid_n, BLOCK_N, w_ptr, s_ptr, s2_ptr, y_ptr, N, w1_ptr, s1_ptr, s21_ptr, y1_ptr, N1,
+            w2_ptr, s2b_ptr, s22_ptr, y2_ptr, N2, SEGMENTS)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # 64-bit: M x K passes 2^31 on long prompts
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -92,11 +99,14 @@ def candidates(M: int, K: int, device: torch.device, gated: bool = False) -> lis
 
 def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                  row_scale_2: torch.Tensor, up: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                 lora: LinearAdapters | None = None, lora_up: LinearAdapters | None = None) -> torch.Tensor:
+                 lora: LinearAdapters | None = None, lora_up: LinearAdapters | None = None,
+                 more: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = ()) -> torch.Tensor | list:
     """x [..., K] -> [..., N] (see the module docstring for the operands). With `up` (the weight, scales and row
     scales of a second NVFP4 matrix of the same shape): gelu_tanh(x W^T) * (x W_up^T), the gated MLP's first half in
     one kernel. lora (and lora_up with `up`, of the same stacked rank): adapters' terms, their rank products made
-    first (lora.lora_shrink), their expansions added in the epilogue (before the activation)."""
+    first (lora.lora_shrink), their expansions added in the epilogue (before the activation). more: one or two
+    further linears of x (weight, scales, row scales; q, k and v), multiplied in the same launch, their column
+    tiles after this one's: the list of the outputs, [..., N_i] each (no up or adapters with them)."""
     N, half = weight.shape
     K = 2 * half
     lead = x.shape[:-1]
@@ -112,6 +122,12 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
             up[2].float().contiguous()
     else:
         words_u, scale_bits_u, s2u = words, scale_bits, s2  # stand-ins, never read
+    if len(more) > 2 or more and (up is not None or lora is not None or any(m[0].shape[1] != half for m in more)):
+        raise ValueError("nvfp4_linear: up to two more linears of the same input width, without up or adapters")
+    segs = [(m[0].contiguous().view(torch.int32), m[1].view(torch.uint8), m[2].float().contiguous(),
+             torch.empty(M, m[0].shape[0], dtype=x.dtype, device=x.device), m[0].shape[0]) for m in more]
+    stand_in = (words, scale_bits, s2, y, 0)  # never read
+    seg_args = [a for seg in (segs + [stand_in] * 2)[:2] for a in seg]
     t = lb = tu = lbu = x2  # stand-ins, never read without adapters
     rank = 16
     if lora is not None:
@@ -121,16 +137,21 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         t, lb, rank = lora_shrink(x2, lora), lora.factors.B.contiguous(), lora.factors.A.shape[0]
         if lora_up is not None:
             tu, lbu = lora_shrink(x2, lora_up), lora_up.factors.B.contiguous()
+    widths = [N] + [seg[4] for seg in segs]
 
     def launch(cfg: dict) -> None:
-        grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]))
+        bn = cfg["BLOCK_N"]
+        grid = (sum(triton.cdiv(n, bn) for n in widths), triton.cdiv(M, cfg["BLOCK_M"]))
         nvfp4_linear_kernel[grid](x2, words, scale_bits, s2, y, words_u, scale_bits_u, s2u, t, lb, tu, lbu, M, N, K,
-                                  cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"],
-                                  N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, x.dtype == torch.float32,
-                                  interpreting(), up is not None, lora is not None, rank, num_warps=cfg["num_warps"])
+                                  cfg["BLOCK_M"], bn, cfg["BLOCK_K"],
+                                  all(n % bn == 0 for n in widths) and K % cfg["BLOCK_K"] == 0,
+                                  x.dtype == torch.float32, interpreting(), up is not None, lora is not None, rank,
+                                  *seg_args, SEGMENTS=len(widths), num_warps=cfg["num_warps"])
 
-    key = (m_bucket(M), N, K, str(x.dtype)) + (("gated",) if up is not None else ()) + (
+    key = (m_bucket(M), sum(widths), K, str(x.dtype)) + (("gated",) if up is not None else ()) + (
         ("lora", rank) if lora is not None else ())
     cfg = tuning.choose("nvfp4_linear", key, candidates(M, K, x.device, up is not None), launch, x.device)
     launch(cfg)
+    if more:
+        return [out.reshape(*lead, out.shape[-1]) for out in [y] + [seg[3] for seg in segs]]
     return y.reshape(*lead, N)

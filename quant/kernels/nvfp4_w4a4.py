@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .common import UNSHIFT, gelu_tanh, load_nvfp4_tile, lora_expand, store_rounded, to_compute
+from .common import UNSHIFT, gelu_tanh, load_nvfp4_tile, lora_expand, segment_of, store_rounded, to_compute
 from .lora import LinearAdapters, lora_shrink
 
 
@@ -55,9 +55,15 @@ def _w4a4_step(acc, xq_ptr, xs_ptr, w_ptr, ws_ptr, rm, rn, k0, M, N, K, BLOCK_M:
 def nvfp4_w4a4_kernel(xq_ptr, xs_ptr, xg_ptr, w_ptr, ws_ptr, wg_ptr, y_ptr, t_ptr, lb_ptr, wu_ptr, wsu_ptr, wgu_ptr,
                       M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       EMULATE: tl.constexpr, LORA: tl.constexpr = False, BLOCK_R: tl.constexpr = 16,
-                      IEEE: tl.constexpr = False, GATED: tl.constexpr = False):
+                      IEEE: tl.constexpr = False, GATED: tl.constexpr = False,
+                      w1_ptr=None, s1_ptr=None, s21_ptr=None, y1_ptr=None, N1=0,
+                      w2_ptr=None, s2b_ptr=None, s22_ptr=None, y2_ptr=None, N2=0, SEGMENTS: tl.constexpr = 1):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    if SEGMENTS > 1:  # the column tiles of 2 or 3 linears of the same x, one after another: this tile's linear
+        w_ptr, ws_ptr, wg_ptr, y_ptr, N, pid_n = segment_of(
+            pid_n, BLOCK_N, w_ptr, ws_ptr, wg_ptr, y_ptr, N, w1_ptr, s1_ptr, s21_ptr, y1_ptr, N1,
+            w2_ptr, s2b_ptr, s22_ptr, y2_ptr, N2, SEGMENTS)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -96,13 +102,15 @@ def supported(device: torch.device) -> bool:
 def nvfp4_w4a4(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, row_scale_2: torch.Tensor,
                input_scale: torch.Tensor | None = None, lora: LinearAdapters | None = None,
                quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-               up: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               up: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+               more: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = ()) -> torch.Tensor | list:
     """x [..., K] -> [..., N]: x quantized to NVFP4 (nvfp4_act: with the checkpoint's static `input_scale`, or per
     token without one), then the FP4 x FP4 product. lora: adapters' terms, their rank products taken from the 16-bit
     x (lora.lora_shrink) and their expansions added in the epilogue. quantized: x's quantization already made
     (quantize_act's codes, scales and row scales for x's rows; input_scale is then not used). up: (weight,
     weight_scale, row_scale_2) of a second NVFP4 matrix of the same shape: gelu_tanh(x W^T) * (x W_up^T), the gated
-    MLP's first half, in one launch (no adapters)."""
+    MLP's first half, in one launch (no adapters). more: one or two further linears of x (q, k and v) in the same
+    launch, their column tiles after this one's: the list of the outputs (no up or adapters with them)."""
     from .nvfp4_act import quantize_act
 
     N, half = weight.shape
@@ -111,6 +119,8 @@ def nvfp4_w4a4(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         raise ValueError(f"W4A4 needs the input dim to be a multiple of 32 (got {K})")
     if up is not None and (up[0].shape != weight.shape or lora is not None):
         raise ValueError("nvfp4_w4a4: the gated product takes an up weight of the gate's shape and no adapters")
+    if len(more) > 2 or more and (up is not None or lora is not None or any(m[0].shape[1] != half for m in more)):
+        raise ValueError("nvfp4_w4a4: up to two more linears of the same input width, without up or adapters")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
@@ -126,9 +136,15 @@ def nvfp4_w4a4(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     w_scale, w_row = weight_scale.view(torch.uint8), row_scale_2.float().contiguous()
     wu, wsu, wgu = (up[0].contiguous(), up[1].view(torch.uint8), up[2].float().contiguous()) if up is not None \
         else (weight, w_scale, w_row)  # stand-ins, never read
+    segs = [(m[0].contiguous(), m[1].view(torch.uint8), m[2].float().contiguous(),
+             torch.empty(M, m[0].shape[0], dtype=x.dtype, device=x.device), m[0].shape[0]) for m in more]
+    seg_args = [a for seg in (segs + [(weight, w_scale, w_row, y, 0)] * 2)[:2] for a in seg]  # stand-ins: unread
+    grid = (sum(triton.cdiv(n, block_n) for n in [N] + [seg[4] for seg in segs]), grid[1])
     nvfp4_w4a4_kernel[grid](xq, xs, xg, weight.contiguous(), w_scale, w_row, y, t, lb, wu, wsu, wgu, M, N, K, 128,
                             block_n, block_k, interpreting(), lora is not None, rank, x.dtype == torch.float32,
-                            up is not None, num_warps=8)
+                            up is not None, *seg_args, SEGMENTS=1 + len(segs), num_warps=8)
+    if more:
+        return [out.reshape(*lead, out.shape[-1]) for out in [y] + [seg[3] for seg in segs]]
     return y.reshape(*lead, N)
 
 

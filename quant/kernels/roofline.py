@@ -82,6 +82,11 @@ CARD_GPUS = {
     "RTX 4090": (89, GPUS[89]),  # above (72 MB L2)
     "RTX 5090": (120, GPUS[120]),  # above (96 MB L2)
 }
+# GPUs the whole-step table also costs, each with the code compiled for a target above (the same compute capability):
+# H100 SXM5 80 GB: H100 datasheet (3.35 TB/s, 1,979 TFLOPS bf16 with sparsity, so 989 dense); 132 SMs and 1,980 MHz
+# boost (Hopper architecture whitepaper); cc 9.0: 227 KB per block. The design card's GPU, where the peer's figures
+# stand.
+STEP_ALSO = {90: (GPU("H100 SXM", 132, 1.98, 3.35, 989, 227 * 1024),)}
 FP4_OPS = {"OMMA", "UTCOMMA"}  # block-scaled FP4 tensor-core instructions (sm_120, sm_100)
 ISSUE_PER_CLOCK = 4  # warp-instructions per SM per clock: four schedulers, one each
 OVER = 1.25  # issue / max(DRAM, tensor) above this is marked
@@ -154,6 +159,19 @@ def _lora_epilogue(a: dict, tiles: int) -> int:
     return 2 * a["BLOCK_M"] * tiles * a["BLOCK_N"] * _lora_rank(a)
 
 
+def _segment_widths(a: dict) -> int:
+    """Linear kernels launched for several linears of one input (SEGMENTS, q k v): their outputs' widths summed."""
+    return a["N"] + sum(a.get(n, 0) for n in ("N1", "N2")[: a.get("SEGMENTS", 1) - 1])
+
+
+def _segment_passes(a: dict) -> dict[str, int]:
+    """The second and third linears' operands are stand-ins, never read or written, unless SEGMENTS has them."""
+    segments = a.get("SEGMENTS", 1)
+    return {name: int(segments > i + 1) for i, names in enumerate((("w1_ptr", "s1_ptr", "s21_ptr", "y1_ptr"),
+                                                                   ("w2_ptr", "s2b_ptr", "s22_ptr", "y2_ptr")))
+            for name in names}
+
+
 def _lora_passes(a: dict) -> dict[str, int]:
     """MoE kernels: t and B are stand-in pointers, never read, unless LORA."""
     return {"t_ptr": int(bool(a.get("LORA"))), "lb_ptr": int(bool(a.get("LORA")))}
@@ -170,10 +188,11 @@ KERNELS = {
                                                    "s2u_ptr": int(a["GATED"]), "t_ptr": int(bool(a.get("LORA"))),
                                                    "lb_ptr": int(bool(a.get("LORA"))),
                                                    "tu_ptr": int(bool(a.get("LORA")) and a["GATED"]),
-                                                   "lbu_ptr": int(bool(a.get("LORA")) and a["GATED"])},
+                                                   "lbu_ptr": int(bool(a.get("LORA")) and a["GATED"]),
+                                                   **_segment_passes(a)},
                                  mma=lambda a: (2 if a["GATED"] else 1) * (_tile_mma(1, "K")(a)
                                                                            + _lora_epilogue(a, 1)),
-                                 useful=lambda a: (2 if a["GATED"] else 1) * 2 * a["M"] * a["N"]
+                                 useful=lambda a: (2 if a["GATED"] else 1) * 2 * a["M"] * _segment_widths(a)
                                  * (a["K"] + _lora_rank(a))),
     # a linear's LoRA rank product (lora.py): for k0 in range(0, K, BLOCK_K), one CTA per BLOCK_M rows
     "lora_shrink_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])], elems=lambda a: a["BLOCK_R"] * a["K"],
@@ -207,12 +226,13 @@ KERNELS = {
     # GATED: the gate's and the up projection's weight tiles each step (two products on the same activation tile)
     "nvfp4_w4a4_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])],
                                elems=lambda a: (2 if a.get("GATED") else 1) * a["BLOCK_N"] * (a["K"] + _lora_rank(a)),
-                               passes=lambda a: dict(_lora_passes(a), **{k: int(bool(a.get("GATED")))
-                                                                         for k in ("wu_ptr", "wsu_ptr", "wgu_ptr")}),
+                               passes=lambda a: dict(_lora_passes(a), **_segment_passes(a),
+                                                     **{k: int(bool(a.get("GATED")))
+                                                        for k in ("wu_ptr", "wsu_ptr", "wgu_ptr")}),
                                mma=lambda a: (2 if a.get("GATED") else 1) * _tile_mma(1, "K")(a)
                                + _lora_epilogue(a, 1),
-                               useful=lambda a: (2 if a.get("GATED") else 1) * 2 * a["M"] * a["N"] * a["K"]
-                               + 2 * a["M"] * a["N"] * _lora_rank(a)),
+                               useful=lambda a: (2 if a.get("GATED") else 1) * 2 * a["M"] * _segment_widths(a)
+                               * a["K"] + 2 * a["M"] * a["N"] * _lora_rank(a)),
     # W4A4 experts: for k0 in range(0, H or I, BLOCK_K), FP4 x FP4 dot_scaled (gate and up each iteration); LORA
     # as the 16-bit MoE kernels' (its epilogue's 16-bit MMA counted at the launch's FP4 rate: a rank of 16 against
     # K of thousands)
@@ -224,6 +244,16 @@ KERNELS = {
                                   elems=lambda a: a["BLOCK_N"] * (a["I"] + _lora_rank(a)), ctas=_live_blocks,
                                   passes=_lora_passes, mma=lambda a: _tile_mma(1, "I")(a) + _lora_epilogue(a, 1),
                                   useful=lambda a: 2 * _routed(a) * a["H"] * (a["I"] + _lora_rank(a))),
+    # W8A8 dense linears (w8a8_linear.py): for k0 in range(0, K, BLOCK_K), one CTA per BLOCK_M x BLOCK_N tile;
+    # GATED: the gate's and the up projection's codes each step; SEGMENTS: 2 or 3 linears' tiles in one grid
+    "w8a8_linear_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])],
+                                elems=lambda a: (2 if a["GATED"] else 1) * a["BLOCK_N"] * a["K"],
+                                passes=lambda a: {"wu_ptr": int(a["GATED"]), "wsu_ptr": int(a["GATED"]),
+                                                  **{k: int(a["SEGMENTS"] > i + 1) for i, names in enumerate(
+                                                      (("w1_ptr", "s1_ptr", "y1_ptr"), ("w2_ptr", "s2b_ptr",
+                                                                                        "y2_ptr"))) for k in names}},
+                                mma=lambda a: (2 if a["GATED"] else 1) * _tile_mma(1, "K")(a),
+                                useful=lambda a: (2 if a["GATED"] else 1) * 2 * a["M"] * _segment_widths(a) * a["K"]),
     # W8A8 experts: for k0 in range(0, H or I, BLOCK_K), int8 x int8 or e4m3 x e4m3 (gate and up each iteration)
     "moe_gate_up_w8a8_kernel": Loops(trips=lambda a: [_cdiv(a["H"], a["BLOCK_K"])],
                                      elems=lambda a: 2 * a["BLOCK_N"] * a["H"], ctas=_live_blocks,
