@@ -76,6 +76,17 @@ class RMSNorm(nn.Module):
         out = residual + self(x if x2 is None else x + x2)
         return out if scale is None else out * scale
 
+    def add_then_pair(self, residual: torch.Tensor, x: torch.Tensor, first: RMSNorm, second: RMSNorm,
+                      pair_order: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(y, first(y), second(y)) for y = residual + self(x), in one kernel (the post-attention residual update and
+        the two pre-feed-forward norms of its result; the second's columns in pair order with `pair_order`, as
+        `pair` gives them); None where the norms do not run fused (the caller runs add_to, then pair)."""
+        norms = (self, first, second)
+        if not (_fused_norms(x) and all(n.weight is not None and n.eps == self.eps for n in norms)):
+            return None
+        return _rms_norm_kernel()(x, self.weight, self.eps, residual=residual,
+                                  then_pair=(first.weight, second.weight), pair_order_y2=pair_order)
+
     def pair(self, x: torch.Tensor, other: RMSNorm, pair_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(x), other(x)): two norms of the same input (same eps), in one kernel; the second's columns in the
         NVFP4 decode's pair order with `pair_order` (groups of 8 as k0 k4 k1 k5 k2 k6 k3 k7)."""
@@ -461,14 +472,32 @@ class Layer(nn.Module):
         self.pre_feedforward_layernorm_2 = RMSNorm(H, eps)
         self.post_feedforward_layernorm_2 = RMSNorm(H, eps)
 
-    def feed_forward(self, x: torch.Tensor, layer_scalar: torch.Tensor, experts_per_row: bool = False
-                     ) -> torch.Tensor:
-        """x is the post-attention residual [B, T, H]. experts_per_row: the routed experts run on each row's T
-        tokens apart (the server's exactness on the CPU: dgemma_cli/server/batching.py), not on all B x T at once."""
-        # the experts' input straight in the order their NVFP4 kernels read, where they run (no copy in between)
+    def experts_pair_order(self, x: torch.Tensor) -> bool:
+        """Whether the experts take their input in the order their NVFP4 kernels read (no copy in between)."""
         takes = getattr(self.experts, "takes_pair_order", None)
-        ordered = bool(takes is not None and not x.requires_grad and takes(x))
-        pre, pre2 = self.pre_feedforward_layernorm.pair(x, self.pre_feedforward_layernorm_2, pair_order=ordered)
+        return bool(takes is not None and not x.requires_grad and takes(x))
+
+    def post_attention(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
+        """x + norm(h), the attention's residual update, and where the norms run fused the feed-forward stage's two
+        input norms of it from the same launch (`feed_forward`'s `normed`), else None."""
+        ordered = self.experts_pair_order(x)
+        both = self.post_attention_layernorm.add_then_pair(x, h, self.pre_feedforward_layernorm,
+                                                           self.pre_feedforward_layernorm_2, ordered)
+        if both is None:
+            return self.post_attention_layernorm.add_to(x, h), None
+        return both[0], (both[1], both[2], ordered)
+
+    def feed_forward(self, x: torch.Tensor, layer_scalar: torch.Tensor, experts_per_row: bool = False,
+                     normed: tuple | None = None) -> torch.Tensor:
+        """x is the post-attention residual [B, T, H]. experts_per_row: the routed experts run on each row's T
+        tokens apart (the server's exactness on the CPU: dgemma_cli/server/batching.py), not on all B x T at once.
+        normed: (pre, pre2, pair order) as `post_attention` made them, the two input norms of x already taken."""
+        # the experts' input straight in the order their NVFP4 kernels read, where they run (no copy in between)
+        ordered = self.experts_pair_order(x)
+        if normed is not None and normed[2] == ordered:
+            pre, pre2 = normed[:2]
+        else:
+            pre, pre2 = self.pre_feedforward_layernorm.pair(x, self.pre_feedforward_layernorm_2, pair_order=ordered)
         dense = self.mlp(pre)  # its post-norm is applied with the sum's, below
         B, T, H = x.shape
         flat = x.reshape(-1, H)
@@ -673,13 +702,14 @@ class DiffusionGemma(nn.Module):
             self.__dict__["_embed_scale"] = cached = (key, value.to(w.device), value.item())
         return cached[2] if as_float else cached[1]
 
-    def _feed_forward(self, layer: Layer, x: torch.Tensor, scalar: torch.Tensor, experts_per_row: bool = False
-                      ) -> torch.Tensor:
+    def _feed_forward(self, layer: Layer, x: torch.Tensor, scalar: torch.Tensor, experts_per_row: bool = False,
+                      normed: tuple | None = None) -> torch.Tensor:
         """A layer's feed-forward stage; under `checkpointing` while gradients are taken (dgemma tune), recomputed in
         the backward pass instead of kept: a quantized layer's dequantized experts then live one layer at a time, not
-        all layers at once. The recomputation runs in the pass it was made in (adapters keep a delta per pass)."""
+        all layers at once. The recomputation runs in the pass it was made in (adapters keep a delta per pass).
+        normed: its input norms already taken (Layer.post_attention), where they ran fused."""
         if not (self.checkpointing and torch.is_grad_enabled()):
-            return layer.feed_forward(x, scalar, experts_per_row)
+            return layer.feed_forward(x, scalar, experts_per_row, normed)
         from torch.utils.checkpoint import checkpoint
 
         encoding = self.phase.encoding
@@ -837,8 +867,8 @@ class DiffusionGemma(nn.Module):
             if i == last and not return_hidden:
                 break  # the last layer's output feeds nothing the cache needs
             h = layer.self_attn.o_proj(attend(q, keys, values, mask, causal=True))
-            x = layer.post_attention_layernorm.add_to(x, h)
-            x = self._feed_forward(layer, x, scalar)
+            x, normed = layer.post_attention(x, h)
+            x = self._feed_forward(layer, x, scalar, normed=normed)
         if split is not None:
             x = split.leave(x)
         cache.length = L0 + T
@@ -997,8 +1027,8 @@ class DiffusionGemma(nn.Module):
             if row != B:
                 raise ValueError(f"the caches cover {row} rows, the canvas has {B}")
             h = layer.self_attn.o_proj(heads[0] if len(heads) == 1 else torch.cat(heads))
-            x = layer.post_attention_layernorm.add_to(x, h)
-            x = self._feed_forward(layer, x, scalar, experts_per_row)
+            x, normed = layer.post_attention(x, h)
+            x = self._feed_forward(layer, x, scalar, experts_per_row, normed)
         if split is not None:
             x = split.leave(x)
         x = self.norm(x)

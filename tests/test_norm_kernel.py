@@ -125,6 +125,37 @@ def test_two_norms_of_one_input_in_one_kernel(monkeypatch, dtype):
     assert torch.equal(t1, n1(a)) and torch.equal(t2.reshape(-1, D), pair_ordered(n2(a).reshape(-1, D)))
 
 
+@pytest.mark.parametrize("pair_order", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_residual_update_then_its_two_norms_in_one_kernel(monkeypatch, dtype, pair_order):
+    """RMSNorm.add_then_pair: the post-attention residual update and the two pre-feed-forward norms of its result in
+    one launch, each as the three norms give them one after another (the second in pair order where asked); and the
+    model's layer takes them (Layer.post_attention, then feed_forward with them)."""
+    from quant.kernels.moe_gate_up import pair_ordered
+
+    monkeypatch.setenv("DGEMMA_KERNELS", "triton")
+    g = torch.Generator().manual_seed(2)
+    D = 96
+    x, h = ((torch.randn(2, 7, D, generator=g) * 3).to(dtype) for _ in range(2))
+    post, first, second = (_norm((torch.rand(D, generator=g) + 0.5).to(dtype), D, 1e-6) for _ in range(3))
+    with torch.no_grad():
+        y, p1, p2 = post.add_then_pair(x, h, first, second, pair_order=pair_order)
+        want_y = reference(h, post.weight, 1e-6, residual=x)
+        want = [reference(y, first.weight, 1e-6), reference(y, second.weight, 1e-6)]
+    if pair_order:
+        want[1] = pair_ordered(want[1].reshape(-1, D)).view(want[1].shape)
+    for got, ref in ((y, want_y), (p1, want[0]), (p2, want[1])):
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        else:
+            assert ulps(got, ref) <= 1.01 and (got == ref).float().mean() > 0.97
+    # the second norms read y as stored: from the kernel's own y they are those norms exactly, up to summation order
+    with torch.no_grad():
+        assert ulps(p1, first(y)) <= 1.01
+    monkeypatch.setenv("DGEMMA_KERNELS", "torch")
+    assert post.add_then_pair(x, h, first, second) is None  # not fused: the caller's two steps
+
+
 def test_a_norm_written_into_a_kv_cache_slot():
     """k's norm with RoPE and v's plain norm written through strided views of a cache's scratch slots ([B, Hkv,
     capacity, D] buffers, the canvas's T positions at the end): the same values as the torch path's, nothing else in
@@ -203,9 +234,10 @@ def test_the_model_step_with_fused_norms_matches_without(monkeypatch):
     monkeypatch.setattr(rmsnorm, "rms_norm", lambda *a, **k: launches.append(1) or original(*a, **k))
     got = step()
     layers = cfg.text.num_hidden_layers
-    # every norm of every layer, encoder and denoise steps: 10 norms a layer in 6 kernels (q's and k's in one, the
-    # two pre-feed-forward norms in one, the three post-feed-forward ones in one)
-    assert len(launches) >= 2 * 6 * layers
+    # every norm of every layer, encoder and denoise steps: 10 norms a layer in 5 kernels (q's and k's in one, v's,
+    # the post-attention norm with the two pre-feed-forward norms of its result, the three post-feed-forward ones
+    # in one, the input norm), 4 of them through rms_norm, and the final norm, in each of the three passes
+    assert len(launches) == 3 * (4 * layers + 1)
     assert (got - ref).abs().max() <= 0.01 * ref.abs().max()  # measured: 0.058 of 9.98
     assert (got == ref).float().mean() > 0.75  # measured: 86% of the logits bit for bit
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.99  # measured: all

@@ -10,9 +10,11 @@ program where they are short (a token's heads of 256: 8 rows, so the per-program
     n = rope(n) = n * cos + rotate_half(n) * sin       (optional; each product and the sum rounded as torch does)
     y = R + n (rounded), then y * S (rounded)          (optional residual R and 0-dim scale S)
 
-and two fusions of a layer's neighbouring norms: A and A2 each normed by norms of their own before the add (the
-post-feed-forward norms of the dense MLP's and the experts' outputs, then the layer's norm of their sum), and a
-second output, the same norm of A with another weight (the two pre-feed-forward norms of the residual).
+and three fusions of a layer's neighbouring norms: A and A2 each normed by norms of their own before the add (the
+post-feed-forward norms of the dense MLP's and the experts' outputs, then the layer's norm of their sum); a
+second output, the same norm of A with another weight (the two pre-feed-forward norms of the residual); and the
+result y normed again with two weights of its own (THEN_PAIR: the post-attention residual update followed by the
+two pre-feed-forward norms of it, in one launch).
 
 Every rounding the torch path makes to the output dtype is made here at the same place, so the results differ from
 it only by float32 summation order in the mean (and 1/sqrt against pow(-0.5)): tests/test_norm_kernel.py compares
@@ -54,12 +56,12 @@ def _normed(a, w_ptr, cols, D, eps):
 
 @triton.jit
 def rms_norm_kernel(a_ptr, a2_ptr, w_ptr, r_ptr, s_ptr, cos_ptr, sin_ptr, y_ptr, wa_ptr, wa2_ptr, w2_ptr, y2_ptr,
-                    b_ptr, wb_ptr, yb_ptr, ROWS, D, eps, heads, T, cos_bstride, ysb, yst, ysh,
-                    PA, ROWS_B, heads_b, ybsb, ybst, ybsh,
+                    b_ptr, wb_ptr, yb_ptr, wp_ptr, wp2_ptr, yp_ptr, yp2_ptr, ROWS, D, eps, heads, T, cos_bstride,
+                    ysb, yst, ysh, PA, ROWS_B, heads_b, ybsb, ybst, ybsh,
                     HAS_A2: tl.constexpr, HAS_W: tl.constexpr, HAS_R: tl.constexpr, HAS_S: tl.constexpr,
                     ROPE: tl.constexpr, NORM_A: tl.constexpr, NORM_A2: tl.constexpr, HAS_Y2: tl.constexpr,
                     STRIDED: tl.constexpr, TWO: tl.constexpr, PAIR_Y2: tl.constexpr, R: tl.constexpr,
-                    BLOCK: tl.constexpr, EMULATE: tl.constexpr):
+                    BLOCK: tl.constexpr, EMULATE: tl.constexpr, THEN_PAIR: tl.constexpr = False):
     pid = tl.program_id(0)
     if TWO:  # programs from PA on norm a second tensor (B: k after q) with its own weight, rows and output
         second = pid >= PA
@@ -118,14 +120,29 @@ def rms_norm_kernel(a_ptr, a2_ptr, w_ptr, r_ptr, s_ptr, cos_ptr, sin_ptr, y_ptr,
     if HAS_S:
         n = _round(n * tl.load(s_ptr).to(tl.float32), dt, EMULATE)
     tl.store(y_ptr + y_at, n.to(dt), mask=mask)
+    if THEN_PAIR:  # the next norms of y, as they read it (rounded): two weights, the second's columns in pair order
+        n0 = n * (1.0 / tl.sqrt(tl.sum(n * n, axis=1) / D + eps))[:, None]
+        wp = tl.load(wp_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+        tl.store(yp_ptr + at, _round(n0 * wp[None, :], dt, EMULATE).to(dt), mask=mask)
+        wp2 = tl.load(wp2_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+        if PAIR_Y2:
+            yp2_at = row[:, None] * D + pair_order(cols)[None, :]
+        else:
+            yp2_at = at
+        tl.store(yp2_ptr + yp2_at, _round(n0 * wp2[None, :], dt, EMULATE).to(dt), mask=mask)
 
 
 def rms_norm(a: torch.Tensor, weight: torch.Tensor | None, eps: float, a2: torch.Tensor | None = None,
              residual: torch.Tensor | None = None, scale: torch.Tensor | None = None,
              cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, a_weight: torch.Tensor | None = None,
              a2_weight: torch.Tensor | None = None, weight2: torch.Tensor | None = None,
-             out: torch.Tensor | None = None, pair_order_y2: bool = False):
+             out: torch.Tensor | None = None, pair_order_y2: bool = False,
+             then_pair: tuple[torch.Tensor, torch.Tensor] | None = None):
     """S * (residual + rope(norm(a + a2) * weight)) in a's dtype and shape (see the module docstring).
+
+    then_pair (weights w, w2; no RoPE, no weight2): the next two norms of the result y as well, norm(y) * w and
+    norm(y) * w2 (a layer's pre-feed-forward norms after its post-attention residual update), the second in the
+    NVFP4 decode's pair order with pair_order_y2: returns (y, norm(y) * w, norm(y) * w2).
 
     a_weight / a2_weight: a and a2 are first normed each by a norm of their own with that weight (the same eps),
     rounded, then added. weight2: also the same norm of a with this other weight; returns (y, y2) then, y2's columns
@@ -144,7 +161,9 @@ def rms_norm(a: torch.Tensor, weight: torch.Tensor | None, eps: float, a2: torch
         raise ValueError("a second output is the plain norm of a: no a2, residual, scale or RoPE with it")
     if a2_weight is not None and a2 is None:
         raise ValueError("a2_weight without a2")
-    if pair_order_y2 and (weight2 is None or D % 8):
+    if then_pair is not None and (rope or weight2 is not None or out is not None or a.dim() > 3):
+        raise ValueError("then_pair norms a plain residual update's result: no RoPE, weight2 or out with it")
+    if pair_order_y2 and ((weight2 is None and then_pair is None) or D % 8):
         raise ValueError("the pair order is for a second output of a width divisible by 8")
     heads = T = 1
     cos_bstride = 0
@@ -158,15 +177,19 @@ def rms_norm(a: torch.Tensor, weight: torch.Tensor | None, eps: float, a2: torch
     g = a  # a stand-in pointer for the operands a launch does not have (never read)
     strided = not y.is_contiguous()
     block, per, warps = _launch_shape(D, strided)
+    pair = (then_pair[0], then_pair[1], torch.empty_like(a), torch.empty_like(a)) if then_pair is not None \
+        else (g, g, g, g)
     rms_norm_kernel[(triton.cdiv(rows, per),)](
         a, a2.contiguous() if a2 is not None else g, weight if weight is not None else g,
         residual.contiguous() if residual is not None else g, scale if scale is not None else g,
         cos if rope else g, sin if rope else g, y, a_weight if a_weight is not None else g,
         a2_weight if a2_weight is not None else g, weight2 if weight2 is not None else g, y2 if y2 is not None else g,
-        g, g, g, rows, D, float(eps), heads, T, cos_bstride, *_row_strides(y, T, heads, D), 0, 0, 1, 0, 0, 0,
+        g, g, g, *pair, rows, D, float(eps), heads, T, cos_bstride, *_row_strides(y, T, heads, D), 0, 0, 1, 0, 0, 0,
         a2 is not None, weight is not None, residual is not None, scale is not None, rope, a_weight is not None,
         a2_weight is not None, weight2 is not None, strided, False, pair_order_y2, per, block, interpreting(),
-        num_warps=warps)
+        then_pair is not None, num_warps=warps)
+    if then_pair is not None:
+        return y, pair[2], pair[3]
     return y if y2 is None else (y, y2)
 
 
@@ -194,7 +217,8 @@ def rms_norm_rope_pair(a: torch.Tensor, weight: torch.Tensor, b: torch.Tensor, w
     pa = triton.cdiv(rows, per)
     g = a
     rms_norm_kernel[(pa + triton.cdiv(rows_b, per),)](
-        a, g, weight, g, g, cos, sin, y, g, g, g, g, b, weight_b, yb, rows, D, float(eps), heads, T, cos_bstride,
+        a, g, weight, g, g, cos, sin, y, g, g, g, g, b, weight_b, yb, g, g, g, g, rows, D, float(eps), heads, T,
+        cos_bstride,
         *_row_strides(y, T, heads, D), pa, rows_b, heads_b, *_row_strides(yb, T, heads_b, D),
         False, True, False, False, True, False, False, False, strided, True, False, per, block, interpreting(),
         num_warps=warps)
