@@ -246,6 +246,13 @@ class Attention(nn.Module):
             from quant.kernels.rmsnorm import rms_norm_rope_pair
 
             k_out, v_out = kv_out if kv_out is not None else (None, None)
+            if self.v_norm.eps == self.q_norm.eps:  # and v's, without weight or RoPE, in the same launch
+                q, k, v = rms_norm_rope_pair(q_raw, self.q_norm.weight, k_raw, self.k_norm.weight, self.q_norm.eps,
+                                             cos, sin, out_b=None if k_out is None else k_out.transpose(1, 2),
+                                             c=v_raw, out_c=None if v_out is None else v_out.transpose(1, 2))
+                if v_out is not None:
+                    return q.transpose(1, 2), k_out, v_out
+                return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             q, k = rms_norm_rope_pair(q_raw, self.q_norm.weight, k_raw, self.k_norm.weight, self.q_norm.eps, cos, sin,
                                       out_b=None if k_out is None else k_out.transpose(1, 2))
             if v_out is not None:

@@ -202,6 +202,18 @@ def test_q_and_k_norms_in_one_launch():
     assert torch.equal(cache[:, :, cap - T :].transpose(1, 2).cpu(), got_k.cpu()) and (cache[:, :, : cap - T] == 0).all()
     with pytest.raises(ValueError):
         rms_norm_rope_pair(q, wq, k[:, :3], wk, 1e-6, cos, sin)
+    # and v (k's shape) in the same launch: no weight, no RoPE, into its own cache slots
+    v = (torch.randn(B, T, 2, D, generator=g) * 3).to(torch.bfloat16)
+    v_cache = torch.zeros(B, 2, cap, D, dtype=torch.bfloat16, device=DEVICE)
+    cache.zero_()
+    q3, k3, v3 = rms_norm_rope_pair(dev(q), dev(wq), dev(k), dev(wk), 1e-6, dev(cos), dev(sin),
+                                    out_b=cache[:, :, cap - T :].transpose(1, 2), c=dev(v),
+                                    out_c=v_cache[:, :, cap - T :].transpose(1, 2))
+    assert torch.equal(q3, got_q) and torch.equal(k3, got_k)
+    assert ulps(v3.cpu(), reference(v, None, 1e-6)) <= 1.01
+    assert torch.equal(v_cache[:, :, cap - T :].transpose(1, 2).cpu(), v3.cpu()) and (v_cache[:, :, : cap - T] == 0).all()
+    q4, k4, v4 = rms_norm_rope_pair(dev(q), dev(wq), dev(k), dev(wk), 1e-6, dev(cos), dev(sin), c=dev(v))
+    assert torch.equal(q4, got_q) and torch.equal(k4.cpu(), got_k.cpu()) and torch.equal(v4.cpu(), v3.cpu())
 
 
 def test_the_model_step_with_fused_norms_matches_without(monkeypatch):
@@ -234,10 +246,10 @@ def test_the_model_step_with_fused_norms_matches_without(monkeypatch):
     monkeypatch.setattr(rmsnorm, "rms_norm", lambda *a, **k: launches.append(1) or original(*a, **k))
     got = step()
     layers = cfg.text.num_hidden_layers
-    # every norm of every layer, encoder and denoise steps: 10 norms a layer in 5 kernels (q's and k's in one, v's,
+    # every norm of every layer, encoder and denoise steps: 10 norms a layer in 4 kernels (q's, k's and v's in one,
     # the post-attention norm with the two pre-feed-forward norms of its result, the three post-feed-forward ones
-    # in one, the input norm), 4 of them through rms_norm, and the final norm, in each of the three passes
-    assert len(launches) == 3 * (4 * layers + 1)
+    # in one, the input norm), 3 of them through rms_norm, and the final norm, in each of the three passes
+    assert len(launches) == 3 * (3 * layers + 1)
     assert (got - ref).abs().max() <= 0.01 * ref.abs().max()  # measured: 0.058 of 9.98
     assert (got == ref).float().mean() > 0.75  # measured: 86% of the logits bit for bit
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.99  # measured: all

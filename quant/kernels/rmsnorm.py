@@ -61,8 +61,21 @@ def rms_norm_kernel(a_ptr, a2_ptr, w_ptr, r_ptr, s_ptr, cos_ptr, sin_ptr, y_ptr,
                     HAS_A2: tl.constexpr, HAS_W: tl.constexpr, HAS_R: tl.constexpr, HAS_S: tl.constexpr,
                     ROPE: tl.constexpr, NORM_A: tl.constexpr, NORM_A2: tl.constexpr, HAS_Y2: tl.constexpr,
                     STRIDED: tl.constexpr, TWO: tl.constexpr, PAIR_Y2: tl.constexpr, R: tl.constexpr,
-                    BLOCK: tl.constexpr, EMULATE: tl.constexpr, THEN_PAIR: tl.constexpr = False):
+                    BLOCK: tl.constexpr, EMULATE: tl.constexpr, THEN_PAIR: tl.constexpr = False,
+                    c_ptr=None, yc_ptr=None, PB=0, ROWS_C=0, heads_c=1, ycsb=0, ycst=0, ycsh=0,
+                    THREE: tl.constexpr = False):
     pid = tl.program_id(0)
+    third = pid < 0  # THREE: programs from PB on norm a third tensor (C: v), without weight or RoPE
+    if THREE:
+        third = pid >= PB
+        pid = tl.where(third, pid - (PB - PA), pid)  # C's programs follow B's, which follow A's
+        ROWS_B = tl.where(third, ROWS_C, ROWS_B)
+        heads_b = tl.where(third, heads_c, heads_b)
+        b_ptr = tl.where(third, c_ptr, b_ptr)
+        yb_ptr = tl.where(third, yc_ptr, yb_ptr)
+        ybsb = tl.where(third, ycsb, ybsb)
+        ybst = tl.where(third, ycst, ybst)
+        ybsh = tl.where(third, ycsh, ybsh)
     if TWO:  # programs from PA on norm a second tensor (B: k after q) with its own weight, rows and output
         second = pid >= PA
         pid = tl.where(second, pid - PA, pid)
@@ -97,7 +110,10 @@ def rms_norm_kernel(a_ptr, a2_ptr, w_ptr, r_ptr, s_ptr, cos_ptr, sin_ptr, y_ptr,
     n0 = a * rstd[:, None]
     n = n0
     if HAS_W:
-        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+        w_mask = cols < D
+        if THREE:  # the third tensor has no weight: it reads as ones (n0 * 1, exactly)
+            w_mask = tl.where(third, cols < 0, w_mask)
+        w = tl.load(w_ptr + cols, mask=w_mask, other=1.0).to(tl.float32)
         n = n0 * w[None, :]
     if HAS_Y2:  # a second norm of the same input, with its own weight (the same rstd, as torch computes it)
         w2 = tl.load(w2_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
@@ -114,7 +130,11 @@ def rms_norm_kernel(a_ptr, a2_ptr, w_ptr, r_ptr, s_ptr, cos_ptr, sin_ptr, y_ptr,
         cat = (b * cos_bstride + t * D)[:, None] + cols[None, :]
         c = tl.load(cos_ptr + cat, mask=mask, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + cat, mask=mask, other=0.0).to(tl.float32)
-        n = _round(_round(n * c, dt, EMULATE) + _round(rot * s, dt, EMULATE), dt, EMULATE)
+        roped = _round(_round(n * c, dt, EMULATE) + _round(rot * s, dt, EMULATE), dt, EMULATE)
+        if THREE:  # the third tensor (v) is not rotated
+            n = tl.where(third, n, roped)
+        else:
+            n = roped
     if HAS_R:
         n = _round(tl.load(r_ptr + at, mask=mask, other=0.0).to(tl.float32) + n, dt, EMULATE)
     if HAS_S:
@@ -194,35 +214,42 @@ def rms_norm(a: torch.Tensor, weight: torch.Tensor | None, eps: float, a2: torch
 
 
 def rms_norm_rope_pair(a: torch.Tensor, weight: torch.Tensor, b: torch.Tensor, weight_b: torch.Tensor, eps: float,
-                       cos: torch.Tensor, sin: torch.Tensor, out_b: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       cos: torch.Tensor, sin: torch.Tensor, out_b: torch.Tensor | None = None,
+                       c: torch.Tensor | None = None, out_c: torch.Tensor | None = None) -> tuple:
     """(rope(norm(a) * weight), rope(norm(b) * weight_b)) in one launch: a layer's q [B, T, Hq, D] and k [B, T, Hk,
     D] (the same positions, cos and sin, D a power of two); out_b: where b's result goes (a KV cache's slots, any
-    strides), returned."""
+    strides), returned. c: a third tensor of b's shape normed without weight or RoPE in the same launch (v), into
+    out_c where given: returns (a's, b's, c's) then."""
     D = a.shape[-1]
     if a.dim() != 4 or b.dim() != 4 or b.shape[:2] != a.shape[:2] or b.shape[-1] != D or D < 2 or D & (D - 1):
         raise ValueError(f"two [B, T, heads, D] tensors with the same B, T and D a power of two are needed (got "
                          f"{tuple(a.shape)} and {tuple(b.shape)})")
+    if c is not None and c.shape != b.shape:
+        raise ValueError(f"the third tensor takes b's shape {tuple(b.shape)} (got {tuple(c.shape)})")
     a, b = a.contiguous(), b.contiguous()
     y, yb = torch.empty_like(a), _output(b, out_b)
+    yc = _output(c.contiguous(), out_c) if c is not None else None
     _, T, heads, _ = a.shape
     heads_b = b.shape[2]
     rows, rows_b = a.numel() // D, b.numel() // D
     if rows == 0:
-        return y, yb
+        return (y, yb) if c is None else (y, yb, yc)
     cos, sin = cos.contiguous(), sin.contiguous()
     cos_bstride = 0 if cos.shape[0] == 1 else T * D
-    strided = not yb.is_contiguous()
+    strided = not yb.is_contiguous() or (yc is not None and not yc.is_contiguous())
     block, per, warps = _launch_shape(D, strided)
     pa = triton.cdiv(rows, per)
+    pb = pa + triton.cdiv(rows_b, per)
     g = a
-    rms_norm_kernel[(pa + triton.cdiv(rows_b, per),)](
+    third = (c.contiguous(), yc, pb, rows_b, heads_b, *_row_strides(yc, T, heads_b, D)) if c is not None \
+        else (g, g, pb, 0, 1, 0, 0, 0)
+    rms_norm_kernel[(pb + (triton.cdiv(rows_b, per) if c is not None else 0),)](
         a, g, weight, g, g, cos, sin, y, g, g, g, g, b, weight_b, yb, g, g, g, g, rows, D, float(eps), heads, T,
         cos_bstride,
         *_row_strides(y, T, heads, D), pa, rows_b, heads_b, *_row_strides(yb, T, heads_b, D),
         False, True, False, False, True, False, False, False, strided, True, False, per, block, interpreting(),
-        num_warps=warps)
-    return y, yb
+        False, *third, c is not None, num_warps=warps)
+    return (y, yb) if c is None else (y, yb, yc)
 
 
 def _output(a: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
