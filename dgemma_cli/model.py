@@ -77,15 +77,26 @@ class RMSNorm(nn.Module):
         return out if scale is None else out * scale
 
     def add_then_pair(self, residual: torch.Tensor, x: torch.Tensor, first: RMSNorm, second: RMSNorm,
-                      pair_order: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(y, first(y), second(y)) for y = residual + self(x), in one kernel (the post-attention residual update and
-        the two pre-feed-forward norms of its result; the second's columns in pair order with `pair_order`, as
-        `pair` gives them); None where the norms do not run fused (the caller runs add_to, then pair)."""
+                      pair_order: bool = False, quantize: tuple | None = None) -> tuple | None:
+        """(y, first(y), second(y), quantized) for y = residual + self(x), in one kernel (the post-attention
+        residual update and the two pre-feed-forward norms of its result; the second's columns in pair order with
+        `pair_order`, as `pair` gives them); quantized: first(y) quantized as `quantize` says
+        (quant.modules.norm_quantization: for the dense MLP), else None. None where the norms do not run fused (the
+        caller runs add_to, then pair)."""
         norms = (self, first, second)
         if not (_fused_norms(x) and all(n.weight is not None and n.eps == self.eps for n in norms)):
             return None
-        return _rms_norm_kernel()(x, self.weight, self.eps, residual=residual,
-                                  then_pair=(first.weight, second.weight), pair_order_y2=pair_order)
+        out = _rms_norm_kernel()(x, self.weight, self.eps, residual=residual, then_pair=(first.weight, second.weight),
+                                 pair_order_y2=pair_order, quantize=None if quantize is None else quantize[0],
+                                 input_scale=None if quantize is None else quantize[1])
+        return out if quantize is not None else (*out, None)
+
+    def quantizing(self, x: torch.Tensor, quantize: tuple) -> tuple[torch.Tensor, tuple] | None:
+        """(self(x), its quantization as `quantize` says: quant.modules.norm_quantization) from one kernel; None
+        where the norm does not run fused."""
+        if not (_fused_norms(x) and self.weight is not None):
+            return None
+        return _rms_norm_kernel()(x, self.weight, self.eps, quantize=quantize[0], input_scale=quantize[1])
 
     def pair(self, x: torch.Tensor, other: RMSNorm, pair_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(x), other(x)): two norms of the same input (same eps), in one kernel; the second's columns in the
@@ -232,13 +243,15 @@ class Attention(nn.Module):
         self.v_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, with_scale=False)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            kv_out: tuple[torch.Tensor, torch.Tensor] | None = None):
+            kv_out: tuple[torch.Tensor, torch.Tensor] | None = None, quantized: tuple | None = None):
         """x [B, T, H] -> q [B, Hq, T, D], k, v [B, Hkv, T, D] (normed; q and k rotated). kv_out: where k and v go
-        ([B, Hkv, T, D] views of a KV cache's slots: the norms write them there, no copy after); returned as k, v."""
+        ([B, Hkv, T, D] views of a KV cache's slots: the norms write them there, no copy after); returned as k, v.
+        quantized: x's quantization for the three projections, made by its norm (Layer.attention_input)."""
         from quant.modules import project
 
         B, T, _ = x.shape
-        q_raw, k_raw, v_raw = project(x, [self.q_proj, self.k_proj, self.v_proj])  # one activation quantization
+        # the three projections together: one launch, one activation quantization (or x's norm's)
+        q_raw, k_raw, v_raw = project(x, [self.q_proj, self.k_proj, self.v_proj], quantized)
         q_raw, k_raw = q_raw.view(B, T, -1, self.head_dim), k_raw.view(B, T, -1, self.head_dim)
         v_raw = v_raw.view(B, T, -1, self.head_dim) if v_raw is not None else k_raw
         D = self.head_dim
@@ -279,13 +292,16 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, quantized: tuple | None = None) -> torch.Tensor:
+        """quantized: x's quantization for gate and up, made by its norm (Layer.post_attention)."""
         from quant.modules import project
 
         gated = getattr(self.gate_proj, "gated", None)  # a quantized linear that fuses the gate (quant/modules.py)
-        h = gated(x, self.up_proj) if gated is not None and not x.requires_grad else None
+        h = None
+        if gated is not None and not x.requires_grad:
+            h = gated(x, self.up_proj) if quantized is None else gated(x, self.up_proj, quantized=quantized)
         if h is None:
-            gate, up = project(x, [self.gate_proj, self.up_proj])  # one activation quantization for both
+            gate, up = project(x, [self.gate_proj, self.up_proj], quantized)  # one activation quantization for both
             h = gelu_tanh(gate) * up
         return self.down_proj(h)
 
@@ -484,28 +500,46 @@ class Layer(nn.Module):
         takes = getattr(self.experts, "takes_pair_order", None)
         return bool(takes is not None and not x.requires_grad and takes(x))
 
+    def attention_input(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
+        """The attention's input norm of the residual x, and where q, k and v quantize their input alike (W4A4, W8A8)
+        its quantization from the same launch (Attention.qkv's `quantized`), else None."""
+        from quant.modules import norm_quantization
+
+        attn, norm = self.self_attn, self.input_layernorm
+        # (not where a hook watches the norm's call: streamed experts schedule their copies by it)
+        hooked = bool(norm._forward_pre_hooks or norm._forward_hooks)
+        how = None if x.requires_grad or hooked else norm_quantization(x, [attn.q_proj, attn.k_proj, attn.v_proj])
+        made = self.input_layernorm.quantizing(x, how) if how is not None else None
+        return made if made is not None else (self.input_layernorm(x), None)
+
     def post_attention(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
         """x + norm(h), the attention's residual update, and where the norms run fused the feed-forward stage's two
-        input norms of it from the same launch (`feed_forward`'s `normed`), else None."""
+        input norms of it from the same launch, with the dense MLP's quantization of the first where its gate and
+        up quantize it alike (`feed_forward`'s `normed`), else None."""
+        from quant.modules import norm_quantization
+
         ordered = self.experts_pair_order(x)
-        both = self.post_attention_layernorm.add_then_pair(x, h, self.pre_feedforward_layernorm,
-                                                           self.pre_feedforward_layernorm_2, ordered)
-        if both is None:
+        how = None if x.requires_grad else norm_quantization(x, [self.mlp.gate_proj, self.mlp.up_proj])
+        made = self.post_attention_layernorm.add_then_pair(x, h, self.pre_feedforward_layernorm,
+                                                           self.pre_feedforward_layernorm_2, ordered, how)
+        if made is None:
             return self.post_attention_layernorm.add_to(x, h), None
-        return both[0], (both[1], both[2], ordered)
+        return made[0], (made[1], made[2], ordered, made[3])
 
     def feed_forward(self, x: torch.Tensor, layer_scalar: torch.Tensor, experts_per_row: bool = False,
                      normed: tuple | None = None) -> torch.Tensor:
         """x is the post-attention residual [B, T, H]. experts_per_row: the routed experts run on each row's T
         tokens apart (the server's exactness on the CPU: dgemma_cli/server/batching.py), not on all B x T at once.
-        normed: (pre, pre2, pair order) as `post_attention` made them, the two input norms of x already taken."""
+        normed: (pre, pre2, pair order, pre's quantization or None) as `post_attention` made them, the two input
+        norms of x already taken."""
         # the experts' input straight in the order their NVFP4 kernels read, where they run (no copy in between)
         ordered = self.experts_pair_order(x)
+        quantized = None
         if normed is not None and normed[2] == ordered:
-            pre, pre2 = normed[:2]
+            pre, pre2, _, quantized = normed
         else:
             pre, pre2 = self.pre_feedforward_layernorm.pair(x, self.pre_feedforward_layernorm_2, pair_order=ordered)
-        dense = self.mlp(pre)  # its post-norm is applied with the sum's, below
+        dense = self.mlp(pre) if quantized is None else self.mlp(pre, quantized)  # its post-norm: with the sum's
         B, T, H = x.shape
         flat = x.reshape(-1, H)
         weights, index = self.router(flat)  # routed on the un-normed residual
@@ -859,7 +893,8 @@ class DiffusionGemma(nn.Module):
             if split is not None:  # onto the layer's device
                 x = split.enter(i, x)
                 cos, sin, mask, scalar = split.here(cos), split.here(sin), split.here(mask), split.here(scalar)
-            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+            h, quantized = layer.attention_input(x)
+            q, k, v = layer.self_attn.qkv(h, cos, sin, quantized=quantized)
             if kind == FULL:
                 cache.k[i][:, :, L0 : L0 + T] = k
                 cache.v[i][:, :, L0 : L0 + T] = v
@@ -1020,7 +1055,8 @@ class DiffusionGemma(nn.Module):
             if len(caches) == 1:
                 end = ctxs[0].keys[kind][1]
                 slots = (caches[0].k[i][:, :, end - C : end], caches[0].v[i][:, :, end - C : end])
-            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin, kv_out=slots)
+            h, quantized = layer.attention_input(x)
+            q, k, v = layer.self_attn.qkv(h, cos, sin, kv_out=slots, quantized=quantized)
             heads, row = [], 0
             for part, pctx in zip(caches, ctxs):
                 rows = slice(row, row + part.batch)

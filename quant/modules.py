@@ -104,14 +104,19 @@ class NVFP4Linear(nn.Module):
             return ("nvfp4", self.in_features)
         return None
 
-    def joint(self, x: torch.Tensor, peers: tuple) -> list[torch.Tensor]:
+    def norm_quantization(self, x: torch.Tensor, peers: tuple) -> tuple[str, torch.Tensor | None] | None:
+        """`quant.modules.norm_quantization` for this linear and peers of its `joint_key`."""
+        return ("nvfp4", shared_input_scale((self, *peers))) if self._w4a4(x) else None
+
+    def joint(self, x: torch.Tensor, peers: tuple, quantized: tuple | None = None) -> list[torch.Tensor]:
         """[self(x), *(p(x) for p in peers)] for peers of this linear's `joint_key`, up to three linears a launch
-        (W4A4: x quantized once for all of them)."""
+        (W4A4: x quantized once for all of them, or `quantized` made already)."""
         from .kernels.nvfp4_linear import nvfp4_linear
         from .kernels.nvfp4_w4a4 import nvfp4_w4a4
 
         mine = (self, *peers)
-        quantized = self.quantize_input(x, peers) if self._w4a4(x) else None
+        if self._w4a4(x) and quantized is None:
+            quantized = self.quantize_input(x, peers)
         out = []
         for i in range(0, len(mine), 3):
             first, rest = mine[i], [(m.weight, m.weight_scale, m.row_scale_2()) for m in mine[i + 1:i + 3]]
@@ -139,10 +144,12 @@ class NVFP4Linear(nn.Module):
         return (use_triton(x.device) and (self._w4a4(x) or family_ok("nvfp4_linear", x.device, x.dtype))
                 and family_ok("lora_epilogue", x.device, x.dtype))
 
-    def gated(self, x: torch.Tensor, up: nn.Module, lora=None, lora_up=None) -> torch.Tensor | None:
+    def gated(self, x: torch.Tensor, up: nn.Module, lora=None, lora_up=None,
+              quantized: tuple | None = None) -> torch.Tensor | None:
         """gelu_tanh(self(x)) * up(x) in one kernel where an NVFP4 kernel runs and `up` is an NVFP4Linear of the
-        same shape (on the W4A4 path: x quantized once for both, without adapters); None elsewhere (the caller runs
-        the three ops). lora, lora_up: adapters' terms on both halves (`takes_lora`), in the epilogue."""
+        same shape (on the W4A4 path: x quantized once for both, without adapters, or `quantized` made already);
+        None elsewhere (the caller runs the three ops). lora, lora_up: adapters' terms on both halves
+        (`takes_lora`), in the epilogue."""
         if (type(up) is not NVFP4Linear or up.weight.shape != self.weight.shape or not use_triton(x.device)):
             return None
         halves = (up.weight, up.weight_scale, up.row_scale_2())
@@ -152,7 +159,7 @@ class NVFP4Linear(nn.Module):
             from .kernels.nvfp4_w4a4 import nvfp4_w4a4
 
             return nvfp4_w4a4(x, self.weight, self.weight_scale, self.row_scale_2(),
-                              quantized=self.quantize_input(x, (up,)), up=halves)
+                              quantized=quantized or self.quantize_input(x, (up,)), up=halves)
         if (self.in_features % 32 == 0 and w4a4(x.device)) or not family_ok("nvfp4_linear", x.device, x.dtype):
             return None
         from .kernels.nvfp4_linear import nvfp4_linear
@@ -188,20 +195,34 @@ def shared_input_scale(linears: tuple) -> torch.Tensor | None:
     return kept["_shared_scale"]
 
 
-def project(x: torch.Tensor, linears: list) -> list:
+def project(x: torch.Tensor, linears: list, quantized: tuple | None = None) -> list:
     """[linear(x) for linear in linears] (None for None), the linears that can run together (`joint_key`) run
     together (`joint`): q, k and v read the same x, as do the dense MLP's gate and up. NVFP4: up to three linears
-    a launch (W4A4: x quantized once for them); W8A8 on torch's 8-bit matmul: x quantized once, a matmul each."""
+    a launch (W4A4: x quantized once for them); W8A8 on torch's 8-bit matmul: x quantized once, a matmul each.
+    quantized: x's quantization for all of them, made already (`norm_quantization` said how: by x's norm)."""
     keys = [m.joint_key(x) if hasattr(m, "joint_key") else None for m in linears]
     groups: dict = {}
     for m, key in zip(linears, keys):
         if key is not None:
             groups.setdefault(key, []).append(m)
+    if quantized is not None and (len(groups) != 1 or any(m is not None and k is None for m, k in zip(linears, keys))):
+        raise ValueError("a quantization made for linears that do not all quantize alike")
     done = {}
     for group in groups.values():
-        if len(group) > 1:
-            done.update(zip(map(id, group), group[0].joint(x, tuple(group[1:]))))
+        if len(group) > 1 or quantized is not None:
+            done.update(zip(map(id, group), group[0].joint(x, tuple(group[1:]), quantized)))
     return [None if m is None else done[id(m)] if id(m) in done else m(x) for m in linears]
+
+
+def norm_quantization(x: torch.Tensor, linears: list) -> tuple[str, torch.Tensor | None] | None:
+    """How the norm that makes x should quantize it for `linears` (None entries skipped), all reading x: (format,
+    calibrated scale or None) for kernels/rmsnorm.rms_norm's `quantize` and `input_scale`, where they all
+    quantize x alike (W4A4 NVFP4, W8A8 on our kernel); None otherwise (each quantizes it itself, or none does)."""
+    mine = [m for m in linears if m is not None]
+    keys = {m.joint_key(x) if hasattr(m, "joint_key") else None for m in mine}
+    if len(keys) != 1 or None in keys:
+        return None
+    return mine[0].norm_quantization(x, tuple(mine[1:]))
 
 
 class Int8Linear(nn.Module):
@@ -482,10 +503,15 @@ class W8A8Linear(nn.Module):
         return (self.joint_key(x) is not None and use_triton(x.device)
                 and family_ok(f"w8a8_linear_{self.format}", x.device, x.dtype))
 
-    def joint(self, x: torch.Tensor, peers: tuple) -> list[torch.Tensor]:
-        """[self(x), *(p(x) for p in peers)] with x quantized once for all (peers of this linear's `joint_key`),
-        up to three linears a launch where our kernel runs, one torch matmul each elsewhere."""
-        quantized = self.quantize_input(x)
+    def norm_quantization(self, x: torch.Tensor, peers: tuple) -> tuple[str, None] | None:
+        """`quant.modules.norm_quantization` for this linear and peers of its `joint_key`: where our kernel runs."""
+        return (self.format, None) if self._kernel(x) else None
+
+    def joint(self, x: torch.Tensor, peers: tuple, quantized: tuple | None = None) -> list[torch.Tensor]:
+        """[self(x), *(p(x) for p in peers)] with x quantized once for all (peers of this linear's `joint_key`; or
+        `quantized` made already), up to three linears a launch where our kernel runs, one torch matmul each
+        elsewhere."""
+        quantized = quantized or self.quantize_input(x)
         mine = (self, *peers)
         if not self._kernel(x):
             return [m(x, quantized=quantized) for m in mine]
@@ -505,16 +531,16 @@ class W8A8Linear(nn.Module):
         every linear (w8a8.quantize_tokens)."""
         return quantize_tokens_fused(x.reshape(-1, self.in_features), self.format)
 
-    def gated(self, x: torch.Tensor, up: nn.Module) -> torch.Tensor | None:
+    def gated(self, x: torch.Tensor, up: nn.Module, quantized: tuple | None = None) -> torch.Tensor | None:
         """gelu_tanh(self(x)) * up(x) with x quantized once for both products: both products, the activation and
         the product in one launch where our W8A8 kernel runs (kernels/w8a8_linear.py GATED); torch's two 8-bit
         matmuls and one kernel for the rest (kernels/gelu_mul.py) where only Triton does; None elsewhere (the
-        caller runs the ops)."""
+        caller runs the ops). quantized: x's quantization made already (by its norm)."""
         key = self.joint_key(x)
         if (key is None or type(up) is not W8A8Linear or up.joint_key(x) != key
                 or up.weight.shape != self.weight.shape or not use_triton(x.device)):
             return None
-        quantized = self.quantize_input(x, (up,))
+        quantized = quantized or self.quantize_input(x, (up,))
         if self._kernel(x):
             from .kernels.w8a8_linear import w8a8_linear
 

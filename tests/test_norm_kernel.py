@@ -139,7 +139,8 @@ def test_residual_update_then_its_two_norms_in_one_kernel(monkeypatch, dtype, pa
     x, h = ((torch.randn(2, 7, D, generator=g) * 3).to(dtype) for _ in range(2))
     post, first, second = (_norm((torch.rand(D, generator=g) + 0.5).to(dtype), D, 1e-6) for _ in range(3))
     with torch.no_grad():
-        y, p1, p2 = post.add_then_pair(x, h, first, second, pair_order=pair_order)
+        y, p1, p2, quantized = post.add_then_pair(x, h, first, second, pair_order=pair_order)
+        assert quantized is None  # none asked for
         want_y = reference(h, post.weight, 1e-6, residual=x)
         want = [reference(y, first.weight, 1e-6), reference(y, second.weight, 1e-6)]
     if pair_order:

@@ -8,6 +8,8 @@ runs `_scaled_mm` and `_int_mm`)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -103,9 +105,8 @@ def test_only_alike_quantizations_are_shared(rtx50, counted_act):
     assert torch.equal(got[0], plain(x)) and torch.equal(got[1], token(x)) and torch.equal(got[2], static(x))
 
 
-@pytest.mark.parametrize("static", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [3, 130])
+@pytest.mark.parametrize("rows,dtype,static", [(3, torch.float32, False), (3, torch.bfloat16, True),
+                                               (130, torch.bfloat16, False)])
 def test_w4a4_gated_mlp_in_one_launch(rows, dtype, static, rtx50, counted_act):
     """The dense MLP's gelu_tanh(gate(x)) * up(x) on the W4A4 path: one quantization, one product launch, against
     the emulation of the three ops (each product, the activation and the product rounded as torch rounds them)."""
@@ -320,3 +321,103 @@ def test_w8a8_kernel_matches_the_emulation(rows, kind, monkeypatch):
     gated = w8a8_linear(x, quantized, wg, sg, up=(wu, su))
     want = F.gelu(w8a8.matmul_emulated(x, wg, sg, kind), approximate="tanh") * w8a8.matmul_emulated(x, wu, su, kind)
     assert rel(gated, want) <= TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("how", ["fp8", "int8", "nvfp4", "nvfp4-static"])
+@pytest.mark.parametrize("then_pair", [False, True])
+def test_a_norm_quantizes_its_output_as_the_linears_would(how, then_pair, monkeypatch):
+    """kernels/rmsnorm.rms_norm(quantize=...): the norm's output (or, with then_pair, the first of the two norms
+    after the residual update) quantized in the same launch, code for code and scale for scale what the linears'
+    own quantizers make of it (moe_w8a8.quantize_rows, nvfp4_act.quantize_act); D not a multiple of the block."""
+    from quant.kernels.moe_w8a8 import quantize_rows
+    from quant.kernels.nvfp4_act import quantize_act
+    from quant.kernels.rmsnorm import rms_norm
+
+    monkeypatch.setenv("DGEMMA_KERNELS", "triton")
+    g = torch.Generator().manual_seed(9)
+    D = 176  # 11 blocks of 16
+    x, h = ((torch.randn(3, 5, D, generator=g) * 3).to(torch.bfloat16) for _ in range(2))
+    w, w1, w2 = ((torch.rand(D, generator=g) + 0.5).to(torch.bfloat16) for _ in range(3))
+    fmt = how.split("-")[0]
+    scale = torch.tensor(0.002) if how.endswith("static") else None
+    if then_pair:
+        y, pre, pre2, quantized = rms_norm(h, w, 1e-6, residual=x, then_pair=(w1, w2), quantize=fmt,
+                                           input_scale=scale)
+        assert torch.equal((y, pre, pre2)[0], rms_norm(h, w, 1e-6, residual=x))
+        target = pre
+    else:
+        y, quantized = rms_norm(x, w, 1e-6, quantize=fmt, input_scale=scale)
+        assert torch.equal(y, rms_norm(x, w, 1e-6))
+        target = y
+    flat = target.reshape(-1, D)
+    if fmt == "nvfp4":
+        want = quantize_act(flat, global_scale=scale)
+    else:
+        codes, scales = quantize_rows(flat, fmt)
+        want = ((codes.view(torch.float8_e4m3fn) if fmt == "fp8" else codes), scales[:, None])
+    assert len(quantized) == len(want)
+    for a, b in zip(quantized, want):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+
+
+@pytest.mark.parametrize("path", ["w4a4", "w8a8-fp8"])
+def test_the_layer_takes_its_norms_quantization(path, monkeypatch):
+    """A layer whose q, k, v and dense MLP quantize their input alike (W4A4 on an RTX 50 stand-in, FP8 W8A8 on our
+    kernel) takes that quantization from the norms (Layer.attention_input, Layer.post_attention): no quantizer
+    launch for those inputs, and the same q, k, v and MLP output as when each group quantizes it itself."""
+    import quant.kernels as kernels
+    from dgemma_cli.config import ModelConfig
+    from dgemma_cli.model import Layer
+    from quant.kernels import moe_w8a8, nvfp4_act
+
+    monkeypatch.setenv("DGEMMA_KERNELS", "triton")
+    if path == "w4a4":
+        monkeypatch.setattr(kernels, "arch", lambda device: 120)
+    else:
+        monkeypatch.setattr(w8a8, "hardware", lambda kind, device: True)
+    cfg = ModelConfig.from_dict(json_config()).text
+    torch.manual_seed(0)
+    layer = Layer(cfg, cfg.layers[0]).to(torch.bfloat16)  # a sliding layer: q, k and v
+    g = torch.Generator().manual_seed(10)
+    for parent in (layer.self_attn, layer.mlp):
+        for name, mod in list(parent.named_children()):
+            if isinstance(mod, torch.nn.Linear):
+                n, k = mod.out_features, mod.in_features
+                setattr(parent, name, nvfp4_linears(1, n, k, g)[0] if path == "w4a4" else w8a8_linear("fp8", n, k, g))
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                 layer.pre_feedforward_layernorm_2):
+        norm.weight.data = (torch.rand(cfg.hidden_size, generator=g) + 0.5).to(torch.bfloat16)
+    x, h = ((torch.randn(1, 6, cfg.hidden_size, generator=g) * 2).to(torch.bfloat16) for _ in range(2))
+    quantizers = []
+    for module, name in ((nvfp4_act, "quantize_act"), (moe_w8a8, "quantize_rows")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, **k: quantizers.append(a[0].shape) or real(*a, **k))
+    with torch.no_grad():
+        normed, quantized = layer.attention_input(x)
+        assert quantized is not None and not quantizers
+        attn = layer.self_attn
+        got = project(normed, [attn.q_proj, attn.k_proj, attn.v_proj], quantized)
+        assert not quantizers
+        want = project(normed, [attn.q_proj, attn.k_proj, attn.v_proj])
+        assert len(quantizers) == 1 and all(torch.equal(a, b) for a, b in zip(got, want) if a is not None)
+        quantizers.clear()
+        y, made = layer.post_attention(x, h)
+        pre, pre2, _, quantized = made
+        assert quantized is not None and not quantizers
+        dense = layer.mlp(pre, quantized)
+        assert len(quantizers) == 1  # the down projection's own input only
+        assert torch.equal(dense, layer.mlp(pre))
+
+
+def json_config() -> dict:
+    """A small DiffusionGemma config whose widths the W4A4 and W8A8 kernels take (multiples of 32)."""
+    from dgemma_cli.config import DIFFUSIONGEMMA_26B_A4B
+
+    cfg = json.loads(json.dumps(DIFFUSIONGEMMA_26B_A4B))
+    text = cfg.get("text_config", cfg)
+    text.update(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=4, top_k_experts=2,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=32, global_head_dim=64,
+                num_global_key_value_heads=1, num_hidden_layers=2, vocab_size=300)
+    return cfg

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from . import interpreting
 from .common import pair_order
+from .nvfp4_act import e2m1_code, e4m3_bits, round_e4m3
 
 
 @triton.jit
@@ -55,6 +56,45 @@ def _normed(a, w_ptr, cols, D, eps):
 
 
 @triton.jit
+def _quantize_rows(n, row, row_ok, cols, D, q_ptr, qs_ptr, qg_ptr, gs_ptr, QUANT: tl.constexpr,
+                   STATIC: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr):
+    """The rows n [R, BLOCK] (float32 holding the output dtype's values; columns from D on zero) quantized for the
+    linears that read them, as their own quantizers would (same expressions, same codes): QUANT 1 INT8 / 2 FP8 per
+    token (moe_w8a8.quantize_rows_kernel: codes [ROWS, D], float32 scales [ROWS]); 3 NVFP4
+    (nvfp4_act.quantize_act_kernel: codes [ROWS, D/2], e4m3 scale bits [ROWS, D/16], global scales [ROWS], the
+    calibrated one at gs_ptr where STATIC)."""
+    if QUANT == 3:
+        if STATIC:
+            g = tl.load(gs_ptr) + tl.zeros([R], dtype=tl.float32)
+        else:
+            g = tl.maximum(tl.max(tl.abs(n), axis=1) / 2688.0, 1.1754943508222875e-38)
+        tl.store(qg_ptr + row, g, mask=row_ok)
+        x = tl.reshape(n, [R, BLOCK // 16, 16])
+        scale = round_e4m3(tl.max(tl.abs(x), axis=2) / 6.0 / g[:, None])  # [R, BLOCK/16]
+        denom = scale * g[:, None]
+        codes = e2m1_code(x / tl.where(denom > 0, denom, 1.0)[:, :, None])
+        lo, hi = tl.split(tl.reshape(codes, [R, BLOCK // 2, 2]))
+        byte = lo | (hi << 4)
+        half = tl.arange(0, BLOCK // 2)
+        tl.store(q_ptr + row[:, None] * (D // 2) + half[None, :], byte.to(tl.uint8),
+                 mask=row_ok[:, None] & (half < D // 2)[None, :])
+        blk = tl.arange(0, BLOCK // 16)
+        tl.store(qs_ptr + row[:, None] * (D // 16) + blk[None, :], e4m3_bits(scale).to(tl.uint8),
+                 mask=row_ok[:, None] & (blk < D // 16)[None, :])
+    else:
+        QMAX: tl.constexpr = 448.0 if QUANT == 2 else 127.0
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(n), axis=1), QMAX), 1.1754943508222875e-38)
+        tl.store(qs_ptr + row, scale, mask=row_ok)
+        v = tl.minimum(tl.maximum(tl.math.div_rn(n, scale[:, None]), -QMAX), QMAX)
+        if QUANT == 2:  # e4m3 bits: magnitude rounded to nearest even, the sign bit of v
+            sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80
+            code = (e4m3_bits(round_e4m3(tl.abs(v))) | sign).to(tl.uint8)
+        else:  # |v| <= 127: adding and removing 1.5 * 2^23 rounds to the integer, half to even
+            code = ((v + 12582912.0) - 12582912.0).to(tl.int8)
+        tl.store(q_ptr + row[:, None] * D + cols[None, :], code, mask=row_ok[:, None] & (cols < D)[None, :])
+
+
+@triton.jit
 def rms_norm_kernel(a_ptr, a2_ptr, w_ptr, r_ptr, s_ptr, cos_ptr, sin_ptr, y_ptr, wa_ptr, wa2_ptr, w2_ptr, y2_ptr,
                     b_ptr, wb_ptr, yb_ptr, wp_ptr, wp2_ptr, yp_ptr, yp2_ptr, ROWS, D, eps, heads, T, cos_bstride,
                     ysb, yst, ysh, PA, ROWS_B, heads_b, ybsb, ybst, ybsh,
@@ -63,7 +103,8 @@ def rms_norm_kernel(a_ptr, a2_ptr, w_ptr, r_ptr, s_ptr, cos_ptr, sin_ptr, y_ptr,
                     STRIDED: tl.constexpr, TWO: tl.constexpr, PAIR_Y2: tl.constexpr, R: tl.constexpr,
                     BLOCK: tl.constexpr, EMULATE: tl.constexpr, THEN_PAIR: tl.constexpr = False,
                     c_ptr=None, yc_ptr=None, PB=0, ROWS_C=0, heads_c=1, ycsb=0, ycst=0, ycsh=0,
-                    THREE: tl.constexpr = False):
+                    THREE: tl.constexpr = False, q_ptr=None, qs_ptr=None, qg_ptr=None, gs_ptr=None,
+                    QUANT: tl.constexpr = 0, STATIC: tl.constexpr = False):
     pid = tl.program_id(0)
     third = pid < 0  # THREE: programs from PB on norm a third tensor (C: v), without weight or RoPE
     if THREE:
@@ -140,10 +181,16 @@ def rms_norm_kernel(a_ptr, a2_ptr, w_ptr, r_ptr, s_ptr, cos_ptr, sin_ptr, y_ptr,
     if HAS_S:
         n = _round(n * tl.load(s_ptr).to(tl.float32), dt, EMULATE)
     tl.store(y_ptr + y_at, n.to(dt), mask=mask)
+    if QUANT != 0 and not THEN_PAIR:  # y quantized for the linears that read it (q, k and v)
+        _quantize_rows(n, row, row < ROWS, cols, D, q_ptr, qs_ptr, qg_ptr, gs_ptr, QUANT, STATIC, R, BLOCK)
     if THEN_PAIR:  # the next norms of y, as they read it (rounded): two weights, the second's columns in pair order
         n0 = n * (1.0 / tl.sqrt(tl.sum(n * n, axis=1) / D + eps))[:, None]
         wp = tl.load(wp_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-        tl.store(yp_ptr + at, _round(n0 * wp[None, :], dt, EMULATE).to(dt), mask=mask)
+        pre = _round(n0 * wp[None, :], dt, EMULATE)
+        tl.store(yp_ptr + at, pre.to(dt), mask=mask)
+        if QUANT != 0:  # the first of them quantized for the linears that read it (the dense MLP's gate and up)
+            _quantize_rows(tl.where(mask, pre, 0.0), row, row < ROWS, cols, D, q_ptr, qs_ptr, qg_ptr, gs_ptr, QUANT,
+                           STATIC, R, BLOCK)
         wp2 = tl.load(wp2_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
         if PAIR_Y2:
             yp2_at = row[:, None] * D + pair_order(cols)[None, :]
@@ -157,12 +204,18 @@ def rms_norm(a: torch.Tensor, weight: torch.Tensor | None, eps: float, a2: torch
              cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, a_weight: torch.Tensor | None = None,
              a2_weight: torch.Tensor | None = None, weight2: torch.Tensor | None = None,
              out: torch.Tensor | None = None, pair_order_y2: bool = False,
-             then_pair: tuple[torch.Tensor, torch.Tensor] | None = None):
+             then_pair: tuple[torch.Tensor, torch.Tensor] | None = None, quantize: str | None = None,
+             input_scale: torch.Tensor | None = None):
     """S * (residual + rope(norm(a + a2) * weight)) in a's dtype and shape (see the module docstring).
 
     then_pair (weights w, w2; no RoPE, no weight2): the next two norms of the result y as well, norm(y) * w and
     norm(y) * w2 (a layer's pre-feed-forward norms after its post-attention residual update), the second in the
     NVFP4 decode's pair order with pair_order_y2: returns (y, norm(y) * w, norm(y) * w2).
+
+    quantize ("int8", "fp8": per token, as moe_w8a8.quantize_rows; "nvfp4": as nvfp4_act.quantize_act, with the
+    calibrated `input_scale` where given, per token otherwise; a plain norm of rows, or with then_pair): y, or with
+    then_pair norm(y) * w, also quantized for the linears that read it, from the same launch; the quantization
+    (those quantizers' outputs: codes and scales, and NVFP4's global scales) is returned last.
 
     a_weight / a2_weight: a and a2 are first normed each by a norm of their own with that weight (the same eps),
     rounded, then added. weight2: also the same norm of a with this other weight; returns (y, y2) then, y2's columns
@@ -199,6 +252,7 @@ def rms_norm(a: torch.Tensor, weight: torch.Tensor | None, eps: float, a2: torch
     block, per, warps = _launch_shape(D, strided)
     pair = (then_pair[0], then_pair[1], torch.empty_like(a), torch.empty_like(a)) if then_pair is not None \
         else (g, g, g, g)
+    quant, quantized = _quantized_outputs(a, quantize, input_scale, rope or weight2 is not None or strided)
     rms_norm_kernel[(triton.cdiv(rows, per),)](
         a, a2.contiguous() if a2 is not None else g, weight if weight is not None else g,
         residual.contiguous() if residual is not None else g, scale if scale is not None else g,
@@ -207,10 +261,36 @@ def rms_norm(a: torch.Tensor, weight: torch.Tensor | None, eps: float, a2: torch
         g, g, g, *pair, rows, D, float(eps), heads, T, cos_bstride, *_row_strides(y, T, heads, D), 0, 0, 1, 0, 0, 0,
         a2 is not None, weight is not None, residual is not None, scale is not None, rope, a_weight is not None,
         a2_weight is not None, weight2 is not None, strided, False, pair_order_y2, per, block, interpreting(),
-        then_pair is not None, num_warps=warps)
-    if then_pair is not None:
-        return y, pair[2], pair[3]
-    return y if y2 is None else (y, y2)
+        then_pair is not None, g, g, 0, 0, 1, 0, 0, 0, False, *quant, num_warps=warps)
+    out = (y, pair[2], pair[3]) if then_pair is not None else (y,) if y2 is None else (y, y2)
+    if quantized is not None:
+        out += (quantized,)
+    return out[0] if len(out) == 1 else out
+
+
+QUANT = {"int8": 1, "fp8": 2, "nvfp4": 3}
+
+
+def _quantized_outputs(a: torch.Tensor, quantize: str | None, input_scale: torch.Tensor | None, refused: bool):
+    """The kernel's quantization arguments (q, scales, global scales, calibrated scale, QUANT, STATIC) and what the
+    caller gets: (codes, scales) for 8 bits as quantize_rows leaves them ([M, 1] scales: w8a8.quantize_tokens'
+    shape), (codes, scale bits, global scales) for NVFP4; stand-ins and None without `quantize`."""
+    if quantize is None:
+        return (a, a, a, a, 0, False), None
+    D = a.shape[-1]
+    M = a.numel() // D
+    if quantize not in QUANT or refused or (quantize == "nvfp4" and D % 16):
+        raise ValueError(f"cannot quantize this norm's output as {quantize!r}")
+    if quantize == "nvfp4":
+        q = torch.empty(M, D // 2, dtype=torch.uint8, device=a.device)
+        s = torch.empty(M, D // 16, dtype=torch.uint8, device=a.device)
+        g = torch.empty(M, dtype=torch.float32, device=a.device)
+        static = input_scale is not None
+        return (q, s, g, input_scale.float().reshape(1) if static else g, 3, static), (q, s, g)
+    q = torch.empty(M, D, dtype=torch.uint8 if quantize == "fp8" else torch.int8, device=a.device)
+    s = torch.empty(M, dtype=torch.float32, device=a.device)
+    codes = q.view(torch.float8_e4m3fn) if quantize == "fp8" else q
+    return (q, s, a, a, QUANT[quantize], False), (codes, s[:, None])
 
 
 def rms_norm_rope_pair(a: torch.Tensor, weight: torch.Tensor, b: torch.Tensor, weight_b: torch.Tensor, eps: float,

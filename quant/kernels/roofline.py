@@ -282,7 +282,10 @@ KERNELS = {
                                                **{k: int(bool(a.get("THEN_PAIR")))
                                                   for k in ("wp_ptr", "wp2_ptr", "yp_ptr", "yp2_ptr")},
                                                "c_ptr": int(bool(a.get("THREE"))),
-                                               "yc_ptr": int(bool(a.get("THREE")))}),
+                                               "yc_ptr": int(bool(a.get("THREE"))),
+                                               "q_ptr": int(bool(a.get("QUANT"))), "qs_ptr": int(bool(a.get("QUANT"))),
+                                               "qg_ptr": int(a.get("QUANT") == 3),
+                                               "gs_ptr": int(a.get("QUANT") == 3 and bool(a.get("STATIC")))}),
     # BLOCK_T tokens a CTA: a sweep over H for the norm, a sweep over H multiplying by W's tiles (the top-k after,
     # unrolled); the tile's MMA work: BLOCK_T x BLOCK_E x H rounded up to BLOCK_K
     "router_kernel": Loops(trips=lambda a: [_cdiv(a["H"], a["BLOCK_K"])] * 2, elems=lambda a: a["BLOCK_E"] * a["H"],
