@@ -154,7 +154,8 @@ class NVFP4Linear(nn.Module):
             return None
         halves = (up.weight, up.weight_scale, up.row_scale_2())
         if self._w4a4(x):
-            if lora is not None or lora_up is not None or up.joint_key(x) != self.joint_key(x):
+            if (lora is not None or lora_up is not None or up.joint_key(x) != self.joint_key(x)
+                    or not family_ok("nvfp4_w4a4_gated", x.device, x.dtype)):
                 return None
             from .kernels.nvfp4_w4a4 import nvfp4_w4a4
 
@@ -197,8 +198,9 @@ def shared_input_scale(linears: tuple) -> torch.Tensor | None:
 
 def project(x: torch.Tensor, linears: list, quantized: tuple | None = None) -> list:
     """[linear(x) for linear in linears] (None for None), the linears that can run together (`joint_key`) run
-    together (`joint`): q, k and v read the same x, as do the dense MLP's gate and up. NVFP4: up to three linears
-    a launch (W4A4: x quantized once for them); W8A8 on torch's 8-bit matmul: x quantized once, a matmul each.
+    together (`joint`): q, k and v read the same x, as do the dense MLP's gate and up. NVFP4 and W8A8 (where our
+    kernel runs): up to three linears a launch, x quantized once for them where they quantize it (W4A4, W8A8; on
+    torch's 8-bit matmul: quantized once, a matmul each).
     quantized: x's quantization for all of them, made already (`norm_quantization` said how: by x's norm)."""
     keys = [m.joint_key(x) if hasattr(m, "joint_key") else None for m in linears]
     groups: dict = {}

@@ -18,8 +18,8 @@ import json, sys
 import torch
 from dgemma_cli.step_trace import TorchOp, floor_of, trace_step
 out = {}
-for fmt in ("nvfp4", "w8a8-fp8"):
-    t = trace_step(batch=1, prompt=256, target=int(sys.argv[1]), fmt=fmt)
+for fmt, target in (("nvfp4", int(sys.argv[1])), ("w8a8-fp8", int(sys.argv[1])), ("nvfp4@120", 120)):
+    t = trace_step(batch=1, prompt=256, target=target, fmt=fmt.split("@")[0])
     f = floor_of(t)
     mms = [o for o in t.torch_ops if o.name == "aten::mm"]
     out[fmt] = dict(kernels=t.kernels, ops=len(t.ops), torch=len(t.torch_ops), launches=sorted({l.kernel for l in t.launches}),
@@ -54,9 +54,23 @@ def test_the_step_is_the_cuda_path(traced):
     assert nv["sdpa"] == LAYERS
     assert nv["kernels"] == nv["ops"] == nv["torch"] + nv["n_launches"]
     assert not nv["negative"]
-    # FP8 W8A8: torch's FP8 matmul for the linears (as on an H200), the fused W8A8 experts
+    # FP8 W8A8 (as on an H200): the linears on our W8A8 kernel, not torch's FP8 matmul; the fused W8A8 experts
     fp8 = traced["w8a8-fp8"]
-    assert "aten::_scaled_mm" in fp8["names"] and "moe_gate_up_w8a8_kernel" in fp8["launches"]
+    assert "aten::_scaled_mm" not in fp8["names"]
+    assert {"w8a8_linear_kernel", "moe_gate_up_w8a8_kernel"} <= set(fp8["launches"])
+    # W4A4 (an RTX 5090): FP4 activations, quantized by the norms and the quantizer kernel only where no norm
+    # makes the input (the attention's output, the dense MLP's hidden activation, the experts')
+    w4a4 = traced["nvfp4@120"]
+    assert {"nvfp4_w4a4_kernel", "moe_gate_up_w4a4_kernel"} <= set(w4a4["launches"])
+
+
+@pytest.mark.slow
+def test_at_most_640_kernels_a_step_on_every_path(traced):
+    """The issue-36 budget: NVFP4 with 16-bit activations, W4A4, FP8 W8A8; and what the engine adds around a step
+    is counted (the graph's input copy, the Step event's copy, the stop test's copy to the host)."""
+    for fmt in ("nvfp4", "w8a8-fp8", "nvfp4@120"):
+        assert traced[fmt]["kernels"] <= 640, (fmt, traced[fmt]["kernels"])
+        assert {"aten::copy_", "aten::clone", "aten::all"} <= set(traced[fmt]["names"])
 
 
 @pytest.mark.slow

@@ -8,8 +8,9 @@ a_x s_x and a_w s_w, float32 accumulation; the epilogue multiplies by g_x[row] *
 reference is plain float arithmetic on the two dequantized operands without their global scales (the emulation in
 `reference`), up to the order of the float32 sum.
 
-GATED (the dense MLP's first half): a second weight (up) of the same shape multiplied by the same activation codes
-into a second accumulator; the epilogue rounds gate and up to the compute dtype, then gelu_tanh(gate) (rounded) *
+GATED (the dense MLP's first half): a second weight (up) of the same shape multiplied by the same activation codes,
+its tile stacked under the gate's into one operand twice as wide (one product a step, one accumulator split in the
+epilogue, as the MoE gate-up kernels do); the epilogue rounds gate and up to the compute dtype, then gelu_tanh(gate) (rounded) *
 up, rounded once more: the three ops' values (gate(x), gelu, up(x), their product) in one launch. Linears that read
 the same input (q, k and v; gate and up) take one quantization of it (`quantized`: quant.modules.project).
 
@@ -25,7 +26,8 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .common import UNSHIFT, gelu_tanh, load_nvfp4_tile, lora_expand, segment_of, store_rounded, to_compute
+from .common import (UNSHIFT, gelu_tanh, load_nvfp4_tile, lora_expand, segment_of, split_gate_up, store_rounded,
+                     to_compute)
 from .lora import LinearAdapters, lora_shrink
 
 
@@ -52,6 +54,35 @@ def _w4a4_step(acc, xq_ptr, xs_ptr, w_ptr, ws_ptr, rm, rn, k0, M, N, K, BLOCK_M:
 
 
 @triton.jit
+def _w4a4_pair_step(acc, xq_ptr, xs_ptr, w_ptr, ws_ptr, wu_ptr, wsu_ptr, rm, rn, col, k0, M, N, K,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
+    """acc [BLOCK_M, 2 * BLOCK_N] + the activation tile times the gate's tile and the up projection's as one
+    operand of 2 * BLOCK_N rows (the gate's, then the up projection's, as the MoE gate-up kernels hold them): one
+    block-scaled product a step for both; col [2 * BLOCK_N]: the tile's columns rn, twice. EMULATE: the two decoded
+    tiles stacked the same way, one float32 product."""
+    if EMULATE:
+        xt = load_nvfp4_tile(xq_ptr.to(tl.pointer_type(tl.int32)), xs_ptr, rm, k0, K, M, BLOCK_M, BLOCK_K,
+                             True, True, True).to(tl.float32) * UNSHIFT
+        wt = tl.join(load_nvfp4_tile(w_ptr.to(tl.pointer_type(tl.int32)), ws_ptr, rn, k0, K, N, BLOCK_N, BLOCK_K,
+                                     True, True, True).to(tl.float32),
+                     load_nvfp4_tile(wu_ptr.to(tl.pointer_type(tl.int32)), wsu_ptr, rn, k0, K, N, BLOCK_N, BLOCK_K,
+                                     True, True, True).to(tl.float32))  # [BN, BK, 2]
+        wt = tl.reshape(tl.permute(wt, (2, 0, 1)), [2 * BLOCK_N, BLOCK_K]) * UNSHIFT
+        return tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
+    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    xq = tl.load(xq_ptr + rm[:, None] * (K // 2) + kb[None, :], mask=rm[:, None] < M, other=0)
+    xs = tl.load(xs_ptr + rm[:, None] * (K // 16) + ks[None, :], mask=rm[:, None] < M, other=0)
+    up = tl.arange(0, 2 * BLOCK_N) >= BLOCK_N
+    w_rows = tl.where(up, wu_ptr, w_ptr) + col * (K // 2)  # [2BN] row starts, gate rows then up rows
+    s_rows = tl.where(up, wsu_ptr, ws_ptr) + col * (K // 16)
+    wq = tl.load(w_rows[None, :] + kb[:, None], mask=col[None, :] < N, other=0)  # [BK/2, 2BN]
+    ws = tl.load(s_rows[:, None] + ks[None, :], mask=col[:, None] < N, other=0)  # [2BN, BK/16]
+    return tl.dot_scaled(xq, xs.to(tl.float8e4nv, bitcast=True), "e2m1",
+                         wq, ws.to(tl.float8e4nv, bitcast=True), "e2m1", acc)
+
+
+@triton.jit
 def nvfp4_w4a4_kernel(xq_ptr, xs_ptr, xg_ptr, w_ptr, ws_ptr, wg_ptr, y_ptr, t_ptr, lb_ptr, wu_ptr, wsu_ptr, wgu_ptr,
                       M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       EMULATE: tl.constexpr, LORA: tl.constexpr = False, BLOCK_R: tl.constexpr = 16,
@@ -66,14 +97,19 @@ def nvfp4_w4a4_kernel(xq_ptr, xs_ptr, xg_ptr, w_ptr, ws_ptr, wg_ptr, y_ptr, t_pt
             w2_ptr, s2b_ptr, s22_ptr, y2_ptr, N2, SEGMENTS)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GATED: the up projection's (unused otherwise)
-    for k0 in range(0, K, BLOCK_K):
-        acc = _w4a4_step(acc, xq_ptr, xs_ptr, w_ptr, ws_ptr, rm, rn, k0, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                         EMULATE)
-        if GATED:
-            acc_u = _w4a4_step(acc_u, xq_ptr, xs_ptr, wu_ptr, wsu_ptr, rm, rn, k0, M, N, K, BLOCK_M, BLOCK_N,
-                               BLOCK_K, EMULATE)
+    if GATED:  # gate and up as one product a step (Triton 3.6 cannot build two in one loop for sm_100)
+        both = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        col = (pid_n * BLOCK_N + tl.arange(0, 2 * BLOCK_N) % BLOCK_N).to(tl.int64)
+        for k0 in range(0, K, BLOCK_K):
+            both = _w4a4_pair_step(both, xq_ptr, xs_ptr, w_ptr, ws_ptr, wu_ptr, wsu_ptr, rm, rn, col, k0, M, N, K,
+                                   BLOCK_M, BLOCK_N, BLOCK_K, EMULATE)
+        acc, acc_u = split_gate_up(both, BLOCK_M, BLOCK_N)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = acc  # unused
+        for k0 in range(0, K, BLOCK_K):
+            acc = _w4a4_step(acc, xq_ptr, xs_ptr, w_ptr, ws_ptr, rm, rn, k0, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                             EMULATE)
     xg = tl.load(xg_ptr + rm, mask=rm < M, other=0.0)
     wg = tl.load(wg_ptr + rn, mask=rn < N, other=0.0)
     out = acc * xg[:, None] * wg[None, :]
@@ -127,7 +163,7 @@ def nvfp4_w4a4(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     xq, xs, xg = quantized if quantized is not None else quantize_act(x2, global_scale=input_scale)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     # 128 x 128 tiles, 8 warps: the block-scaled FP4 MMA on both targets without spills (make kernel-report); 64
-    # rows would fall back to 16-bit MMAs on sm_100. Gated: two accumulators, so half the columns a program
+    # rows would fall back to 16-bit MMAs on sm_100. Gated: gate and up in one product, so half the columns each
     block_k = 128 if K % 128 == 0 else 64 if K % 64 == 0 else 32
     block_n = 64 if up is not None else 128
     grid = (triton.cdiv(N, block_n), triton.cdiv(M, 128))
