@@ -297,45 +297,33 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ the step: fused launches, no wait
     mutation(
         "step/late-stop-leaves-the-generator-moved", "dgemma_cli/sampler.py",
-        "                set_rng_state(dev, before)
-",
-        "                pass
-",
+        "                set_rng_state(dev, before)\n",
+        "                pass\n",
         "tests/test_exactness.py::test_stop_test_read_a_step_late_changes_nothing"),
     mutation(
         "step/gated-w4a4-without-gelu", "quant/kernels/nvfp4_w4a4.py",
-        "        out = to_compute(gelu_tanh(gate), dtype, EMULATE).to(tl.float32) * up
-",
-        "        out = gate * up
-",
+        "        out = to_compute(gelu_tanh(gate), dtype, EMULATE).to(tl.float32) * up\n",
+        "        out = gate * up\n",
         "tests/test_shared_quantization.py::test_w4a4_gated_mlp_in_one_launch"),
     mutation(
         "step/shared-scale-is-the-first", "quant/modules.py",
-        '        kept["_shared_scale"] = torch.stack([s.float().reshape(()) for s in scales]).amax()
-',
-        '        kept["_shared_scale"] = scales[0].float().reshape(())
-',
+        '        kept["_shared_scale"] = torch.stack([s.float().reshape(()) for s in scales]).amax()\n',
+        '        kept["_shared_scale"] = scales[0].float().reshape(())\n',
         "tests/test_shared_quantization.py::test_w4a4_calibrated_scales_are_shared_as_their_largest"),
     mutation(
         "step/norm-quantizes-with-another-global-scale", "quant/kernels/rmsnorm.py",
-        "            g = tl.maximum(tl.max(tl.abs(n), axis=1) / 2688.0, 1.1754943508222875e-38)
-",
-        "            g = tl.maximum(tl.max(tl.abs(n), axis=1) / 2687.0, 1.1754943508222875e-38)
-",
+        "            g = tl.maximum(tl.max(tl.abs(n), axis=1) / 2688.0, 1.1754943508222875e-38)\n",
+        "            g = tl.maximum(tl.max(tl.abs(n), axis=1) / 2687.0, 1.1754943508222875e-38)\n",
         "tests/test_shared_quantization.py::test_a_norm_quantizes_its_output_as_the_linears_would"),
     mutation(
         "step/pre-feed-forward-norms-of-the-input", "quant/kernels/rmsnorm.py",
-        "        n0 = n * (1.0 / tl.sqrt(tl.sum(n * n, axis=1) / D + eps))[:, None]
-",
-        "        n0 = a * (1.0 / tl.sqrt(tl.sum(a * a, axis=1) / D + eps))[:, None]
-",
+        "        n0 = n * (1.0 / tl.sqrt(tl.sum(n * n, axis=1) / D + eps))[:, None]\n",
+        "        n0 = a * (1.0 / tl.sqrt(tl.sum(a * a, axis=1) / D + eps))[:, None]\n",
         "tests/test_norm_kernel.py::test_residual_update_then_its_two_norms_in_one_kernel"),
     mutation(
         "step/v-norm-weighted-like-k", "quant/kernels/rmsnorm.py",
-        "            w_mask = tl.where(third, cols < 0, w_mask)
-",
-        "            w_mask = w_mask
-",
+        "            w_mask = tl.where(third, cols < 0, w_mask)\n",
+        "            w_mask = w_mask\n",
         "tests/test_norm_kernel.py::test_q_and_k_norms_in_one_launch"),
 ]
 
