@@ -212,7 +212,8 @@ def test_q_and_k_norms_in_one_launch():
                                     out_c=v_cache[:, :, cap - T :].transpose(1, 2))
     assert torch.equal(q3, got_q) and torch.equal(k3, got_k)
     assert ulps(v3.cpu(), reference(v, None, 1e-6)) <= 1.01
-    assert torch.equal(v_cache[:, :, cap - T :].transpose(1, 2).cpu(), v3.cpu()) and (v_cache[:, :, : cap - T] == 0).all()
+    assert torch.equal(v_cache[:, :, cap - T :].transpose(1, 2).cpu(), v3.cpu())
+    assert (v_cache[:, :, : cap - T] == 0).all()
     q4, k4, v4 = rms_norm_rope_pair(dev(q), dev(wq), dev(k), dev(wk), 1e-6, dev(cos), dev(sin), c=dev(v))
     assert torch.equal(q4, got_q) and torch.equal(k4.cpu(), got_k.cpu()) and torch.equal(v4.cpu(), v3.cpu())
 

@@ -10,9 +10,10 @@ reference is plain float arithmetic on the two dequantized operands without thei
 
 GATED (the dense MLP's first half): a second weight (up) of the same shape multiplied by the same activation codes,
 its tile stacked under the gate's into one operand twice as wide (one product a step, one accumulator split in the
-epilogue, as the MoE gate-up kernels do); the epilogue rounds gate and up to the compute dtype, then gelu_tanh(gate) (rounded) *
-up, rounded once more: the three ops' values (gate(x), gelu, up(x), their product) in one launch. Linears that read
-the same input (q, k and v; gate and up) take one quantization of it (`quantized`: quant.modules.project).
+epilogue, as the MoE gate-up kernels do); the epilogue rounds gate and up to the compute dtype, then
+gelu_tanh(gate) (rounded) * up, rounded once more: the three ops' values (gate(x), gelu, up(x), their product) in
+one launch. Linears that read the same input (q, k and v; gate and up) take one quantization of it (`quantized`:
+quant.modules.project), or the norm's that made it (quant/kernels/rmsnorm.py `quantize`).
 
 EMULATE (Triton's interpreter): `dot_scaled` there reads e4m3 scales as e8m0, so both tiles are decoded to float32
 a * s (common.nvfp4_tile, exact) and multiplied with an IEEE float32 dot: the same products, the same sum order
