@@ -164,9 +164,10 @@ def nvfp4_w4a4(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     xq, xs, xg = quantized if quantized is not None else quantize_act(x2, global_scale=input_scale)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     # 128 x 128 tiles, 8 warps: the block-scaled FP4 MMA on both targets without spills (make kernel-report); 64
-    # rows would fall back to 16-bit MMAs on sm_100. Gated: gate and up in one product, so half the columns each
+    # rows would fall back to 16-bit MMAs on sm_100. Gated: gate and up in one product, so half the columns each;
+    # a canvas or two (M <= 512): 64 columns, so that a 2,816-wide output fills more of the GPU's SMs
     block_k = 128 if K % 128 == 0 else 64 if K % 64 == 0 else 32
-    block_n = 64 if up is not None else 128
+    block_n = 64 if up is not None or M <= 512 else 128
     grid = (triton.cdiv(N, block_n), triton.cdiv(M, 128))
     t, lb, rank = (lora_shrink(x2.contiguous(), lora), lora.factors.B.contiguous(), lora.factors.A.shape[0]) \
         if lora is not None else (y, y, 16)  # stand-ins, never read

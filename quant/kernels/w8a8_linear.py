@@ -72,6 +72,8 @@ def candidates(M: int, device: torch.device, gated: bool = False) -> list[dict]:
     else:
         out = [dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4),
                dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8)]
+        if M <= 512:  # a canvas or two: 64 columns too, so that a 2,816-wide output fills the GPU's SMs
+            out.insert(0, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4))
     return [dict(c, BLOCK_N=c["BLOCK_N"] // 2) for c in out] if gated else out
 
 
