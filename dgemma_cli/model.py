@@ -255,23 +255,17 @@ class Attention(nn.Module):
         q_raw, k_raw = q_raw.view(B, T, -1, self.head_dim), k_raw.view(B, T, -1, self.head_dim)
         v_raw = v_raw.view(B, T, -1, self.head_dim) if v_raw is not None else k_raw
         D = self.head_dim
-        if D & (D - 1) == 0 and _fused_norms(q_raw) and self.q_norm.eps == self.k_norm.eps:  # q's and k's in one
+        if (D & (D - 1) == 0 and _fused_norms(q_raw)
+                and self.q_norm.eps == self.k_norm.eps == self.v_norm.eps):  # q's, k's and v's in one launch
             from quant.kernels.rmsnorm import rms_norm_rope_pair
 
             k_out, v_out = kv_out if kv_out is not None else (None, None)
-            if self.v_norm.eps == self.q_norm.eps:  # and v's, without weight or RoPE, in the same launch
-                q, k, v = rms_norm_rope_pair(q_raw, self.q_norm.weight, k_raw, self.k_norm.weight, self.q_norm.eps,
-                                             cos, sin, out_b=None if k_out is None else k_out.transpose(1, 2),
-                                             c=v_raw, out_c=None if v_out is None else v_out.transpose(1, 2))
-                if v_out is not None:
-                    return q.transpose(1, 2), k_out, v_out
-                return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            q, k = rms_norm_rope_pair(q_raw, self.q_norm.weight, k_raw, self.k_norm.weight, self.q_norm.eps, cos, sin,
-                                      out_b=None if k_out is None else k_out.transpose(1, 2))
+            q, k, v = rms_norm_rope_pair(q_raw, self.q_norm.weight, k_raw, self.k_norm.weight, self.q_norm.eps,
+                                         cos, sin, out_b=None if k_out is None else k_out.transpose(1, 2),
+                                         c=v_raw, out_c=None if v_out is None else v_out.transpose(1, 2))
             if v_out is not None:
-                self.v_norm.into(v_raw, v_out.transpose(1, 2))
                 return q.transpose(1, 2), k_out, v_out
-            return q.transpose(1, 2), k.transpose(1, 2), self.v_norm(v_raw).transpose(1, 2)
+            return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q = self.q_norm.rope(q_raw, cos, sin).transpose(1, 2)
         if kv_out is not None:
             k_out, v_out = kv_out
@@ -533,11 +527,10 @@ class Layer(nn.Module):
         normed: (pre, pre2, pair order, pre's quantization or None) as `post_attention` made them, the two input
         norms of x already taken."""
         # the experts' input straight in the order their NVFP4 kernels read, where they run (no copy in between)
-        ordered = self.experts_pair_order(x)
-        quantized = None
-        if normed is not None and normed[2] == ordered:
-            pre, pre2, _, quantized = normed
+        if normed is not None:  # (post_attention decided the order for this x)
+            pre, pre2, ordered, quantized = normed
         else:
+            ordered, quantized = self.experts_pair_order(x), None
             pre, pre2 = self.pre_feedforward_layernorm.pair(x, self.pre_feedforward_layernorm_2, pair_order=ordered)
         dense = self.mlp(pre) if quantized is None else self.mlp(pre, quantized)  # its post-norm: with the sum's
         B, T, H = x.shape

@@ -292,7 +292,6 @@ class LaggedStop:
     the random generator's state from before it (`rng_state`), so the next canvas draws what it would have."""
 
     def __init__(self, device: torch.device):
-        self.device = device
         self.cuda = device.type == "cuda"
         host = device if device.type == "meta" else "cpu"  # meta: dgemma_cli.step_trace counts the copies
         self.verdicts = [torch.zeros((), dtype=torch.bool, device=host, pin_memory=self.cuda) for _ in range(2)]

@@ -114,20 +114,16 @@ class NVFP4Linear(nn.Module):
         from .kernels.nvfp4_linear import nvfp4_linear
         from .kernels.nvfp4_w4a4 import nvfp4_w4a4
 
-        mine = (self, *peers)
         if self._w4a4(x) and quantized is None:
             quantized = self.quantize_input(x, peers)
-        out = []
-        for i in range(0, len(mine), 3):
-            first, rest = mine[i], [(m.weight, m.weight_scale, m.row_scale_2()) for m in mine[i + 1:i + 3]]
+
+        def launch(first: NVFP4Linear, rest: tuple) -> list[torch.Tensor]:
             args = (x, first.weight, first.weight_scale, first.row_scale_2())
-            if not rest:
-                out.append(first(x, quantized=quantized))
-            elif quantized is not None:
-                out += nvfp4_w4a4(*args, quantized=quantized, more=rest)
-            else:
-                out += nvfp4_linear(*args, more=rest)
-        return out
+            more = [(m.weight, m.weight_scale, m.row_scale_2()) for m in rest]
+            return nvfp4_w4a4(*args, quantized=quantized, more=more) if quantized is not None \
+                else nvfp4_linear(*args, more=more)
+
+        return _in_threes(x, (self, *peers), quantized, launch)
 
     def quantize_input(self, x: torch.Tensor, peers: tuple = ()) -> tuple:
         """x quantized once for this linear and `peers` (W4A4 linears of the same `joint_key`): NVFP4 codes,
@@ -194,6 +190,16 @@ def shared_input_scale(linears: tuple) -> torch.Tensor | None:
         kept["_shared_scale"] = torch.stack([s.float().reshape(()) for s in scales]).amax()
         kept["_shared_scale_key"] = key
     return kept["_shared_scale"]
+
+
+def _in_threes(x: torch.Tensor, linears: tuple, quantized: tuple | None, launch) -> list[torch.Tensor]:
+    """Each linear's output on x, up to three linears a launch (`launch(first, rest)`: the kernels take one or two
+    more linears beside the first); a linear left alone runs its own forward."""
+    out = []
+    for i in range(0, len(linears), 3):
+        first, rest = linears[i], linears[i + 1:i + 3]
+        out += launch(first, rest) if rest else [first(x, quantized=quantized)]
+    return out
 
 
 def project(x: torch.Tensor, linears: list, quantized: tuple | None = None) -> list:
@@ -514,19 +520,15 @@ class W8A8Linear(nn.Module):
         `quantized` made already), up to three linears a launch where our kernel runs, one torch matmul each
         elsewhere."""
         quantized = quantized or self.quantize_input(x)
-        mine = (self, *peers)
         if not self._kernel(x):
-            return [m(x, quantized=quantized) for m in mine]
+            return [m(x, quantized=quantized) for m in (self, *peers)]
         from .kernels.w8a8_linear import w8a8_linear
 
-        out = []
-        for i in range(0, len(mine), 3):
-            first, rest = mine[i], [(m.weight, m.weight_scale) for m in mine[i + 1:i + 3]]
-            if rest:
-                out += w8a8_linear(x, quantized, first.weight, first.weight_scale, more=rest)
-            else:
-                out.append(first(x, quantized=quantized))
-        return out
+        def launch(first: W8A8Linear, rest: tuple) -> list[torch.Tensor]:
+            return w8a8_linear(x, quantized, first.weight, first.weight_scale,
+                               more=[(m.weight, m.weight_scale) for m in rest])
+
+        return _in_threes(x, (self, *peers), quantized, launch)
 
     def quantize_input(self, x: torch.Tensor, peers: tuple = ()) -> tuple:
         """x [..., K] -> (codes [M, K], scales float32 [M, 1]) for this linear and `peers`: per token, the same for
@@ -542,13 +544,14 @@ class W8A8Linear(nn.Module):
         if (key is None or type(up) is not W8A8Linear or up.joint_key(x) != key
                 or up.weight.shape != self.weight.shape or not use_triton(x.device)):
             return None
+        fused = self._kernel(x)
+        if not fused and not family_ok("gelu_mul", x.device, x.dtype):
+            return None  # before quantizing: the caller's ops quantize x themselves
         quantized = quantized or self.quantize_input(x, (up,))
-        if self._kernel(x):
+        if fused:
             from .kernels.w8a8_linear import w8a8_linear
 
             return w8a8_linear(x, quantized, self.weight, self.weight_scale, up=(up.weight, up.weight_scale))
-        if not family_ok("gelu_mul", x.device, x.dtype):
-            return None
         from .kernels.gelu_mul import gelu_mul
 
         return gelu_mul(self(x, quantized=quantized), up(x, quantized=quantized))

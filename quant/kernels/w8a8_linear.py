@@ -12,7 +12,7 @@ What a kernel of our own gives that torch's matmul cannot: the linears of one in
 and v, their column tiles one after another) and the dense MLP's gate and up with gelu_tanh(gate) * up in the
 epilogue (GATED: two accumulators, each product and the activation rounded as the torch ops round them). Under
 Triton's interpreter tl.dot multiplies e4m3 by widening to float16 (exact) and int8 in int32, so the same code runs
-there (tests/test_w8a8_linear.py).
+there (tests/test_shared_quantization.py).
 """
 
 from __future__ import annotations
