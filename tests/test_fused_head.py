@@ -39,6 +39,31 @@ def test_fused_head_equals_its_reference_from_the_same_uniforms():
         assert torch.isinf(buf.chunk_max).all() and (buf.chunk_max < 0).all()  # left at -inf for the next step
 
 
+def test_fused_head_with_the_factor_after_the_product_equals_its_reference(monkeypatch):
+    """The soft-embedding kernel as it runs where the tensor cores read P from shared memory (sm_90, sm_100: AFTER,
+    each vocab tile's factor applied to its float32 partial sum): the same tokens and entropies as the reference,
+    the soft embedding within bfloat16 rounding of it and closer than the path that rounds P times the factor."""
+    from quant.kernels import head
+    from quant.kernels.head import HeadBuffers, fused_head, head_reference
+
+    settings = head._settings
+    h, w, t, u = _head_case(seed=2)
+    R, H = h.shape
+    V = w.shape[0]
+    soft = {}
+    for after in (False, True):
+        monkeypatch.setattr(head, "_settings", lambda device: {
+            **settings(device), "soft": {**settings(device)["soft"], "AFTER": after}})
+        buf = HeadBuffers(R, V, H, torch.bfloat16, DEVICE, chunk=512, tile=256)
+        fused_head(h.to(DEVICE), w.to(DEVICE), 30.0, H**0.5, t.to(DEVICE), u.to(DEVICE), buf, splits=3)
+        sample, argmax, entropy, want = head_reference(h, w, 30.0, H**0.5, t, u, tile=256)
+        assert torch.equal(buf.sample.cpu(), sample) and torch.equal(buf.argmax.cpu(), argmax)
+        assert (buf.entropy.cpu() - entropy).abs().max() < 1e-4
+        soft[after] = (buf.soft.cpu().float() - want).abs().max() / want.abs().max()
+        assert soft[after] < 8e-3
+    assert soft[True] <= soft[False]
+
+
 def test_fused_head_soft_embedding_matches_the_torch_path():
     """The soft embedding the next step reads, against the torch path's (DiffusionGemma.soft_embedding of the
     softmax of the capped logits over t), within bfloat16 rounding; the entropy against torch's Categorical. The

@@ -121,9 +121,21 @@ def head_logits_kernel(h_ptr, w_ptr, temp_ptr, u_ptr, p_ptr, tmax_ptr, tsum_ptr,
 
 
 @triton.jit
+def _soft_operands(p_ptrs, w_ptrs, k0, ks, rmask, hmask, H, V, v0, EVEN_V: tl.constexpr):
+    """The soft-embedding product's operands at chunk column k0: P [BLOCK_M, BLOCK_K] and W [BLOCK_K, BLOCK_N]."""
+    p = tl.load(p_ptrs + k0, mask=rmask[:, None], other=0.0)
+    if EVEN_V:
+        b = tl.load(w_ptrs + k0 * H, mask=hmask[None, :], other=0.0)
+    else:
+        b = tl.load(w_ptrs + k0 * H, mask=((v0 + k0 + ks) < V)[:, None] & hmask[None, :], other=0.0)
+    return p, b
+
+
+@triton.jit
 def head_soft_kernel(p_ptr, w_ptr, tmax_ptr, m_ptr, part_ptr, R, H, V, v0, VC, NT, NC, chunk, KC, KS,
                      FIRST: tl.constexpr, EVEN_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, TILE: tl.constexpr, NC_P2: tl.constexpr, EMULATE: tl.constexpr):
+                     BLOCK_K: tl.constexpr, TILE: tl.constexpr, NC_P2: tl.constexpr, EMULATE: tl.constexpr,
+                     AFTER: tl.constexpr = False):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)  # the chunk's columns [split KS, (split + 1) KS), into running sum number `split`
@@ -142,20 +154,32 @@ def head_soft_kernel(p_ptr, w_ptr, tmax_ptr, m_ptr, part_ptr, R, H, V, v0, VC, N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = split * KS
     k_hi = tl.minimum(KC, k_lo + KS)
-    for k0 in range(k_lo, k_hi, BLOCK_K):  # KC: the chunk's columns, KS a split's: whole tiles (a step in one tile)
-        p = tl.load(p_ptrs + k0, mask=rmask[:, None], other=0.0)
-        f = tl.exp2(tl.load(f_ptrs + k0 // TILE, mask=rmask, other=0.0) - m_new)  # [BLOCK_M], <= 1
-        if EVEN_V:
-            b = tl.load(w_ptrs + k0 * H, mask=hmask[None, :], other=0.0)
-        else:
-            b = tl.load(w_ptrs + k0 * H, mask=((v0 + k0 + ks) < V)[:, None] & hmask[None, :], other=0.0)
-        # the factor in bfloat16, multiplied in bfloat16 pairs (one instruction per two elements where the GPU has
-        # them): P picks up two more roundings, each a relative 2^-9, which the sum over the vocab averages out
-        if EMULATE:
-            a = _round(p.to(tl.float32) * _round(f, tl.bfloat16, EMULATE)[:, None], tl.bfloat16, EMULATE)
-            acc += tl.dot(a, b.to(tl.float32))
-        else:
-            acc = tl.dot((p * f.to(tl.bfloat16)[:, None]).to(b.dtype), b, acc)
+    # KC: the chunk's columns, KS a split's: whole tiles (a step in one tile)
+    if AFTER:
+        # each tile's product with P as the logits kernel stored it, then the tile's factor on the float32 partial
+        # sum: where the tensor cores read P from shared memory (wgmma, tcgen05), scaling P first cost a load, a
+        # multiply, a repack and a store back per element of P, in each of the H / BLOCK_N programs reading it
+        for t0 in range(k_lo, k_hi, TILE):
+            f = tl.exp2(tl.load(f_ptrs + t0 // TILE, mask=rmask, other=0.0) - m_new)  # [BLOCK_M], <= 1
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kk in tl.static_range(0, TILE, BLOCK_K):
+                p, b = _soft_operands(p_ptrs, w_ptrs, t0 + kk, ks, rmask, hmask, H, V, v0, EVEN_V)
+                if EMULATE:  # the interpreter's 16-bit products are not IEEE; these are exact in float32
+                    part += tl.dot(p.to(tl.float32), b.to(tl.float32))
+                else:
+                    part = tl.dot(p, b, part)
+            acc += part * f[:, None]
+    else:
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            f = tl.exp2(tl.load(f_ptrs + k0 // TILE, mask=rmask, other=0.0) - m_new)  # [BLOCK_M], <= 1
+            p, b = _soft_operands(p_ptrs, w_ptrs, k0, ks, rmask, hmask, H, V, v0, EVEN_V)
+            # mma.sync reads P from registers: the factor in bfloat16, multiplied in bfloat16 pairs (one instruction
+            # per two elements): P picks up two more roundings, each a relative 2^-9, which the sum averages out
+            if EMULATE:
+                a = _round(p.to(tl.float32) * _round(f, tl.bfloat16, EMULATE)[:, None], tl.bfloat16, EMULATE)
+                acc += tl.dot(a, b.to(tl.float32))
+            else:
+                acc = tl.dot((p * f.to(tl.bfloat16)[:, None]).to(b.dtype), b, acc)
     at = part_ptr + (split * R + rows[:, None]).to(tl.int64) * H + hcols[None, :]
     mask = rmask[:, None] & hmask[None, :]
     if not FIRST:  # the running sum so far, from the max over chunks before this one to m_new
@@ -212,8 +236,9 @@ class HeadBuffers:
 
     def __init__(self, rows: int, vocab: int, hidden: int, dtype: torch.dtype, device, chunk: int = CHUNK,
                  tile: int = TILE):
-        if chunk % tile:
-            raise ValueError(f"chunk {chunk} is not a multiple of tile {tile}")
+        if chunk % tile or tile % 64:
+            raise ValueError(f"chunk {chunk} is not a multiple of tile {tile}, or the tile not one of 64 (the "
+                             "soft-embedding kernel's step)")
         self.vocab, self.hidden, self.tile = vocab, hidden, tile
         self.chunk = min(chunk, triton.cdiv(vocab, tile) * tile)
         self.chunks = triton.cdiv(vocab, self.chunk)
@@ -251,7 +276,10 @@ def _settings(device: torch.device) -> dict:
     big = shared_b_operand(cc)  # Hopper / datacenter Blackwell: 227 KB of shared memory, wgmma / tcgen05
     # sm_100 reads the accumulator out of tensor memory for the epilogue: 16 warps keep it in registers (8 spill)
     return dict(logits=dict(BLOCK_M=64, BLOCK_K=64, num_warps=16 if cc == 100 else 8, num_stages=3 if big else 2),
-                soft=dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8 if cc == 90 else 4, num_stages=3))
+                # AFTER: each vocab tile's factor on the partial sum where the tensor cores read P from shared memory
+                # (two stages of a whole tile's operands: 96 KB, two programs an SM)
+                soft=dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8 if cc == 90 else 4,
+                          num_stages=2 if big else 3, AFTER=big))
 
 
 def _splits(device: torch.device, programs: int, tiles: int) -> int:
@@ -314,7 +342,7 @@ def fused_head(h: torch.Tensor, weight: torch.Tensor, cap: float | None, scale: 
         per_split = triton.cdiv(triton.cdiv(VC, tile), S) * tile  # whole tiles a split (of a full chunk)
         head_soft_kernel[soft_grid + (S,)](
             p, w, tmax, buf.chunk_max, running, R, H, V, v0, VC, NT, NC, c, tiles * tile, per_split,
-            c == 0, V % tile == 0, sf["BLOCK_M"], sf["BLOCK_N"], sf["BLOCK_K"], tile, nc_p2, emulate,
+            c == 0, V % tile == 0, sf["BLOCK_M"], sf["BLOCK_N"], sf["BLOCK_K"], tile, nc_p2, emulate, sf["AFTER"],
             num_warps=sf["num_warps"], num_stages=sf["num_stages"])
     first = buf.first(R)
     head_finish_kernel[(R,)](stats[0], stats[1], stats[2], picks[0], picks[1], first.chunk_max, running, uniforms,

@@ -314,7 +314,9 @@ KERNELS = {
     "head_logits_kernel": Loops(trips=lambda a: [_cdiv(a["H"], a["BLOCK_K"])], elems=lambda a: a["TILE"] * a["H"],
                                 mma=lambda a: 2 * a["BLOCK_M"] * a["TILE"] * _cdiv(a["H"], a["BLOCK_K"]) * a["BLOCK_K"],
                                 useful=lambda a: 2 * a["R"] * a["VC"] * a["H"]),
-    "head_soft_kernel": Loops(trips=lambda a: [_cdiv(min(a["KC"], a["KS"]), a["BLOCK_K"])],
+    # AFTER: one trip a vocab tile (its BLOCK_K steps unrolled), else one a BLOCK_K step
+    "head_soft_kernel": Loops(trips=lambda a: [_cdiv(min(a["KC"], a["KS"]), a["TILE"] if a.get("AFTER") else
+                                                     a["BLOCK_K"])],
                               elems=lambda a: a["BLOCK_N"] * min(a["KC"], a["KS"]),
                               passes=lambda a: {"part_ptr": 1 if a["FIRST"] else 2},
                               mma=lambda a: 2 * a["BLOCK_M"] * a["BLOCK_N"] * _cdiv(min(a["KC"], a["KS"]), a["BLOCK_K"])
