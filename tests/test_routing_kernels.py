@@ -67,6 +67,27 @@ def test_router_kernel_routes_as_the_torch_ops(dtype):
         assert {probs[t, e].item() for e in only_got | only_want} == {kth.item()}, t
 
 
+def test_router_split_over_programs_routes_the_same():
+    """The experts split over 2 or 8 programs a token block (the last to finish takes the top-k): bit for bit the
+    weights and experts of one program a block, over a partial block, with the counters back at 0 after each launch
+    (so the next launch, here a second, counts from 0)."""
+    from quant.kernels import router
+
+    g = torch.Generator().manual_seed(4)
+    T, H, E = 40, 256, 128
+    scale = (torch.rand(H, generator=g) + 0.5).to(torch.bfloat16).to(DEVICE)
+    w = (torch.randn(E, H, generator=g) * 0.2).to(torch.bfloat16).to(DEVICE)
+    pes = (torch.rand(E, generator=g) + 0.5).to(torch.bfloat16).to(DEVICE)
+    for splits in (2, 8, 8, 2):  # new tokens each time: logits left from the launch before would not pass
+        x = (torch.randn(T, H, generator=g) * 2).to(torch.bfloat16).to(DEVICE)
+        one_w, one_i = router.route(x, scale, w, pes, 8, 1e-6, splits=1)
+        got_w, got_i = router.route(x, scale, w, pes, 8, 1e-6, splits=splits)
+        assert torch.equal(got_i, one_i) and torch.equal(got_w, one_w), splits
+        assert not router._counters[x.device].any()
+    with pytest.raises(ValueError, match="1, 2, 4 or 8"):
+        router.route(x, scale, w, pes, 8, 1e-6, splits=16)
+
+
 def test_router_in_the_model_and_its_probe(monkeypatch):
     """Router.forward takes the kernel under DGEMMA_KERNELS=triton (the interpreter) with the same choices."""
     from dgemma_cli.engine import load

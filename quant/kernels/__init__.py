@@ -73,3 +73,24 @@ def m_bucket(rows: int) -> int:
     """Rows rounded up to a power of two (at least 16): launch settings are tuned and cached per bucket."""
     return max(16, 1 << max(0, rows - 1).bit_length())
 
+
+
+def sm_count(device: torch.device) -> int | None:
+    """The GPU's SM count: the device's own on CUDA, the static report's target's where it answers `arch`
+    (quant/kernels/aot.py), None elsewhere (the interpreter)."""
+    if device.type == "cuda" and not interpreting():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    from .roofline import GPUS
+
+    gpu = GPUS.get(arch(device))
+    return gpu.sms if gpu is not None else None
+
+
+def fewest_waves(device: torch.device, programs: int, choices) -> int:
+    """How many ways (one of `choices`) to split each of `programs` programs' work so the GPU's SMs run the fewest
+    waves per unit of work (ceil(programs x S / SMs) / S), the smallest such S; 1 where the SM count is unknown.
+    For launches whose own grid leaves SMs idle (a canvas's router, the head's soft embedding at batch 1)."""
+    sms = sm_count(device)
+    if sms is None:
+        return 1
+    return min(choices, key=lambda s: (-(-programs * s // sms) / s, s))

@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import arch, interpreting, shared_b_operand
+from . import arch, fewest_waves, interpreting, shared_b_operand
 from .rmsnorm import _round
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -285,19 +285,8 @@ def _settings(device: torch.device) -> dict:
 def _splits(device: torch.device, programs: int, tiles: int) -> int:
     """How many ways the soft-embedding kernel splits a chunk's columns: its grid of `programs` output tiles is
     smaller than the GPU at batch 1 (88 at the real shapes on 128-170 SMs), so the split with the fewest waves per
-    unit of work (ceil(programs x S / SMs) / S), the smallest such S, at most 8. One where the SM count is unknown
-    (the interpreter)."""
-    if device.type == "cuda" and not interpreting():
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        from .roofline import GPUS
-
-        gpu = GPUS.get(arch(device))  # the static report's target (quant/kernels/aot.py answers arch for it)
-        if gpu is None:
-            return 1
-        sms = gpu.sms
-    best = min(range(1, 9), key=lambda s: (triton.cdiv(programs * s, sms) / s, s))
-    return max(1, min(best, tiles))
+    unit of work, at most 8 (`kernels.fewest_waves`); one where the SM count is unknown (the interpreter)."""
+    return max(1, min(fewest_waves(device, programs, range(1, 9)), tiles))
 
 
 def fused_head(h: torch.Tensor, weight: torch.Tensor, cap: float | None, scale: float, temperature: torch.Tensor,

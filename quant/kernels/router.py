@@ -8,11 +8,14 @@ The model's router (dgemma_cli/model.py Router) on the un-normed residual x [T, 
     w, index = top-k of p (the k largest; the lower index first among equal values)
     weights = w / sum(w) * float32(per_expert_scale[index])
 
-Outputs: weights float32 [T, k], index int64 [T, k]. One program per BLOCK_T tokens: a sweep over H for the
-norm's sum of squares, a sweep multiplying the normed, scaled rows by W's tiles (tensor cores), then the softmax and
-the top-k on the [BLOCK_T, E] logits in registers (E <= 256). Under Triton's interpreter (EMULATE) the product
-is taken in float32 (its 16-bit dot is not IEEE): the same exact products of 16-bit values, summed in float32. The sums' order differs from the torch path's (cuBLAS
-or the CPU's BLAS), so a logit may differ by one rounding, and two experts whose probabilities tie that closely may
+Outputs: weights float32 [T, k], index int64 [T, k]. Programs of BLOCK_T tokens: a sweep over H for the norm's sum
+of squares, a sweep multiplying the normed, scaled rows by W's tiles (tensor cores), then the softmax and the top-k
+on the [BLOCK_T, E] logits in registers (E <= 256). Where a canvas's 16 token blocks would leave most SMs idle, each
+streaming all of W, SPLITS programs share a block's experts (a part of W each) and the last to finish takes the
+softmax and top-k over the logits they wrote (a counter per block, which it sets back to 0): each logit is the same
+sum in the same order either way. Under Triton's interpreter (EMULATE) the product
+is taken in float32 (its 16-bit dot is not IEEE): the same exact products of 16-bit values, summed in float32.
+The sums' order differs from the torch path's (cuBLAS or the CPU's BLAS), so a logit may differ by one rounding, and two experts whose probabilities tie that closely may
 swap: tests/test_routing_kernels.py measures how often.
 """
 
@@ -22,46 +25,21 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
+from . import fewest_waves, interpreting
 from .rmsnorm import _round
 
 
 @triton.jit
-def router_kernel(x_ptr, scale_ptr, w_ptr, pes_ptr, out_w_ptr, out_i_ptr, T, H, E, root, eps,
-                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, TOPK: tl.constexpr,
-                  KP: tl.constexpr, EMULATE: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    live = rows < T
-    rows64 = rows.to(tl.int64)
-    dt: tl.constexpr = x_ptr.dtype.element_ty
-    ss = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rows64[:, None] * H + ks[None, :], mask=live[:, None] & (ks[None, :] < H),
-                    other=0.0).to(tl.float32)
-        ss += tl.sum(x * x, axis=1)
-    rstd = 1.0 / tl.sqrt(ss / H + eps)
-    es = tl.arange(0, BLOCK_E)
-    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        kmask = ks < H
-        x = tl.load(x_ptr + rows64[:, None] * H + ks[None, :], mask=live[:, None] & kmask[None, :],
-                    other=0.0).to(tl.float32)
-        s = tl.load(scale_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
-        h = _round(_round(_round(x * rstd[:, None], dt, EMULATE) * s[None, :], dt, EMULATE) * root, dt, EMULATE)
-        w = tl.load(w_ptr + es[:, None] * H + ks[None, :], mask=(es[:, None] < E) & kmask[None, :], other=0.0)
-        if EMULATE:  # the interpreter's 16-bit dot is not IEEE: the same exact products, summed in float32
-            acc = tl.dot(h, tl.trans(w.to(tl.float32)), acc)
-        else:
-            acc = tl.dot(h.to(dt), tl.trans(w), acc)
-    logits = tl.where(es[None, :] < E, _round(acc, dt, EMULATE), -float("inf"))
+def _top_k(logits, es, rows64, live, pes_ptr, out_w_ptr, out_i_ptr, TOPK: tl.constexpr, KP: tl.constexpr,
+           BLOCK_E: tl.constexpr):
+    """Softmax over the [BLOCK_T, BLOCK_E] rounded logits (-inf past E), the top-k, renormalised, times the experts'
+    scales; stores weights and indices."""
     m = tl.max(logits, axis=1)
     p = tl.exp(logits - m[:, None])
     p = p / tl.sum(p, axis=1)[:, None]
     slots = tl.arange(0, KP)
-    vals = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
-    idxs = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
+    vals = tl.zeros([logits.shape[0], KP], dtype=tl.float32)
+    idxs = tl.zeros([logits.shape[0], KP], dtype=tl.int32)
     for j in tl.static_range(TOPK):
         v = tl.max(p, axis=1)
         i = tl.min(tl.where(p == v[:, None], es[None, :], BLOCK_E), axis=1)
@@ -76,9 +54,76 @@ def router_kernel(x_ptr, scale_ptr, w_ptr, pes_ptr, out_w_ptr, out_i_ptr, T, H, 
     tl.store(out_i_ptr + out, idxs.to(tl.int64), mask=keep)
 
 
+@triton.jit
+def router_kernel(x_ptr, scale_ptr, w_ptr, pes_ptr, out_w_ptr, out_i_ptr, logit_ptr, count_ptr, T, H, E, root, eps,
+                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, TOPK: tl.constexpr,
+                  KP: tl.constexpr, EMULATE: tl.constexpr, SPLITS: tl.constexpr = 1):
+    pid_t = tl.program_id(0)
+    part = tl.program_id(1)  # this program's experts: [part * BLOCK_E / SPLITS, (part + 1) * BLOCK_E / SPLITS)
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    live = rows < T
+    rows64 = rows.to(tl.int64)
+    dt: tl.constexpr = x_ptr.dtype.element_ty
+    ss = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows64[:, None] * H + ks[None, :], mask=live[:, None] & (ks[None, :] < H),
+                    other=0.0).to(tl.float32)
+        ss += tl.sum(x * x, axis=1)
+    rstd = 1.0 / tl.sqrt(ss / H + eps)
+    PART: tl.constexpr = BLOCK_E // SPLITS
+    es = part * PART + tl.arange(0, PART)
+    acc = tl.zeros([BLOCK_T, PART], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < H
+        x = tl.load(x_ptr + rows64[:, None] * H + ks[None, :], mask=live[:, None] & kmask[None, :],
+                    other=0.0).to(tl.float32)
+        s = tl.load(scale_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
+        h = _round(_round(_round(x * rstd[:, None], dt, EMULATE) * s[None, :], dt, EMULATE) * root, dt, EMULATE)
+        w = tl.load(w_ptr + es[:, None] * H + ks[None, :], mask=(es[:, None] < E) & kmask[None, :], other=0.0)
+        if EMULATE:  # the interpreter's 16-bit dot is not IEEE: the same exact products, summed in float32
+            acc = tl.dot(h, tl.trans(w.to(tl.float32)), acc)
+        else:
+            acc = tl.dot(h.to(dt), tl.trans(w), acc)
+    logits = tl.where(es[None, :] < E, _round(acc, dt, EMULATE), -float("inf"))
+    if SPLITS == 1:
+        _top_k(logits, es, rows64, live, pes_ptr, out_w_ptr, out_i_ptr, TOPK, KP, BLOCK_E)
+    else:
+        # the experts are split over SPLITS programs (each reads 1 / SPLITS of W: a canvas is 16 token blocks, too
+        # few programs to fill a GPU when each streams all of W); each writes its logits, and the last of the token
+        # block's programs to finish (the counter it increments) takes the softmax and top-k over all of them and
+        # sets the counter back to 0 for the next launch
+        all_e = tl.arange(0, BLOCK_E)
+        tl.store(logit_ptr + rows64[:, None] * BLOCK_E + es[None, :], logits, mask=live[:, None])
+        tl.debug_barrier()  # every thread's logits stored before the counter says so (its release is the CTA's)
+        done = tl.atomic_add(count_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
+        if done == SPLITS - 1:
+            every = tl.load(logit_ptr + rows64[:, None] * BLOCK_E + all_e[None, :], mask=live[:, None],
+                            other=-float("inf"), cache_modifier=".cg")  # from L2: other SMs wrote them
+            tl.store(count_ptr + pid_t, 0)
+            _top_k(every, all_e, rows64, live, pes_ptr, out_w_ptr, out_i_ptr, TOPK, KP, BLOCK_E)
+
+
+BLOCK_T = 16  # tokens a program
+_counters: dict[torch.device, torch.Tensor] = {}  # per device: one zeroed counter a token block (router_kernel)
+
+
+def _counter(device: torch.device, blocks: int) -> torch.Tensor:
+    """The split router's counters, zero between launches (each launch's last program of a block sets its own back):
+    allocated and zeroed once per device, grown when a launch has more token blocks."""
+    have = _counters.get(device)
+    if have is None or have.numel() < blocks or have.device.type != device.type:
+        have = _counters[device] = torch.zeros(max(64, triton.next_power_of_2(blocks)), dtype=torch.int32,
+                                               device=device)
+    return have
+
+
 def route(x: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int,
-          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H] -> (weights float32 [T, top_k], index int64 [T, top_k]) as the module docstring says."""
+          eps: float, splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] -> (weights float32 [T, top_k], index int64 [T, top_k]) as the module docstring says. splits: how
+    many programs share a token block's experts (1, 2, 4 or 8; None: the fewest waves for the GPU's SMs,
+    `kernels.fewest_waves`)."""
     T, H = x.shape
     E = weight.shape[0]
     if E > 256 or top_k > E:
@@ -86,11 +131,18 @@ def route(x: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, per_expert
     out_w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     out_i = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
     if T:
-        block_t = 16
-        router_kernel[(triton.cdiv(T, block_t),)](
-            x.contiguous(), scale, weight.contiguous(), per_expert_scale, out_w, out_i, T, H, E, float(H ** -0.5),
-            float(eps), block_t, max(16, triton.next_power_of_2(E)), 128, top_k, triton.next_power_of_2(top_k),
-            interpreting(), num_warps=4)
+        block_e = max(16, triton.next_power_of_2(E))
+        blocks = triton.cdiv(T, BLOCK_T)
+        S = splits or fewest_waves(x.device, blocks, [s for s in (1, 2, 4, 8) if block_e // s >= 16])
+        if S not in (1, 2, 4, 8) or block_e // S < 16:
+            raise ValueError(f"the router splits its {block_e} experts 1, 2, 4 or 8 ways, 16 at least a part "
+                             f"(got {S})")
+        logits = torch.empty(T, block_e, dtype=torch.float32, device=x.device) if S > 1 else out_w  # unused at 1
+        count = _counter(x.device, blocks) if S > 1 else out_i
+        router_kernel[(blocks, S)](
+            x.contiguous(), scale, weight.contiguous(), per_expert_scale, out_w, out_i, logits, count, T, H, E,
+            float(H ** -0.5), float(eps), BLOCK_T, block_e, 128, top_k, triton.next_power_of_2(top_k),
+            interpreting(), S, num_warps=4)
     return out_w, out_i
 
 
