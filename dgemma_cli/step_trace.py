@@ -73,10 +73,19 @@ class StepTrace:
     vocab_f32: list = field(default_factory=list)  # shapes of float32 tensors of at least canvas x vocab elements
     op_layers: list = field(default_factory=list)  # per op: its layer (what it reads, else the layer it runs in),
     # None before the first layer and after the last (embedding, self-conditioning, head, sampler)
+    graphed: tuple[int, int] = (0, 0)  # ops[lo:hi]: the denoiser's forward, which CUDA runs as one graph's replay
+    # (engine.GraphedDenoiser); the rest (the step's inputs, the sampler's acceptance and test, the verdict's
+    # copies) are launched one by one
 
     @property
     def kernels(self) -> int:
         return len(self.ops)
+
+    @property
+    def eager_kernels(self) -> int:
+        """Kernels launched one by one, outside the step's CUDA graph (each pays a launch: roofline.LAUNCH_US)."""
+        lo, hi = self.graphed
+        return self.kernels - (hi - lo)
 
     @property
     def torch_ops(self) -> list[TorchOp]:
@@ -337,7 +346,10 @@ def trace_step(batch: int = 1, prompt: int = 256, target: int = 90, fmt: str = "
             temperature = step_temperature(settings.max_denoising_steps, settings, "meta")
             prepare_step(buf, temperature)
             static.copy_(canvas)  # the graph's input copy, before its replay
+            lo = len(events)
             denoiser.denoise(static, buf, True)
+            if not isinstance(events, _Dropped):
+                trace.graphed = (lo, len(events))
             done_now = settle_step(buf, canvas, argmax, done, list(history), temperature, settings)[4]
             done_now.clone()  # the Step event's copy of it (sampler.generate_events)
             stop.push(done_now)  # the stop test's verdict to the host, read a step later (sampler.LaggedStop)

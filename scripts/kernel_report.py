@@ -299,6 +299,10 @@ def whole_step_rows(step_work, jobs, results, job_of, errors: list[str]) -> list
                 g["least_ms"] += least / 1e3
                 g["bytes"] += nbytes
                 g["flops"] += flops
+            if trace.eager_kernels:  # launched one by one, outside the graph: each pays a launch
+                ms = trace.eager_kernels * roofline.LAUNCH_US / 1e3
+                groups["launches outside the graph"] = dict(op="launches outside the graph", n=trace.eager_kernels,
+                                                            ms=ms, least_ms=ms, bytes=0, flops=0)
             for e in unknown:
                 if e not in errors:
                     errors.append(e)
@@ -312,6 +316,7 @@ def whole_step_rows(step_work, jobs, results, job_of, errors: list[str]) -> list
             serial = None if unknown else sum(g["least_ms"] for g in groups.values())
             rows.append(dict(cc=cc, gpu=gpu.name, fmt=w.label, batch=w.batch, prompt=trace.prompt,
                              kernels=trace.kernels, torch_ops=len(trace.torch_ops), launches=len(trace.launches),
+                             eager=trace.eager_kernels,
                              bound_ms=bound, floor_ms=floor, floor_mem_ms=floor_mem, floor_tc_ms=floor_tc,
                              ratio=None if bound is None else bound / floor, serial_ms=serial,
                              serial_ratio=None if serial is None else serial / floor,
@@ -333,16 +338,18 @@ def whole_step_markdown(rows) -> list[str]:
            "FLOPs, real rows only, at the rate of the tensor-core instructions it uses, whichever is larger), "
            "summed: what these kernels run one after another cannot beat however well each is written, since a "
            "memory-bound op (the experts) cannot lend its idle tensor cores to a math-bound one (the dense "
-           "linears, the head). Transient: per request, the sampler's buffers and the step's largest live "
-           "activations (KV cache and weights apart).", "",
-           "| GPU | format | batch | kernels (torch + Triton) | step bound ms | physical floor ms (memory / math) | "
+           "linears, the head). Both count each kernel launched outside the step's CUDA graph (the sampler's "
+           f"acceptance and stop test, the step's inputs) at {roofline.LAUNCH_US:g} us a launch "
+           "(`roofline.LAUNCH_US`, an assumption, not measured). Transient: per request, the sampler's buffers and "
+           "the step's largest live activations (KV cache and weights apart).", "",
+           "| GPU | format | batch | kernels (torch + Triton; outside the graph) | step bound ms | physical floor ms (memory / math) | "
            "bound / floor | serial floor ms (/ floor) | bound / serial | transient MB per request | "
            "canvas x vocab float32 tensors |",
            "|---|---|---:|---|---:|---|---:|---:|---:|---:|---|"]
     for r in rows:
         per_serial = None if r["bound_ms"] is None or not r["serial_ms"] else r["bound_ms"] / r["serial_ms"]
         out.append(f"| {r['gpu']} | {r['fmt']} | {r['batch']} | {r['kernels']:,} ({r['torch_ops']:,} + "
-                   f"{r['launches']}) | {_f(r['bound_ms'])} | {r['floor_ms']:.2f} ({r['floor_mem_ms']:.2f} / "
+                   f"{r['launches']}; {r['eager']}) | {_f(r['bound_ms'])} | {r['floor_ms']:.2f} ({r['floor_mem_ms']:.2f} / "
                    f"{r['floor_tc_ms']:.2f}) | {_f(r['ratio'])} | {_f(r['serial_ms'])} ({_f(r['serial_ratio'])}) | "
                    f"{_f(per_serial)} | {r['transient_mb']:,.0f} | "
                    f"{', '.join('x'.join(map(str, v)) for v in r['vocab_f32']) or 'none'} |")

@@ -89,6 +89,11 @@ CARD_GPUS = {
 STEP_ALSO = {90: (GPU("H100 SXM", 132, 1.98, 3.35, 989, 227 * 1024),)}
 FP4_OPS = {"OMMA", "UTCOMMA"}  # block-scaled FP4 tensor-core instructions (sm_120, sm_100)
 ISSUE_PER_CLOCK = 4  # warp-instructions per SM per clock: four schedulers, one each
+# Microseconds a kernel launched on its own (outside the step's CUDA graph) adds to a step: the gap a stream leaves
+# between two dependent launches that a graph's replay does not. An assumption, not measured here (no GPU was
+# lent): the whole-step table charges it per such kernel (dgemma_cli.step_trace StepTrace.eager_kernels), in the
+# bound and in the serial floor alike, since no kernel's own speed removes it.
+LAUNCH_US = 2.0
 OVER = 1.25  # issue / max(DRAM, tensor) above this is marked
 
 
