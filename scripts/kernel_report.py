@@ -342,14 +342,16 @@ def whole_step_markdown(rows) -> list[str]:
            f"acceptance and stop test, the step's inputs) at {roofline.LAUNCH_US:g} us a launch "
            "(`roofline.LAUNCH_US`, an assumption, not measured). Transient: per request, the sampler's buffers and "
            "the step's largest live activations (KV cache and weights apart).", "",
-           "| GPU | format | batch | kernels (torch + Triton; outside the graph) | step bound ms | physical floor ms (memory / math) | "
-           "bound / floor | serial floor ms (/ floor) | bound / serial | transient MB per request | "
+           "| GPU | format | batch | kernels (torch + Triton; outside the graph) | step bound ms | "
+           "physical floor ms (memory / math) | bound / floor | serial floor ms (/ floor) | bound / serial | "
+           "transient MB per request | "
            "canvas x vocab float32 tensors |",
            "|---|---|---:|---|---:|---|---:|---:|---:|---:|---|"]
     for r in rows:
         per_serial = None if r["bound_ms"] is None or not r["serial_ms"] else r["bound_ms"] / r["serial_ms"]
         out.append(f"| {r['gpu']} | {r['fmt']} | {r['batch']} | {r['kernels']:,} ({r['torch_ops']:,} + "
-                   f"{r['launches']}; {r['eager']}) | {_f(r['bound_ms'])} | {r['floor_ms']:.2f} ({r['floor_mem_ms']:.2f} / "
+                   f"{r['launches']}; {r['eager']}) | {_f(r['bound_ms'])} | {r['floor_ms']:.2f} "
+                   f"({r['floor_mem_ms']:.2f} / "
                    f"{r['floor_tc_ms']:.2f}) | {_f(r['ratio'])} | {_f(r['serial_ms'])} ({_f(r['serial_ratio'])}) | "
                    f"{_f(per_serial)} | {r['transient_mb']:,.0f} | "
                    f"{', '.join('x'.join(map(str, v)) for v in r['vocab_f32']) or 'none'} |")

@@ -27,7 +27,9 @@ for fmt, target in (("nvfp4", int(sys.argv[1])), ("w8a8-fp8", int(sys.argv[1])),
                     mm_flops=sorted({o.flops for o in mms}), sdpa=sum(o.name == "sdpa" for o in t.torch_ops),
                     transient=t.transient_bytes, weights=t.persistent_bytes, vocab_f32=[list(s) for s in t.vocab_f32],
                     quantized=f.quantized_params, dense=f.dense_params, rows=f.rows,
-                    negative=[o.name for o in t.torch_ops if o.read < 0 or o.written < 0 or o.persistent > o.read])
+                    negative=[o.name for o in t.torch_ops if o.read < 0 or o.written < 0 or o.persistent > o.read],
+                    eager=t.eager_kernels, outside=sorted({getattr(o, "name", "triton") for i, o in enumerate(t.ops)
+                                                           if not t.graphed[0] <= i < t.graphed[1]}))
 print(json.dumps(out))
 """
 
@@ -71,6 +73,17 @@ def test_at_most_640_kernels_a_step_on_every_path(traced):
     for fmt in ("nvfp4", "w8a8-fp8", "nvfp4@120"):
         assert traced[fmt]["kernels"] <= 640, (fmt, traced[fmt]["kernels"])
         assert {"aten::copy_", "aten::clone", "aten::all"} <= set(traced[fmt]["names"])
+
+
+@pytest.mark.slow
+def test_the_kernels_outside_the_graph(traced):
+    """What CUDA launches one by one around the graph's replay: the step's inputs, the sampler's acceptance and stop
+    test, the verdict's copies; torch ops only (every Triton launch is the forward's, inside the graph), a few dozen
+    (the whole-step table charges each a launch)."""
+    for fmt in ("nvfp4", "w8a8-fp8", "nvfp4@120"):
+        t = traced[fmt]
+        assert 10 <= t["eager"] <= 40, (fmt, t["eager"])
+        assert "triton" not in t["outside"] and {"aten::uniform_", "aten::randint", "aten::all"} <= set(t["outside"])
 
 
 @pytest.mark.slow
