@@ -13,10 +13,10 @@ of squares, a sweep multiplying the normed, scaled rows by W's tiles (tensor cor
 on the [BLOCK_T, E] logits in registers (E <= 256). Where a canvas's 16 token blocks would leave most SMs idle, each
 streaming all of W, SPLITS programs share a block's experts (a part of W each) and the last to finish takes the
 softmax and top-k over the logits they wrote (a counter per block, which it sets back to 0): each logit is the same
-sum in the same order either way. Under Triton's interpreter (EMULATE) the product
-is taken in float32 (its 16-bit dot is not IEEE): the same exact products of 16-bit values, summed in float32.
-The sums' order differs from the torch path's (cuBLAS or the CPU's BLAS), so a logit may differ by one rounding, and two experts whose probabilities tie that closely may
-swap: tests/test_routing_kernels.py measures how often.
+sum in the same order either way. Under Triton's interpreter (EMULATE) the product is taken in float32 (its 16-bit
+dot is not IEEE): the same exact products of 16-bit values, summed in float32. The sums' order differs from the
+torch path's (cuBLAS or the CPU's BLAS), so a logit may differ by one rounding, and two experts whose probabilities
+tie that closely may swap: tests/test_routing_kernels.py measures how often.
 """
 
 from __future__ import annotations
@@ -107,14 +107,18 @@ def router_kernel(x_ptr, scale_ptr, w_ptr, pes_ptr, out_w_ptr, out_i_ptr, logit_
 
 BLOCK_T = 16  # tokens a program
 _counters: dict[torch.device, torch.Tensor] = {}  # per device: one zeroed counter a token block (router_kernel)
+_retired: list[torch.Tensor] = []  # counters outgrown: a captured CUDA graph may still point at one, so never freed
 
 
 def _counter(device: torch.device, blocks: int) -> torch.Tensor:
     """The split router's counters, zero between launches (each launch's last program of a block sets its own back):
-    allocated and zeroed once per device, grown when a launch has more token blocks."""
+    allocated and zeroed once per device (before any graph capture: the first steps run eagerly), grown when a
+    launch has more token blocks (a split needs at most about half the SMs' count of blocks)."""
     have = _counters.get(device)
-    if have is None or have.numel() < blocks or have.device.type != device.type:
-        have = _counters[device] = torch.zeros(max(64, triton.next_power_of_2(blocks)), dtype=torch.int32,
+    if have is None or have.numel() < blocks:
+        if have is not None:
+            _retired.append(have)
+        have = _counters[device] = torch.zeros(max(128, triton.next_power_of_2(blocks)), dtype=torch.int32,
                                                device=device)
     return have
 
