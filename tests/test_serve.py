@@ -479,6 +479,45 @@ def _run_jobs(loop, jobs: list) -> list:
     return ends
 
 
+def test_stop_tests_read_a_step_late_answer_as_at_once(engine):
+    """The rows' stop tests read one step late (what the loop does on a GPU: no device-to-host wait in a step),
+    against reading them at once and against the single run: the same tokens and steps per canvas for every row,
+    three canvases of one row among them (its generator put back after each undone step, so its next canvases draw
+    what they would have); the step after a canvas ended was run and undone for the lagged rows, never for a row
+    that streams its steps (the host reads those anyway)."""
+    import dataclasses
+
+    from dgemma_cli.server.batching import BatchLoop, Job, RowDone
+
+    C, V = engine.model.cfg.canvas_length, engine.model.cfg.text.vocab_size
+    endless = dataclasses.replace(engine.settings, max_new_tokens=3 * C, eos_token_ids=(V + 1,))
+    cases = [("upper: hello diffusions", 1, engine.settings, False), ("sudoku: ..4./..../.2.1/3...", 0,
+             engine.settings, False), ("upper: a b c d", 5, endless, False),
+             ("sudoku: 1.../..4./.3../...2", 2, engine.settings, True)]
+
+    def jobs():
+        out = []
+        for p, seed, settings, steps in cases:
+            ids = engine.prompt_ids(p)
+            out.append(Job(ids, settings, seed, engine.check_context(len(ids), settings), want_steps=steps))
+        return out
+
+    runs = {}
+    for lagged in (False, True):
+        loop = BatchLoop(engine.model, max_batch=4, max_queue=4, lagged=lagged)
+        try:
+            ends = _run_jobs(loop, jobs())
+        finally:
+            loop.close()
+        assert all(isinstance(e, RowDone) for e in ends)
+        runs[lagged] = ([e.token_ids for e in ends], [e.steps_per_canvas for e in ends], loop.discarded)
+    assert runs[True][:2] == runs[False][:2]
+    assert runs[False][2] == 0 and runs[True][2] >= 3
+    assert len(runs[True][1][2]) == 3  # the endless row's three canvases
+    alone = engine.generate("upper: a b c d", seed=5, max_new_tokens=3 * C, eos_token_ids=(V + 1,))
+    assert runs[True][0][2] == alone.token_ids[0] and runs[True][1][2] == alone.steps_per_canvas[0]
+
+
 def test_a_row_whose_forward_raises_fails_alone_mid_batch(engine, monkeypatch, capfd):
     """Four requests in one batch. Any forward that holds the third one's row at its third step or later raises (a
     row whose own input breaks the network): the batched step fails, each row then runs that step alone; the third

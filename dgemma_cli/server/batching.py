@@ -26,6 +26,15 @@ Memory: the sampler's buffers (on a GPU the fused head's, on the CPU the torch p
 are allocated once, for `max_batch` rows, whatever the queue holds; a queued request holds only its token ids. Rows stay packed at the front of the buffers (a row that leaves
 is replaced by the last one), so a step works on the first A canvases.
 
+No wait in a step (on a GPU): a row's stop test (its canvas stable and confident) is read one step late, as the
+single run reads it (`sampler.LaggedStop`): each step's verdict is copied to the host behind an event, and the loop
+reads the previous step's after queuing this one, so the host never waits for the step it has just queued. When the
+verdict says the canvas ended, the step queued after it changed nothing (a row whose canvas ended keeps its canvas
+and argmax: a select on the device), and the row's generator is put back to where it stood before that step, so its
+next canvas draws what it would have; the step is not counted. Rows whose step the host reads anyway keep the
+immediate test: a structured answer's (its automaton steps on the host), one that streams its steps, one that asks
+for log-probabilities (read from the canvas's last step).
+
 Failures: one request's failure is that request's. A job that cannot be admitted, or a row whose own step fails,
 gets `RowFailed` and leaves; the others go on. When a step's batched forward raises, each row runs that step alone
 on its own rows of the buffers (`SamplerBuffers.span`), as it would have run in the batch: its generator is put
@@ -51,8 +60,8 @@ import torch
 from ..config import GenerationSettings
 from ..model import DiffusionGemma
 from .prefix_cache import PrefixCache
-from ..sampler import (SamplerBuffers, _stable, entropy_bound_accept, prepare_step, sample_step, step_temperature,
-                      use_fused_head)
+from ..sampler import (LaggedStop, SamplerBuffers, _stable, entropy_bound_accept, prepare_step, sample_step,
+                      step_temperature, use_fused_head)
 
 
 # ----------------------------------------------------------------------------- what goes in and comes out
@@ -171,7 +180,8 @@ class _Row:
     """A request being generated: its cache, its generator and where it is in its current canvas. The per-step
     bookkeeping is `sampler.generate_events`' for a batch of one."""
 
-    def __init__(self, ticket: Ticket, model: DiffusionGemma, prefixes: PrefixCache | None = None):
+    def __init__(self, ticket: Ticket, model: DiffusionGemma, prefixes: PrefixCache | None = None,
+                 lagged: bool = False):
         job = ticket.job
         self.ticket, self.job, self.model = ticket, job, model
         s = self.settings = job.settings
@@ -188,6 +198,10 @@ class _Row:
         self.constraint = None
         if job.automaton is not None:
             self.constraint = job.automaton.row(s.max_new_tokens, s.eos_token_ids, s.pad_token_id, self.gen)
+        # the stop test read a step late (module docstring), where the host does not read the step anyway
+        self.lagged = lagged and self.constraint is None and not job.want_steps and job.logprobs is None
+        self.before_step = None  # the generator's state before this step's draws (BatchLoop._step)
+        self.undone = 0  # steps run after its canvas had ended, undone
         self.t0 = time.perf_counter()
         self.cache = model.new_cache(1, job.capacity)
         self.canvases: list[list[int]] = []
@@ -220,6 +234,9 @@ class _Row:
         self.n = self.settings.max_denoising_steps  # counts down to 1
         self.history: list[torch.Tensor] = []
         self.steps = 0
+        if self.lagged:
+            self.done = torch.zeros(1, dtype=torch.bool, device=self.model.device)  # the canvas ended (device)
+            self.stop = LaggedStop(self.model.device)
 
     def temperature(self) -> torch.Tensor:
         """This step's temperature, computed as the single run computes it (a float32 tensor)."""
@@ -241,15 +258,26 @@ class _Row:
         accepted = entropy_bound_accept(entropy, s.entropy_bound)
         kept = torch.where(accepted, sample, self.canvas)
         noise = torch.randint(0, self.V, (1, self.C), device=self.model.device, generator=self.gen)
-        self.canvas = torch.where(accepted, kept, noise)
+        canvas = torch.where(accepted, kept, noise)
         stable = _stable(self.history, argmax, s.stability_threshold)
         confident = entropy[:, :free].mean(dim=-1) < s.confidence_threshold
-        self.argmax = argmax
         self.sc = True
+        self.n -= 1
+        if self.lagged:  # a canvas that ended keeps its canvas and argmax (a select: no host round trip)
+            self.canvas = torch.where(self.done[:, None], self.canvas, canvas)
+            self.argmax = torch.where(self.done[:, None], self.argmax, argmax)
+            self.done = self.done | (stable & confident)
+            self.stop.push(self.done)
+            if self.stop.previous():  # the step before this one ended the canvas: this one was not needed
+                self.gen.set_state(self.before_step)
+                self.steps -= 1
+                self.undone += 1
+                return True
+            return self.n == 0
+        self.canvas, self.argmax = canvas, argmax
         if self.job.want_steps:
             self.deliver(RowStep(self.ci, self.steps, s.max_denoising_steps, self.canvas[0].tolist(),
                                  accepted[0].tolist(), entropy[0].tolist()))
-        self.n -= 1
         return bool(stable & confident) or self.n == 0
 
     def finish_canvas(self) -> bool:
@@ -307,8 +335,10 @@ class BatchLoop:
     """
 
     def __init__(self, model: DiffusionGemma, max_batch: int = 8, max_queue: int = 64,
-                 prefix_cache_bytes: int = 0):
-        """prefix_cache_bytes: the budget of the prompt cache (prefix_cache.py); 0: none."""
+                 prefix_cache_bytes: int = 0, lagged: bool | None = None):
+        """prefix_cache_bytes: the budget of the prompt cache (prefix_cache.py); 0: none. lagged: read the rows'
+        stop tests a step late (the module docstring); None: on a GPU (on the CPU the host waits for each op
+        anyway)."""
         if max_batch < 1 or max_queue < 0:
             raise ValueError("max_batch must be >= 1 and max_queue >= 0")
         self.model = model
@@ -317,6 +347,8 @@ class BatchLoop:
         self.max_batch, self.max_queue = max_batch, max_queue
         self.C, self.V = model.cfg.canvas_length, model.cfg.text.vocab_size
         self.experts_per_row = model.device.type == "cpu"  # exactly the single run's bits (module docstring)
+        self.lagged = model.device.type == "cuda" if lagged is None else lagged
+        self.discarded = 0  # steps run after a row's canvas had ended, undone (lagged stop tests)
         head = (model.cfg.text.hidden_size, model.dtype) \
             if use_fused_head(model.device, model.dtype) and not model.token_rows else None
         self.buf = SamplerBuffers(max_batch * self.C, self.V, model.device, head)
@@ -394,7 +426,7 @@ class BatchLoop:
                             admit.append(t)
                 for t in admit:
                     try:
-                        self.rows.append(_Row(t, self.model, self.prefixes))
+                        self.rows.append(_Row(t, self.model, self.prefixes, self.lagged))
                     except Exception as e:  # noqa: BLE001 (one request's failure is that request's)
                         self._fail(t, e)
                 if self.rows:
@@ -427,6 +459,8 @@ class BatchLoop:
             return
         gone: set[int] = set()
         states = [r.gen.get_state() for r in rows]  # the fused head's uniforms are drawn before the forward
+        for r, state in zip(rows, states):  # where a row's stop test lags, what its draws go back to
+            r.before_step = state
         try:
             ran = self._forward(0, rows)
         except Exception as e:  # noqa: BLE001 (tried again row by row, below)
@@ -490,7 +524,10 @@ class BatchLoop:
                 if r.constraint is not None:  # the step's log-probabilities, which its search reads
                     logp = buf.logits[a * C : (a + 1) * C] if hidden is None else \
                         self._log_probs(hidden[a : a + 1], temperature[a * C])
-                if not r.after_step(drawn[a : a + 1], argmax[a : a + 1], entropy[a : a + 1], logp):
+                undone = r.undone
+                finished = r.after_step(drawn[a : a + 1], argmax[a : a + 1], entropy[a : a + 1], logp)
+                self.discarded += r.undone - undone
+                if not finished:
                     continue
                 if r.job.logprobs is not None:  # the canvas's last step: its argmax is what the canvas keeps
                     if logp is None:
