@@ -153,6 +153,15 @@ def _rms_norm_kernel():
     return rms_norm
 
 
+def host_index(values: list[int], device: torch.device) -> torch.Tensor:
+    """Host ints as an int64 tensor on `device`, without waiting: on CUDA copied from pinned memory without blocking
+    (after a copy from pageable host memory torch waits for the stream to drain, which would make a step wait for
+    the work queued before it)."""
+    if device.type == "cuda":
+        return torch.tensor(values, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
@@ -980,7 +989,7 @@ class DiffusionGemma(nn.Module):
         masks its term by the rows it is given."""
         sc = self.self_conditioning
         h = sc.pre_norm(soft)
-        idx = torch.tensor(rows, device=x.device)
+        idx = host_index(rows, x.device)
         every = self.phase.row_slots
         if every is not None:
             self.phase.row_slots = every[idx]  # [len(rows)]
@@ -1026,7 +1035,7 @@ class DiffusionGemma(nn.Module):
         if sc_soft is not None and sc_rows is None:
             x = self.self_conditioning(x, sc_soft.view(B, C, -1))
         elif sc_soft is not None and sc_rows:
-            x = self._self_condition_rows(x, sc_soft.view(B, C, -1)[torch.tensor(sc_rows, device=x.device)], sc_rows)
+            x = self._self_condition_rows(x, sc_soft.view(B, C, -1)[host_index(sc_rows, x.device)], sc_rows)
         elif sc_probs is not None and sc_rows is None:
             x = self.self_conditioning(x, self.soft_embedding(sc_probs.view(B * C, -1)).view(B, C, -1))
         elif sc_probs is not None and sc_rows:

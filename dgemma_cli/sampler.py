@@ -229,8 +229,10 @@ def new_buffers(rows: int, denoiser: Denoiser, device: torch.device, logits: boo
 
 def step_temperature(n: int, settings: GenerationSettings, device) -> torch.Tensor:
     """The temperature of the step with n steps left (N .. 1): it falls linearly from t_max to t_min; a float32
-    0-dim tensor, computed as the reference does."""
-    frac = torch.tensor(n, dtype=torch.int32, device=device) / settings.max_denoising_steps
+    0-dim tensor, computed as the reference does. n is filled in on the device (a kernel with n as its argument):
+    `torch.tensor(n, device=cuda)` would copy it from pageable host memory, and torch waits for the stream to drain
+    after such a copy, which would make every step wait for the one queued before it."""
+    frac = torch.full((), n, dtype=torch.int32, device=device) / settings.max_denoising_steps
     return settings.t_min + (settings.t_max - settings.t_min) * frac
 
 

@@ -45,3 +45,34 @@ def test_proportional_rope_leaves_the_unrotated_dims_alone():
     untouched = torch.tensor([i for i in range(32) if i not in rotated.tolist()])
     assert torch.equal(y[..., untouched], x[..., untouched])
     assert not torch.allclose(y[..., rotated], x[..., rotated])
+
+
+def test_a_steps_inputs_are_made_on_the_device_without_a_host_copy():
+    """The step's temperature is filled in on the device (a kernel taking n as its argument: no copy from host
+    memory, after which torch would wait for the stream to drain), with the reference's values; host index lists
+    come as int64 tensors of their values (on CUDA from pinned memory, copied without blocking)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dgemma_cli.config import GenerationSettings
+    from dgemma_cli.model import host_index
+    from dgemma_cli.sampler import step_temperature
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    s = GenerationSettings()
+    ops = Ops()
+    with ops:
+        step_temperature(7, s, torch.device("meta"))
+    assert ops.names[0] == "aten.full.default"
+    for n in range(1, s.max_denoising_steps + 1):
+        want = s.t_min + (s.t_max - s.t_min) * (torch.tensor(n, dtype=torch.int32) / s.max_denoising_steps)
+        assert torch.equal(step_temperature(n, s, "cpu"), want)
+    idx = host_index([3, 0, 2], torch.device("cpu"))
+    assert idx.dtype == torch.int64 and idx.tolist() == [3, 0, 2]

@@ -58,7 +58,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import GenerationSettings
-from ..model import DiffusionGemma
+from ..model import DiffusionGemma, host_index
 from .prefix_cache import PrefixCache
 from ..sampler import (LaggedStop, SamplerBuffers, _stable, entropy_bound_accept, prepare_step, sample_step,
                       step_temperature, use_fused_head)
@@ -166,7 +166,7 @@ def rows_choose_adapters(model: DiffusionGemma, slots: list[int]):
     if not model.adapters:
         yield
         return
-    model.phase.row_slots = torch.tensor(slots, dtype=torch.long, device=model.device)
+    model.phase.row_slots = host_index(slots, model.device)
     try:
         yield
     finally:
