@@ -215,18 +215,21 @@ def test_the_servers_batch_loop_through_the_fused_head(fused_head_on, monkeypatc
         assert (single.texts[0], single.steps_per_canvas[0]) == (text, steps)
 
 
-def test_the_soft_embedding_split_fills_the_gpu():
+def test_the_soft_embedding_and_router_splits_fill_the_gpu(monkeypatch):
     """At batch 1 the soft-embedding grid is 88 programs; the split makes the fewest waves per unit of work for each
-    GPU's SM count (H200 132: 3, RTX 4090 128: 7, RTX 5090 170: 7), and none where the SM count is unknown."""
+    GPU's SM count (H200 132: 3, RTX 4090 128: 7, RTX 5090 170: 7), and none where the SM count is unknown. The
+    router's 16 token blocks of a canvas (64 of four) split their experts 8 ways (2) by the same rule, in powers of
+    two (kernels.fewest_waves)."""
+    import quant.kernels as kernels
     import quant.kernels.head as head
 
+    meta = torch.device("meta")
     for cc, want in ((90, 3), (89, 7), (120, 7)):
-        original = head.arch
-        head.arch = lambda device, cc=cc: cc
-        try:
-            assert head._splits(torch.device("meta"), 88, 256) == want
-        finally:
-            head.arch = original
+        monkeypatch.setattr(kernels, "arch", lambda device, cc=cc: cc)
+        assert head._splits(meta, 88, 256) == want
+        assert kernels.fewest_waves(meta, 16, (1, 2, 4, 8)) == 8
+        assert kernels.fewest_waves(meta, 64, (1, 2, 4, 8)) == 2
+    monkeypatch.undo()
     assert head._splits(torch.device("cpu"), 88, 256) == 1
 
 

@@ -100,7 +100,7 @@ def router_kernel(x_ptr, scale_ptr, w_ptr, pes_ptr, out_w_ptr, out_i_ptr, logit_
         done = tl.atomic_add(count_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
         if done == SPLITS - 1:
             every = tl.load(logit_ptr + rows64[:, None] * BLOCK_E + all_e[None, :], mask=live[:, None],
-                            other=-float("inf"), cache_modifier=".cg")  # from L2: other SMs wrote them
+                            other=0.0, cache_modifier=".cg")  # from L2: other SMs wrote them
             tl.store(count_ptr + pid_t, 0)
             _top_k(every, all_e, rows64, live, pes_ptr, out_w_ptr, out_i_ptr, TOPK, KP, BLOCK_E)
 
