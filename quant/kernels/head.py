@@ -171,8 +171,12 @@ def head_soft_kernel(p_ptr, w_ptr, tmax_ptr, m_ptr, part_ptr, R, H, V, v0, VC, N
             acc += part * f[:, None]
     else:
         for k0 in range(k_lo, k_hi, BLOCK_K):
+            p = tl.load(p_ptrs + k0, mask=rmask[:, None], other=0.0)
             f = tl.exp2(tl.load(f_ptrs + k0 // TILE, mask=rmask, other=0.0) - m_new)  # [BLOCK_M], <= 1
-            p, b = _soft_operands(p_ptrs, w_ptrs, k0, ks, rmask, hmask, H, V, v0, EVEN_V)
+            if EVEN_V:
+                b = tl.load(w_ptrs + k0 * H, mask=hmask[None, :], other=0.0)
+            else:
+                b = tl.load(w_ptrs + k0 * H, mask=((v0 + k0 + ks) < V)[:, None] & hmask[None, :], other=0.0)
             # mma.sync reads P from registers: the factor in bfloat16, multiplied in bfloat16 pairs (one instruction
             # per two elements): P picks up two more roundings, each a relative 2^-9, which the sum averages out
             if EMULATE:
