@@ -325,6 +325,31 @@ MUTATIONS: list[Mutation] = [
         "            w_mask = tl.where(third, cols < 0, w_mask)\n",
         "            w_mask = w_mask\n",
         "tests/test_norm_kernel.py::test_q_and_k_norms_in_one_launch"),
+    mutation(
+        "step/soft-tile-factor-dropped", "quant/kernels/head.py",
+        "            acc += part * f[:, None]\n",
+        "            acc += part\n",
+        "tests/test_fused_head.py::test_fused_head_with_the_factor_after_the_product_equals_its_reference"),
+    mutation(
+        "step/split-router-counter-not-reset", "quant/kernels/router.py",
+        "            tl.store(count_ptr + pid_t, 0)\n",
+        "            pass\n",
+        "tests/test_routing_kernels.py::test_router_split_over_programs_routes_the_same"),
+    mutation(
+        "step/split-router-parts-overlap", "quant/kernels/router.py",
+        "    es = part * PART + tl.arange(0, PART)\n",
+        "    es = tl.arange(0, PART)\n",
+        "tests/test_routing_kernels.py::test_router_split_over_programs_routes_the_same"),
+    mutation(
+        "step/late-row-stop-leaves-the-generator-moved", "dgemma_cli/server/batching.py",
+        "                self.gen.set_state(self.before_step)\n",
+        "                pass\n",
+        "tests/test_serve.py::test_stop_tests_read_a_step_late_answer_as_at_once"),
+    mutation(
+        "step/temperature-copied-from-the-host", "dgemma_cli/sampler.py",
+        "    frac = torch.full((), n, dtype=torch.int32, device=device) / settings.max_denoising_steps\n",
+        "    frac = torch.tensor(n, dtype=torch.int32, device=device) / settings.max_denoising_steps\n",
+        "tests/test_model_units.py::test_a_steps_inputs_are_made_on_the_device_without_a_host_copy"),
 ]
 
 
