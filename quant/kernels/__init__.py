@@ -14,6 +14,7 @@ cached per GPU model (tuning.py).
 from __future__ import annotations
 
 import os
+from typing import Iterable
 
 import torch
 
@@ -74,7 +75,6 @@ def m_bucket(rows: int) -> int:
     return max(16, 1 << max(0, rows - 1).bit_length())
 
 
-
 def sm_count(device: torch.device) -> int | None:
     """The GPU's SM count: the device's own on CUDA, the static report's target's where it answers `arch`
     (quant/kernels/aot.py), None elsewhere (the interpreter)."""
@@ -86,7 +86,7 @@ def sm_count(device: torch.device) -> int | None:
     return gpu.sms if gpu is not None else None
 
 
-def fewest_waves(device: torch.device, programs: int, choices) -> int:
+def fewest_waves(device: torch.device, programs: int, choices: Iterable[int]) -> int:
     """How many ways (one of `choices`) to split each of `programs` programs' work so the GPU's SMs run the fewest
     waves per unit of work (ceil(programs x S / SMs) / S), the smallest such S; 1 where the SM count is unknown.
     For launches whose own grid leaves SMs idle (a canvas's router, the head's soft embedding at batch 1)."""

@@ -20,10 +20,11 @@ Per step, rows R = batch x canvas, chunk c = vocab [c VC, (c + 1) VC):
    tile (inverse CDF of 2^(x - m_t) / s_t at the row's second uniform u2). Writes P = bfloat16(2^(x - m_t)) into the
    chunk buffer, and the chunk's row max into M[row, c] (atomic max).
 2. head_soft_kernel (one program per BLOCK_M rows x BLOCK_N of H x split of the chunk's columns): acc = sum over the
-   split's columns of P 2^(m_t - M_c) (the factor per row and tile, applied to P before the tensor cores, rounded to
-   bfloat16 once more) times W; the split's running sums over the chunks so far are rescaled from their previous max
-   to M_c, the max so far (read from M, so each program needs no other's result), and written back (the first chunk
-   writes). The splits (1-8, `_splits`: the fewest waves for the GPU's SMs) fill a GPU the output tiles alone would
+   split's columns of P 2^(m_t - M_c) times W, the factor per row and tile: on sm_90 and sm_100 (AFTER, where the
+   tensor cores read P from shared memory) multiplying each tile's float32 partial product, elsewhere applied to P
+   before the tensor cores (which read it from registers there), rounded to bfloat16 once more; the split's running
+   sums over the chunks so far are rescaled from their previous max to M_c, the max so far (read from M, so each
+   program needs no other's result), and written back (the first chunk writes). The splits (1-8, `_splits`: the fewest waves for the GPU's SMs) fill a GPU the output tiles alone would
    not (88 of them at batch 1), each with a running sum of its own.
 3. head_finish_kernel (one program per row, after the last chunk): M = max_t m_t (= the last running max),
    S = sum_t s_t 2^(m_t - M), entropy = ln S - ln 2 sum_t 2^(m_t - M) (w_t + s_t (m_t - M)) / S (of softmax(l / t),
@@ -169,7 +170,7 @@ def head_soft_kernel(p_ptr, w_ptr, tmax_ptr, m_ptr, part_ptr, R, H, V, v0, VC, N
                 else:
                     part = tl.dot(p, b, part)
             acc += part * f[:, None]
-    else:
+    else:  # (its loads in this order: with the factor read first, Triton 3.6 spills on sm_80, 86 and 89)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             p = tl.load(p_ptrs + k0, mask=rmask[:, None], other=0.0)
             f = tl.exp2(tl.load(f_ptrs + k0 // TILE, mask=rmask, other=0.0) - m_new)  # [BLOCK_M], <= 1
