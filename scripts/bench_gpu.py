@@ -6,9 +6,9 @@ Runs under the machine's own python3 (torch with CUDA, triton, transformers; wri
 triton 3.6, transformers 5.17, huggingface_hub 1.33 and later): nothing is installed, and nothing on its path imports
 the Hub client (dgemma_cli/store/hub.py needs huggingface_hub 2). In order, each part printed as soon as it is done and
 appended to DIR/bench-gpu.json (DIR: $OUT, else the current folder):
-1. the kernel tests compiled for the GPU (pytest tests/test_kernels.py and tests/test_fused_head.py: NVFP4, INT8,
-   fused MoE, the fused head
-   against the PyTorch reference on dequantized weights, awkward shapes);
+1. the kernel tests compiled for the GPU (pytest tests/test_kernels.py, tests/test_fused_head.py and
+   tests/test_routing_kernels.py: NVFP4, INT8, fused MoE, the fused head, the router (its split programs meeting on
+   a counter, for real in parallel) against the PyTorch reference on dequantized weights, awkward shapes);
 2. every gpu-marked test (pytest -m gpu over the test files that carry the marker: the CUDA graph captured and
    replayed, the Triton path's tokens against the torch path's), pass or fail;
 3. the same Triton-against-torch check with its figures (dgemma_cli/bench.py `compare_kernel_paths`: bf16 weights,
@@ -115,7 +115,8 @@ def main() -> int:
         env.pop("TRITON_INTERPRET", None)
         print("\n== kernel tests", flush=True)
         results["kernel_tests"] = pytest_run(["-x", str(ROOT / "tests" / "test_kernels.py"),
-                                              str(ROOT / "tests" / "test_fused_head.py")], env, 240)
+                                              str(ROOT / "tests" / "test_fused_head.py"),
+                                              str(ROOT / "tests" / "test_routing_kernels.py")], env, 240)
     else:
         results["kernel_tests"] = {"skipped": "dry run"}
     save()

@@ -518,6 +518,31 @@ def test_stop_tests_read_a_step_late_answer_as_at_once(engine):
     assert runs[True][0][2] == alone.token_ids[0] and runs[True][1][2] == alone.steps_per_canvas[0]
 
 
+@pytest.mark.gpu
+def test_stop_tests_read_a_step_late_on_a_gpu():
+    """On CUDA the loop reads its rows' stop tests a step late by default: one request at a time (a GPU's bits depend
+    on the batch's shape, so rows are compared alone), the same tokens and steps as the immediate test, over three
+    canvases, with the undone steps counted."""
+    import dataclasses
+
+    from dgemma_cli.server.batching import BatchLoop, Job
+
+    engine = load("demo", device="cuda", dtype="bfloat16")
+    C, V = engine.model.cfg.canvas_length, engine.model.cfg.text.vocab_size
+    endless = dataclasses.replace(engine.settings, max_new_tokens=3 * C, eos_token_ids=(V + 1,))
+    ids = engine.prompt_ids("upper: a b c d")
+    runs = {}
+    for lagged in (None, False):  # None: the default, lagged on CUDA
+        loop = BatchLoop(engine.model, max_batch=1, max_queue=1, lagged=lagged)
+        try:
+            end = _run_jobs(loop, [Job(ids, endless, 5, engine.check_context(len(ids), endless))])[0]
+        finally:
+            loop.close()
+        runs[lagged] = (end.token_ids, end.steps_per_canvas, loop.discarded, loop.lagged)
+    assert runs[None][:2] == runs[False][:2] and len(runs[None][1]) == 3
+    assert runs[None][3] and runs[None][2] >= 1 and runs[False][2] == 0
+
+
 def test_a_row_whose_forward_raises_fails_alone_mid_batch(engine, monkeypatch, capfd):
     """Four requests in one batch. Any forward that holds the third one's row at its third step or later raises (a
     row whose own input breaks the network): the batched step fails, each row then runs that step alone; the third
