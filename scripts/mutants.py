@@ -337,8 +337,8 @@ MUTATIONS: list[Mutation] = [
         "tests/test_routing_kernels.py::test_router_split_over_programs_routes_the_same"),
     mutation(
         "step/split-router-parts-overlap", "quant/kernels/router.py",
-        "    es = part * PART + tl.arange(0, PART)\n",
-        "    es = tl.arange(0, PART)\n",
+        "    for k0 in range(part * KS, k_hi, BLOCK_K):\n",
+        "    for k0 in range(0, k_hi, BLOCK_K):\n",
         "tests/test_routing_kernels.py::test_router_split_over_programs_routes_the_same"),
     mutation(
         "step/late-row-stop-leaves-the-generator-moved", "dgemma_cli/server/batching.py",

@@ -68,24 +68,30 @@ def test_router_kernel_routes_as_the_torch_ops(dtype):
 
 
 def test_router_split_over_programs_routes_the_same():
-    """The experts split over 2 or 8 programs a token block (the last to finish takes the top-k): bit for bit the
-    weights and experts of one program a block, over a partial block, with the counters back at 0 after each launch
-    (so the next launch, here a second, counts from 0)."""
+    """The inputs split over 4 or 2 programs a token block (the last to finish adds their partial sums and takes the
+    top-k), against one program a block, over a partial block: the same experts for all but a near-tie (a logit may
+    differ by one rounding), the same weights where they agree, the same bits on a second launch, and the counters
+    back at 0 after each launch (so the next launch counts from 0)."""
     from quant.kernels import router
 
     g = torch.Generator().manual_seed(4)
-    T, H, E = 40, 256, 128
+    T, H, E = 40, 512, 128
     scale = (torch.rand(H, generator=g) + 0.5).to(torch.bfloat16).to(DEVICE)
-    w = (torch.randn(E, H, generator=g) * 0.2).to(torch.bfloat16).to(DEVICE)
+    w = (torch.randn(E, H, generator=g) * 0.1).to(torch.bfloat16).to(DEVICE)
     pes = (torch.rand(E, generator=g) + 0.5).to(torch.bfloat16).to(DEVICE)
-    for splits in (2, 8, 8, 2):  # new tokens each time: logits left from the launch before would not pass
+    for splits in (4, 2):  # new tokens each time: partial sums left from the launch before would not pass
         x = (torch.randn(T, H, generator=g) * 2).to(torch.bfloat16).to(DEVICE)
-        one_w, one_i = router.route(x, scale, w, pes, 8, 1e-6, splits=1)
-        got_w, got_i = router.route(x, scale, w, pes, 8, 1e-6, splits=splits)
-        assert torch.equal(got_i, one_i) and torch.equal(got_w, one_w), splits
+        one_w, one_i = (t.cpu() for t in router.route(x, scale, w, pes, 8, 1e-6, splits=1))
+        got_w, got_i = (t.cpu() for t in router.route(x, scale, w, pes, 8, 1e-6, splits=splits))
         assert not router._counters[x.device].any()
+        again_w, again_i = (t.cpu() for t in router.route(x, scale, w, pes, 8, 1e-6, splits=splits))
+        assert torch.equal(again_i, got_i) and torch.equal(again_w, got_w)
+        (got_w, got_i), (one_w, one_i) = by_expert(got_w, got_i), by_expert(one_w, one_i)
+        same = (got_i == one_i).all(dim=1)
+        assert same.float().mean() >= 0.95, (splits, int((~same).sum()))
+        assert torch.allclose(got_w[same], one_w[same], rtol=2e-3, atol=1e-5)
     with pytest.raises(ValueError, match="1, 2, 4 or 8"):
-        router.route(x, scale, w, pes, 8, 1e-6, splits=16)
+        router.route(x, scale, w, pes, 8, 1e-6, splits=8)  # 4 steps of 128 inputs: at most 4 ways
 
 
 def test_router_in_the_model_and_its_probe(monkeypatch):

@@ -291,16 +291,16 @@ KERNELS = {
                                                "q_ptr": int(bool(a.get("QUANT"))), "qs_ptr": int(bool(a.get("QUANT"))),
                                                "qg_ptr": int(a.get("QUANT") == 3),
                                                "gs_ptr": int(a.get("QUANT") == 3 and bool(a.get("STATIC")))}),
-    # BLOCK_T tokens a CTA: a sweep over H for the norm, a sweep over H multiplying by W's tiles (the top-k after,
-    # unrolled); the tile's MMA work: BLOCK_T x BLOCK_E x H rounded up to BLOCK_K
-    # SPLITS programs a token block, each with BLOCK_E / SPLITS of the experts (W's rows)
-    "router_kernel": Loops(trips=lambda a: [_cdiv(a["H"], a["BLOCK_K"])] * 2,
-                           elems=lambda a: a["BLOCK_E"] // a.get("SPLITS", 1) * a["H"],
-                           # split: the logits written, then read by the last program; unsplit: stand-ins, unused
-                           passes=lambda a: {"logit_ptr": 2, "count_ptr": 1} if a.get("SPLITS", 1) > 1 else
-                           {"logit_ptr": 0, "count_ptr": 0},
-                           mma=lambda a: 2 * a["BLOCK_T"] * (a["BLOCK_E"] // a.get("SPLITS", 1))
-                           * _cdiv(a["H"], a["BLOCK_K"]) * a["BLOCK_K"],
+    # BLOCK_T tokens a CTA: a sweep over H for the norm, a sweep over its KS inputs (H unsplit; SPLITS programs a
+    # token block share H) multiplying by W's tiles (the top-k after, unrolled); the tile's MMA work: BLOCK_T x
+    # BLOCK_E x KS rounded up to BLOCK_K
+    "router_kernel": Loops(trips=lambda a: [_cdiv(a["H"], a["BLOCK_K"]), _cdiv(min(a["KS"], a["H"]), a["BLOCK_K"])],
+                           elems=lambda a: a["BLOCK_E"] * min(a["KS"], a["H"]),
+                           # split: the partial sums written, then read by the last program; unsplit: stand-ins
+                           passes=lambda a: {"part_ptr": 2, "count_ptr": 1} if a.get("SPLITS", 1) > 1 else
+                           {"part_ptr": 0, "count_ptr": 0},
+                           mma=lambda a: 2 * a["BLOCK_T"] * a["BLOCK_E"] * _cdiv(min(a["KS"], a["H"]), a["BLOCK_K"])
+                           * a["BLOCK_K"],
                            useful=lambda a: 2 * a["T"] * a["E"] * a["H"]),
     # the block plan, loop-free: one CTA per chunk of CH assignments
     "moe_count_kernel": Loops(trips=lambda a: [], elems=lambda a: a["CH"]),

@@ -10,10 +10,11 @@ The model's router (dgemma_cli/model.py Router) on the un-normed residual x [T, 
 
 Outputs: weights float32 [T, k], index int64 [T, k]. Programs of BLOCK_T tokens: a sweep over H for the norm's sum
 of squares, a sweep multiplying the normed, scaled rows by W's tiles (tensor cores), then the softmax and the top-k
-on the [BLOCK_T, E] logits in registers (E <= 256). Where a canvas's 16 token blocks would leave most SMs idle, each
-streaming all of W, SPLITS programs share a block's experts (a part of W each) and the last to finish takes the
-softmax and top-k over the logits they wrote (a counter per block, which it sets back to 0): each logit is the same
-sum in the same order either way. Under Triton's interpreter (EMULATE) the product is taken in float32 (its 16-bit
+on the [BLOCK_T, E] logits in registers (E <= 256). Where a canvas's 16 token blocks would leave most SMs idle,
+SPLITS programs share a block's inputs (each its part of H: of the rows to scale and of W), and the last to finish
+adds their float32 partial sums in order and takes the softmax and top-k (a counter per block, which it sets back to
+0). A split sums each logit in another order than one program does: a logit may differ by one rounding, as against
+the torch path. Under Triton's interpreter (EMULATE) the product is taken in float32 (its 16-bit
 dot is not IEEE): the same exact products of 16-bit values, summed in float32. The sums' order differs from the
 torch path's (cuBLAS or the CPU's BLAS), so a logit may differ by one rounding, and two experts whose probabilities
 tie that closely may swap: tests/test_routing_kernels.py measures how often.
@@ -55,28 +56,28 @@ def _top_k(logits, es, rows64, live, pes_ptr, out_w_ptr, out_i_ptr, TOPK: tl.con
 
 
 @triton.jit
-def router_kernel(x_ptr, scale_ptr, w_ptr, pes_ptr, out_w_ptr, out_i_ptr, logit_ptr, count_ptr, T, H, E, root, eps,
+def router_kernel(x_ptr, scale_ptr, w_ptr, pes_ptr, out_w_ptr, out_i_ptr, part_ptr, count_ptr, T, H, E, KS, root, eps,
                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, TOPK: tl.constexpr,
                   KP: tl.constexpr, EMULATE: tl.constexpr, SPLITS: tl.constexpr = 1):
     pid_t = tl.program_id(0)
-    part = tl.program_id(1)  # this program's experts: [part * BLOCK_E / SPLITS, (part + 1) * BLOCK_E / SPLITS)
+    part = tl.program_id(1)  # this program's inputs: [part * KS, (part + 1) * KS) of H (KS = H unsplit)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     live = rows < T
     rows64 = rows.to(tl.int64)
     dt: tl.constexpr = x_ptr.dtype.element_ty
     ss = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
+    for k0 in range(0, H, BLOCK_K):  # the whole row: every split needs the norm
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rows64[:, None] * H + ks[None, :], mask=live[:, None] & (ks[None, :] < H),
                     other=0.0).to(tl.float32)
         ss += tl.sum(x * x, axis=1)
     rstd = 1.0 / tl.sqrt(ss / H + eps)
-    PART: tl.constexpr = BLOCK_E // SPLITS
-    es = part * PART + tl.arange(0, PART)
-    acc = tl.zeros([BLOCK_T, PART], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
+    es = tl.arange(0, BLOCK_E)
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    k_hi = tl.minimum(H, (part + 1) * KS)
+    for k0 in range(part * KS, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        kmask = ks < H
+        kmask = ks < k_hi
         x = tl.load(x_ptr + rows64[:, None] * H + ks[None, :], mask=live[:, None] & kmask[None, :],
                     other=0.0).to(tl.float32)
         s = tl.load(scale_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
@@ -86,26 +87,29 @@ def router_kernel(x_ptr, scale_ptr, w_ptr, pes_ptr, out_w_ptr, out_i_ptr, logit_
             acc = tl.dot(h, tl.trans(w.to(tl.float32)), acc)
         else:
             acc = tl.dot(h.to(dt), tl.trans(w), acc)
-    logits = tl.where(es[None, :] < E, _round(acc, dt, EMULATE), -float("inf"))
     if SPLITS == 1:
+        logits = tl.where(es[None, :] < E, _round(acc, dt, EMULATE), -float("inf"))
         _top_k(logits, es, rows64, live, pes_ptr, out_w_ptr, out_i_ptr, TOPK, KP, BLOCK_E)
     else:
-        # the experts are split over SPLITS programs (each reads 1 / SPLITS of W: a canvas is 16 token blocks, too
-        # few programs to fill a GPU when each streams all of W); each writes its logits, and the last of the token
-        # block's programs to finish (the counter it increments) takes the softmax and top-k over all of them and
-        # sets the counter back to 0 for the next launch
-        all_e = tl.arange(0, BLOCK_E)
-        tl.store(logit_ptr + rows64[:, None] * BLOCK_E + es[None, :], logits, mask=live[:, None])
-        tl.debug_barrier()  # every thread's logits stored before the counter says so (its release is the CTA's)
+        # H split over SPLITS programs (a canvas is 16 token blocks, too few programs to fill a GPU when each scales
+        # and multiplies whole rows): each writes its float32 partial sums, and the last of the token block's
+        # programs to finish (the counter it increments) adds them in order, rounds, and takes the softmax and top-k,
+        # then sets the counter back to 0 for the next launch
+        at = part_ptr + rows64[:, None] * BLOCK_E + es[None, :]  # [SPLITS, T, BLOCK_E]: this program's slice
+        tl.store(at + part.to(tl.int64) * T * BLOCK_E, acc, mask=live[:, None])
+        tl.debug_barrier()  # every thread's sums stored before the counter says so (its release is the CTA's)
         done = tl.atomic_add(count_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
         if done == SPLITS - 1:
-            every = tl.load(logit_ptr + rows64[:, None] * BLOCK_E + all_e[None, :], mask=live[:, None],
-                            other=0.0, cache_modifier=".cg")  # from L2: other SMs wrote them
+            total = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+            for q in tl.static_range(SPLITS):  # from L2: other SMs wrote them
+                total += tl.load(at + q * T * BLOCK_E, mask=live[:, None], other=0.0, cache_modifier=".cg")
             tl.store(count_ptr + pid_t, 0)
-            _top_k(every, all_e, rows64, live, pes_ptr, out_w_ptr, out_i_ptr, TOPK, KP, BLOCK_E)
+            logits = tl.where(es[None, :] < E, _round(total, dt, EMULATE), -float("inf"))
+            _top_k(logits, es, rows64, live, pes_ptr, out_w_ptr, out_i_ptr, TOPK, KP, BLOCK_E)
 
 
 BLOCK_T = 16  # tokens a program
+BLOCK_K = 128  # inputs a step
 _counters: dict[torch.device, torch.Tensor] = {}  # per device: one zeroed counter a token block (router_kernel)
 _retired: list[torch.Tensor] = []  # counters outgrown: a captured CUDA graph may still point at one, so never freed
 
@@ -137,15 +141,16 @@ def route(x: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, per_expert
     if T:
         block_e = max(16, triton.next_power_of_2(E))
         blocks = triton.cdiv(T, BLOCK_T)
-        S = splits or fewest_waves(x.device, blocks, [s for s in (1, 2, 4, 8) if block_e // s >= 16])
-        if S not in (1, 2, 4, 8) or block_e // S < 16:
-            raise ValueError(f"the router splits its {block_e} experts 1, 2, 4 or 8 ways, 16 at least a part "
-                             f"(got {S})")
-        logits = torch.empty(T, block_e, dtype=torch.float32, device=x.device) if S > 1 else out_w  # unused at 1
+        steps = triton.cdiv(H, BLOCK_K)
+        S = splits or fewest_waves(x.device, blocks, [s for s in (1, 2, 4, 8) if s <= steps])
+        if S not in (1, 2, 4, 8) or S > steps:
+            raise ValueError(f"the router splits its {steps} steps of {BLOCK_K} inputs 1, 2, 4 or 8 ways (got {S})")
+        KS = triton.cdiv(steps, S) * BLOCK_K  # each program's inputs: whole steps
+        parts = torch.empty(S, T, block_e, dtype=torch.float32, device=x.device) if S > 1 else out_w  # unused at 1
         count = _counter(x.device, blocks) if S > 1 else out_i
         router_kernel[(blocks, S)](
-            x.contiguous(), scale, weight.contiguous(), per_expert_scale, out_w, out_i, logits, count, T, H, E,
-            float(H ** -0.5), float(eps), BLOCK_T, block_e, 128, top_k, triton.next_power_of_2(top_k),
+            x.contiguous(), scale, weight.contiguous(), per_expert_scale, out_w, out_i, parts, count, T, H, E, KS,
+            float(H ** -0.5), float(eps), BLOCK_T, block_e, BLOCK_K, top_k, triton.next_power_of_2(top_k),
             interpreting(), S, num_warps=4)
     return out_w, out_i
 
