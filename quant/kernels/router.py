@@ -130,8 +130,8 @@ def _counter(device: torch.device, blocks: int) -> torch.Tensor:
 def route(x: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int,
           eps: float, splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] -> (weights float32 [T, top_k], index int64 [T, top_k]) as the module docstring says. splits: how
-    many programs share a token block's experts (1, 2, 4 or 8; None: the fewest waves for the GPU's SMs,
-    `kernels.fewest_waves`)."""
+    many programs share a token block's inputs, each whole steps of BLOCK_K of H (1, 2, 4 or 8, at most the steps;
+    None: the fewest waves for the GPU's SMs, `kernels.fewest_waves`)."""
     T, H = x.shape
     E = weight.shape[0]
     if E > 256 or top_k > E:
