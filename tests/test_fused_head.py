@@ -218,7 +218,7 @@ def test_the_servers_batch_loop_through_the_fused_head(fused_head_on, monkeypatc
 def test_the_soft_embedding_and_router_splits_fill_the_gpu(monkeypatch):
     """At batch 1 the soft-embedding grid is 88 programs; the split makes the fewest waves per unit of work for each
     GPU's SM count (H200 132: 3, RTX 4090 128: 7, RTX 5090 170: 7), and none where the SM count is unknown. The
-    router's 16 token blocks of a canvas (64 of four) split their experts 8 ways (2) by the same rule, in powers of
+    router's 16 token blocks of a canvas (64 of four) split their inputs 8 ways (2) by the same rule, in powers of
     two (kernels.fewest_waves)."""
     import quant.kernels as kernels
     import quant.kernels.head as head
