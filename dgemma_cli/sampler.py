@@ -387,7 +387,10 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
         self_conditioned = False
         done = torch.zeros(B, dtype=torch.bool, device=dev)  # adaptive stop per row
         history: list[torch.Tensor] = []  # the last `stability_threshold` argmax canvases
-        row_steps = torch.zeros(B, dtype=torch.int64, device=dev)
+        # steps a row sat out (converged, or ended in an earlier canvas): one add a step, where counting its steps
+        # and its forwards took four kernels; its steps are the canvas's steps less these, made at the canvas's end
+        idle = torch.zeros(B, dtype=torch.int64, device=dev)
+        ran = 0  # steps run on this canvas (a lagged stop's undone step included: every row sat it out)
         # the constraints of rows still generating (a row that ended keeps padding its canvases)
         live = None if constraints is None else [None if f else c for c, f in zip(constraints, finished_rows.tolist())]
 
@@ -395,9 +398,8 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
         queued: list[Step] = []  # lagged: the step whose verdict is not read yet
         for n in range(N, 0, -1):
             before = rng_state(dev) if stop is not None else None
-            active = ~(done | finished_rows)
-            forward_passes += active
-            row_steps += active
+            idle += done | finished_rows
+            ran += 1
             temperature = step_temperature(n, settings, dev)
             prepare_step(buf, temperature)
             denoiser.denoise(canvas, buf, self_conditioned)
@@ -438,6 +440,8 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
         room = max(0, min(free, settings.max_new_tokens - ci * free))  # positions of this canvas within the limit
         # the answer's tokens: neither pad nor the end-of-sequence id that ends it (pads after it already)
         answer = (tokens[:, :room] != pad) & ~is_eos[:, :room]
+        row_steps = ran - idle
+        forward_passes += row_steps
         steps, kept = torch.stack([row_steps, answer.sum(dim=-1)]).tolist()  # one transfer
         for b in range(B):
             kept_per_row[b] += kept[b]

@@ -13,8 +13,8 @@ What is traced is the code a CUDA device runs for one step of a canvas after its
 engine's denoiser (`engine.ModelDenoiser.denoise`; its CUDA graph replays the same kernels), which runs
 `DiffusionGemma.denoise` on the previous step's soft embedding and ends in the fused head (quant/kernels/head.py),
 then `sampler.settle_step` (acceptance, renoising, the convergence test), with what the engine adds around a
-step: the graph's input copy, the Step event's copy of the verdict and the verdict's copy to the host, read a step
-later (`sampler.LaggedStop`: no device-to-host wait in a step). The model is built on the meta device (no memory,
+step: the rows that sit the step out counted, the graph's input copy, the Step event's copy of the verdict and the
+verdict's copy to the host, read a step later (`sampler.LaggedStop`: no device-to-host wait in a step). The model is built on the meta device (no memory,
 no data) at the real shapes of `config` (DiffusionGemma 26B-A4B by default) with the format's quantized modules
 where its published release has them; the Triton wrappers answer as on a GPU of compute capability `target`
 (quant.kernels.aot's recorder: each launch is kept with its arguments, grid and launch settings, never
@@ -328,6 +328,8 @@ def trace_step(batch: int = 1, prompt: int = 256, target: int = 90, fmt: str = "
     argmax = torch.zeros_like(canvas)
     static = torch.zeros_like(canvas)  # the CUDA graph's input (engine.GraphedDenoiser)
     done = torch.zeros(batch, dtype=torch.bool, device="meta")
+    finished = torch.zeros_like(done)  # rows that ended in an earlier canvas
+    idle = torch.zeros(batch, dtype=torch.int64, device="meta")  # steps each row sat out (sampler.generate_events)
     settings = GenerationSettings()
     history = [torch.zeros_like(canvas)] * settings.stability_threshold
 
@@ -343,6 +345,7 @@ def trace_step(batch: int = 1, prompt: int = 256, target: int = 90, fmt: str = "
     def step(events: list, meter: _Meter) -> None:
         with aot._recording(events, target), _w8a8_hardware_of(target), torch.no_grad(), meter, \
                 _attention_as_one_op(meter):
+            idle.add_(done | finished)  # the rows that sit this step out, counted (sampler.generate_events)
             temperature = step_temperature(settings.max_denoising_steps, settings, "meta")
             prepare_step(buf, temperature)
             static.copy_(canvas)  # the graph's input copy, before its replay
