@@ -14,11 +14,11 @@ engine's denoiser (`engine.ModelDenoiser.denoise`; its CUDA graph replays the sa
 `DiffusionGemma.denoise` on the previous step's soft embedding and ends in the fused head (quant/kernels/head.py),
 then `sampler.settle_step` (acceptance, renoising, the convergence test), with what the engine adds around a
 step: the rows that sit the step out counted, the graph's input copy, the Step event's copy of the verdict and the
-verdict's copy to the host, read a step later (`sampler.LaggedStop`: no device-to-host wait in a step). The model is built on the meta device (no memory,
-no data) at the real shapes of `config` (DiffusionGemma 26B-A4B by default) with the format's quantized modules
-where its published release has them; the Triton wrappers answer as on a GPU of compute capability `target`
-(quant.kernels.aot's recorder: each launch is kept with its arguments, grid and launch settings, never
-run), and every torch op is metered by the tensors it reads and writes.
+verdict's copy to the host, read a step later (`sampler.LaggedStop`: no device-to-host wait in a step). The model
+is built on the meta device (no memory, no data) at the real shapes of `config` (DiffusionGemma 26B-A4B by default)
+with the format's quantized modules where its published release has them; the Triton wrappers answer as on a GPU
+of compute capability `target` (quant.kernels.aot's recorder: each launch is kept with its arguments, grid and
+launch settings, never run), and every torch op is metered by the tensors it reads and writes.
 
 Costing, by the caller: a TorchOp by its bytes (`read + written`, `persistent` of them weights or KV cache) and FLOPs;
 a Triton launch by compiling it for the target (quant.kernels.aot.specialise / compile_all) and bounding it there.

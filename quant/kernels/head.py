@@ -24,8 +24,9 @@ Per step, rows R = batch x canvas, chunk c = vocab [c VC, (c + 1) VC):
    tensor cores read P from shared memory) multiplying each tile's float32 partial product, elsewhere applied to P
    before the tensor cores (which read it from registers there), rounded to bfloat16 once more; the split's running
    sums over the chunks so far are rescaled from their previous max to M_c, the max so far (read from M, so each
-   program needs no other's result), and written back (the first chunk writes). The splits (1-8, `_splits`: the fewest waves for the GPU's SMs) fill a GPU the output tiles alone would
-   not (88 of them at batch 1), each with a running sum of its own.
+   program needs no other's result), and written back (the first chunk writes). The splits (1-8, `_splits`: the
+   fewest waves for the GPU's SMs) fill a GPU the output tiles alone would not (88 of them at batch 1), each with a
+   running sum of its own.
 3. head_finish_kernel (one program per row, after the last chunk): M = max_t m_t (= the last running max),
    S = sum_t s_t 2^(m_t - M), entropy = ln S - ln 2 sum_t 2^(m_t - M) (w_t + s_t (m_t - M)) / S (of softmax(l / t),
    in nats, as the sampler's), argmax = the first tile holding M's index, the draw = the tile chosen by inverse CDF
@@ -170,7 +171,7 @@ def head_soft_kernel(p_ptr, w_ptr, tmax_ptr, m_ptr, part_ptr, R, H, V, v0, VC, N
                 else:
                     part = tl.dot(p, b, part)
             acc += part * f[:, None]
-    else:  # (its loads in this order: with the factor read first, Triton 3.6 spills on sm_80, 86 and 89)
+    else:  # (P, the factor, W in this order: Triton 3.6 spills with the factor first on sm_80/86/89, last on sm_120)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             p = tl.load(p_ptrs + k0, mask=rmask[:, None], other=0.0)
             f = tl.exp2(tl.load(f_ptrs + k0 // TILE, mask=rmask, other=0.0) - m_new)  # [BLOCK_M], <= 1
