@@ -283,8 +283,10 @@ def _settings(device: torch.device) -> dict:
     # sm_100 reads the accumulator out of tensor memory for the epilogue: 16 warps keep it in registers (8 spill)
     return dict(logits=dict(BLOCK_M=64, BLOCK_K=64, num_warps=16 if cc == 100 else 8, num_stages=3 if big else 2),
                 # AFTER: each vocab tile's factor on the partial sum where the tensor cores read P from shared memory
-                # (two stages of a whole tile's operands: 96 KB, two programs an SM)
-                soft=dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8 if cc == 90 else 4,
+                # (two stages of a whole tile's operands: 96 KB, two programs an SM). sm_90: the tile in one product
+                # (BLOCK_K = TILE): as two, Triton gave the first its own layout, both warpgroups computed it whole
+                # and it went through shared memory to the second's (12 wgmma a tile for 8, 238 instructions for 165)
+                soft=dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128 if cc == 90 else 64, num_warps=8 if cc == 90 else 4,
                           num_stages=2 if big else 3, AFTER=big))
 
 
