@@ -94,35 +94,77 @@ class ModelDenoiser:
     def denoise(self, canvas: torch.Tensor, buf: SamplerBuffers, self_conditioned: bool) -> None:
         denoise_into(self.model, canvas, self.cache, self.ctx, buf, self_conditioned)
 
+    def run_step(self, step: Callable[[], None], graphable: bool) -> None:
+        """One whole step of the sampler (`sampler.whole_step`): here, as it is."""
+        step()
+
     def stats(self) -> dict:
         return {"graph_captures": self.captures, "graph_replays": self.replays, "graph_fallback": self.fallback}
 
 
 class GraphedDenoiser(ModelDenoiser):
-    """CUDA: the steps of a canvas after the first are captured as one CUDA graph and replayed.
+    """CUDA: the steps of a canvas after the first are captured as one CUDA graph and replayed, each a whole step
+    (`sampler.whole_step`: the rows that sit it out counted, its temperature and random draws, the forward pass, the
+    sampler's acceptance, renoising, convergence test and the step's record), so the host launches one graph a step
+    and reads nothing back but the stop test's verdict.
 
-    Within a canvas every input has a fixed shape and address: the canvas ids are copied into a static tensor, the
-    self-conditioning input and the step's results live in the sampler's buffers (the fused head's temperature and
-    uniforms too, written in place before each step), the cache's scratch slots and the
-    `DenoiseContext` do not move. The first step (no self-conditioning) runs eagerly; the second runs eagerly too
-    (its result is the step's) and is captured right after; later steps replay. The context changes when a canvas
-    is appended, so a canvas gets its own graph, in one memory pool shared by all of them. If a capture fails (a
-    path with a host round trip), this denoiser stays eager. With the fused head the graph ends with the step's draws;
-    the torch path's sampling runs outside it.
+    Within a canvas every tensor a step touches has a fixed shape and address: the canvas and what the sampler
+    carries between steps live in its `CanvasState`, the self-conditioning input and the step's results in the
+    sampler's buffers, the cache's scratch slots and the `DenoiseContext` do not move, and the step finds its index
+    (its temperature, its record's slot) on the device. Random draws inside the graph come from torch's generator,
+    whose offset every replay advances as an eager step would, so the draws are the eager steps' own. The first step
+    (no self-conditioning) runs eagerly; the second runs eagerly too (its result is the step's) and is captured right
+    after; later steps replay. The context and the state change when a canvas starts, so a canvas gets its own graph,
+    in one memory pool shared by all of them. If a capture fails (a path with a host round trip), this denoiser
+    stays eager. A step that is not whole (a caller of `denoise` alone: the server's batches) gets the forward pass
+    captured alone, the same way.
     """
 
     def __init__(self, model: DiffusionGemma, batch: int, capacity: int):
         super().__init__(model, batch, capacity)
         self.pool = torch.cuda.graph_pool_handle()
         self.eager = False
+        self.inside = False  # in run_step: its forward pass runs as it is (the step's graph holds it)
         self.captures = self.replays = 0
 
     def start_canvas(self) -> None:
         super().start_canvas()
         self.graph: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None
+        self.step_graph: torch.cuda.CUDAGraph | None = None
+
+    def _capture(self, run: Callable[[], None]) -> torch.cuda.CUDAGraph | None:
+        """`run` captured as a graph (recorded, not run), or None after a failed capture, which leaves this denoiser
+        eager from then on."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                run()
+        except RuntimeError as e:  # something on this path talks to the host: no graph for this model
+            self.eager = True
+            self.fallback = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            torch.cuda.synchronize()
+            for hook in self.model.pass_hooks:  # streamed experts: the failed capture's copies never ran
+                hook.reset()
+            return None
+        self.captures += 1
+        return graph
+
+    def run_step(self, step: Callable[[], None], graphable: bool) -> None:
+        self.inside = True
+        try:
+            if not graphable or self.eager:
+                return step()
+            if self.step_graph is not None:
+                self.step_graph.replay()
+                self.replays += 1
+                return
+            step()  # this step's result, and the warm-up for the capture
+            self.step_graph = self._capture(step)  # recorded without running: the state holds this step
+        finally:
+            self.inside = False
 
     def denoise(self, canvas: torch.Tensor, buf: SamplerBuffers, self_conditioned: bool) -> None:
-        if not self_conditioned or self.eager:
+        if self.inside or not self_conditioned or self.eager:
             return super().denoise(canvas, buf, self_conditioned)
         if self.graph is not None:
             graph, static = self.graph
@@ -132,19 +174,9 @@ class GraphedDenoiser(ModelDenoiser):
             return
         static = canvas.clone()
         super().denoise(static, buf, True)  # this step's result, and the warm-up for the capture
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                super().denoise(static, buf, True)
-        except RuntimeError as e:  # something on this path talks to the host: no graph for this model
-            self.eager = True
-            self.fallback = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            torch.cuda.synchronize()
-            for hook in self.model.pass_hooks:  # streamed experts: the failed capture's copies never ran
-                hook.reset()
-            return
-        self.graph = (graph, static)  # the capture recorded work without running it: `buf` holds this step
-        self.captures += 1
+        graph = self._capture(lambda: ModelDenoiser.denoise(self, static, buf, True))
+        if graph is not None:
+            self.graph = (graph, static)  # the capture recorded work without running it: `buf` holds this step
 
 
 def graph_safe(model: DiffusionGemma) -> bool:

@@ -38,10 +38,14 @@ class Denoiser(Protocol):
         draws in buf.fused, self-conditioned on buf.fused.soft (the previous step's soft embedding). The first step
         of a canvas is not self-conditioned."""
 
+    # Optional: `run_step(step, graphable)` runs `step()`, one whole step (`whole_step`), and may replay it as a CUDA
+    # graph when `graphable` (engine.GraphedDenoiser); a denoiser without it has its steps run as they are.
+
 
 @dataclass
 class Step:
-    """One denoising step of one canvas. Tensors are [B, C] on the model's device; do not modify them."""
+    """One denoising step of one canvas. Tensors are [B, C] on the model's device, views of the step's own slot in
+    its canvas's records (`CanvasState`: no later step writes them); do not modify them."""
 
     canvas_index: int
     step: int  # 1-based count of steps taken on this canvas
@@ -160,7 +164,8 @@ def prepare_step(buf: SamplerBuffers, temperature: torch.Tensor, generators: lis
         buf.uniforms[b * R : (b + 1) * R].uniform_(generator=g)
 
 
-def sample_step(buf: SamplerBuffers, temperature: torch.Tensor, generators: list[torch.Generator] | None = None):
+def sample_step(buf: SamplerBuffers, temperature: torch.Tensor, generators: list[torch.Generator] | None = None,
+                copy_entropy: bool = True):
     """Temperature, sample, argmax and entropy from the logits in `buf.logits` [N, V]; returns [N] tensors. With the
     fused head, the draws its forward pass made (`prepare_step`, `Denoiser.denoise`).
 
@@ -171,9 +176,12 @@ def sample_step(buf: SamplerBuffers, temperature: torch.Tensor, generators: list
     temperature: float32, 0-dim (every row) or [N, 1] (per row). generators (None: torch's global generator): one per
     block of N / len(generators) consecutive rows (a request's canvas), each block drawing from its own, so a block's
     draws are those it would get alone after seeding torch with its generator's seed, whatever else is in the batch.
+    copy_entropy False: the fused head's entropy as it lies in its buffer (the next step overwrites it), for a caller
+    that copies it anyway.
     """
     if buf.fused is not None:  # the forward's head drew them (prepare_step gave it the temperature and uniforms)
-        return buf.fused.sample, buf.fused.argmax, buf.fused.entropy.clone()  # entropy leaves in a Step event
+        entropy = buf.fused.entropy
+        return buf.fused.sample, buf.fused.argmax, entropy.clone() if copy_entropy else entropy
     N = buf.logits.shape[0]
     if generators is not None and N % len(generators):
         raise ValueError(f"{N} rows do not split into {len(generators)} equal blocks")
@@ -243,22 +251,100 @@ def entropy_bound_accept(entropy: torch.Tensor, bound: float) -> torch.Tensor:
     return torch.scatter(torch.zeros_like(keep), dim=-1, index=order, src=keep)
 
 
-def settle_step(buf: SamplerBuffers, canvas: torch.Tensor, argmax: torch.Tensor, done: torch.Tensor,
-                history: list[torch.Tensor], temperature: torch.Tensor, settings: GenerationSettings,
-                held: torch.Tensor | None = None, constraints: list | None = None) -> tuple[
-                    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What a step does after its forward pass wrote `buf.logits` [B*C, V]: sample at this step's temperature,
-    accept the lowest-entropy positions, renoise the rest, and test each row for convergence. No host round trip.
+def step_temperatures(settings: GenerationSettings, device) -> torch.Tensor:
+    """[N] float32: the temperature of step k = 0 .. N - 1 (n = N - k steps left), each `step_temperature(n)`'s value,
+    made once per generation so that a step reads its own from the device (`CanvasState.index`)."""
+    N = settings.max_denoising_steps
+    frac = torch.arange(N, 0, -1, dtype=torch.int32, device=device) / N
+    return settings.t_min + (settings.t_max - settings.t_min) * frac
 
-    canvas, argmax [B, C]: this step's input canvas and the last argmax canvas; done [B]: rows converged before;
-    history: the last argmax canvases (`_stable`); temperature: this step's (`step_temperature`); held [B, h] and
-    constraints as in `generate_events`. Returns the next canvas, the argmax canvas, the accepted positions, the
-    entropy [B, C] and the updated done [B].
+
+class CanvasState:
+    """What one canvas's steps carry from each to the next, in tensors that keep their addresses for the canvas, so
+    that one CUDA graph of a whole step (`whole_step`, engine.GraphedDenoiser.run_step) reads and writes them in
+    place; and every step's results, one slot per step, which its `Step` event views (a step writes slot `index`,
+    which it advances itself: the host never tells the device which step it is).
+
+    canvas [B, C] (the canvas fed to the next step), argmax [B, C], done [B] (rows converged), all_done (0-dim: the
+    stop test), finished [B] (rows that ended in an earlier canvas), idle [B] (steps a row sat out), index [1] (the
+    step running, 0-based), temperature [1] (its temperature, from `step_temperatures`), history [T, B, C] (the last
+    T = stability_threshold argmax canvases, -1 until a step writes one: no row is stable before T steps, as
+    `_stable` requires) with `slot` [1] where the next goes. Per step k: canvases, argmaxes, accepted, entropies
+    [N, B, C] and finished_at [N, B], what `Step` k + 1 holds.
     """
+
+    def __init__(self, canvas: torch.Tensor, finished: torch.Tensor, settings: GenerationSettings,
+                 temperatures: torch.Tensor):
+        B, C = canvas.shape
+        dev, N, T = canvas.device, settings.max_denoising_steps, settings.stability_threshold
+        self.canvas, self.argmax, self.finished = canvas, canvas.clone(), finished.clone()
+        self.done = torch.zeros(B, dtype=torch.bool, device=dev)
+        self.all_done = torch.zeros((), dtype=torch.bool, device=dev)
+        self.idle = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.index = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.temperatures = temperatures
+        self.temperature = torch.empty(1, dtype=torch.float32, device=dev)
+        self.history = torch.full((T, B, C), -1, dtype=canvas.dtype, device=dev)
+        self.slot = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.canvases = torch.empty(N, B, C, dtype=canvas.dtype, device=dev)
+        self.argmaxes = torch.empty_like(self.canvases)
+        self.accepted = torch.empty(N, B, C, dtype=torch.bool, device=dev)
+        self.entropies = torch.empty(N, B, C, dtype=torch.float32, device=dev)
+        self.finished_at = torch.empty(N, B, dtype=torch.bool, device=dev)
+
+    def stable(self, argmax: torch.Tensor) -> torch.Tensor:
+        """[B] bool: rows whose argmax canvas equals each of the last T; then records it (`_stable`, on the device)."""
+        T = self.history.shape[0]
+        same = (self.history == argmax).all(dim=-1)  # [T, B]; T = 0: every row stable
+        stable = same[0] if T == 1 else same.all(dim=0)
+        if T == 1:
+            self.history[0].copy_(argmax)
+        elif T > 1:  # a ring: the test compares with every entry, in any order
+            self.history.index_copy_(0, self.slot, argmax[None])
+            self.slot.add_(1).remainder_(T)
+        return stable
+
+    def record(self, accepted: torch.Tensor, entropy: torch.Tensor) -> None:
+        """This step's results into its slot; the next step's index."""
+        k = self.index
+        self.canvases.index_copy_(0, k, self.canvas[None])
+        self.argmaxes.index_copy_(0, k, self.argmax[None])
+        self.accepted.index_copy_(0, k, accepted[None])
+        self.entropies.index_copy_(0, k, entropy[None])
+        self.finished_at.index_copy_(0, k, self.done[None])
+        k.add_(1)
+
+    def step_event(self, canvas_index: int, k: int, N: int) -> Step:
+        """Step k + 1's event: views of its slot (no copy; a later step writes other slots)."""
+        return Step(canvas_index, k + 1, N, self.canvases[k], self.argmaxes[k], self.accepted[k], self.entropies[k],
+                    self.finished_at[k])
+
+
+def whole_step(denoiser: Denoiser, state: CanvasState, buf: SamplerBuffers, settings: GenerationSettings,
+               self_conditioned: bool, held: torch.Tensor | None = None, constraints: list | None = None) -> None:
+    """One step of the canvas in `state`, in place: count the rows that sit it out, take the step's temperature, its
+    random draws (`prepare_step`), the forward pass (`Denoiser.denoise`), then `settle_step`. Without constraints it
+    reads no host value and writes none, so a CUDA graph holds it whole (engine.GraphedDenoiser.run_step)."""
+    state.idle += state.done | state.finished
+    torch.index_select(state.temperatures, 0, state.index, out=state.temperature)
+    prepare_step(buf, state.temperature)
+    denoiser.denoise(state.canvas, buf, self_conditioned)
+    settle_step(buf, state, settings, held, constraints)
+
+
+def settle_step(buf: SamplerBuffers, state: CanvasState, settings: GenerationSettings,
+                held: torch.Tensor | None = None, constraints: list | None = None) -> None:
+    """What a step does after its forward pass wrote `buf` (the torch path's logits [B*C, V], or the fused head's
+    draws): sample at the step's temperature, accept the lowest-entropy positions, renoise the rest, test each row
+    for convergence, and record the step (`CanvasState.record`), all in `state`, in place. No host round trip.
+
+    held [B, h] and constraints as in `generate_events`.
+    """
+    canvas, argmax, done = state.canvas, state.argmax, state.done
     B, C = canvas.shape
     dev, V = canvas.device, buf.vocab
     free = C - (0 if held is None else held.shape[1])
-    sample, new_argmax, entropy = (t.view(B, C) for t in sample_step(buf, temperature))
+    sample, new_argmax, entropy = (t.view(B, C) for t in sample_step(buf, state.temperature, copy_entropy=False))
     if settings.greedy:
         sample = new_argmax.clone()
     if held is not None:  # held tokens: certain by definition
@@ -271,16 +357,17 @@ def settle_step(buf: SamplerBuffers, canvas: torch.Tensor, argmax: torch.Tensor,
             if rc is not None:
                 rc.step(logp[b], sample[b], new_argmax[b], settings.greedy)
     accepted = entropy_bound_accept(entropy, settings.entropy_bound)
-    kept = torch.where(accepted, sample, canvas)
     noise = torch.randint(0, V, (B, C), device=dev)
-    new_canvas = torch.where(accepted, kept, noise)
-    # Rows that already converged keep their canvas and argmax (a select, not a test: no host round trip). Their
-    # self-conditioning and entropy keep changing, which only affects their own discarded outputs: rows never mix.
-    new_argmax = torch.where(done[:, None], argmax, new_argmax)
-    new_canvas = torch.where(done[:, None], canvas, new_canvas)
-    stable = _stable(history, new_argmax, settings.stability_threshold)
+    # Accepted positions take the draw, the rest fresh noise. Rows that already converged keep their canvas and
+    # argmax (a select, not a test: no host round trip). Their self-conditioning and entropy keep changing, which
+    # only affects their own discarded outputs: rows never mix.
+    torch.where(done[:, None], canvas, torch.where(accepted, sample, noise), out=canvas)
+    torch.where(done[:, None], argmax, new_argmax, out=argmax)
+    stable = state.stable(argmax)
     confident = entropy[:, :free].mean(dim=-1) < settings.confidence_threshold
-    return new_canvas, new_argmax, accepted, entropy, done | (stable & confident)
+    torch.logical_or(done, stable & confident, out=done)
+    torch.all(done, out=state.all_done)
+    state.record(accepted, entropy)
 
 
 class LaggedStop:
@@ -290,7 +377,7 @@ class LaggedStop:
     usually passed: the GPU always has the next step queued, and no step waits on a device-to-host round trip.
 
     The cost: when the verdict says stop, the step queued after it was not needed. It changes nothing: converged
-    rows keep their canvas and argmax (settle_step), take no step in the counts (`active`), and the caller restores
+    rows keep their canvas and argmax (settle_step), take no step in the counts (`idle`), and the caller restores
     the random generator's state from before it (`rng_state`), so the next canvas draws what it would have."""
 
     def __init__(self, device: torch.device):
@@ -301,9 +388,10 @@ class LaggedStop:
         self.count = 0
 
     def push(self, done: torch.Tensor) -> None:
-        """This step's verdict, copied without waiting (two slots: the previous one is read before it is reused)."""
+        """This step's verdict, copied without waiting (two slots: the previous one is read before it is reused).
+        done: the rows' [B], or the verdict itself (0-dim: `CanvasState.all_done`, which the step computed)."""
         i = self.count % 2
-        self.verdicts[i].copy_(done.all(), non_blocking=self.cuda)
+        self.verdicts[i].copy_(done if done.dim() == 0 else done.all(), non_blocking=self.cuda)
         if self.cuda:
             self.events[i].record()
         self.count += 1
@@ -377,43 +465,39 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
 
     if lagged_stop is None:
         lagged_stop = dev.type == "cuda" and constraints is None
+    temperatures = step_temperatures(settings, dev)
+    run_step = getattr(denoiser, "run_step", None) or (lambda step, graphable: step())
     for ci in range(settings.canvases_for(free)):
         denoiser.encode(chunk, chunk_valid)
         denoiser.start_canvas()
         canvas = torch.randint(0, V, (B, C), device=dev)
         if h:
             canvas[:, free:] = held
-        argmax = canvas
-        self_conditioned = False
-        done = torch.zeros(B, dtype=torch.bool, device=dev)  # adaptive stop per row
-        history: list[torch.Tensor] = []  # the last `stability_threshold` argmax canvases
-        # steps a row sat out (converged, or ended in an earlier canvas): one add a step, where counting its steps
-        # and its forwards took four kernels; its steps are the canvas's steps less these, made at the canvas's end
-        idle = torch.zeros(B, dtype=torch.int64, device=dev)
+        # the canvas, its argmax, the rows' stop tests and the steps a row sat out (converged, or ended in an earlier
+        # canvas: one add a step, where counting its steps and its forwards took four kernels; its steps are the
+        # canvas's steps less these, made at the canvas's end), kept in place from step to step
+        state = CanvasState(canvas, finished_rows, settings, temperatures)
         ran = 0  # steps run on this canvas (a lagged stop's undone step included: every row sat it out)
         # the constraints of rows still generating (a row that ended keeps padding its canvases)
         live = None if constraints is None else [None if f else c for c, f in zip(constraints, finished_rows.tolist())]
 
         stop = LaggedStop(dev) if lagged_stop else None
         queued: list[Step] = []  # lagged: the step whose verdict is not read yet
-        for n in range(N, 0, -1):
+        for k in range(N):
             before = rng_state(dev) if stop is not None else None
-            idle += done | finished_rows
             ran += 1
-            temperature = step_temperature(n, settings, dev)
-            prepare_step(buf, temperature)
-            denoiser.denoise(canvas, buf, self_conditioned)
+            conditioned = k > 0  # a canvas's first step is not self-conditioned
+            # the steps after the first are one CUDA graph where the denoiser has them (their host work: none)
+            run_step(lambda: whole_step(denoiser, state, buf, settings, conditioned, held, live),
+                     conditioned and live is None)
             batched_calls += 1
-            canvas, argmax, accepted, entropy, done = settle_step(buf, canvas, argmax, done, history, temperature,
-                                                                  settings, held, live)
-            self_conditioned = True
-            step = Step(ci, N - n + 1, N, canvas, argmax, accepted, entropy, done.clone())
+            step = state.step_event(ci, k, N)
             if stop is None:
                 yield step
-                if bool(done.all()):
+                if bool(state.all_done):
                     break
                 continue
-            stop.push(done)
+            stop.push(state.all_done)
             verdict = stop.previous()  # the step before this one's, which the GPU has finished or nearly
             if verdict is not None:
                 yield queued.pop()
@@ -423,6 +507,7 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
                 break
             queued.append(step)
         yield from queued  # the canvas's last step, when it ran them all
+        argmax = state.argmax
 
         # Keep the argmax canvas; rows that ended earlier get pad; after a first EOS everything is pad.
         tokens = argmax[:, :free].clone()
@@ -440,7 +525,7 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
         room = max(0, min(free, settings.max_new_tokens - ci * free))  # positions of this canvas within the limit
         # the answer's tokens: neither pad nor the end-of-sequence id that ends it (pads after it already)
         answer = (tokens[:, :room] != pad) & ~is_eos[:, :room]
-        row_steps = ran - idle
+        row_steps = ran - state.idle
         forward_passes += row_steps
         steps, kept = torch.stack([row_steps, answer.sum(dim=-1)]).tolist()  # one transfer
         for b in range(B):

@@ -9,12 +9,13 @@
 This is the entry point of the whole-step table in `make kernel-report` (scripts/kernel_report.py), and of any
 other tool that wants to cost a step: it needs no GPU, only the model's code.
 
-What is traced is the code a CUDA device runs for one step of a canvas after its first (self-conditioning on): the
-engine's denoiser (`engine.ModelDenoiser.denoise`; its CUDA graph replays the same kernels), which runs
-`DiffusionGemma.denoise` on the previous step's soft embedding and ends in the fused head (quant/kernels/head.py),
-then `sampler.settle_step` (acceptance, renoising, the convergence test), with what the engine adds around a
-step: the rows that sit the step out counted, the graph's input copy, the Step event's copy of the verdict and the
-verdict's copy to the host, read a step later (`sampler.LaggedStop`: no device-to-host wait in a step). The model
+What is traced is the code a CUDA device runs for one step of a canvas after its first (self-conditioning on):
+`sampler.whole_step` (the rows that sit the step out counted, its temperature and random draws, the engine's
+denoiser, which runs `DiffusionGemma.denoise` on the previous step's soft embedding and ends in the fused head,
+quant/kernels/head.py, then `sampler.settle_step`: acceptance, renoising, the convergence test, the step's record),
+which CUDA replays as one graph (`engine.GraphedDenoiser.run_step`), and what is launched outside it: the two
+kernels with which torch's replay writes the generator's seed and offset, and the verdict's copy to the host, read a
+step later (`sampler.LaggedStop`: no device-to-host wait in a step). The model
 is built on the meta device (no memory, no data) at the real shapes of `config` (DiffusionGemma 26B-A4B by default)
 with the format's quantized modules where its published release has them; the Triton wrappers answer as on a GPU
 of compute capability `target` (quant.kernels.aot's recorder: each launch is kept with its arguments, grid and
@@ -73,9 +74,9 @@ class StepTrace:
     vocab_f32: list = field(default_factory=list)  # shapes of float32 tensors of at least canvas x vocab elements
     op_layers: list = field(default_factory=list)  # per op: its layer (what it reads, else the layer it runs in),
     # None before the first layer and after the last (embedding, self-conditioning, head, sampler)
-    graphed: tuple[int, int] = (0, 0)  # ops[lo:hi]: the denoiser's forward, which CUDA runs as one graph's replay
-    # (engine.GraphedDenoiser); the rest (the step's inputs, the sampler's acceptance and test, the verdict's
-    # copies) are launched one by one
+    graphed: tuple[int, int] = (0, 0)  # ops[lo:hi]: the whole step (sampler.whole_step), which CUDA runs as one
+    # graph's replay (engine.GraphedDenoiser.run_step); the rest (the generator's seed and offset written before the
+    # replay, the verdict's copy to the host) are launched one by one
 
     @property
     def kernels(self) -> int:
@@ -291,7 +292,7 @@ def trace_step(batch: int = 1, prompt: int = 256, target: int = 90, fmt: str = "
     from .config import DIFFUSIONGEMMA_26B_A4B, FULL, SLIDING, GenerationSettings, ModelConfig
     from .model import DenoiseContext, DiffusionGemma, rope_cos_sin
     from .engine import ModelDenoiser
-    from .sampler import LaggedStop, SamplerBuffers, prepare_step, settle_step, step_temperature
+    from .sampler import CanvasState, LaggedStop, SamplerBuffers, step_temperatures, whole_step
 
     config = config or DIFFUSIONGEMMA_26B_A4B
     cfg = ModelConfig.from_dict(config)
@@ -324,20 +325,20 @@ def trace_step(batch: int = 1, prompt: int = 256, target: int = 90, fmt: str = "
     denoiser.ctx = DenoiseContext(cos={k: c for k, (c, _) in rope.items()}, sin={k: s for k, (_, s) in rope.items()},
                                   mask={FULL: None, SLIDING: None}, keys=keys)
     buf = SamplerBuffers(batch * C, V, "meta", head=(cfg.text.hidden_size, model.dtype))
-    canvas = torch.zeros(batch, C, dtype=torch.long, device="meta")
-    argmax = torch.zeros_like(canvas)
-    static = torch.zeros_like(canvas)  # the CUDA graph's input (engine.GraphedDenoiser)
-    done = torch.zeros(batch, dtype=torch.bool, device="meta")
-    finished = torch.zeros_like(done)  # rows that ended in an earlier canvas
-    idle = torch.zeros(batch, dtype=torch.int64, device="meta")  # steps each row sat out (sampler.generate_events)
     settings = GenerationSettings()
-    history = [torch.zeros_like(canvas)] * settings.stability_threshold
+    canvas = torch.zeros(batch, C, dtype=torch.long, device="meta")
+    finished = torch.zeros(batch, dtype=torch.bool, device="meta")  # rows that ended in an earlier canvas
+    # the canvas's state from step to step (sampler.generate_events: made once per canvas)
+    state = CanvasState(canvas, finished, settings, step_temperatures(settings, "meta"))
+    # torch's replay of a graph that draws random numbers first writes its generator's seed and offset into the
+    # graph's inputs: two small kernels, launched before each replay (torch's CUDAGraph.replay)
+    generator = [torch.zeros((), dtype=torch.int64, device="meta") for _ in range(2)]
 
     weights = {_sid(t): t for t in list(model.parameters()) + list(model.buffers()) + adapter_tensors}
     trace.cache_bytes = sum(t.untyped_storage().nbytes() for t in cache.k + cache.v)
     persistent = set(weights) | {_sid(t) for t in cache.k + cache.v}
-    # made once per generation: per-request memory, not per-step traffic
-    request = tuple(v for v in list(vars(buf).values()) + list(vars(buf.fused).values()) + [canvas, argmax, static]
+    # made once per generation or canvas: per-request memory, not per-step traffic
+    request = tuple(v for v in list(vars(buf).values()) + list(vars(buf.fused).values()) + list(vars(state).values())
                     if isinstance(v, torch.Tensor))
 
     stop = LaggedStop(torch.device("meta"))
@@ -345,17 +346,13 @@ def trace_step(batch: int = 1, prompt: int = 256, target: int = 90, fmt: str = "
     def step(events: list, meter: _Meter) -> None:
         with aot._recording(events, target), _w8a8_hardware_of(target), torch.no_grad(), meter, \
                 _attention_as_one_op(meter):
-            idle.add_(done | finished)  # the rows that sit this step out, counted (sampler.generate_events)
-            temperature = step_temperature(settings.max_denoising_steps, settings, "meta")
-            prepare_step(buf, temperature)
-            static.copy_(canvas)  # the graph's input copy, before its replay
+            for t in generator:
+                t.fill_(0)
             lo = len(events)
-            denoiser.denoise(static, buf, True)
+            whole_step(denoiser, state, buf, settings, True)  # the graph's replay (engine.GraphedDenoiser.run_step)
             if not isinstance(events, _Dropped):
                 trace.graphed = (lo, len(events))
-            done_now = settle_step(buf, canvas, argmax, done, list(history), temperature, settings)[4]
-            done_now.clone()  # the Step event's copy of it (sampler.generate_events)
-            stop.push(done_now)  # the stop test's verdict to the host, read a step later (sampler.LaggedStop)
+            stop.push(state.all_done)  # the stop test's verdict to the host, read a step later (sampler.LaggedStop)
 
     step(_Dropped(), _Meter([], persistent))  # a first step, as the engine's eager steps before its graph: what
     # the modules make once (a per-row scale) is made here, not counted in the step
