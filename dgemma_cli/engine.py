@@ -116,8 +116,7 @@ class GraphedDenoiser(ModelDenoiser):
     (no self-conditioning) runs eagerly; the second runs eagerly too (its result is the step's) and is captured right
     after; later steps replay. The context and the state change when a canvas starts, so a canvas gets its own graph,
     in one memory pool shared by all of them. If a capture fails (a path with a host round trip), this denoiser
-    stays eager. A step that is not whole (a caller of `denoise` alone: the server's batches) gets the forward pass
-    captured alone, the same way.
+    stays eager. A caller of `denoise` alone (no whole step) gets the forward pass captured alone, the same way.
     """
 
     def __init__(self, model: DiffusionGemma, batch: int, capacity: int):
