@@ -518,6 +518,42 @@ def test_stop_tests_read_a_step_late_answer_as_at_once(engine):
     assert runs[True][0][2] == alone.token_ids[0] and runs[True][1][2] == alone.steps_per_canvas[0]
 
 
+def test_a_lagged_rows_undone_step_changes_nothing(engine, monkeypatch):
+    """The step run after a lagged row's canvas ended (its stop test not read yet) is undone: whatever the model
+    guesses in it, the row keeps its canvas and argmax. Here that step's draws and argmax are all one other token
+    (the demo model's guess would not have moved): the tokens are still those of the immediate test."""
+    import torch
+
+    from dgemma_cli.server import batching
+    from dgemma_cli.server.batching import BatchLoop, Job, RowDone
+
+    V = engine.model.cfg.text.vocab_size
+    real, moved = batching._Row.after_step, []
+
+    def after_step(row, sample, argmax, entropy, logp=None):
+        if row.lagged and bool(row.done.all()):  # the canvas ended a step ago: this step is the undone one
+            moved.append(row.ci)
+            sample, argmax = torch.full_like(sample, V - 1), torch.full_like(argmax, V - 1)
+        return real(row, sample, argmax, entropy, logp)
+
+    def tokens(lagged: bool) -> list:
+        ids = [engine.prompt_ids(p) for p in ("upper: hello diffusions", "sudoku: ..4./..../.2.1/3...")]
+        jobs = [Job(i, engine.settings, seed, engine.check_context(len(i), engine.settings)) for seed, i in
+                enumerate(ids)]
+        loop = BatchLoop(engine.model, max_batch=2, max_queue=2, lagged=lagged)
+        try:
+            ends = _run_jobs(loop, jobs)
+        finally:
+            loop.close()
+        assert all(isinstance(e, RowDone) for e in ends)
+        return [e.token_ids for e in ends]
+
+    at_once = tokens(False)
+    monkeypatch.setattr(batching._Row, "after_step", after_step)
+    assert tokens(True) == at_once
+    assert moved  # a canvas stopped early, and its undone step ran
+
+
 @pytest.mark.gpu
 def test_stop_tests_read_a_step_late_on_a_gpu():
     """On CUDA the loop reads its rows' stop tests a step late by default: one request at a time (a GPU's bits depend
