@@ -289,6 +289,30 @@ def test_fused_moe_matches_reference(fmt, tokens, load):
             assert rel(got, exact) <= rel(ref, exact) * 1.25 + 1e-3, (rel(got, exact), rel(ref, exact))
 
 
+def test_fused_moe_with_the_hopper_launch_settings(monkeypatch):
+    """The launch settings of GPUs whose tensor cores read the weights from shared memory (arch 90: 64-row blocks,
+    gate-up tiles 64 wide and 128 deep, the down tile 256 wide, 64 deep, 8 warps), here in the interpreter: hidden 256
+    makes the down tile whole, 40 tokens over 4 experts put more than one block on some."""
+    import quant.kernels as kernels
+    import quant.kernels.moe_gate_up as moe_gate_up
+
+    for module in (kernels, moe_gate_up):
+        monkeypatch.setattr(module, "arch", lambda device: 90)
+    candidates = moe_gate_up.candidates
+    g = torch.Generator().manual_seed(9)
+    E, H, I, K, T = 4, 256, 64, 2, 40
+    cfg = candidates(T * K / E, H, I, torch.device(DEVICE))[0]
+    assert (cfg["BLOCK_M"], cfg["DN_N"], cfg["DN_K"], cfg["DN_W"]) == (64, 256, 64, 8)
+    gu, dn = build_stacks("nvfp4", E, H, I, g)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(T, H, generator=g).to(dtype).to(DEVICE)
+        index = LOADS["uniform"](T, E, K, g).to(DEVICE)
+        weights = torch.rand(T, K, generator=g).to(DEVICE)
+        got = fused_experts(gu, dn, x, index, weights)
+        assert got is not None
+        assert rel(got, reference_experts(gu, dn, x, index, weights)) <= moe_tolerance("nvfp4", dtype)
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "int8"])
 def test_fused_moe_masked_tiles(fmt):
     """Hidden 48 and width 80: the tiles shrink to 16 to fit whole (moe_gate_up.candidates), so the gate-up kernel runs
