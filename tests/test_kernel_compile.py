@@ -266,7 +266,7 @@ def test_whole_step_table_covers_three_gpus_two_formats_two_batches(report):
         assert r["kernels"] == r["torch_ops"] + r["launches"] and r["launches"] > 0
         # the kernels outside the step's CUDA graph, charged a launch each (their own costs are in their op's group)
         launched = next(g for g in r["groups"] if g["op"] == "launches outside the graph")
-        assert 10 <= launched["n"] == r["eager"] <= 40
+        assert launched["n"] == r["eager"] == 3  # the generator's seed and offset, the verdict's copy (step_trace)
         assert launched["ms"] == pytest.approx(launched["n"] * roofline.LAUNCH_US / 1e3) == launched["least_ms"]
         assert sum(g["n"] for g in r["groups"] if g is not launched) == r["kernels"]
         assert r["transient_mb"] > 0
