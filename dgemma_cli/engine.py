@@ -116,7 +116,8 @@ class GraphedDenoiser(ModelDenoiser):
     (no self-conditioning) runs eagerly; the second runs eagerly too (its result is the step's) and is captured right
     after; later steps replay. The context and the state change when a canvas starts, so a canvas gets its own graph,
     in one memory pool shared by all of them. If a capture fails (a path with a host round trip), this denoiser
-    stays eager. A caller of `denoise` alone (no whole step) gets the forward pass captured alone, the same way.
+    stays eager. A step the host takes part in (constrained rows, whose search reads each step: `run_step` with
+    graphable False) and a caller of `denoise` alone get the forward pass captured alone, the same way.
     """
 
     def __init__(self, model: DiffusionGemma, batch: int, capacity: int):
@@ -149,10 +150,10 @@ class GraphedDenoiser(ModelDenoiser):
         return graph
 
     def run_step(self, step: Callable[[], None], graphable: bool) -> None:
+        if not graphable or self.eager:  # a step the host takes part in (constraints): its forward alone is graphed
+            return step()
         self.inside = True
         try:
-            if not graphable or self.eager:
-                return step()
             if self.step_graph is not None:
                 self.step_graph.replay()
                 self.replays += 1

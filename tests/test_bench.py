@@ -191,6 +191,24 @@ def test_done_event_counts_graph_captures_and_replays(monkeypatch):
     assert tiny_stats().stats == {"graph_captures": 2, "graph_replays": 4, "graph_fallback": None}
 
 
+def test_a_step_the_host_takes_part_in_keeps_its_forward_graph(monkeypatch):
+    """A step that is not graphed whole (constrained rows: the host searches each step's log-probabilities) still
+    has its forward pass captured once per canvas and replayed, as before the whole step was one graph."""
+    from dgemma_cli.sampler import SamplerBuffers
+
+    fake_cuda_graphs(monkeypatch, fail=False)
+    cfg = ModelConfig.from_dict(TINY)
+    model = random_model(cfg, "bf16", "experts", CPU, torch.float32)
+    C, V = cfg.canvas_length, cfg.text.vocab_size
+    d = engine_mod.GraphedDenoiser(model, 1, 3 + C)
+    d.encode(torch.tensor([[5, 6, 7]]), None)
+    d.start_canvas()
+    buf, canvas = SamplerBuffers(C, V, CPU), torch.randint(0, V, (1, C))
+    for k in range(4):  # step 1 eager, step 2 eager then its forward captured, steps 3 and 4 replay the forward
+        d.run_step(lambda: d.denoise(canvas, buf, k > 0), graphable=False)
+    assert d.stats() == {"graph_captures": 1, "graph_replays": 2, "graph_fallback": None}
+
+
 def test_failed_capture_is_recorded_not_silent(monkeypatch):
     fake_cuda_graphs(monkeypatch, fail=True)
     stats = tiny_stats().stats
