@@ -240,8 +240,12 @@ def step_temperature(n: int, settings: GenerationSettings, device) -> torch.Tens
     0-dim tensor, computed as the reference does. n is filled in on the device (a kernel with n as its argument):
     `torch.tensor(n, device=cuda)` would copy it from pageable host memory, and torch waits for the stream to drain
     after such a copy, which would make every step wait for the one queued before it."""
-    frac = torch.full((), n, dtype=torch.int32, device=device) / settings.max_denoising_steps
-    return settings.t_min + (settings.t_max - settings.t_min) * frac
+    return _temperature_left(torch.full((), n, dtype=torch.int32, device=device), settings)
+
+
+def _temperature_left(left: torch.Tensor, settings: GenerationSettings) -> torch.Tensor:
+    """The reference's schedule for int32 steps left (any shape): float32 t_min + (t_max - t_min) * left / N."""
+    return settings.t_min + (settings.t_max - settings.t_min) * (left / settings.max_denoising_steps)
 
 
 def entropy_bound_accept(entropy: torch.Tensor, bound: float) -> torch.Tensor:
@@ -254,9 +258,8 @@ def entropy_bound_accept(entropy: torch.Tensor, bound: float) -> torch.Tensor:
 def step_temperatures(settings: GenerationSettings, device) -> torch.Tensor:
     """[N] float32: the temperature of step k = 0 .. N - 1 (n = N - k steps left), each `step_temperature(n)`'s value,
     made once per generation so that a step reads its own from the device (`CanvasState.index`)."""
-    N = settings.max_denoising_steps
-    frac = torch.arange(N, 0, -1, dtype=torch.int32, device=device) / N
-    return settings.t_min + (settings.t_max - settings.t_min) * frac
+    return _temperature_left(torch.arange(settings.max_denoising_steps, 0, -1, dtype=torch.int32, device=device),
+                             settings)
 
 
 class CanvasState:
