@@ -81,6 +81,37 @@ def test_gated_nvfp4_linear_matches_the_three_ops(rows, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvfp4_linear_split_over_k_gives_the_unsplit_result(dtype):
+    """K split over 2, 3 or 4 programs a tile (the last to finish adds their float32 sums in the programs' order and
+    finishes the tile; 4 ways over 5 steps leaves one program no steps), over masked rows and columns, with and
+    without adapters: the unsplit launch's values to one rounding (float32: the sums' order), the reference's
+    within the kernels' tolerance, the same bits on a second launch (the counters are back at 0 after each)."""
+    from quant import kernels
+    from quant.kernels.lora import LinearAdapters, LinearFactors
+    from quant.kernels.nvfp4_linear import nvfp4_linear
+
+    g = torch.Generator().manual_seed(7)
+    N, K, rows = 80, 320, 33  # 5 steps of 64 inputs
+    q = nvfp4.quantize(torch.randn(N, K, generator=g), search=True)
+    operands = (q.weight.to(DEVICE), q.weight_scale.to(DEVICE), q.weight_scale_2.expand(N).to(DEVICE))
+    x = torch.randn(rows, K, generator=g).to(dtype).to(DEVICE)
+    ref = x @ nvfp4.dequantize(q, dtype).to(DEVICE).T
+    one = nvfp4_linear(x, *operands, splits=1)
+    for splits in (2, 3, 4):
+        got = nvfp4_linear(x, *operands, splits=splits)
+        assert not kernels._counters[("nvfp4_linear", x.device)].any()
+        assert torch.equal(nvfp4_linear(x, *operands, splits=splits), got)
+        assert rel(got, one) <= (1e-6 if dtype == torch.float32 else 4e-3), splits
+        assert rel(got, ref) <= TOL[dtype]
+    lora = LinearAdapters(LinearFactors(*lora_stack(None, N, K, dtype, g)), None)
+    plain = nvfp4_linear(x, *operands, lora=lora, splits=1)
+    assert rel(plain, one) > 1e-2  # the adapters' terms matter
+    assert rel(nvfp4_linear(x, *operands, lora=lora, splits=3), plain) <= (1e-6 if dtype == torch.float32 else 4e-3)
+    with pytest.raises(ValueError, match="splits"):
+        nvfp4_linear(x, *operands, up=operands, splits=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_activation_quantization_matches_emulation(dtype):
     """The on-the-fly NVFP4 quantization of activations (W4A4) gives the same codes, e4m3 scale bits and per-token
     global scales as quant/nvfp4.quantize row by row: over twelve decades (subnormal e4m3 scales included), an

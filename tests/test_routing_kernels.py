@@ -72,6 +72,7 @@ def test_router_split_over_programs_routes_the_same():
     top-k), against one program a block, over a partial block: the same experts for all but a near-tie (a logit may
     differ by one rounding), the same weights where they agree, the same bits on a second launch, and the counters
     back at 0 after each launch (so the next launch counts from 0)."""
+    from quant import kernels
     from quant.kernels import router
 
     g = torch.Generator().manual_seed(4)
@@ -83,7 +84,7 @@ def test_router_split_over_programs_routes_the_same():
         x = (torch.randn(T, H, generator=g) * 2).to(torch.bfloat16).to(DEVICE)
         one_w, one_i = (t.cpu() for t in router.route(x, scale, w, pes, 8, 1e-6, splits=1))
         got_w, got_i = (t.cpu() for t in router.route(x, scale, w, pes, 8, 1e-6, splits=splits))
-        assert not router._counters[x.device].any()
+        assert not kernels._counters[("router", x.device)].any()
         again_w, again_i = (t.cpu() for t in router.route(x, scale, w, pes, 8, 1e-6, splits=splits))
         assert torch.equal(again_i, got_i) and torch.equal(again_w, got_w)
         (got_w, got_i), (one_w, one_i) = by_expert(got_w, got_i), by_expert(one_w, one_i)

@@ -94,3 +94,23 @@ def fewest_waves(device: torch.device, programs: int, choices: Iterable[int]) ->
     if sms is None:
         return 1
     return min(choices, key=lambda s: (-(-programs * s // sms) / s, s))
+
+
+# Kernels whose programs share a tile's work (split over K or H) count the programs that finished it in int32
+# counters the last program sets back to 0: per (kernel, device), allocated zeroed once (before any graph capture: a
+# canvas's first steps run eagerly) and grown when a launch has more tiles; an outgrown one is kept, never freed,
+# since a captured CUDA graph may still point at it.
+_counters: dict[tuple[str, torch.device], torch.Tensor] = {}
+_retired: list[torch.Tensor] = []
+
+
+def tile_counters(kernel: str, device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 counters, at least `tiles` of them, for `kernel`'s launches on `device` (each launch's last
+    program of a tile sets its counter back to 0, so they are zero between launches)."""
+    have = _counters.get((kernel, device))
+    if have is None or have.numel() < tiles:
+        if have is not None:
+            _retired.append(have)
+        have = _counters[(kernel, device)] = torch.zeros(max(128, 1 << max(0, tiles - 1).bit_length()),
+                                                         dtype=torch.int32, device=device)
+    return have

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import arch, interpreting, m_bucket, shared_b_operand, tuning
+from . import arch, fewest_waves, interpreting, m_bucket, shared_b_operand, sm_count, tile_counters, tuning
 from .common import (dot_acc, gelu_tanh, load_nvfp4_tile, lora_expand, nvfp4_operand, segment_of, store_rounded,
                      to_compute)
 from .lora import LinearAdapters, lora_shrink
@@ -34,7 +34,8 @@ def nvfp4_linear_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, wu_ptr, su_ptr, s2u_
                         EVEN: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr, GATED: tl.constexpr,
                         LORA: tl.constexpr = False, BLOCK_R: tl.constexpr = 16,
                         w1_ptr=None, s1_ptr=None, s21_ptr=None, y1_ptr=None, N1=0,
-                        w2_ptr=None, s2b_ptr=None, s22_ptr=None, y2_ptr=None, N2=0, SEGMENTS: tl.constexpr = 1):
+                        w2_ptr=None, s2b_ptr=None, s22_ptr=None, y2_ptr=None, N2=0, SEGMENTS: tl.constexpr = 1,
+                        part_ptr=None, count_ptr=None, KS=0, SPLITS: tl.constexpr = 1):
     pid_n = tl.program_id(0)  # fastest: consecutive programs share the x rows... and M blocks of one N tile follow
     pid_m = tl.program_id(1)
     if SEGMENTS > 1:  # the column tiles of 2 or 3 linears of the same x, one after another: this tile's linear
@@ -45,7 +46,14 @@ def nvfp4_linear_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, wu_ptr, su_ptr, s2u_
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GATED: the up projection's (unused otherwise)
-    for k0 in range(0, K, BLOCK_K):
+    if SPLITS > 1:  # this program's inputs: [part * KS, (part + 1) * KS) of K, whole BLOCK_K steps
+        part = tl.program_id(2)
+        k_lo = part * KS
+        k_hi = tl.minimum(K, k_lo + KS)
+    else:
+        k_lo = 0
+        k_hi = K
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         if EVEN:  # whole tiles in N and K: only the rows are masked
             x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=rm[:, None] < M, other=0.0)
@@ -59,6 +67,37 @@ def nvfp4_linear_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, wu_ptr, su_ptr, s2u_
             wu, _ = nvfp4_operand(load_nvfp4_tile(wu_ptr, su_ptr, rn, k0, K, N, BLOCK_N, BLOCK_K, True, not EVEN,
                                                   EMULATE), x.dtype)
             acc_u = dot_acc(acc_u, x, tl.trans(wu), IEEE, EMULATE)
+    if SPLITS == 1:
+        _finish(acc, acc_u, y_ptr, s2_ptr, s2u_ptr, t_ptr, lb_ptr, tu_ptr, lbu_ptr, rm, rn, M, N, GATED, LORA, BLOCK_R,
+                IEEE, EMULATE)
+    else:
+        # K split over SPLITS programs (a grid of fewer tiles than the GPU has SMs): each writes its float32 partial
+        # sums, and the last of the tile's programs to finish (the counter it increments) adds them and finishes the
+        # tile; it then sets the counter back to 0 for the next launch. Not with GATED or SEGMENTS (the wrapper
+        # never asks)
+        tile = pid_m * tl.num_programs(0) + pid_n
+        # [tiles, SPLITS, BLOCK_M, BLOCK_N]: each tile's partial sums whole and contiguous (no masks, 32-bit offsets)
+        at = part_ptr + tile.to(tl.int64) * (SPLITS * BLOCK_M * BLOCK_N) \
+            + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(at + part * (BLOCK_M * BLOCK_N), acc)
+        tl.debug_barrier()  # every thread's sums stored before the counter says so (its release is the CTA's)
+        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if done == SPLITS - 1:
+            # every part's sums from L2 (other SMs wrote them; its own too: the sums then keep the stored tiles'
+            # layout), added in the programs' order whichever finished last
+            total = tl.load(at, cache_modifier=".cg")
+            for q in tl.static_range(1, SPLITS):
+                total += tl.load(at + q * (BLOCK_M * BLOCK_N), cache_modifier=".cg")
+            tl.store(count_ptr + tile, 0)
+            _finish(total, acc_u, y_ptr, s2_ptr, s2u_ptr, t_ptr, lb_ptr, tu_ptr, lbu_ptr, rm, rn, M, N, GATED, LORA,
+                    BLOCK_R, IEEE, EMULATE)
+
+
+@triton.jit
+def _finish(acc, acc_u, y_ptr, s2_ptr, s2u_ptr, t_ptr, lb_ptr, tu_ptr, lbu_ptr, rm, rn, M, N, GATED: tl.constexpr,
+            LORA: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr):
+    """The tile's epilogue from its float32 sums (acc, and acc_u GATED): 2^62 * scale_2 per column, the adapters'
+    terms, the activation, one rounding into y."""
     dtype = y_ptr.dtype.element_ty
     _, unshift = nvfp4_operand(tl.zeros((1, 1), dtype=tl.bfloat16), dtype)
     s2 = tl.load(s2_ptr + rn, mask=rn < N, other=0.0) * unshift
@@ -97,16 +136,41 @@ def candidates(M: int, K: int, device: torch.device, gated: bool = False) -> lis
             dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=block_k, num_warps=4)]
 
 
+def split_choices(cands: list[dict], M: int, N: int, K: int, device: torch.device,
+                  splits: int | None = None) -> list[dict]:
+    """The candidates with how many programs share a tile's K (SPLITS). `splits` given: that, for each. Otherwise,
+    where a candidate's tiles are fewer than the GPU's SMs (o_proj and the dense MLP's down on a canvas: 88 tiles for
+    132 SMs on an H100 / H200), first the split with the fewest waves per unit of work (`fewest_waves`: 3 ways
+    there, 264 programs in two full waves of a third of the work each), then the candidate unsplit, so the tuner
+    on the GPU keeps whichever runs faster; elsewhere unsplit. The split costs the partial sums' float32 traffic
+    (written by every program, read by the last: L2-resident at these sizes, counted as DRAM by the static report)."""
+    out = []
+    for c in cands:
+        steps = triton.cdiv(K, c["BLOCK_K"])
+        if splits is not None:
+            out.append(dict(c, SPLITS=min(splits, steps)))
+            continue
+        tiles = triton.cdiv(N, c["BLOCK_N"]) * triton.cdiv(M, c["BLOCK_M"])
+        sms = sm_count(device)
+        S = fewest_waves(device, tiles, [s for s in (1, 2, 3, 4) if s <= steps]) if sms and tiles < sms else 1
+        out += [dict(c, SPLITS=S)] if S > 1 else []
+        out.append(dict(c, SPLITS=1))
+    return out
+
+
 def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                  row_scale_2: torch.Tensor, up: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                  lora: LinearAdapters | None = None, lora_up: LinearAdapters | None = None,
-                 more: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = ()) -> torch.Tensor | list:
+                 more: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = (),
+                 splits: int | None = None) -> torch.Tensor | list:
     """x [..., K] -> [..., N] (see the module docstring for the operands). With `up` (the weight, scales and row
     scales of a second NVFP4 matrix of the same shape): gelu_tanh(x W^T) * (x W_up^T), the gated MLP's first half in
     one kernel. lora (and lora_up with `up`, of the same stacked rank): adapters' terms, their rank products made
     first (lora.lora_shrink), their expansions added in the epilogue (before the activation). more: one or two
     further linears of x (weight, scales, row scales; q, k and v), multiplied in the same launch, their column
-    tiles after this one's: the list of the outputs, [..., N_i] each (no up or adapters with them)."""
+    tiles after this one's: the list of the outputs, [..., N_i] each (no up or adapters with them). splits: how many
+    programs share each tile's K (whole BLOCK_K steps each; the last to finish adds their float32 sums), for one
+    linear without `up` or `more`; None: `split_choices`' first (the fewest waves where the tiles leave SMs idle)."""
     N, half = weight.shape
     K = 2 * half
     lead = x.shape[:-1]
@@ -139,18 +203,34 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
             tu, lbu = lora_shrink(x2, lora_up), lora_up.factors.B.contiguous()
     widths = [N] + [seg[4] for seg in segs]
 
+    splittable = up is None and not more
+    if splits is not None and (splits < 1 or splits > 1 and not splittable):
+        raise ValueError(f"nvfp4_linear splits K 1 or more ways, and only for one linear without up (got {splits})")
+
     def launch(cfg: dict) -> None:
-        bn = cfg["BLOCK_N"]
+        bn, S = cfg["BLOCK_N"], cfg.get("SPLITS", 1)
         grid = (sum(triton.cdiv(n, bn) for n in widths), triton.cdiv(M, cfg["BLOCK_M"]))
+        split_args = {}
+        if S > 1:
+            steps = triton.cdiv(K, cfg["BLOCK_K"])
+            split_args = dict(part_ptr=torch.empty(grid[0] * grid[1], S, cfg["BLOCK_M"], bn, dtype=torch.float32,
+                                                   device=x.device),
+                              count_ptr=tile_counters("nvfp4_linear", x.device, grid[0] * grid[1]),
+                              KS=triton.cdiv(steps, S) * cfg["BLOCK_K"], SPLITS=S)
+            grid = grid + (S,)
         nvfp4_linear_kernel[grid](x2, words, scale_bits, s2, y, words_u, scale_bits_u, s2u, t, lb, tu, lbu, M, N, K,
                                   cfg["BLOCK_M"], bn, cfg["BLOCK_K"],
                                   all(n % bn == 0 for n in widths) and K % cfg["BLOCK_K"] == 0,
                                   x.dtype == torch.float32, interpreting(), up is not None, lora is not None, rank,
-                                  *seg_args, SEGMENTS=len(widths), num_warps=cfg["num_warps"])
+                                  *seg_args, SEGMENTS=len(widths), **split_args, num_warps=cfg["num_warps"])
 
     key = (m_bucket(M), sum(widths), K, str(x.dtype)) + (("gated",) if up is not None else ()) + (
         ("lora", rank) if lora is not None else ())
-    cfg = tuning.choose("nvfp4_linear", key, candidates(M, K, x.device, up is not None), launch, x.device)
+    cands = candidates(M, K, x.device, up is not None)
+    if splittable:
+        cands = split_choices(cands, M, N, K, x.device, splits)
+        key = key + (("splits", splits) if splits is not None else ())
+    cfg = tuning.choose("nvfp4_linear", key, cands, launch, x.device)
     launch(cfg)
     if more:
         return [out.reshape(*lead, out.shape[-1]) for out in [y] + [seg[3] for seg in segs]]

@@ -142,6 +142,8 @@ class Loops:
     mma: Callable[[dict], int] = lambda a: 0
     # FLOPs the launch's result needs, whatever its tiles: 2 x real rows x N x K of each product (0: none)
     useful: Callable[[dict], int] = lambda a: 0
+    # the kernel's own scratch (a split's partial sums and counters): in its traffic, not in what the result needs
+    scratch: frozenset[str] = frozenset()
 
 
 def _routed(a: dict) -> int:
@@ -162,6 +164,11 @@ def _lora_rank(a: dict) -> int:
 def _lora_epilogue(a: dict, tiles: int) -> int:
     """Kernels with LORA, per CTA: BLOCK_M x (tiles x BLOCK_N) over the rank."""
     return 2 * a["BLOCK_M"] * tiles * a["BLOCK_N"] * _lora_rank(a)
+
+
+def _k_per_cta(a: dict) -> int:
+    """Linear kernels that may split K over SPLITS CTAs a tile: the inputs one CTA takes (KS, at most K; K unsplit)."""
+    return min(a["KS"], a["K"]) if a.get("SPLITS", 1) > 1 else a["K"]
 
 
 def _segment_widths(a: dict) -> int:
@@ -187,18 +194,23 @@ KERNELS = {
     # for k0 in range(0, K, BLOCK_K): one CTA per BLOCK_M x BLOCK_N tile of y
     # GATED: the gate's and the up projection's tiles each step (two decodes, two products)
     # LORA: after the loop, the rows' rank product t (lora_shrink_kernel's) times B's rows for the tile (each half)
-    "nvfp4_linear_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])],
-                                 elems=lambda a: (2 if a["GATED"] else 1) * a["BLOCK_N"] * (a["K"] + _lora_rank(a)),
-                                 passes=lambda a: {"wu_ptr": int(a["GATED"]), "su_ptr": int(a["GATED"]),
+    # SPLITS > 1: each CTA takes KS of K (the last part may be shorter: counted whole), writes its float32 sums and
+    # the last of a tile's CTAs reads the others' (the partial sums counted written and read in full) and finishes
+    "nvfp4_linear_kernel": Loops(trips=lambda a: [_cdiv(_k_per_cta(a), a["BLOCK_K"])],
+                                 elems=lambda a: (2 if a["GATED"] else 1) * a["BLOCK_N"]
+                                 * (_k_per_cta(a) + _lora_rank(a)),
+                                 passes=lambda a: {"part_ptr": 2, "count_ptr": 1,
+                                                   "wu_ptr": int(a["GATED"]), "su_ptr": int(a["GATED"]),
                                                    "s2u_ptr": int(a["GATED"]), "t_ptr": int(bool(a.get("LORA"))),
                                                    "lb_ptr": int(bool(a.get("LORA"))),
                                                    "tu_ptr": int(bool(a.get("LORA")) and a["GATED"]),
                                                    "lbu_ptr": int(bool(a.get("LORA")) and a["GATED"]),
                                                    **_segment_passes(a)},
-                                 mma=lambda a: (2 if a["GATED"] else 1) * (_tile_mma(1, "K")(a)
-                                                                           + _lora_epilogue(a, 1)),
+                                 mma=lambda a: (2 if a["GATED"] else 1) * (
+                                     2 * a["BLOCK_M"] * a["BLOCK_N"] * _cdiv(_k_per_cta(a), a["BLOCK_K"])
+                                     * a["BLOCK_K"] + _lora_epilogue(a, 1)),
                                  useful=lambda a: (2 if a["GATED"] else 1) * 2 * a["M"] * _segment_widths(a)
-                                 * (a["K"] + _lora_rank(a))),
+                                 * (a["K"] + _lora_rank(a)), scratch=frozenset({"part_ptr", "count_ptr"})),
     # a linear's LoRA rank product (lora.py): for k0 in range(0, K, BLOCK_K), one CTA per BLOCK_M rows
     "lora_shrink_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])], elems=lambda a: a["BLOCK_R"] * a["K"],
                                 passes=lambda a: {"rs_ptr": int(a["SLOTS"])},
@@ -301,7 +313,8 @@ KERNELS = {
                            {"part_ptr": 0, "count_ptr": 0},
                            mma=lambda a: 2 * a["BLOCK_T"] * a["BLOCK_E"] * _cdiv(min(a["KS"], a["H"]), a["BLOCK_K"])
                            * a["BLOCK_K"],
-                           useful=lambda a: 2 * a["T"] * a["E"] * a["H"]),
+                           useful=lambda a: 2 * a["T"] * a["E"] * a["H"],
+                           scratch=frozenset({"part_ptr", "count_ptr"})),
     # the block plan, loop-free: one CTA per chunk of CH assignments
     "moe_count_kernel": Loops(trips=lambda a: [], elems=lambda a: a["CH"]),
     "moe_place_kernel": Loops(trips=lambda a: [], elems=lambda a: a["CH"]),
@@ -368,12 +381,12 @@ def warp_instructions(kernel: str, decl: Loops, args: dict, grid: tuple, num_war
     return per_cta * _call(kernel, "ctas", decl.ctas, args, grid), per_elem
 
 
-def traffic(decl: Loops, args: dict) -> int:
+def traffic(decl: Loops, args: dict, scratch: bool = True) -> int:
     """A launch's estimated DRAM bytes: every tensor argument once (a re-read tile is an L2 hit), times its
-    declared passes."""
+    declared passes; without its scratch (`Loops.scratch`) when `scratch` is False."""
     passes = decl.passes(args) if callable(decl.passes) else decl.passes
     return sum(min(v.numel() * v.element_size(), v.untyped_storage().nbytes()) * passes.get(k, 1)
-               for k, v in args.items() if isinstance(v, torch.Tensor))
+               for k, v in args.items() if isinstance(v, torch.Tensor) and (scratch or k not in decl.scratch))
 
 
 def dram_us(gpu: GPU, nbytes: float) -> float:
@@ -433,8 +446,9 @@ def launch_bound(gpu: GPU, kernel: str, args: dict, grid: tuple, compiled: dict,
                issue=issue_us(gpu, instr), wave_issue=per_sm * per_cta / (ISSUE_PER_CLOCK * gpu.clock_ghz * 1e3),
                wave_tensor=per_sm * mma_cta / (rate / gpu.sms), mma_flops=live * mma_cta, warp_instr=instr)
     out["bound"] = max(out["dram"], out["tensor"], out["issue"], out["wave_issue"], out["wave_tensor"])
-    # what no kernel computing this launch's result can beat: its bytes at peak bandwidth or its useful FLOPs at the
-    # rate of the tensor-core instructions it uses (padding, instructions and idle SMs not counted)
+    # what no kernel computing this launch's result can beat: its bytes at peak bandwidth (its own scratch apart) or
+    # its useful FLOPs at the rate of the tensor-core instructions it uses (padding, instructions, scratch and idle
+    # SMs not counted)
     out["useful_flops"] = _call(kernel, "useful", decl.useful, args)
-    out["least"] = max(out["dram"], out["useful_flops"] / rate)
+    out["least"] = max(dram_us(gpu, traffic(decl, args, scratch=False) + extra_bytes), out["useful_flops"] / rate)
     return out

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import fewest_waves, interpreting
+from . import fewest_waves, interpreting, tile_counters
 from .rmsnorm import _round
 
 
@@ -110,23 +110,6 @@ def router_kernel(x_ptr, scale_ptr, w_ptr, pes_ptr, out_w_ptr, out_i_ptr, part_p
 
 BLOCK_T = 16  # tokens a program
 BLOCK_K = 128  # inputs a step
-_counters: dict[torch.device, torch.Tensor] = {}  # per device: one zeroed counter a token block (router_kernel)
-_retired: list[torch.Tensor] = []  # counters outgrown: a captured CUDA graph may still point at one, so never freed
-
-
-def _counter(device: torch.device, blocks: int) -> torch.Tensor:
-    """The split router's counters, zero between launches (each launch's last program of a block sets its own back):
-    allocated and zeroed once per device (before any graph capture: the first steps run eagerly), grown when a
-    launch has more token blocks (a split needs at most about half the SMs' count of blocks)."""
-    have = _counters.get(device)
-    if have is None or have.numel() < blocks:
-        if have is not None:
-            _retired.append(have)
-        have = _counters[device] = torch.zeros(max(128, triton.next_power_of_2(blocks)), dtype=torch.int32,
-                                               device=device)
-    return have
-
-
 def route(x: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int,
           eps: float, splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] -> (weights float32 [T, top_k], index int64 [T, top_k]) as the module docstring says. splits: how
@@ -147,7 +130,7 @@ def route(x: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, per_expert
             raise ValueError(f"the router splits its {steps} steps of {BLOCK_K} inputs 1, 2, 4 or 8 ways (got {S})")
         KS = triton.cdiv(steps, S) * BLOCK_K  # each program's inputs: whole steps
         parts = torch.empty(S, T, block_e, dtype=torch.float32, device=x.device) if S > 1 else out_w  # unused at 1
-        count = _counter(x.device, blocks) if S > 1 else out_i
+        count = tile_counters("router", x.device, blocks) if S > 1 else out_i
         router_kernel[(blocks, S)](
             x.contiguous(), scale, weight.contiguous(), per_expert_scale, out_w, out_i, parts, count, T, H, E, KS,
             float(H ** -0.5), float(eps), BLOCK_T, block_e, BLOCK_K, top_k, triton.next_power_of_2(top_k),
