@@ -144,14 +144,13 @@ def split_choices(cands: list[dict], M: int, N: int, K: int, device: torch.devic
     there, 264 programs in two full waves of a third of the work each), then the candidate unsplit, so the tuner
     on the GPU keeps whichever runs faster; elsewhere unsplit. The split costs the partial sums' float32 traffic
     (written by every program, read by the last: L2-resident at these sizes, counted as DRAM by the static report)."""
-    out = []
+    out, sms = [], sm_count(device)
     for c in cands:
         steps = triton.cdiv(K, c["BLOCK_K"])
         if splits is not None:
             out.append(dict(c, SPLITS=min(splits, steps)))
             continue
         tiles = triton.cdiv(N, c["BLOCK_N"]) * triton.cdiv(M, c["BLOCK_M"])
-        sms = sm_count(device)
         S = fewest_waves(device, tiles, [s for s in (1, 2, 3, 4) if s <= steps]) if sms and tiles < sms else 1
         out += [dict(c, SPLITS=S)] if S > 1 else []
         out.append(dict(c, SPLITS=1))

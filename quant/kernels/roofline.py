@@ -151,9 +151,13 @@ def _routed(a: dict) -> int:
     return int((a["ids_ptr"] >= 0).sum())
 
 
-def _tile_mma(tiles: int, k: str) -> Callable[[dict], int]:
-    """A CTA computing `tiles` BLOCK_M x BLOCK_N tiles over K rounded up to BLOCK_K."""
-    return lambda a: 2 * tiles * a["BLOCK_M"] * a["BLOCK_N"] * _cdiv(a[k], a["BLOCK_K"]) * a["BLOCK_K"]
+def _tile_mma(tiles: int, k: str | Callable[[dict], int]) -> Callable[[dict], int]:
+    """A CTA computing `tiles` BLOCK_M x BLOCK_N tiles over its depth (argument k, or k(args)) rounded up to
+    BLOCK_K."""
+    def mma(a: dict) -> int:
+        depth = k(a) if callable(k) else a[k]
+        return 2 * tiles * a["BLOCK_M"] * a["BLOCK_N"] * _cdiv(depth, a["BLOCK_K"]) * a["BLOCK_K"]
+    return mma
 
 
 def _lora_rank(a: dict) -> int:
@@ -206,9 +210,8 @@ KERNELS = {
                                                    "tu_ptr": int(bool(a.get("LORA")) and a["GATED"]),
                                                    "lbu_ptr": int(bool(a.get("LORA")) and a["GATED"]),
                                                    **_segment_passes(a)},
-                                 mma=lambda a: (2 if a["GATED"] else 1) * (
-                                     2 * a["BLOCK_M"] * a["BLOCK_N"] * _cdiv(_k_per_cta(a), a["BLOCK_K"])
-                                     * a["BLOCK_K"] + _lora_epilogue(a, 1)),
+                                 mma=lambda a: (2 if a["GATED"] else 1) * (_tile_mma(1, _k_per_cta)(a)
+                                                                           + _lora_epilogue(a, 1)),
                                  useful=lambda a: (2 if a["GATED"] else 1) * 2 * a["M"] * _segment_widths(a)
                                  * (a["K"] + _lora_rank(a)), scratch=frozenset({"part_ptr", "count_ptr"})),
     # a linear's LoRA rank product (lora.py): for k0 in range(0, K, BLOCK_K), one CTA per BLOCK_M rows
