@@ -466,9 +466,10 @@ class Job:
 
     @property
     def config(self) -> str:
-        """Constexprs (true flags by name, false ones left out), the compute dtype (a 16-bit pointer's, else the
-        first pointer's type), warps and stages."""
-        parts = [k if v is True else f"{k}={v}" for k, v in self.named_constexprs.items() if v is not False]
+        """Constexprs (true flags by name; false ones and pointers passed as None, e.g. an unsplit launch's scratch,
+        left out), the compute dtype (a 16-bit pointer's, else the first pointer's type), warps and stages."""
+        parts = [k if v is True else f"{k}={v}" for k, v in self.named_constexprs.items()
+                 if v is not False and v is not None]
         ptrs = [str(t)[1:] for t in self.signature.values() if str(t).startswith("*")]
         dtype = next((t for t in ptrs if t in ("bf16", "fp16")), ptrs[0] if ptrs else "")
         return " ".join(parts + [dtype, f"w{self.options['num_warps']} s{self.options['num_stages']}"])
