@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
@@ -33,31 +34,28 @@ BLOCK_K = 128
 
 
 @triton.jit
-def tokens_as_m(x_ptr, w_ptr, s_ptr, out_ptr, n_tok, H, NT: tl.constexpr, ROWS: tl.constexpr,
-                BLOCK_K: tl.constexpr):
+def expert_tile(x_ptr, w_ptr, s_ptr, out_ptr, n_tok, H, NT: tl.constexpr, ROWS: tl.constexpr,
+                BLOCK_K: tl.constexpr, TOKENS_AS_N: tl.constexpr):
+    """One loop over H: decode a ROWS x BLOCK_K weight tile, multiply it with NT tokens, the tokens as the product's
+    M (acc [NT, ROWS], the MoE kernels' order) or, TOKENS_AS_N, as its N (acc [ROWS, NT], swap-AB)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     t = tl.arange(0, NT)
-    acc = tl.zeros((NT, ROWS), dtype=tl.float32)
+    if TOKENS_AS_N:
+        acc = tl.zeros((ROWS, NT), dtype=tl.float32)
+    else:
+        acc = tl.zeros((NT, ROWS), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         w = load_nvfp4_tile(w_ptr, s_ptr, rows.to(tl.int64), k0, H, 0, ROWS, BLOCK_K, False, False, False)
         x = tl.load(x_ptr + t[:, None] * H + rk[None, :], mask=(t < n_tok)[:, None], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
-    tl.store(out_ptr + t[:, None] * ROWS + rows[None, :], acc)
-
-
-@triton.jit
-def tokens_as_n(x_ptr, w_ptr, s_ptr, out_ptr, n_tok, H, NT: tl.constexpr, ROWS: tl.constexpr,
-                BLOCK_K: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    t = tl.arange(0, NT)
-    acc = tl.zeros((ROWS, NT), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        w = load_nvfp4_tile(w_ptr, s_ptr, rows.to(tl.int64), k0, H, 0, ROWS, BLOCK_K, False, False, False)
-        x = tl.load(x_ptr + t[:, None] * H + rk[None, :], mask=(t < n_tok)[:, None], other=0.0)
-        acc = tl.dot(w, tl.trans(x), acc)
-    tl.store(out_ptr + rows[:, None] * NT + t[None, :], acc)
+        if TOKENS_AS_N:
+            acc = tl.dot(w, tl.trans(x), acc)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    if TOKENS_AS_N:
+        tl.store(out_ptr + rows[:, None] * NT + t[None, :], acc)
+    else:
+        tl.store(out_ptr + t[:, None] * ROWS + rows[None, :], acc)
 
 
 @triton.jit
@@ -86,22 +84,24 @@ def tokens_as_n_4x16(x_ptr, w_ptr, s_ptr, out_ptr, n_tok, H, NT: tl.constexpr, R
     tl.store(at + 3 * NT, acc3)
 
 
-def loop_count(fn, tokens: int, rows: int, warps: int) -> tuple[int, list[str]]:
+def loop_count(fn, tokens: int, rows: int, warps: int, **flags) -> tuple[int, list[str]]:
     """(warp-instructions of the kernel's one loop an iteration, its tensor-core instructions) on sm_90, specialised
-    as a launch at the real shapes would be (aot.specialise: 16-byte aligned pointers, H = 2816 divisible by 16)."""
+    as a launch at the real shapes would be (aot.specialise: 16-byte aligned pointers, H = 2816 divisible by 16).
+    flags: the kernel's own constexprs by name."""
     import torch
 
     meta = dict(device="meta")
     args = (torch.empty(tokens * 4 * 2816, dtype=torch.bfloat16, **meta), torch.empty(16, dtype=torch.int32, **meta),
             torch.empty(16, dtype=torch.uint8, **meta), torch.empty(16, dtype=torch.float32, **meta), 50, 2816,
             tokens, rows, BLOCK_K)
-    job = aot.specialise(aot.Launch(fn=fn, args=args, kwargs=dict(num_warps=warps, num_stages=3), grid=(1,)), 90)
+    job = aot.specialise(aot.Launch(fn=fn, args=args, kwargs=dict(flags, num_warps=warps, num_stages=3),
+                                    grid=(1,)), 90)
     k = triton.compile(ASTSource(job.fn, job.signature, job.constexprs, job.attrs), target=GPUTarget("cuda", 90, 32),
                        options=job.options)
-    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"swap_ab_{fn.__name__}_{tokens}_{rows}_{warps}.cubin"
-    out.write_bytes(k.asm["cubin"])
-    instrs = aot.parse_sass(aot._run(aot.tool_dir() / "cuobjdump", "-sass", str(out)))
-    out.unlink()
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(k.asm["cubin"])
+        instrs = aot.parse_sass(aot._run(aot.tool_dir() / "cuobjdump", "-sass", str(cubin)))
     loops = aot.find_loops(instrs)
     if len(loops) != 1:
         raise SystemExit(f"{fn.__name__}: expected one loop in the SASS, found {len(loops)}")
@@ -114,15 +114,15 @@ def main() -> int:
         return 1
     print("| variant | tokens | weight rows | warps | loop instructions | per weight | tensor-core instruction |")
     print("|---|---:|---:|---:|---:|---:|---|")
-    for name, fn, tokens, rows, warps in (
-            ("tokens as M (the MoE kernels' order)", tokens_as_m, 64, 128, 4),
-            ("tokens as N", tokens_as_n, 64, 128, 4),
-            ("tokens as N", tokens_as_n, 64, 128, 8),
-            ("tokens as N", tokens_as_n, 16, 128, 4),
-            ("tokens as N", tokens_as_n, 16, 64, 4),
-            ("tokens as N, 4 x 16 if", tokens_as_n_4x16, 16, 128, 4),
-            ("tokens as N, 4 x 16 if", tokens_as_n_4x16, 16, 64, 4)):
-        n, tc = loop_count(fn, tokens, rows, warps)
+    for name, fn, tokens, rows, warps, flags in (
+            ("tokens as M (the MoE kernels' order)", expert_tile, 64, 128, 4, dict(TOKENS_AS_N=False)),
+            ("tokens as N", expert_tile, 64, 128, 4, dict(TOKENS_AS_N=True)),
+            ("tokens as N", expert_tile, 64, 128, 8, dict(TOKENS_AS_N=True)),
+            ("tokens as N", expert_tile, 16, 128, 4, dict(TOKENS_AS_N=True)),
+            ("tokens as N", expert_tile, 16, 64, 4, dict(TOKENS_AS_N=True)),
+            ("tokens as N, 4 x 16 if", tokens_as_n_4x16, 16, 128, 4, {}),
+            ("tokens as N, 4 x 16 if", tokens_as_n_4x16, 16, 64, 4, {})):
+        n, tc = loop_count(fn, tokens, rows, warps, **flags)
         shown = f"{tokens} (4 x 16)" if fn is tokens_as_n_4x16 else str(tokens)
         print(f"| {name} | {shown} | {rows} | {warps} | {n} | {n * warps / (rows * BLOCK_K):.3f} | "
               f"{', '.join(tc)} |")
