@@ -233,6 +233,27 @@ def test_run_refuses_bad_structures_in_one_line(args, message, capsys):
     assert "Traceback" not in err
 
 
+def test_a_regex_that_matches_no_text_is_said_so_not_blamed_on_the_vocabulary(capsys):
+    from cli_helpers import run_main
+
+    code = run_main(["run", "-q", "--device", "cpu", "--regex", r"[^\s\S]", "upper: hello diffusions"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "matches no text" in err and "encoding" not in err and "vocabulary" not in err, err
+
+
+def test_a_gbnf_error_names_the_users_line_and_the_whole_error(tmp_path, capsys):
+    from cli_helpers import run_main
+
+    grammar = tmp_path / "g.gbnf"
+    grammar.write_text('# letters\nroot ::= "x" | b\nb ::= [Z-A]\n')
+    code = run_main(["run", "-q", "--device", "cpu", "--grammar", str(grammar), "upper: hello diffusions"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "line 3" in err and "[Z-A]" in err, err  # the user's line, not the converted grammar's
+    assert "the start must be <= the end" in err, err  # the error itself, not only its first line
+
+
 # ------------------------------------------------------------------------------------------------ dgemma serve
 
 

@@ -631,12 +631,45 @@ def lark_grammar(source: str) -> str:
     grammar = llguidance.LLMatcher.grammar_from_lark(text)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
-        raise UsageError(f"the grammar cannot be compiled: {(messages or ['unknown error'])[0].splitlines()[0][:300]}")
+        raise UsageError(f"the grammar cannot be compiled: {_grammar_error((messages or [''])[0], source, text)}")
     return grammar
 
 
 def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
+def _grammar_error(message: str, source: str, text: str) -> str:
+    """llguidance's error on `text` (lark_text of `source`) in one line: its first line with the regex parser's own
+    `error:` lines (the excerpts it quotes left out), at the line of `source` it is about (a GBNF grammar's: the
+    converted text has other lines)."""
+    lines = message.strip().splitlines() or ["unknown error"]
+    head = lines[0].rstrip(":")
+    head += "".join(f": {line[len('error: '):]}" for line in lines[1:] if line.startswith("error: "))
+    m = re.match(r"at (\d+)\(\d+\): ", head)
+    if m:
+        quoted = re.search(r'"([^"]+)"', head)
+        line = _source_line(int(m[1]), source, text, quoted[1] if quoted else None)
+        head = f"line {line}: {head[m.end():]}"
+    return head[:500]
+
+
+def _source_line(line: int, source: str, text: str, piece: str | None = None) -> int:
+    """The line of `source` that line `line` of `text` (lark_text of it) comes from: the same in Lark; in GBNF the
+    line of the rule it is in (rule names converted as gbnf_to_lark converts them), or the line of that rule that
+    holds `piece` (the quoted text that failed), where one does."""
+    if text == source:
+        return line
+    converted, rows = text.splitlines(), source.splitlines()
+    name = next((m[1] for k in range(min(line, len(converted)) - 1, -1, -1)
+                 if (m := re.match(r"([A-Za-z_][A-Za-z0-9_]*)\s*:", converted[k]))), None)
+    rules = [(k, m[1]) for k, row in enumerate(rows) if (m := re.match(r"\s*([A-Za-z0-9_-]+)\s*::=", row))]
+    for i, (k, rule) in enumerate(rules):
+        lark_name = "start" if rule == "root" else re.sub(r"([a-z])([A-Z])", r"\1_\2", rule.replace("-", "_"))
+        if name is not None and lark_name.lower() == name.lower():
+            end = rules[i + 1][0] if i + 1 < len(rules) else len(rows)
+            return next((j + 1 for j in range(k, end) if piece and piece in rows[j]), k + 1)
+    return line
 
 
 _LARK_TOKEN = re.compile(r"""
@@ -916,6 +949,9 @@ def regex_tables(regex: str, vocabulary, vocab_size: int, big_group: int = BIG_G
     try:
         index = Index(regex, vocabulary)
     except Exception as e:  # ValueError: an expression this vocabulary cannot spell, or one it cannot compile
+        if "following characters: []." in str(e):  # a state no character leads on from: no text, not the vocabulary
+            raise UsageError("the constraint cannot be compiled: the expression, or a branch of it, matches no text "
+                             "(as a character class with no character in it does: [^\\s\\S])") from None
         raise UsageError(f"the constraint cannot be compiled for this model's vocabulary: {_first_line(e)}") from None
     transitions = index.get_transitions()
     if sum(len(edges) for edges in transitions.values()) > MAX_EDGES:
