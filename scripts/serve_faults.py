@@ -213,6 +213,80 @@ def vanishing_client(url: str, body: bytes) -> None:
     sock.close()
 
 
+# ----------------------------------------------------------------------------- a flood of large bodies
+
+
+def flat_array_body(path: str, size: int = 20 << 20) -> bytes:
+    """A body of `size` bytes that is mostly one flat array of numbers (millions of values, two brackets): for
+    /v1/chat/completions an unknown field the server ignores, for Ollama's /api/generate its `context`."""
+    if path.startswith("/api/"):
+        head = b'{"model": "demo", "prompt": "upper: x", "stream": false, "context": ['
+    else:
+        head = b'{"model": "demo", "messages": [{"role": "user", "content": "upper: x"}], "junk": ['
+    n = (size - len(head) - 2) // 4
+    return head + b",".join([b"1e9"] * n) + b"]}"
+
+
+def vm_hwm_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmHWM")
+
+
+def flood(url: str, pid: int, path: str, clients: int = 8, body: bytes | None = None) -> dict:
+    """`clients` connections POST the same large body (flat_array_body) to `path` at once, while /health is polled
+    and a plain chat of 16 tokens is sent a moment after them. Returns the figures: each flood request's status and
+    seconds, the plain chat's seconds and answer, the slowest /health, the server's resident memory before, its
+    peak during (VmHWM, reset first) and after."""
+    body = flat_array_body(path) if body is None else body
+    case = Case("flood", body, 400, "", dict(JSON), "POST", path)
+    sock, host = connect(url)
+    normal(sock, host)  # warm
+    time.sleep(0.5)
+    before = rss_kb(pid)
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM starts again from now
+    results: list = [None] * clients
+
+    def one(i: int) -> None:
+        s, h = connect(url)
+        t = time.perf_counter()
+        try:
+            status, answer = request(s, h, case)
+            results[i] = (status, time.perf_counter() - t, answer)
+        finally:
+            s.close()
+
+    with HealthWatch(url) as watch:
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(clients)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)  # the flood's bodies are on their way
+        plain = Case("plain", json.dumps({**NORMAL, "max_tokens": 16}).encode(), 200, "")
+        t0 = time.perf_counter()
+        status, answer = request(sock, host, plain)
+        plain_s = time.perf_counter() - t0
+        for t in threads:
+            t.join(120)
+    peak = vm_hwm_kb(pid)
+    time.sleep(1.0)
+    after = rss_kb(pid)
+    sock.close()
+    return {"path": path, "statuses": [r[0] if r else None for r in results],
+            "answers": [r[2] if r else None for r in results],
+            "slowest_flood_s": max((r[1] for r in results if r), default=None), "plain_s": plain_s,
+            "plain_status": status, "plain_answer": answer["choices"][0]["message"]["content"] if status == 200
+            else answer, "slowest_health_s": watch.slowest, "rss_before_kb": before, "peak_kb": peak,
+            "rss_after_kb": after}
+
+
+def report_flood(out: dict) -> str:
+    return (f"{out['path']}: {len(out['statuses'])} x {out['statuses'][0]}, slowest {out['slowest_flood_s']:.2f} s; "
+            f"plain chat {out['plain_s']:.2f} s ({out['plain_status']}); slowest /health "
+            f"{out['slowest_health_s'] * 1000:.0f} ms; server RSS {out['rss_before_kb'] / 1024:.0f} MB before, peak "
+            f"{out['peak_kb'] / 1024:.0f} MB, {out['rss_after_kb'] / 1024:.0f} MB after")
+
+
 # ----------------------------------------------------------------------------- the soak
 
 
@@ -267,12 +341,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--flood", action="store_true", help="instead of the soak: 8 clients each POST a 20 MiB flat "
+                    "array at once, to /v1/chat/completions then to /api/generate (its context), with /health and a "
+                    "plain chat timed meanwhile")
     args = ap.parse_args()
     import tempfile
 
     with tempfile.TemporaryDirectory() as home:
         proc, url = start_server(Path(home))
         try:
+            if args.flood:
+                for path in ("/v1/chat/completions", "/api/generate"):
+                    print(report_flood(flood(url, proc.pid, path)), flush=True)
+                return 0
             out = soak(url, proc.pid, args.requests, args.seed)
         finally:
             proc.send_signal(signal.SIGTERM)

@@ -552,6 +552,40 @@ def test_a_body_of_many_objects_is_parsed_in_the_helper_not_the_server(server):
     sock.close()
 
 
+def test_a_flood_of_flat_arrays_is_refused_unparsed_and_stalls_nobody(server):
+    """8 clients each POST a 20 MiB body of one flat array of five million numbers at once (an ignored field of a
+    chat; Ollama's `context`). Parsed in the server, they took it from 540 MB to a 4 GB peak and held /health and a
+    plain chat for seconds, and the chats were answered (200). Now each is counted in the helper, unparsed, and
+    refused; the server's memory goes back to where it was. Bounds loose for a loaded machine (BENCHMARKS.md's
+    hostile-input section has the figures: `scripts/serve_faults.py --flood`)."""
+    from dgemma_cli.server.body import MAX_VALUES
+
+    for path in ("/v1/chat/completions", "/api/generate"):
+        out = F.flood(server.url, server.proc.pid, path)
+        assert out["statuses"] == [400] * 8, F.report_flood(out)
+        for answer in out["answers"]:
+            message = answer["error"] if path.startswith("/api/") else answer["error"]["message"]
+            assert message == f"the body holds more than {MAX_VALUES} JSON values", answer
+        assert out["plain_status"] == 200 and out["plain_answer"] == F.NORMAL_ANSWER, out
+        assert out["plain_s"] < 1.5 and out["slowest_health_s"] < 1.0, F.report_flood(out)
+        assert out["peak_kb"] - out["rss_before_kb"] < 600_000, F.report_flood(out)  # 8 x 20 MiB read, a few copies
+        assert out["rss_after_kb"] - out["rss_before_kb"] < 60_000, F.report_flood(out)
+
+
+def test_a_body_of_as_many_values_as_the_limit_is_parsed(server):
+    """The bound is on values, not on size or commas: a context of MAX_VALUES - 1000 token ids (more commas than
+    are parsed without counting) is read and checked as a context (too long for the demo model's), and a chat
+    whose strings hold a million commas is answered."""
+    from dgemma_cli.server.body import MAX_COMMAS_HERE, MAX_VALUES
+
+    ids = [1] * (MAX_VALUES - 1000)
+    assert len(ids) > MAX_COMMAS_HERE
+    r = server.http.post("/api/generate", json={"model": "demo", "prompt": "x", "stream": False, "context": ids})
+    assert r.status_code == 400 and r.json()["error"].startswith(f"context holds {len(ids)} tokens"), r.text
+    r = server.http.post("/v1/chat/completions", json={**F.NORMAL, "x": "," * 1_000_000})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == F.NORMAL_ANSWER, r.text
+
+
 def test_a_role_that_is_a_list_or_an_object_is_a_400_not_a_500(server):
     """A message's role checked against the role names by a dict lookup raised TypeError (unhashable) for a list or
     an object: a 500 on /v1/chat/completions and on /api/chat. Now one 400 each, in the route's own shape."""

@@ -5,25 +5,58 @@ Checked: at most MAX_DEPTH levels of nesting, at most MAX_CONTAINERS objects and
 +-MAX_INT, and strings (keys too) that are Unicode text (a lone surrogate such as "\\ud800" is legal JSON but no
 text: it cannot be encoded, tokenized or echoed).
 
-Why a second process: json.loads holds the GIL from start to end, and a 10 MB body of 300,000 tiny objects takes
-it for 150 ms, during which the server's event loop answers nobody. A body that may hold that many objects (more
-opening brackets than MAX_BRACKETS_HERE, counted in a few milliseconds, strings included) is first parsed and
-checked in a helper process; only one that passes is parsed here, and it holds at most MAX_CONTAINERS objects.
-Every request a client really sends stays below the count and is parsed here directly.
+What a body may cost is bounded before it is parsed. json.loads holds the GIL from start to end and builds every
+value on the server's heap: a 20 MiB body of five million numbers in one flat array takes half a second and some
+400 MB, during which the event loop answers nobody. So a body is counted first: its commas and opening brackets
+(strings included) are counted while it streams in (`Counts`, bytes.count on each chunk: memchr speed), and a body
+with more than MAX_COMMAS_HERE commas or MAX_BRACKETS_HERE brackets, which may hold that many values, is counted
+exactly in a helper process: its strings blanked by one regular expression (C speed, no Python objects), then its
+values bounded by its commas and brackets outside strings. Past MAX_VALUES values or MAX_CONTAINERS objects and
+arrays it is refused there, unparsed; otherwise it is parsed here, at a cost that the bounds hold to tens of
+milliseconds. Every request a client really sends stays below the first count and is parsed here directly.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 import threading
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from typing import Any
 
 MAX_DEPTH = 64  # the API's deepest JSON (a tool's parameters schema) is far shallower
 MAX_INT = 2**64  # a JSON integer's magnitude; seeds go up to 2**64 - 1
 MAX_INT_DIGITS = len(str(MAX_INT))
 MAX_CONTAINERS = 50_000  # objects and arrays in one body: 4096 messages of several content parts each, and tools
+MAX_VALUES = 320_000  # values (numbers, strings, literals, objects, arrays) in one body: an Ollama `context` of
+# the real model's 262,144 token ids, with room for the rest of its request
 MAX_BRACKETS_HERE = 20_000  # '{' and '[' bytes (in strings too) up to which a body is parsed in this process
+MAX_COMMAS_HERE = 100_000  # ',' bytes (in strings too) up to which a body is parsed in this process
+
+
+@dataclass
+class Counts:
+    """A body's commas and opening brackets, strings included, counted chunk by chunk as it arrives."""
+
+    commas: int = 0
+    brackets: int = 0
+
+    def add(self, chunk: bytes) -> None:
+        self.commas += chunk.count(b",")
+        self.brackets += chunk.count(b"{") + chunk.count(b"[")
+
+    @classmethod
+    def of(cls, data: bytes) -> Counts:
+        counts = cls()
+        counts.add(data)
+        return counts
+
+    @property
+    def needs_helper(self) -> bool:
+        """Whether the body may hold more values than are parsed here without counting them exactly first."""
+        return self.commas > MAX_COMMAS_HERE or self.brackets > MAX_BRACKETS_HERE
 
 
 class BodyError(Exception):
@@ -34,19 +67,47 @@ class BodyError(Exception):
         self.status, self.message, self.code = status, message, code
 
 
-def parse(data: bytes) -> Any:
-    """The body's JSON value, checked; BodyError if it is not acceptable. Parsed in a helper process first when it
-    may hold many objects (see the module's docstring)."""
-    if data.count(b"{") + data.count(b"[") > MAX_BRACKETS_HERE:
-        try:
-            verdict = _helper().submit(check_elsewhere, data).result()
-        except BrokenProcessPool:  # the helper died on this body (its memory, say): a new one for the next
-            _drop_helper()
-            raise BodyError(400, "the body's JSON could not be parsed within this server's limits",
-                            "invalid_json") from None
+def parse(data: bytes, counts: Counts | None = None) -> Any:
+    """The body's JSON value, checked; BodyError if it is not acceptable. A body that may hold many values is
+    counted exactly in the helper process first (the module's docstring). Blocks while the helper counts: the
+    server's handlers use `parse_async`."""
+    counts = Counts.of(data) if counts is None else counts
+    if counts.needs_helper:
+        _raise_verdict(lambda: _helper().submit(count_elsewhere, data).result())
+    return parse_here(data)
+
+
+async def parse_async(data: bytes, counts: Counts) -> Any:
+    """`parse` for the event loop: the helper's count awaited (no thread waits on it), then the parse in a thread of
+    this module's own (a flood of large bodies does not take the threads that other requests' work runs on)."""
+    if counts.needs_helper:
+        future = _helper().submit(count_elsewhere, data)
+        verdict = await _awaited_verdict(asyncio.wrap_future(future))
         if verdict is not None:
             raise BodyError(*verdict)
-    return parse_here(data)
+    return await asyncio.get_running_loop().run_in_executor(_parse_threads(), parse_here, data)
+
+
+async def _awaited_verdict(future):
+    try:
+        return await future
+    except BrokenProcessPool:  # the helper died on this body (its memory, say): a new one for the next
+        _drop_helper()
+        raise _unparsed() from None
+
+
+def _raise_verdict(ask) -> None:
+    try:
+        verdict = ask()
+    except BrokenProcessPool:
+        _drop_helper()
+        raise _unparsed() from None
+    if verdict is not None:
+        raise BodyError(*verdict)
+
+
+def _unparsed() -> BodyError:
+    return BodyError(400, "the body's JSON could not be parsed within this server's limits", "invalid_json")
 
 
 def parse_here(data: bytes) -> Any:
@@ -105,17 +166,55 @@ def _check_text(text: str) -> None:
                         "invalid_json") from None
 
 
-def check_elsewhere(data: bytes) -> tuple[int, str, str] | None:
-    """In the helper process: None if the body passes, else (status, message, code)."""
-    try:
-        parse_here(data)
-    except BodyError as e:
-        return e.status, e.message, e.code
+# a JSON string: quote, then runs of ordinary bytes and escapes (written unrolled: no backtracking, C speed)
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+
+
+def count_elsewhere(data: bytes) -> tuple[int, str, str] | None:
+    """In the helper process: None if the body holds at most MAX_CONTAINERS objects and arrays and MAX_VALUES values,
+    else (status, message, code). Its strings are blanked first, so what is counted is the JSON's own syntax; every
+    value but the first of a container follows a comma, so values <= commas + 2 x containers + 1 (for valid JSON;
+    an invalid body stops json.loads at its first fault, within what was counted)."""
+    bare = _STRING.sub(b'""', data)
+    containers = bare.count(b"{") + bare.count(b"[")
+    if containers > MAX_CONTAINERS:
+        return 400, f"the body holds more than {MAX_CONTAINERS} JSON objects and arrays", "invalid_json"
+    if bare.count(b",") + 2 * containers + 1 > MAX_VALUES:
+        return 400, f"the body holds more than {MAX_VALUES} JSON values", "invalid_json"
     return None
 
 
+def trim_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim), so that the megabytes a large body
+    passed through do not stay in the server's resident memory (glibc raises its mmap threshold after the first
+    large free, and keeps what later ones leave on its heap). Elsewhere: nothing."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
 _pool = None
+_threads = None
 _pool_lock = threading.Lock()
+
+
+def _parse_threads():
+    """Two threads that parse bodies (json.loads holds the GIL, so more would not parse faster)."""
+    global _threads
+    with _pool_lock:
+        if _threads is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _threads = ThreadPoolExecutor(2, "dgemma-body")
+        return _threads
 
 
 def _helper():

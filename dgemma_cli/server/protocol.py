@@ -12,10 +12,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from .batching import Ticket
-from .body import BodyError
-from .body import parse as parse_body
+from .body import BodyError, Counts, trim_heap
+from .body import parse_async as parse_body
 
 MAX_BODY = 20 << 20  # bytes of one request body: room for a few photos as base64 data: URLs
+TRIM_AFTER = 1 << 20  # bytes of a body after which the heap's free memory is handed back to the system
 MAX_STOP = 8  # stop strings per request
 MAX_STOP_CHARS = 256
 MAX_STEPS = 1024  # the `steps` extra field's ceiling
@@ -46,21 +47,27 @@ async def read_json(request: Request) -> dict:
     size = request.headers.get("content-length", "")
     if size.isdigit() and int(size) > MAX_BODY:
         raise ApiError(413, f"request body over {MAX_BODY} bytes", code="request_too_large")
-    chunks, total = [], 0
+    chunks, total, counts = [], 0, Counts()
     try:
         async for chunk in request.stream():
             total += len(chunk)
             if total > MAX_BODY:
                 raise ApiError(413, f"request body over {MAX_BODY} bytes", code="request_too_large")
+            counts.add(chunk)  # what the body may cost to parse, known before it is parsed (body.py)
             chunks.append(chunk)
     except ClientDisconnect:
         raise ApiError(400, "the client disconnected while sending the body", code="client_disconnected") from None
-    # Parsed in a worker thread (20 MiB of JSON takes a while, and the event loop answers other clients meanwhile),
-    # and checked (body.py).
+    # Counted exactly in a helper process when it may hold many values, parsed in a thread of body.py's own, checked.
+    data = b"".join(chunks)
+    del chunks
     try:
-        body = await asyncio.to_thread(parse_body, b"".join(chunks))
+        body = await parse_body(data, counts)
     except BodyError as e:
         raise ApiError(e.status, e.message, code=e.code) from None
+    finally:
+        del data
+        if total > TRIM_AFTER:
+            trim_heap()
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
     return body
