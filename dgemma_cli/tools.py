@@ -68,7 +68,7 @@ def check_tools(tools: Any) -> list[dict]:
         fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not NAME.fullmatch(fn["name"]):
             raise UsageError(f"tools[{k}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': "
-                             "...}}}} with a name of letters, digits, _ . - (at most 64)")
+                             "...}} with a name of letters, digits, _ . - (at most 64)")
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise UsageError(f"tools[{k}].function.parameters must be a JSON schema object")

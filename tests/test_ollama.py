@@ -482,3 +482,55 @@ def test_a_malformed_call_in_the_history_is_a_400_not_a_500(server):
             {"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]})
         assert r.status_code == 400 and set(r.json()) == {"error"}, (call, r.text)
         assert "messages[1].tool_calls" in r.json()["error"]
+
+
+def test_num_predict_errors_name_num_predict(server):
+    """An answer that cannot fit the context is refused naming Ollama's field, num_predict, not /v1's max_tokens."""
+    for path, body in (("/api/chat", {"messages": [{"role": "user", "content": PROMPT}]}),
+                       ("/api/generate", {"prompt": PROMPT}), ("/api/generate", {"prompt": PROMPT, "raw": True})):
+        r = server.http.post(path, json={"model": "demo", "stream": False, **body,
+                                         "options": {"num_predict": 10**6}})
+        assert r.status_code == 400 and set(r.json()) == {"error"}, (path, r.text)
+        assert "num_predict" in r.json()["error"] and "max_tokens" not in r.json()["error"], (path, r.text)
+
+
+def test_tool_call_arguments_as_json_text_are_read(server):
+    """messages[].tool_calls[].function.arguments: an object (Ollama's shape) or its JSON text (as OpenAI's clients
+    send it) are the same call; anything else is a 400 naming the field."""
+    def history(arguments):
+        return {"model": "demo", "stream": False, "options": {"seed": 1, "num_predict": 8}, "messages": [
+            {"role": "user", "content": PROMPT},
+            {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": arguments}}]},
+            {"role": "tool", "tool_name": "f", "content": "done"}]}
+
+    as_object = server.http.post("/api/chat", json=history({"a": 1}))
+    as_text = server.http.post("/api/chat", json=history('{"a": 1}'))
+    assert as_object.status_code == as_text.status_code == 200, (as_object.text, as_text.text)
+    assert as_text.json()["prompt_eval_count"] == as_object.json()["prompt_eval_count"]
+    assert as_text.json()["message"] == as_object.json()["message"]
+    for arguments in ("[1]", '"a"', "{not json", 5, [1], True):
+        r = server.http.post("/api/chat", json=history(arguments))
+        assert r.status_code == 400 and set(r.json()) == {"error"}, (arguments, r.text)
+        assert "messages[1].tool_calls[0].function.arguments" in r.json()["error"], (arguments, r.text)
+
+
+def test_think_raw_and_keep_alive_are_typed_as_stream_is(server):
+    """One rule for Ollama's typed fields: a wrong type is a 400 naming the field, as `stream` is. think: a boolean
+    or "high" / "medium" / "low"; raw: a boolean; keep_alive: a number (seconds) or a duration ("5m", "1h30m")."""
+    chat = ("/api/chat", {"model": "demo", "messages": [{"role": "user", "content": PROMPT}], "stream": False,
+                          "options": {"num_predict": 4}})
+    generate = ("/api/generate", {"model": "demo", "prompt": PROMPT, "stream": False, "options": {"num_predict": 4}})
+    load = ("/api/chat", {"model": "demo"})
+    bad = [(chat, "think", "yes"), (generate, "think", 1), (chat, "think", []), (generate, "raw", "yes"),
+           (generate, "raw", 1), (chat, "keep_alive", [0]), (generate, "keep_alive", {}), (chat, "keep_alive", True),
+           (load, "keep_alive", [0]), (load, "keep_alive", "soon"), (generate, "keep_alive", "5")]
+    for (path, body), key, value in bad:
+        r = server.http.post(path, json={**body, key: value})
+        assert r.status_code == 400 and set(r.json()) == {"error"}, (path, key, value, r.text)
+        assert r.json()["error"].startswith(f"{key} must be"), (path, key, value, r.text)
+    good = [(chat, "think", "high"), (generate, "think", False), (generate, "raw", False), (chat, "think", None),
+            (chat, "keep_alive", "5m"), (generate, "keep_alive", -1), (chat, "keep_alive", 300.5),
+            (generate, "keep_alive", "1h30m"), (load, "keep_alive", "0"), (load, "keep_alive", None)]
+    for (path, body), key, value in good:
+        r = server.http.post(path, json={**body, key: value})
+        assert r.status_code == 200, (path, key, value, r.text)

@@ -206,3 +206,68 @@ def test_reasoning_and_a_failure_midway_as_events():
     failed = run([delta(content="Hi"), {"error": {"message": "generation failed", "code": "generation_failed"}}])
     assert [e["type"] for e in failed][-2:] == ["error", "response.failed"]
     assert failed[-1]["response"]["status"] == "failed"
+
+
+def test_an_incomplete_answer_says_so_in_its_message_item(server):
+    """Cut short by max_output_tokens: the response is "incomplete" and so is its message item (streamed or not), as
+    OpenAI's API says it; the text written so far is still the item's."""
+    http = httpx.Client(base_url=server.url, timeout=60)
+    body = {"model": "demo", "input": PROMPT, "max_output_tokens": 4, "seed": 0}
+    r = http.post("/v1/responses", json=body).json()
+    assert (r["status"], r["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"}), r
+    [item] = r["output"]
+    assert (item["type"], item["status"]) == ("message", "incomplete"), item
+    assert item["content"][0]["text"] and item["content"][0]["type"] == "output_text"
+    events = list(server.client().responses.create(model="demo", input=PROMPT, max_output_tokens=4, stream=True,
+                                                   extra_body={"seed": 0}))
+    assert events[-1].type == "response.incomplete"
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(i.type, i.status) for i in done] == [("message", "incomplete")]
+    assert [(o.type, o.status) for o in events[-1].response.output] == [("message", "incomplete")]
+    assert done[0].content[0].text == item["content"][0]["text"]
+    # a whole answer's item is completed
+    r = http.post("/v1/responses", json={**body, "max_output_tokens": 64}).json()
+    assert (r["status"], r["output"][0]["status"]) == ("completed", "completed")
+
+
+def test_parallel_tool_calls_is_echoed_as_the_boolean_in_effect(server):
+    http = httpx.Client(base_url=server.url, timeout=60)
+    body = {"model": "demo", "input": PROMPT, "max_output_tokens": 8, "seed": 0}
+    for sent, echoed in ((None, True), (True, True), (False, False)):
+        r = http.post("/v1/responses", json={**body, "parallel_tool_calls": sent})
+        assert r.status_code == 200 and r.json()["parallel_tool_calls"] is echoed, (sent, r.text)
+    assert http.post("/v1/responses", json=body).json()["parallel_tool_calls"] is True
+    r = http.post("/v1/responses", json={**body, "parallel_tool_calls": "yes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "parallel_tool_calls", r.text
+
+
+def test_errors_name_the_responses_own_fields(server):
+    """What the chat path refuses is named as the Responses request names it: an input item's `arguments` (not a
+    chat message's tool_calls[].function.arguments), a flat function tool (not chat's nested shape)."""
+    http = httpx.Client(base_url=server.url, timeout=60)
+    call = {"type": "function_call", "call_id": "c1", "name": "shout", "arguments": '{"text": "HI"}'}
+    ok = {"model": "demo", "input": [{"role": "user", "content": PROMPT}, call,
+                                     {"type": "function_call_output", "call_id": "c1", "output": "DONE"}],
+          "tools": [SHOUT], "max_output_tokens": 8, "seed": 0}
+    assert http.post("/v1/responses", json=ok).status_code == 200
+    cases = [
+        ({**ok, "input": [ok["input"][0], {**call, "arguments": "{not json"}]}, "input[1].arguments"),
+        ({**ok, "input": [ok["input"][0], {**call, "arguments": "[1, 2]"}]}, "input[1].arguments"),
+        ({**ok, "input": [ok["input"][0], {"role": "assistant", "content": "x"}, {**call, "arguments": "7"}]},
+         "input[2].arguments"),  # a call merged into the assistant's message before it is still its own item
+        ({**ok, "instructions": "be loud", "input": [ok["input"][0], {**call, "arguments": "[1]"}]},
+         "input[1].arguments"),
+        ({**ok, "tools": [{**SHOUT, "name": "no spaces allowed"}]}, "tools[0].name"),
+        ({**ok, "tools": [SHOUT, {"type": "function"}]}, "tools[1].name"),
+        ({**ok, "tools": [{**SHOUT, "parameters": "text"}]}, "tools[0].parameters"),
+        ({**ok, "tool_choice": "sometimes"}, "tool_choice"),
+    ]
+    for body, param in cases:
+        r = http.post("/v1/responses", json=body)
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param, (param, err)
+        assert param.split(".")[0].split("[")[0] in err["message"], err
+        for chat_word in ("messages", "tool_calls", "function.", "'function': {", "}}"):
+            assert chat_word not in err["message"], (chat_word, err)
+    assert server.health()["failed"] == 0

@@ -71,6 +71,29 @@ def _stream(body: dict) -> bool:
     return stream
 
 
+THINK_LEVELS = ("high", "medium", "low")  # `think` as a string: thinking on, at a level (Ollama's, for some models)
+# Go's time.ParseDuration, which Ollama reads a keep_alive string with: "0", or numbers each with its unit ("1h30m")
+DURATION = re.compile(r"[+-]?(?:0|(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:ns|us|\u00b5s|\u03bcs|ms|s|m|h))+)")
+
+
+def _typed(body: dict, *keys: str) -> None:
+    """Ollama's typed fields among `keys` (think, raw, keep_alive), each null or of its type: anything else is
+    refused naming the field, as `_stream` refuses a `stream` that is no boolean, rather than read as something."""
+    for key in keys:
+        v = body.get(key)
+        if v is None or isinstance(v, bool) and key in ("think", "raw"):
+            continue
+        if key == "think" and v not in THINK_LEVELS:
+            raise OllamaError(400, f"think must be true, false, \"high\", \"medium\" or \"low\" "
+                              f"(got {json.dumps(v)[:80]})")
+        if key == "raw":
+            raise OllamaError(400, f"raw must be true or false (got {json.dumps(v)[:80]})")
+        if key == "keep_alive" and not (isinstance(v, (int, float)) and not isinstance(v, bool) or
+                                        isinstance(v, str) and len(v) <= 64 and DURATION.fullmatch(v)):
+            raise OllamaError(400, f"keep_alive must be a number of seconds or a duration such as \"5m\" (got "
+                              f"{json.dumps(v)[:80]})")
+
+
 def _unloads(body: dict) -> bool:
     """Whether `keep_alive` is zero (Ollama's way to unload a model): 0, or a duration such as "0", "0s", "0m"."""
     keep = body.get("keep_alive")
@@ -201,12 +224,26 @@ def chat_body(server, body: dict) -> dict:
                                   "\"arguments\": {...}}}")
             message["tool_calls"] = [
                 {"id": f"call_{k}_{i}", "type": "function",
-                 "function": {"name": f.get("name", ""), "arguments": json.dumps(f.get("arguments") or {})}}
+                 "function": {"name": f.get("name", ""),
+                              "arguments": _arguments(f.get("arguments"), f"messages[{k}].tool_calls[{i}]")}}
                 for i, f in enumerate(calls)]
         out.append(message)
     tools = {"tools": body["tools"]} if body.get("tools") else {}
     return {"model": name, "messages": out, "thinking": bool(body.get("think")),
             **tools, **_options(body), **_format(body)}
+
+
+def _arguments(value: Any, where: str) -> str:
+    """A call's arguments: an object (Ollama's shape), or its JSON text (OpenAI's), which the chat path reads and
+    refuses unless it is an object's (messages.call_arguments) -> the JSON text."""
+    if value is None or value == "":
+        return "{}"
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return json.dumps(value)
+    raise OllamaError(400, f"{where}.function.arguments must be an object, or its JSON text (got "
+                      f"{json.dumps(value)[:80]})")
 
 
 def generate_body(server, body: dict) -> tuple[dict, str]:
@@ -322,7 +359,11 @@ async def respond(server, openai_body: dict, kind: str, shape: str, stream: bool
     if stop and openai_body.get("response_format"):
         raise OllamaError(400, "options.stop cannot be used with format: a stop string would cut the structured "
                           "answer short of it")
-    prep = await requests.prepared(server, openai_body, kind, request)  # a client leaving stops its structure's compile
+    try:
+        prep = await requests.prepared(server, openai_body, kind, request)  # a client leaving stops its compile
+    except protocol.ApiError as e:  # named as this API names the field
+        e.message = e.message.replace("max_tokens", "num_predict")
+        raise
     prep.stops = list(stop)  # checked here (MAX_STOP), not by requests.prepare's /v1 limit
     if ctx:
         _prepend(server, prep, ctx, "max_tokens" in openai_body)
@@ -407,6 +448,7 @@ def routes(server) -> list[Route]:
         async def work():
             body = await protocol.read_json(request)
             stream = _stream(body)
+            _typed(body, "think", "keep_alive")
             if body.get("messages") in (None, []):  # Ollama's way to load (or unload) a model
                 return _loaded(_model_name(server, body.get("model")), body, "chat")
             return await respond(server, chat_body(server, body), "chat", "chat", stream, request, stops(body))
@@ -416,6 +458,7 @@ def routes(server) -> list[Route]:
         async def work():
             body = await protocol.read_json(request)
             stream = _stream(body)
+            _typed(body, "think", "raw", "keep_alive")
             if body.get("prompt") in (None, "") and body.get("suffix") is None and not body.get("images"):
                 return _loaded(_model_name(server, body.get("model")), body, "generate")  # Ollama's load idiom
             openai_body, kind = generate_body(server, body)

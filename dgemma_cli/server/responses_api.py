@@ -16,6 +16,7 @@ response says `"store": false`).
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from typing import Any, AsyncIterator
@@ -24,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..tools import NAME
 from . import answering, protocol, requests
 
 ROLES = ("user", "system", "developer", "assistant")
@@ -36,9 +38,11 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
-def chat_request(body: dict) -> dict:
-    """A Responses request -> the chat completions body (an ApiError for what cannot be)."""
+def chat_request(body: dict, origins: list | None = None) -> dict:
+    """A Responses request -> the chat completions body (an ApiError for what cannot be). origins: filled, one per
+    chat message, with where it came from (`input_messages`), for `renamed`."""
     err, refuse = protocol.ApiError, protocol.refuse
+    origins = [] if origins is None else origins
     if body.get("previous_response_id") is not None:
         raise refuse("previous_response_id", "this server keeps no responses; send the whole conversation in "
                      "'input' (earlier output items included)")
@@ -55,10 +59,12 @@ def chat_request(body: dict) -> dict:
         if not isinstance(instructions, str):
             raise protocol.type_error("instructions", "a string", instructions)
         messages.append({"role": "system", "content": instructions})
-    messages += input_messages(body.get("input"))
+        origins.append(("instructions", {}))
+    messages += input_messages(body.get("input"), origins)
     out["messages"] = messages
     if body.get("max_output_tokens") is not None:
         out["max_tokens"] = protocol.get_int(body, "max_output_tokens", 1)
+    protocol.get_bool(body, "parallel_tool_calls")  # a boolean, as the API types it (echoed as the one in effect)
     stream = protocol.get_bool(body, "stream")
     if stream:
         out["stream"] = True
@@ -74,15 +80,21 @@ def chat_request(body: dict) -> dict:
                 raise err(400, f"'tools[{i}]': only function tools are served here (got type "
                           f"{json.dumps(kind)[:40]}): hosted tools (web search, file search, ...) are OpenAI's",
                           param=f"tools[{i}].type", code="unsupported_parameter")
+            name, params = t.get("name"), t.get("parameters")
+            if not isinstance(name, str) or not NAME.fullmatch(name):
+                raise err(400, f"'tools[{i}].name' must be a function name of letters, digits, _ . - (at most 64; "
+                          f"got {json.dumps(name)[:40]})", param=f"tools[{i}].name", code="invalid_value")
+            if params is not None and not isinstance(params, dict):
+                raise protocol.type_error(f"tools[{i}].parameters", "a JSON schema object", params)
             fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
             out["tools"].append({"type": "function", "function": fn})
     choice = body.get("tool_choice")
     if choice is not None:
-        if isinstance(choice, dict):
-            if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-                raise err(400, "'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'name': "
-                          "...}", param="tool_choice", code="invalid_value")
+        if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
             choice = {"type": "function", "function": {"name": choice["name"]}}
+        elif choice not in ("none", "auto", "required"):
+            raise err(400, "'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'name': "
+                      "...}", param="tool_choice", code="invalid_value")
         out["tool_choice"] = choice
     text = body.get("text")
     if text is not None:
@@ -114,13 +126,16 @@ def chat_request(body: dict) -> dict:
     return out
 
 
-def input_messages(value: Any) -> list[dict]:
+def input_messages(value: Any, origins: list | None = None) -> list[dict]:
     """`input` (a string, or a list of items) -> chat messages. Items: messages (role and content: a string or
     input_text / output_text / input_image parts), function_call (the assistant's call: its message's tool_calls)
     and function_call_output (a tool message); reasoning items are passed over (a thought is not read back, as the
-    chat template drops it)."""
+    chat template drops it). origins: appended, per message, (the item it came from, {its tool call's index: the
+    function_call item it came from})."""
     err = protocol.ApiError
+    origins = [] if origins is None else origins
     if isinstance(value, str):
+        origins.append(("input", {}))
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise err(400, "'input' must be a string or a non-empty list of items", param="input", code="invalid_type")
@@ -137,6 +152,7 @@ def input_messages(value: Any) -> list[dict]:
                 raise err(400, f"{where}.role must be one of {', '.join(ROLES)} (got {json.dumps(role)[:40]})",
                           param=f"{where}.role", code="invalid_value")
             messages.append({"role": role, "content": message_content(item.get("content"), where)})
+            origins.append((where, {}))
         elif kind == "function_call":
             call_id, name = item.get("call_id"), item.get("name")
             if not isinstance(call_id, str) or not isinstance(name, str):
@@ -150,6 +166,8 @@ def input_messages(value: Any) -> list[dict]:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                origins.append((where, {}))
+            origins[-1][1][len(messages[-1]["tool_calls"]) - 1] = where
         elif kind == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
@@ -164,6 +182,7 @@ def input_messages(value: Any) -> list[dict]:
             if call_id in names:
                 tool["name"] = names[call_id]
             messages.append(tool)
+            origins.append((where, {}))
         elif kind == "reasoning":
             continue
         elif kind == "item_reference":
@@ -229,11 +248,12 @@ class Answer:
                "error": None, "incomplete_details": {"reason": "max_output_tokens"}
                if self.status == "incomplete" else None,
                "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
-               "model": self.model, "output": self.output, "parallel_tool_calls": b.get("parallel_tool_calls", True),
+               "model": self.model, "output": self.output,
+               "parallel_tool_calls": b.get("parallel_tool_calls") is not False,  # null: the default, true
                "previous_response_id": None, "reasoning": {"effort": (b.get("reasoning") or {}).get("effort"),
                                                           "summary": None},
                "store": False, "temperature": b.get("temperature", 1.0), "text": {"format": fmt or {"type": "text"}},
-               "tool_choice": b.get("tool_choice", "auto"), "tools": tools, "top_p": b.get("top_p", 1.0),
+               "tool_choice": b.get("tool_choice") or "auto", "tools": tools, "top_p": b.get("top_p", 1.0),
                "truncation": "disabled", "usage": self.usage, "user": b.get("user"),
                "metadata": b.get("metadata") or {}}
         if self.extra:
@@ -255,8 +275,9 @@ def reasoning_item(text: str, status: str = "completed") -> dict:
 
 
 def message_item(text: str, logprobs: list | None, status: str = "completed") -> dict:
+    """status: "completed", "incomplete" (cut short by max_output_tokens: the text so far) or "in_progress"."""
     return {"type": "message", "id": _new_id("msg"), "status": status, "role": "assistant",
-            "content": [output_text(text, logprobs)] if status == "completed" else []}
+            "content": [output_text(text, logprobs)] if status != "in_progress" else []}
 
 
 def output_text(text: str, logprobs: list | None) -> dict:
@@ -283,7 +304,8 @@ def response_of(answer: Answer, chat: dict) -> dict:
     calls = message.get("tool_calls") or []
     if message.get("content") or not calls:
         logprobs = (choice.get("logprobs") or {}).get("content")
-        answer.output.append(message_item(message.get("content") or "", plain_logprobs(logprobs)))
+        answer.output.append(message_item(message.get("content") or "", plain_logprobs(logprobs),
+                                          "incomplete" if choice["finish_reason"] == "length" else "completed"))
     answer.output += [call_item(c) for c in calls]
     answer.finish(choice["finish_reason"], chat.get("usage"))
     answer.extra = chat.get("dgemma") or {}
@@ -323,12 +345,12 @@ async def events(answer: Answer, chunks: AsyncIterator[dict]) -> AsyncIterator[s
         yield event("response.content_part.added", item_id=item["id"], output_index=message[1], content_index=0,
                     part=output_text("", None))
 
-    def close_message():
+    def close_message(status: str = "completed"):
         nonlocal message
         item, index, text, logprobs = message
         message = None
         part = output_text(text, logprobs)
-        done = {**item, "status": "completed", "content": [part]}
+        done = {**item, "status": status, "content": [part]}
         answer.output[index] = done
         yield event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
                     text=text, logprobs=logprobs)
@@ -395,8 +417,8 @@ async def events(answer: Answer, chunks: AsyncIterator[dict]) -> AsyncIterator[s
     if message is None and not any(o["type"] == "function_call" for o in answer.output):
         for e in open_message():  # an empty answer is still a message, as a whole one is
             yield e
-    if message is not None:
-        for e in close_message():
+    if message is not None:  # the answer's last item: cut short with it when max_output_tokens ended the answer
+        for e in close_message("incomplete" if reason == "length" else "completed"):
             yield e
     answer.finish(reason, usage)
     kind = "response.incomplete" if answer.status == "incomplete" else "response.completed"
@@ -407,6 +429,24 @@ async def events(answer: Answer, chunks: AsyncIterator[dict]) -> AsyncIterator[s
 
 
 PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+# a chat message's field (its tool call's), or a chat tool's function: named as the Responses request names them
+CHAT_FIELD = re.compile(r"messages\[(\d+)\](?:\.tool_calls\[(\d+)\](?:\.function\.(\w+))?)?|tools\[(\d+)\]\.function\.")
+
+
+def renamed(text: str, origins: list) -> str:
+    """The chat request's field names in `text` -> the Responses request's: messages[j] -> the input item it came
+    from (or instructions), messages[j].tool_calls[k].function.arguments -> its function_call item's arguments,
+    tools[k].function.parameters -> tools[k].parameters."""
+    def field(m: re.Match) -> str:
+        if m.group(4) is not None:
+            return f"tools[{m.group(4)}]."
+        j, k, attr = int(m.group(1)), m.group(2), m.group(3)
+        where, calls = origins[j] if j < len(origins) else ("input", {})
+        if k is not None and int(k) in calls:
+            return calls[int(k)] + (f".{attr}" if attr else "")
+        return where
+
+    return CHAT_FIELD.sub(field, text)
 
 
 def routes(server) -> list[Route]:
@@ -415,14 +455,20 @@ def routes(server) -> list[Route]:
     async def create(request: Request) -> Response:
         server.authorize(request)
         body = await protocol.read_json(request)
-        chat = chat_request(body)
+        origins: list = []
+        chat = chat_request(body, origins)
         try:
             prep = await requests.prepared(server, chat, "chat", request)
         except protocol.ApiError as e:  # named as this API names the field
             head = (e.param or "").split("[")[0].split(".")[0]
-            if head in PARAMS:  # a message's index is not its item's (instructions, calls merged): the input
-                e.param = PARAMS[head] if head == "messages" else PARAMS[head] + e.param[len(head):]
-            e.message = e.message.replace("max_tokens", "max_output_tokens").replace("'response_format", "'text.format")
+            if e.param == "messages":
+                e.param = "input"
+            elif e.param is not None and head in ("messages", "tools"):
+                e.param = renamed(e.param, origins)
+            elif head in PARAMS:
+                e.param = PARAMS[head] + e.param[len(head):]
+            e.message = renamed(e.message, origins).replace("max_tokens", "max_output_tokens").replace(
+                "'response_format", "'text.format")
             raise
         answer = Answer(server, body, chat, prep)
         if not prep.stream:
