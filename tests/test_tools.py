@@ -652,3 +652,13 @@ def test_a_required_calls_grammar_is_built_once_max_tokens_is_known(monkeypatch)
     with pytest.raises(ApiError) as e:
         request_tools(tok, bad, "chat")
     assert e.value.status == 400 and e.value.param == "tools" and built == [{"most": 4, "max_tokens": 512}]
+
+
+def test_a_tool_that_is_no_function_is_named_in_the_shape_it_must_have():
+    from dgemma_cli.errors import UsageError
+    from dgemma_cli.tools import check_tools
+
+    with pytest.raises(UsageError) as e:
+        check_tools([{"type": "function", "function": {"name": "f"}}, {"type": "function"}])
+    assert str(e.value) == ("tools[1] must be {'type': 'function', 'function': {'name': ..., 'parameters': ...}} with a "
+                            "name of letters, digits, _ . - (at most 64)")
