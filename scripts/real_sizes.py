@@ -4,8 +4,9 @@
 
 Weights (what dgemma holds; on disk the same plus safetensors headers and the small files), split by part, and the
 estimated GPU memory of a run at 2k, 8k and 32k tokens of context (dgemma_cli/checkpoint/footprint.py: weights, bf16 KV cache,
-the sampler's canvas x vocab buffers, one layer's experts dequantized by the PyTorch path, 0.5 GB slack). These
-are computed, not measured. Decimal units: 1 GB = 1e9 bytes.
+a request's step memory on the GPU path, one layer's experts dequantized by the PyTorch path for a quantized format,
+512 MiB of slack). These are computed, not measured. Decimal units: 1 GB = 1e9 bytes. BENCHMARKS.md prints the table
+(tests/test_real_sizes.py checks it is this output).
 """
 
 import sys
