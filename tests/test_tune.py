@@ -382,3 +382,23 @@ def test_tuning_teaches_the_demo_a_reply_it_never_gives(tmp_path):
     assert after.exact >= 0.75, (before, after)
     res = engine.generate([ex.prompt for ex in examples[64:68]], seed=1, max_new_tokens=8)
     assert sum(t == "OK" for t in res.texts) >= 3, res.texts  # another seed, the model's own steps
+
+
+def test_held_out_says_what_it_keeps_and_is_not_taken_with_eval(tmp_path, capsys):
+    """--held-out N beyond a fifth of DATA holds out a fifth: said in one line. --eval FILE brings the held-out
+    examples, so --held-out with it is refused in one line before anything loads, not ignored."""
+    data = write_jsonl(tmp_path / "d.jsonl", UPPER)  # 8 examples: a fifth is 1
+    held = write_jsonl(tmp_path / "e.jsonl", UPPER[:2])
+    assert run_main(tune_args(data, tmp_path / "a", "--steps", "1", "--held-out", "5")) == 0
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if "--held-out 5" in line]
+    assert len(said) == 1 and "1 of DATA's 8 examples" in said[0] and "a fifth" in said[0], err
+    assert run_main(tune_args(data, tmp_path / "b", "--eval", str(held))) == 2  # tune_args has --held-out 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--held-out" in err[0] and "--eval" in err[0], err
+    assert not (tmp_path / "b").exists()
+    args = tune_args(data, tmp_path / "c", "--steps", "1", "--eval", str(held))
+    i = args.index("--held-out")
+    assert run_main(args[:i] + args[i + 2:]) == 0
+    err = capsys.readouterr().err
+    assert "8 training examples, 2 held out" in err and "--held-out" not in err, err

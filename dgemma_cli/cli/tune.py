@@ -20,6 +20,7 @@ from .options import (
     note,
 )
 
+HELD_OUT = 64  # --held-out's default (TuneSettings.held_out)
 # Streamed experts share two layer buffers, so a layer's experts are in one only while that layer runs: the backward
 # pass must recompute the layer (which copies them in again), not keep what its forward saved.
 STREAMED_NEED_CHECKPOINTING = ("experts streamed from host memory (--gpu-memory, or a card too small) need "
@@ -46,7 +47,9 @@ def tune(
     lr: float = typer.Option(1e-3, "--lr", help="Peak learning rate (warm-up, then cosine decay)."),
     warmup: int = typer.Option(50, "--warmup", help="Steps of linear warm-up."),
     seed: int = typer.Option(0, "--seed", help="Seed of everything random: a run is repeatable."),
-    held_out: int = typer.Option(64, "--held-out", help="Examples of DATA kept apart when there is no --eval."),
+    held_out: Optional[int] = typer.Option(None, "--held-out", show_default=False,
+                                           help="Examples of DATA kept apart (default 64; a fifth of DATA at most); "
+                                           "not with --eval, whose examples are the held-out ones."),
     eval_every: int = typer.Option(100, "--eval-every", help="Steps between held-out evaluations."),
     eval_examples: int = typer.Option(32, "--eval-examples", help="Held-out answers generated at each "
                                       "evaluation for the exact-answer rate."),
@@ -75,6 +78,10 @@ def tune(
     card_bytes = gpu_memory_arg(gpu_memory)
     if card_bytes is not None and not checkpointing:
         raise UsageError(STREAMED_NEED_CHECKPOINTING)
+    if eval_file is not None and held_out is not None:
+        raise UsageError(f"--held-out {held_out} and --eval exclude each other: with --eval FILE the held-out examples "
+                         "are FILE's, and all of DATA trains")
+    held_out = HELD_OUT if held_out is None else held_out
     kinds = tuple(t.strip() for t in targets.split(",") if t.strip())
     bad = [k for k in kinds if k not in ("attention", "mlp", "self_conditioning")]
     if bad or not kinds:
@@ -124,6 +131,9 @@ def tune(
     if engine.model.expert_streams and not checkpointing:
         raise UsageError(STREAMED_NEED_CHECKPOINTING)  # planned onto a card too small: experts stream
     engine.model.checkpointing = checkpointing
+    if held is None and len(tuner.held) < held_out:  # split's cap: the rest must still train
+        note(f"--held-out {held_out}: {len(tuner.held):,} of DATA's {len(examples):,} examples held out (a fifth of "
+             "DATA at most)")
     longest = max(len(e.prompt) + len(e.answer) for e in examples)
     est = memory_estimate(engine.model, tuner.adapter, settings, longest, checkpointing)
     note(f"{len(tuner.train):,} training examples, {len(tuner.held):,} held out; adapter: "
