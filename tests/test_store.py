@@ -263,9 +263,11 @@ def test_model_names_resolve_or_say_how(checkpoints, capsys):
     info = capsys.readouterr().out
     assert "unquantized (float32 on disk)" in info
     assert "images:                 no (the checkpoint holds no vision tower tensors)" in info
-    assert run_main(["rm", str(checkpoints["five_to_one"]), "--yes"]) == 2  # never a directory outside the store
+    assert run_main(["rm", str(checkpoints["five_to_one"]), "--yes"]) == 1  # never a directory outside the store
     assert "not in the store" in one_error_line(capsys)
     assert Path(checkpoints["five_to_one"], "config.json").is_file()
+    # a missing model is one exit code whichever command names it (errors.ModelError's)
+    assert run_main(["rm", "acme/absent:nvfp4", "--yes"]) == run_main(["info", "acme/absent:nvfp4"]) == 1
 
 
 def test_rm_demo_says_the_bundled_model_cannot_be_removed(capsys):
@@ -288,6 +290,33 @@ def test_rm_demo_says_the_bundled_model_cannot_be_removed(capsys):
 
 
 # ----------------------------------------------------------------------------- dgemma quantize
+
+
+def test_info_and_quantize_say_the_same_size_and_the_context_estimated(tmp_path, capsys):
+    """`quantize` reports the size `info` gives the directory it wrote (every file, the manifest included, rounded
+    alike); `info` says the context its GPU estimate is for: the model's own where shorter than 8k (4,096 here)."""
+    out = tmp_path / "q"
+    assert run_main(["quantize", "demo", "--quant", "int8", "--out", str(out), "--device", "cpu"]) == 0
+    wrote = re.search(r"wrote .* \(int8, policy all, (.+)\)", capsys.readouterr().err)
+    assert run_main(["info", str(out)]) == 0
+    said = dict(re.match(r"(.+?):\s+(.*)", line).groups() for line in capsys.readouterr().out.splitlines())
+    assert wrote and wrote.group(1) == said["size on disk"], (wrote, said)
+    assert store.describe(out)["size_on_disk"] == sum(f.stat().st_size for f in out.iterdir())
+    assert run_main(["info", "demo"]) == 0
+    said = dict(re.match(r"(.+?):\s+(.*)", line).groups() for line in capsys.readouterr().out.splitlines())
+    assert said["GPU memory"].endswith(" at a 4,096-token context (estimate)"), said
+    assert "8k" not in "".join(said)
+    d = store.describe(store_demo())
+    cfg = ModelConfig.from_dir(store_demo())
+    assert cfg.text.max_position_embeddings == d["gpu_memory_context"] == 4096
+    assert d["gpu_memory_estimate"] == footprint.runtime_bytes(cfg, "bf16", "experts", context=4096)
+
+
+def store_demo() -> Path:
+    from dgemma_cli.checkpoint.names import BUNDLED
+
+    return Path(BUNDLED["demo"])
+
 
 
 def shard_bytes(d: Path) -> dict[str, bytes]:

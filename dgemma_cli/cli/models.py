@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import UsageError
+from ..errors import ModelError, UsageError
 from .options import QUIET_OPTION, be_quiet, gb, model_arg, note
 
 
@@ -174,7 +174,7 @@ def _info_rows(d: dict) -> None:
                          f" ({d['dtype_on_disk']} on disk)")
     rows = [("path", d["path"]), ("format", fmt)] + ([("scheme", d["scheme"])] if d["scheme"] else []) + [
             ("size on disk", gb(d["size_on_disk"])), ("weights in memory", gb(d["weights_in_memory"])),
-            ("GPU memory, 8k context", f"{gb(d['gpu_memory_estimate_8k'])} (estimate)"),
+            ("GPU memory", f"{gb(d['gpu_memory_estimate'])} at a {d['gpu_memory_context']:,}-token context (estimate)"),
             ("shape", f"{d['layers']} layers, {d['experts']} experts, vocabulary {d['vocab']}"),
             ("images", f"yes (vision tower, {gb(d['vision_tower_on_disk'])} on disk)" if d["images"]
              else f"no ({d['no_images_because'].removeprefix(d['path'] + ': ')})")]
@@ -201,7 +201,6 @@ def show(
         return _adapter_info(model, as_json)
     from ..checkpoint.names import resolve_model
     from ..config import SAMPLER_FLAGS, GenerationSettings, ModelConfig
-    from ..errors import ModelError
     from ..store.models import describe
     from ..tokenizer import Tokenizer
 
@@ -255,7 +254,7 @@ def rm(
         same = f"; to remove the store's {', '.join(e.name for e in found)}, give its full name" if found else ""
         raise UsageError(f"{model} is a bundled demo model, part of dgemma itself: it cannot be removed{same}")
     if not found:
-        raise UsageError(f"{model}: not in the store ({store_root()}); `dgemma list` shows what is there")
+        raise ModelError(f"{model}: not in the store ({store_root()}); `dgemma list` shows what is there")
     if len(found) > 1:
         raise UsageError(f"{model} matches {', '.join(e.name for e in found)}; add :QUANT to choose")
     entry = found[0]
@@ -307,4 +306,6 @@ def quantize(
                                        progress=sys.stderr.isatty() and not quiet, note=note)
     except KeyboardInterrupt:
         raise Interrupted("interrupted; run the same command again to continue where it stopped") from None
-    note(f"wrote {out} ({quant}, policy {manifest['quantize']['policy']}, {gb(manifest['total_bytes'])})")
+    from ..store.models import size_on_disk
+
+    note(f"wrote {out} ({quant}, policy {manifest['quantize']['policy']}, {gb(size_on_disk(Path(out)))})")  # as info

@@ -61,8 +61,10 @@ def describe(path: Path) -> dict:
     )
     from ..config import ModelConfig
     from ..errors import ModelError
+    from ..placement.plan import planned_context
 
     cfg = ModelConfig.from_dir(path)
+    context = planned_context(cfg)  # the GPU estimate's: 8k, or the model's own where shorter
     fmt = _read_format(path, cfg.raw)
     records = index_checkpoint(path)  # headers only, read without torch
     prefix = text_prefix(records)
@@ -90,12 +92,18 @@ def describe(path: Path) -> dict:
         vision, images = 0, str(e)
     return {"path": str(path), "format": label or "unquantized", "scheme": fmt.scheme if fmt else None,
             "quantized": quantized, "dtype_on_disk": stored, "policy": policy,
-            "size_on_disk": sum(f.stat().st_size for f in path.iterdir() if f.is_file()),
+            "size_on_disk": size_on_disk(path),
             "weights_on_disk": sum(f.stat().st_size for f in checkpoint_files(path)),
             "vision_tower_on_disk": vision, "images": images is None, "no_images_because": images,
             "weights_in_memory": sum(weight_bytes(cfg, sized, sized_as).values()),
-            "gpu_memory_estimate_8k": runtime_bytes(cfg, sized, sized_as), "source": manifest.get("store", {}),
+            "gpu_memory_estimate": runtime_bytes(cfg, sized, sized_as, context=context), "gpu_memory_context": context,
+            "source": manifest.get("store", {}),
             "layers": cfg.text.num_hidden_layers, "experts": cfg.text.num_experts, "vocab": cfg.text.vocab_size}
+
+
+def size_on_disk(path: Path) -> int:
+    """Bytes of a model directory's files, every one (the manifest included): what `info` and `quantize` say."""
+    return sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
 
 
 # safetensors' dtype names as torch names them (what `dgemma info` has always shown: "bfloat16", "float32", ...)
