@@ -20,7 +20,7 @@ import torch
 
 from .config import GenerationSettings, ModelConfig
 from .structured.constrain import Structure
-from .structured.worker import DEFAULT_MEMORY, DEFAULT_SECONDS
+from .structured.worker import DEFAULT_MEMORY, DEFAULT_SECONDS, DEFAULT_WORKERS
 from .device import SMALL_STEP, fit_cpu_threads, parse_devices, resolve_device, resolve_devices, resolve_dtype
 from .errors import ModelError, UsageError
 from .model import DiffusionGemma, KVCache
@@ -218,6 +218,7 @@ class Engine:
         self._compiler_lock = threading.Lock()
         self._compiler_stopped = False  # close_compiler: a server shutting down
         self.compile_budget = (DEFAULT_SECONDS, DEFAULT_MEMORY)  # structure compiles: set_compile_budget
+        self.compile_workers = DEFAULT_WORKERS
 
     @property
     def config(self) -> ModelConfig:
@@ -393,10 +394,11 @@ class Engine:
         yield from _in_inference_mode(generate_events(denoiser, batch, settings, valid, constraints=constraints),
                                       denoiser)
 
-    def automaton(self, structure: Structure, cancelled=None):
-        """`structure` compiled over this model's vocabulary (constrain.TokenAutomaton or LarkGrammar), in the
+    def automaton(self, structure: Structure, cancelled=None, max_tokens: int | None = None):
+        """`structure` compiled over this model's vocabulary (constrain.TokenAutomaton or LarkGrammar), in a
         compile worker within its budget (structured/worker.py; cached by the structure's text). cancelled: a
-        callable the wait polls (True: stop, structured.worker.Cancelled)."""
+        callable the wait polls (True: stop, structured.worker.Cancelled). max_tokens: the answer's, which the
+        structure's shortest answer must fit (refused before compiling when it cannot)."""
         if self.tokenizer is None:
             raise ModelError(f"{self.path}: no tokenizer.json, so an answer's structure cannot be compiled")
         with self._compiler_lock:
@@ -407,15 +409,22 @@ class Engine:
             if self._compiler is None:
                 from .structured.worker import StructureCompiler
 
-                self._compiler = StructureCompiler(self.tokenizer, self.config.text.vocab_size, *self.compile_budget)
+                self._compiler = StructureCompiler(self.tokenizer, self.config.text.vocab_size, *self.compile_budget,
+                                                   workers=self.compile_workers)
             compiler = self._compiler
-        return compiler.compile(structure, cancelled)
+        if max_tokens is None:
+            return compiler.compile(structure, cancelled)
+        return compiler.compile(structure, cancelled, max_tokens=max_tokens)
 
-    def set_compile_budget(self, seconds: float | None = None, memory: int | None = None) -> None:
-        """The structure compile's time (seconds) and the compile worker's memory (bytes) budget; None: the
-        default (structured.worker.DEFAULT_SECONDS, DEFAULT_MEMORY)."""
+    def set_compile_budget(self, seconds: float | None = None, memory: int | None = None,
+                           workers: int | None = None) -> None:
+        """The structure compile's time (seconds), each compile worker's memory (bytes) budget, and how many
+        workers (set before the first compile); None: the default (structured.worker.DEFAULT_SECONDS,
+        DEFAULT_MEMORY, DEFAULT_WORKERS)."""
         self.compile_budget = (DEFAULT_SECONDS if seconds is None else seconds,
                                DEFAULT_MEMORY if memory is None else memory)
+        if workers is not None:
+            self.compile_workers = workers
         if self._compiler is not None:
             self._compiler.seconds, self._compiler.memory = self.compile_budget
 

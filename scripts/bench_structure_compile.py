@@ -109,8 +109,8 @@ def main() -> None:
             edges = f"{auto.edges:,}" if hasattr(auto, "edges") else "- (llguidance grammar)"
         except UsageError as e:
             cold, edges, error = time.perf_counter() - t, "-", str(e)
-        proc = compiler._proc
-        peak = f"{peak_rss(proc.pid) / 2**20:,.0f} MB" if proc is not None and proc.poll() is None else \
+        pids = compiler.pids  # the one worker that compiled it (each compiler here compiles one structure)
+        peak = f"{peak_rss(pids[0]) / 2**20:,.0f} MB" if pids else \
             f"over {args.memory_gb:g} GB (killed)" if error and "memory" in error else "-"
         t = time.perf_counter()
         try:

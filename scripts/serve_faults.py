@@ -287,6 +287,46 @@ def report_flood(out: dict) -> str:
             f"{out['peak_kb'] / 1024:.0f} MB, {out['rss_after_kb'] / 1024:.0f} MB after")
 
 
+# ----------------------------------------------------------------------------- slow structure compiles
+
+SLOW_SCHEMA = {"type": "string", "pattern": "(.{1,30}){1,17}"}  # fits any max_tokens; compiles for its whole budget
+
+
+def timed_post(url: str, body: dict, path: str = "/v1/chat/completions") -> tuple[int, dict, float]:
+    sock, host = connect(url)
+    t = time.perf_counter()
+    try:
+        status, answer = request(sock, host, Case("timed", json.dumps(body).encode(), 0, "", dict(JSON), "POST", path))
+    finally:
+        sock.close()
+    return status, answer, time.perf_counter() - t
+
+
+def compile_contention(url: str, delay: float = 1.0) -> dict:
+    """What slow structures cost other clients: a 59,000-character choice with max_tokens 32 and a 30,000-character
+    one with max_tokens 16 (no answer that long fits), then a structure that compiles for its whole budget and, a
+    `delay` later, a tiny expression from another client. Returns each one's (status, seconds)."""
+    base = {**NORMAL, "max_tokens": 32}
+    out = {}
+    for name, body in (("choice_59000_in_32", {**base, "guided_choice": ["B" * 59000]}),
+                       ("choice_30000_in_16", {**base, "max_tokens": 16, "guided_choice": ["B" * 30000]})):
+        status, answer, seconds = timed_post(url, body)
+        out[name] = (status, seconds, answer)
+    slow: list = []
+    thread = threading.Thread(target=lambda: slow.append(timed_post(url, {**base, "guided_json": SLOW_SCHEMA})))
+    thread.start()
+    time.sleep(delay)
+    status, answer, seconds = timed_post(url, {**base, "guided_regex": "[A-Z]{3}"})
+    out["tiny_regex_behind_a_slow_one"] = (status, seconds, answer)
+    thread.join(300)
+    out["slow"] = (slow[0][0], slow[0][2], slow[0][1])
+    return out
+
+
+def report_compile(out: dict) -> str:
+    return "; ".join(f"{name}: {status} in {seconds:.2f} s" for name, (status, seconds, _) in out.items())
+
+
 # ----------------------------------------------------------------------------- the soak
 
 
@@ -341,6 +381,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compiles", action="store_true", help="instead of the soak: choices too long for max_tokens, "
+                    "then a tiny expression sent while another client's structure compiles for its whole budget")
     ap.add_argument("--flood", action="store_true", help="instead of the soak: 8 clients each POST a 20 MiB flat "
                     "array at once, to /v1/chat/completions then to /api/generate (its context), with /health and a "
                     "plain chat timed meanwhile")
@@ -350,6 +392,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as home:
         proc, url = start_server(Path(home))
         try:
+            if args.compiles:
+                print(report_compile(compile_contention(url)), flush=True)
+                return 0
             if args.flood:
                 for path in ("/v1/chat/completions", "/api/generate"):
                     print(report_flood(flood(url, proc.pid, path)), flush=True)

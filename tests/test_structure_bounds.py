@@ -247,12 +247,12 @@ def test_a_schema_too_large_for_an_automaton_runs_as_llguidances_json_grammar():
     source = json.dumps(schema)
     small = Compile(tok.token_bytes(), V, None, max_edges=10**9)
     large = Compile(tok.token_bytes(), V, None, max_edges=100)
-    kind, tables = small("json_schema", source)
+    kind, tables, _ = small("json_schema", source)
     assert kind == "tables" and TokenAutomaton(tables).edges > 100
-    kind, grammar = large("json_schema", source)
+    kind, grammar, _ = large("json_schema", source)
     assert kind == "grammar"
     auto = LarkGrammar(grammar, tok, V)
-    engine._compiler = type("Fixed", (), {"compile": lambda self, s, c=None: auto})()  # what the worker would give
+    engine._compiler = type("Fixed", (), {"compile": lambda self, s, c=None, **kw: auto})()  # what the worker would give
     from dgemma_cli.structured.constrain import Structure
 
     result = engine.generate(["upper: json"] * 4, seed=5, structure=Structure("json_schema", source),
@@ -283,6 +283,45 @@ def test_many_slow_compiles_never_starve_a_cached_structure(tmp_path):
         for t in threads:
             t.join(120)
         assert set(codes) <= {400, 429} and 429 in codes, codes  # refused by the budget, or told to come back
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("field,structure,shortest,room", [
+    ("guided_choice", ["B" * 59000], 59000, False),  # a choice: its shortest word
+    ("guided_choice", ["C" * 40, "D" * 30], 30, True),
+    ("guided_regex", "[a-z]{50}x*", 50, True),  # an expression's shortest match
+    ("guided_json", {"const": "E" * 60}, 62, True),  # a const, quoted
+    ("guided_json", {"type": "string", "minLength": 20}, 22, False),  # a minLength, quoted (its unbounded string
+    # takes over this server's 2.5 s budget to compile on the demo's vocabulary)
+])
+def test_what_cannot_fit_max_tokens_is_refused_before_it_compiles(server, field, structure, shortest, room):
+    """A structure whose shortest answer has more characters than max_tokens tokens can hold is refused at once (a
+    59,000-character choice in 32 tokens compiled for the worker's whole budget, holding every other structure
+    behind it). The refusal is this request's, not the structure's: the same structure with room for it compiles
+    (the demo's tokens are one character each)."""
+    t = time.perf_counter()
+    r = server.http.post("/v1/chat/completions", json={**chat({field: structure}), "max_tokens": 16})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert f"shortest answer is {shortest:,} characters, more than max_tokens (16)" in r.json()["error"]["message"]
+    assert time.perf_counter() - t < 2.0  # the server's budget is 2.5 s: no compile ran to it
+    if room:  # room for it: compiled and answered (cut at max_tokens or not, never refused)
+        r = server.http.post("/v1/chat/completions", json={**chat({field: structure}), "max_tokens": 128})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"][0]["message"]["content"]) >= shortest - 2
+
+
+def test_a_slow_compile_holds_one_worker_not_every_clients_structure(tmp_path):
+    """A structure that compiles for its whole budget holds one compile worker; another client's tiny expression,
+    sent a second later, is compiled by the other and answered at once (with one worker it waited the budget out:
+    29.3 s at the default 30)."""
+    s = ServerProcess(tmp_path, "--compile-timeout", "8")
+    try:
+        out = F.compile_contention(s.url)
+        status, seconds, answer = out["tiny_regex_behind_a_slow_one"]
+        assert status == 200 and seconds < 4.0, F.report_compile(out)
+        assert len(answer["choices"][0]["message"]["content"]) == 3
+        assert out["slow"][0] in (200, 400), F.report_compile(out)  # compiled, or refused by its budget
     finally:
         s.stop()
 

@@ -298,6 +298,55 @@ def test_openai_parse_with_a_pydantic_model(random_server):
     assert len({r.model_dump_json() for r in readings}) >= 5
 
 
+def test_dates_and_times_are_held_as_rfc_3339_so_pydantic_parses_every_answer(random_server):
+    """`format: date-time` (pydantic's datetime) was written with years of 20 digits and no offset, and the openai
+    client's `parse` raised ValidationError on seeds 0-3. Now date-time, date and time are held as RFC 3339 writes
+    them, and every answer parses; a format not held (email) is said once in the server's log, as an annotation."""
+    import datetime
+
+    from pydantic import BaseModel
+
+    class Event(BaseModel):
+        at: datetime.datetime
+        day: datetime.date
+        time: datetime.time
+
+    client = random_server.client()
+    for seed in range(4):
+        a = client.chat.completions.parse(model=random_server.id, response_format=Event, seed=seed, max_tokens=160,
+                                          messages=[{"role": "user", "content": "when?"}], extra_body={"steps": 6})
+        assert a.choices[0].finish_reason == "stop", a
+        event = a.choices[0].message.parsed
+        assert isinstance(event, Event) and event.at.tzinfo is not None and event.time.tzinfo is not None, event
+    email = {"type": "object", "properties": {"e": {"type": "string", "format": "email"}},
+             "required": ["e"]}
+    for _ in range(2):
+        r = random_server.http.post("/v1/chat/completions", json={
+            "model": random_server.id, "messages": [{"role": "user", "content": "mail"}], "max_tokens": 32,
+            "seed": 0, "steps": 4, "response_format": {"type": "json_schema", "json_schema": {"name": "m",
+                                                                                              "schema": email}}})
+        assert r.status_code == 200, r.text
+    said = [x for x in random_server.lines if "format 'email' is not held" in x]
+    assert len(said) == 1, random_server.lines
+
+
+def test_the_date_expressions_accept_exactly_rfc_3339():
+    import re
+
+    from dgemma_cli.structured.structure import date_time_regex
+
+    date, time_, stamp = (re.compile(date_time_regex(f)) for f in ("date", "time", "date-time"))
+    for good in ("2024-02-29", "2000-02-29", "1900-02-28", "0001-01-01", "9999-12-31", "2023-04-30"):
+        assert date.fullmatch(good), good
+    for bad in ("1900-02-29", "2023-02-29", "0000-01-01", "2024-04-31", "2024-13-01", "20240-01-01", "24-01-01"):
+        assert not date.fullmatch(bad), bad
+    for good in ("23:59:59Z", "00:00:00.123456+05:30", "12:00:00-23:59"):
+        assert time_.fullmatch(good), good
+    for bad in ("24:00:00Z", "12:00:60Z", "12:00:00", "12:00:00.1234567Z", "12:00:00+24:00"):
+        assert not time_.fullmatch(bad), bad
+    assert stamp.fullmatch("2024-02-29T23:59:59.5Z") and not stamp.fullmatch("2024-02-29T23:59:59")
+
+
 @pytest.mark.slow
 def test_json_object_streamed_and_cut_short(random_server):
     client = random_server.client()

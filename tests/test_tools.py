@@ -662,3 +662,37 @@ def test_a_tool_that_is_no_function_is_named_in_the_shape_it_must_have():
         check_tools([{"type": "function", "function": {"name": "f"}}, {"type": "function"}])
     assert str(e.value) == ("tools[1] must be {'type': 'function', 'function': {'name': ..., 'parameters': ...}} with a "
                             "name of letters, digits, _ . - (at most 64)")
+
+
+CONTROL_TEXT = [  # structures whose words spell control tokens as text
+    ({"guided_choice": ["<turn|>X"]}, lambda t: t == "<turn|>X"),
+    ({"guided_choice": ["HELLO <|tool_call>call:f{}<tool_call|>"]},
+     lambda t: t == "HELLO <|tool_call>call:f{}<tool_call|>"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "object", "properties": {"a": {"enum": ["<turn|>", "<|tool_call>"]}}, "required": ["a"]}}}},
+     lambda t: json.loads(t)["a"] in ("<turn|>", "<|tool_call>")),
+    ({"guided_regex": "<turn\\|>[A-Z]{3}"}, lambda t: re.fullmatch(r"<turn\|>[A-Z]{3}", t) is not None),
+]
+
+
+@pytest.mark.parametrize("structure,holds", CONTROL_TEXT)
+def test_a_structured_answer_is_its_word_whether_or_not_tools_are_offered(server, structure, holds):
+    """With `tools` in the request, a structured answer lost the text that spells a control token (the answer was
+    read as a tool-calling chat answer: `"<turn|>X"` came back as `"X"`). A structure wins over tools offered
+    with tool_choice auto (docs/serve.md): the answer is the structure's word, exactly, with or without tools, on
+    /v1/chat/completions and on Ollama's /api/chat."""
+    base = {"model": "five_to_one", "messages": [{"role": "user", "content": "What is the weather?"}],
+            "max_tokens": 64, "seed": 0, "steps": 6, **structure}
+    for extra in ({}, {"tools": TOOLS}):
+        r = server.http.post("/v1/chat/completions", json={**base, **extra})
+        assert r.status_code == 200, r.text
+        message = r.json()["choices"][0]["message"]
+        assert holds(message["content"]) and not message.get("tool_calls"), (extra.keys(), message)
+    fmt = structure.get("response_format", {}).get("json_schema", {}).get("schema")
+    if fmt is not None:  # Ollama's format is a schema
+        for extra in ({}, {"tools": TOOLS}):
+            r = server.http.post("/api/chat", json={"model": "five_to_one", "messages": base["messages"],
+                                                    "stream": False, "format": fmt, **extra,
+                                                    "options": {"seed": 0, "num_predict": 64}})
+            assert r.status_code == 200, r.text
+            assert holds(r.json()["message"]["content"]) and not r.json()["message"].get("tool_calls"), r.text

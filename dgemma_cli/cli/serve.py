@@ -56,6 +56,10 @@ def serve(
     devices: Optional[str] = DEVICES_OPTION,
     compile_timeout: float = COMPILE_TIMEOUT_OPTION,
     compile_memory: float = COMPILE_MEMORY_OPTION,
+    compile_workers: int = typer.Option(2, "--compile-workers", metavar="N",
+                                        help="Processes that compile requests' structures, each within "
+                                        "--compile-memory: a structure that takes its whole --compile-timeout "
+                                        "holds one, and the others go on compiling other clients' structures."),
     quiet: bool = QUIET_OPTION,
 ) -> None:
     """An OpenAI-compatible HTTP server (chat, completions with suffix infill, models), batching requests."""
@@ -83,6 +87,8 @@ def serve(
     if not 0 < header_timeout <= 3600:  # NaN too
         raise UsageError(f"--header-timeout must be between 0 and 3600 seconds (got {header_timeout:g})")
     budget = compile_budget(compile_timeout, compile_memory)
+    if not 1 <= compile_workers <= 64:
+        raise UsageError(f"--compile-workers must be between 1 and 64 (got {compile_workers})")
     card_bytes = gpu_memory_arg(gpu_memory)
     cards = devices_arg(devices)
     if api_key is not None and not api_key.strip():
@@ -98,5 +104,5 @@ def serve(
                                 max_queue=max_queue, device=device, dtype=dtype, note=note,
                                 prefix_cache_bytes=prefix_cache * 2**20, adapters=named,
                                 allow_hosts=tuple(allow_host or ()), allow_origins=tuple(allow_origin or ()),
-                                header_timeout=header_timeout, compile_budget=budget,
+                                header_timeout=header_timeout, compile_budget=(*budget, compile_workers),
                                 gpu_memory=card_bytes, devices=cards))

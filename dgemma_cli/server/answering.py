@@ -32,7 +32,8 @@ class AnswerText(answer.AnswerText):
         s = prep.job.settings
         super().__init__(tok, limit=s.max_new_tokens,
                          ends=set(s.eos_token_ids) | ({s.pad_token_id} if prep.job.held else set()),
-                         chat=prep.kind == "chat" and not prep.structured, tools=prep.tools, stops=prep.stops)
+                         chat=prep.kind == "chat" and not prep.structured, stops=prep.stops,
+                         tools=prep.tools and not prep.structured)  # a structure wins: its word is the answer
 
 
 # ----------------------------------------------------------------------------- answering

@@ -157,15 +157,15 @@ def model_id(model: str) -> str:
 def serve(model: str, *, host: str, port: int, api_key: str | None, max_batch: int, max_queue: int,
           device: str, dtype: str, note, allow_hosts: tuple[str, ...] = (), allow_origins: tuple[str, ...] = (),
           prefix_cache_bytes: int = 0, adapters=(), header_timeout: float = HEADER_TIMEOUT,
-          compile_budget: tuple[float | None, int | None] = (None, None), gpu_memory: int | None = None,
-          devices=None) -> int:
+          compile_budget: tuple[float | None, int | None, int | None] = (None, None, None),
+          gpu_memory: int | None = None, devices=None) -> int:
     """Bind, load, serve until SIGTERM or Ctrl-C, then finish every request in flight and return 0.
     gpu_memory: the card memory the placement plans for (--gpu-memory; engine.load), for max_batch rows. devices:
     the cards the layers may be split over (--devices; engine.load).
 
     adapters: (model id, directory, scale) of LoRA adapters served beside the base, each chosen per request;
     header_timeout: seconds a connection has to send a request's headers (header_timeout.py); compile_budget:
-    (seconds, bytes) of each structure's compile (structured/worker.py; None: the default)."""
+    (seconds, bytes, workers) of the structures' compiles (structured/worker.py; None: the default)."""
     import signal
 
     import uvicorn

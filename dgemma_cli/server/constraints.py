@@ -4,6 +4,7 @@ structured_outputs, into the Structure the engine compiles."""
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 from ..errors import UsageError
@@ -115,6 +116,23 @@ def choice_regex(choices: Any, key: str) -> str:
     return "(" + "|".join(re.escape(c) for c in dict.fromkeys(choices)) + ")"
 
 
+_WARNED_FORMATS: set[str] = set()  # formats not held, said once each per server process
+
+
+def schema_structure(schema):
+    """A JSON schema (an object or a boolean) -> its Structure; a `format` dgemma does not hold (anything but
+    date-time, date, time, uuid) is said once in the server's log: it is an annotation, the answer any string."""
+    from ..structured.constrain import Structure
+    from ..structured.structure import unheld_formats
+
+    fresh = sorted(unheld_formats(schema) - _WARNED_FORMATS)
+    if fresh:
+        _WARNED_FORMATS.update(fresh)
+        sys.stderr.write(f"dgemma: warning: JSON Schema format {', '.join(repr(f[:40]) for f in fresh)} is not "
+                         "held (an annotation: the answer is any string there); held: date-time, date, time, uuid\n")
+    return Structure("json_schema", json.dumps(schema))
+
+
 def response_structure(fmt: Any, body: dict | None = None):
     """OpenAI's response_format -> a constrain.Structure, or None for free text: {"type": "text"},
     {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}; or vLLM's
@@ -144,7 +162,7 @@ def response_structure(fmt: Any, body: dict | None = None):
                                    code="invalid_value") from None
             if not isinstance(value, (dict, bool)):
                 raise type_error(key, "a JSON schema", value)
-            return Structure("json_schema", json.dumps(value))
+            return schema_structure(value)
         if not isinstance(value, str) or not value:
             raise type_error(key, "a non-empty string", value)
         return Structure(GUIDED[field], value)
@@ -162,7 +180,6 @@ def response_structure(fmt: Any, body: dict | None = None):
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
             raise ApiError(400, "'response_format.json_schema' must be an object with a 'schema' object",
                            param="response_format", code="invalid_value")
-        schema = spec.get("schema", {})
-        return Structure("json_schema", json.dumps(schema))
+        return schema_structure(spec.get("schema", {}))
     raise ApiError(400, "'response_format.type' must be 'text', 'json_object' or 'json_schema'",
                    param="response_format", code="invalid_value")

@@ -233,7 +233,7 @@ def prepare(server: Server, body: dict, kind: str, cancelled=None) -> Prepared:
         if stops:
             raise refuse("stop", "a stop string would cut a structured answer short of its response_format")
         try:
-            automaton = engine.automaton(structure, cancelled)
+            automaton = engine.automaton(structure, cancelled, max_tokens=settings.max_new_tokens)
         except Cancelled:
             raise ApiError(499, "the client left while its structure compiled", code="client_disconnected") from None
         except Busy as e:

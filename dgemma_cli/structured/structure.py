@@ -39,10 +39,13 @@ _IGNORED_VALIDATORS = ("uniqueItems", "contains", "minContains", "maxContains", 
                        "unevaluatedProperties", "unevaluatedItems", "not", "if", "then", "else")
 _ANNOTATIONS = ("title", "description", "default", "examples", "$comment", "$schema", "$id", "deprecated",
                 "readOnly", "writeOnly", "discriminator")
-# Formats outlines-core writes as valid JSON strings (checked); others it would write wrongly (time, uri, email
-# let a backslash or a control character through) are dropped: a format is an annotation unless a validator is
-# asked to assert it, and the answer is then any string.
-_FORMATS = ("date-time", "date", "uuid")
+# Formats held: date-time, date and time as RFC 3339 writes them (`date_time_regex`: what JSON Schema means by them,
+# and what pydantic's datetime, date and time parse), uuid as outlines-core writes it. Others (outlines-core would
+# write uri or email wrongly, letting a backslash or a control character through) are dropped: a format is an
+# annotation unless a validator is asked to assert it, and the answer is then any string (`unheld_formats` names
+# them, for the server's one warning line).
+_FORMATS = ("date-time", "date", "time", "uuid")
+_RFC3339 = ("date-time", "date", "time")
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,19 @@ def repeat_product(regex: str) -> int:
         if len(stack) > 1000:
             raise UsageError("the expression nests groups over 1,000 deep")
     return max(stack)
+
+
+def shortest_chars(regex: str) -> int:
+    """The fewest characters a text matching `regex` holds (Python's parser's width), 0 where the expression is not
+    one Python reads (then nothing is refused by it)."""
+    try:
+        from re import _parser as parser  # Python 3.11+
+    except ImportError:  # pragma: no cover - Python 3.10
+        import sre_parse as parser
+    try:
+        return parser.parse(regex).getwidth()[0]
+    except (re.error, RecursionError, OverflowError, ValueError):
+        return 0
 
 
 def _count(digits: str) -> int:
@@ -482,6 +498,13 @@ def schema_regex(schema) -> str:
         if not isinstance(node, dict):
             return node
         kind = node.get("type")
+        if node.get("format") in _RFC3339 and kind in (None, "string"):
+            mark = f"DGEMMARANGE{len(ranges)}X"
+            ranges[mark] = '"' + date_time_regex(node["format"]) + '"'
+            return {"const": mark}
+        if isinstance(kind, list) and "string" in kind and node.get("format") in _RFC3339:  # ["string", "null"]
+            rest = {k: v for k, v in node.items() if k != "type"}
+            return walk({"anyOf": [dict(rest, type=t) if t == "string" else {"type": t} for t in kind]})
         if isinstance(kind, list) and any(k in node for k in _BOUNDS):  # ["integer", "null"] with a range
             rest = {k: v for k, v in node.items() if k != "type"}
             return walk({"anyOf": [dict(rest, type=t) if t in ("integer", "number") else {"type": t} for t in kind]})
@@ -512,6 +535,37 @@ def schema_regex(schema) -> str:
             raise UsageError("the JSON schema cannot be compiled: a ranged number is used where it cannot be held")
         regex = regex.replace(quoted, f"({rx})")
     return regex
+
+
+_YEAR = r"(?:000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})"  # 0001-9999: Python's dates start at year 1
+_LEAP_YEAR = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_DATE = (rf"(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|"
+         rf"02-(?:0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)")
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+
+
+def date_time_regex(fmt: str) -> str:
+    """RFC 3339's date-time, full-date or full-time (JSON Schema's date-time, date, time) as an expression of the
+    string's characters: a 4-digit year from 0001, the days each month has (February's 29th in leap years only),
+    hours to 23, seconds to 59 (no leap second: Python's datetime has none), at most 6 fraction digits, and an
+    offset (Z or +hh:mm) on a time, as the RFC requires; written upper-case (T, Z)."""
+    return {"date-time": f"{_DATE}T{_TIME}", "date": _DATE, "time": _TIME}[fmt]
+
+
+def unheld_formats(schema) -> set[str]:
+    """The `format` values in a schema that are not held (annotations: the answer is then any string)."""
+    out, todo = set(), [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, list):
+            todo.extend(node)
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                if k == "format" and isinstance(v, str) and v not in _FORMATS:
+                    out.add(v)
+                elif k not in ("const", "enum", "default", "examples"):
+                    todo.append(v)
+    return out
 
 
 def _int_bounds(node: dict) -> tuple[int | None, int | None]:

@@ -5,8 +5,15 @@ The rule: a structure a user or a client sends is compiled here, never in the se
 Turning an expression into a token automaton over a 262,144-token vocabulary can take minutes and gigabytes (a
 determinization that explodes, a schema's bounded strings times the vocabulary), inside native code that holds the
 GIL and ignores signals. In a worker process it can be killed: when it runs past its seconds or its memory, when the
-client leaves, on Ctrl-C or SIGTERM. The worker imports no torch (structure.py only) and starts once per engine; it
-receives the vocabulary once, then compiles one structure at a time, and dies with its parent (PR_SET_PDEATHSIG).
+client leaves, on Ctrl-C or SIGTERM. A worker imports no torch (structure.py only) and starts at the first structure
+that needs it; it receives the vocabulary once, then compiles one structure at a time, and dies with its parent
+(PR_SET_PDEATHSIG). There are `workers` of them (DEFAULT_WORKERS), taken first come, first served, so that one
+structure that takes its whole budget holds one worker, not every client's structures behind it.
+
+What cannot fit the answer's tokens is refused before it is compiled: a structure whose shortest word (a choice, a
+`const`, a `minLength`, an expression's shortest match) has more characters than `max_tokens` tokens of the
+vocabulary's longest can hold (`shortest_chars`). The shortest word is a property of the structure, kept with it,
+so the same structure asked again with other max_tokens is judged without a worker.
 
 `StructureCompiler` is the parent's side: the cheap checks (`Structure.check`) in the caller's thread, then the
 worker, then the result turned into the search's objects (constrain.TokenAutomaton, constrain.LarkGrammar), cached by
@@ -29,7 +36,8 @@ from typing import Callable
 from ..errors import UsageError
 
 DEFAULT_SECONDS = 30.0  # a structure's compile time budget (--compile-timeout)
-DEFAULT_MEMORY = 4 << 30  # the worker's resident memory budget, bytes (--compile-memory)
+DEFAULT_MEMORY = 4 << 30  # each worker's resident memory budget, bytes (--compile-memory)
+DEFAULT_WORKERS = 2  # compile workers: one slow structure holds one, the others go on (--compile-workers)
 _POLL = 0.02  # seconds between looks at the worker (its memory, the caller's cancel)
 _CACHED = 32  # compiled structures kept
 _REFUSED = 256  # refusals kept
@@ -44,6 +52,10 @@ class Busy(Exception):
 
 
 MAX_WAITING = 8  # uncached compiles waiting for the worker at once; past it, Busy (the server's 429)
+
+
+class TooLong(Exception):
+    """A structure whose shortest answer cannot fit this request's max_tokens (not cached as a refusal)."""
 
 
 class Stopped(Exception):
@@ -103,9 +115,9 @@ def _worker_main() -> None:
         if msg[0] == "vocab":
             compiler = Compile(*msg[1:])
             continue
-        _, kind, source = msg
+        _, kind, source, max_tokens = msg
         try:
-            _send(out, compiler(kind, source))
+            _send(out, compiler(kind, source, max_tokens))
         except UsageError as e:
             _send(out, ("refused", str(e)))
         except Exception as e:  # noqa: BLE001 (a library's own error on a client's input: a refusal, one line)
@@ -125,26 +137,48 @@ class Compile:
         self.words, self.vocab_size, self.tokenizer_json = words, vocab_size, tokenizer_json
         self.max_edges = MAX_EDGES if max_edges is None else max_edges
         self.vocabulary = self.ll_tokenizer = None  # made at the first structure that needs them
+        self.token_chars = longest_token(words, vocab_size)
 
-    def __call__(self, kind: str, source: str):
+    def __call__(self, kind: str, source: str, max_tokens: int | None = None):
+        """(kind, result, shortest): shortest is the fewest characters of an answer (0 where not known, a grammar);
+        ("too_long", shortest, shortest) when that cannot fit max_tokens tokens, compiling nothing."""
         from .structure import (Structure, estimated_edges, lark_grammar, outlines_vocabulary, regex_tables,
-                                schema_grammar)
+                                schema_grammar, shortest_chars)
 
         structure = Structure(kind, source)
         if kind == "grammar":
-            return "grammar", self._probed(lark_grammar(source))
+            return "grammar", self._probed(lark_grammar(source)), 0
         regex = structure.regex()
+        shortest = shortest_chars(regex)
+        if max_tokens is not None and not fits(shortest, max_tokens, self.token_chars):
+            return "too_long", shortest, shortest
         if kind == "json_schema" and estimated_edges(regex, self.vocab_size) > self.max_edges:
-            return "grammar", self._probed(schema_grammar(structure.prepared))
+            return "grammar", self._probed(schema_grammar(structure.prepared)), shortest
         if self.vocabulary is None:
             self.vocabulary = outlines_vocabulary(self.words, self.vocab_size)
-        return "tables", regex_tables(regex, self.vocabulary, self.vocab_size)
+        return "tables", regex_tables(regex, self.vocabulary, self.vocab_size), shortest
 
     def _probed(self, grammar: str) -> str:
         if self.ll_tokenizer is None:
             self.ll_tokenizer = _ll_tokenizer(self.words, self.vocab_size, self.tokenizer_json)
         _probe_grammar(grammar, self.ll_tokenizer)
         return grammar
+
+
+def longest_token(words, vocab_size: int) -> int:
+    """The most characters one token can put in an answer: its bytes (a character is at least one byte)."""
+    return max((len(w) for w in words[:vocab_size] if w), default=1)
+
+
+def fits(shortest: int, max_tokens: int, token_chars: int) -> bool:
+    """Whether an answer of `shortest` characters can fit in max_tokens tokens of at most token_chars each."""
+    return shortest <= max_tokens * token_chars
+
+
+def too_long(shortest: int, max_tokens: int, token_chars: int) -> str:
+    per = f"{token_chars} character{'s' if token_chars != 1 else ''}"
+    return (f"the structure's shortest answer is {shortest:,} characters, more than max_tokens ({max_tokens:,}) "
+            f"tokens can hold (at most {per} a token): raise max_tokens or shorten it")
 
 
 def _ll_tokenizer(words, vocab_size: int, tokenizer_json: str | None):
@@ -204,26 +238,64 @@ def _gib(n: float) -> str:
     return f"{n / (1 << 30):.1f} GB"
 
 
-class StructureCompiler:
-    """Compiles structures over one tokenizer's vocabulary in a worker process, one at a time, each within
-    `seconds` and the worker within `memory` bytes; results and refusals cached by the structure's text."""
+class _Worker:
+    """One compile worker process (started at the first compile it takes) and whether a compile holds it."""
 
-    def __init__(self, tokenizer, vocab_size: int, seconds: float = DEFAULT_SECONDS, memory: int = DEFAULT_MEMORY):
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+        self.busy = False
+
+    def kill(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc is not None:
+            for f in (proc.stdin, proc.stdout):
+                try:
+                    f.close()
+                except OSError:
+                    pass
+
+
+class StructureCompiler:
+    """Compiles structures over one tokenizer's vocabulary in `workers` worker processes, each structure within
+    `seconds` and each worker within `memory` bytes; results and refusals cached by the structure's text, and each
+    structure's shortest answer beside them (refused against max_tokens without a worker)."""
+
+    def __init__(self, tokenizer, vocab_size: int, seconds: float = DEFAULT_SECONDS, memory: int = DEFAULT_MEMORY,
+                 workers: int = DEFAULT_WORKERS):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.seconds, self.memory = seconds, memory
-        self._proc: subprocess.Popen | None = None
-        self._lock = threading.Lock()  # one compile in the worker at a time
+        self._workers = [_Worker() for _ in range(max(1, workers))]
+        self._free = threading.Condition()  # a worker freed, or a turn in the line passed on
+        self._line: list[object] = []  # callers waiting for a worker, first come first served
         self._cache_lock = threading.Lock()
         self._done: OrderedDict = OrderedDict()  # (kind, source) -> TokenAutomaton | LarkGrammar
         self._refused: OrderedDict = OrderedDict()  # (kind, source) -> the refusal's line
+        self._shortest: OrderedDict = OrderedDict()  # (kind, source) -> its shortest answer's characters
         self.closed = False
-        self._waiting = 0  # compile() calls past the cache: waiting for the worker or in it
+        self._waiting = 0  # compile() calls past the cache: waiting for a worker or in one
+        self._token_chars: int | None = None
 
-    def compile(self, structure, cancelled: Callable[[], bool] | None = None):
+    @property
+    def pids(self) -> list[int]:
+        """The running workers' process ids."""
+        return [w.proc.pid for w in self._workers if w.proc is not None and w.proc.poll() is None]
+
+    def token_chars(self) -> int:
+        if self._token_chars is None:
+            self._token_chars = longest_token(self.tokenizer.token_bytes(), self.vocab_size)
+        return self._token_chars
+
+    def compile(self, structure, cancelled: Callable[[], bool] | None = None, max_tokens: int | None = None):
         """`structure` compiled (from the cache when it was before); UsageError (one line) when it cannot be, or
-        not within the budget; Cancelled when `cancelled()` turns true while it waits."""
+        not within the budget, or (max_tokens given) when its shortest answer cannot fit max_tokens tokens;
+        Cancelled when `cancelled()` turns true while it waits."""
         key = (structure.kind, structure.source)
         with self._cache_lock:
+            if key in self._shortest and max_tokens is not None:
+                self._check_fits(self._shortest[key], max_tokens)
             if key in self._done:
                 self._done.move_to_end(key)
                 return self._done[key]
@@ -235,12 +307,21 @@ class StructureCompiler:
             self._waiting += 1
         try:
             structure.check_size()  # the rest of the checks run in the worker, under its budget
-            kind, result = self._in_worker(("compile", structure.kind, structure.source), cancelled, key)
+            request = ("compile", structure.kind, structure.source, max_tokens)
+            kind, result, shortest = self._in_worker(request, cancelled, key)
+            with self._cache_lock:
+                self._shortest[key] = shortest
+                while len(self._shortest) > _REFUSED:
+                    self._shortest.popitem(last=False)
+            if max_tokens is not None:
+                self._check_fits(shortest, max_tokens)  # not a refusal of the structure: another max_tokens fits
             if kind == "cached":
                 return result
             if kind == "refused":
                 raise UsageError(result)
             compiled = self._build(kind, result)
+        except TooLong as e:
+            raise UsageError(str(e)) from None
         except UsageError as e:
             if self.closed:  # stopped, not refused: nothing to remember
                 raise Stopped("the structure's compile was stopped: shutting down") from None
@@ -257,6 +338,10 @@ class StructureCompiler:
             while len(self._done) > _CACHED:
                 self._done.popitem(last=False)
         return compiled
+
+    def _check_fits(self, shortest: int, max_tokens: int) -> None:
+        if not fits(shortest, max_tokens, self.token_chars()):
+            raise TooLong(too_long(shortest, max_tokens, self.token_chars()))
 
     def _build(self, kind: str, result):
         from .constrain import LarkGrammar, TokenAutomaton
@@ -277,29 +362,50 @@ class StructureCompiler:
                            hf.to_str() if hasattr(hf, "to_str") else None))
         return proc
 
+    def _take_worker(self, cancelled) -> _Worker:
+        """A free worker, in the order callers asked; polls `cancelled` (and the compiler's closing) meanwhile."""
+        me = object()
+        with self._free:
+            self._line.append(me)
+            try:
+                while True:
+                    self._check_waiting(cancelled)
+                    if self._line[0] is me:
+                        worker = next((w for w in self._workers if not w.busy), None)
+                        if worker is not None:
+                            worker.busy = True
+                            return worker
+                    self._free.wait(_POLL)
+            finally:
+                self._line.remove(me)
+                self._free.notify_all()
+
+    def _give_back(self, worker: _Worker) -> None:
+        with self._free:
+            worker.busy = False
+            self._free.notify_all()
+
     def _in_worker(self, request, cancelled, key):
-        """Send `request`, wait for its answer within the budget; the worker is killed on any way out but the
-        answer (so that nothing it was doing goes on). ("cached", compiled) when another caller compiled the same
-        structure while this one waited for the worker (or ("refused", line))."""
-        while not self._lock.acquire(timeout=_POLL):
-            self._check_waiting(cancelled)
+        """Send `request` to a free worker, wait for its answer within the budget; the worker is killed on any way
+        out but the answer (so that nothing it was doing goes on). ("cached", compiled, shortest) when another
+        caller compiled the same structure while this one waited for a worker (or ("refused", line, 0))."""
+        worker = self._take_worker(cancelled)
         try:
-            self._check_waiting(cancelled)
             with self._cache_lock:
                 if key in self._done:
-                    return "cached", self._done[key]
+                    return "cached", self._done[key], self._shortest.get(key, 0)
                 if key in self._refused:
-                    return "refused", self._refused[key]
+                    return "refused", self._refused[key], 0
             for attempt in (0, 1):  # a worker that ended between two compiles (killed, or out of memory): a new one
                 try:
-                    if self._proc is None or self._proc.poll() is not None:
-                        self._kill()
-                        self._proc = self._start()
-                    proc = self._proc
+                    if worker.proc is None or worker.proc.poll() is not None:
+                        worker.kill()
+                        worker.proc = self._start()
+                    proc = worker.proc
                     _send(proc.stdin, request)
                     break
                 except (BrokenPipeError, OSError):
-                    self._kill()
+                    worker.kill()
                     if attempt:
                         raise UsageError("the structure's compile worker cannot be started") from None
             fd = proc.stdout.fileno()
@@ -321,7 +427,8 @@ class StructureCompiler:
                             need = 8 + struct.unpack("<Q", bytes(buf[:8]))[0]
                         if need is not None and len(buf) >= need:
                             ok = True
-                            return pickle.loads(bytes(buf[8:need]))
+                            answer = pickle.loads(bytes(buf[8:need]))
+                            return answer if len(answer) == 3 else (*answer, 0)  # a refusal: (refused, line)
                         continue
                     self._check_waiting(cancelled)
                     if time.monotonic() > deadline:
@@ -334,9 +441,9 @@ class StructureCompiler:
                                          f"arrays)")
             finally:
                 if not ok:
-                    self._kill()
+                    worker.kill()
         finally:
-            self._lock.release()
+            self._give_back(worker)
 
     def _check_waiting(self, cancelled) -> None:
         if self.closed:
@@ -344,26 +451,16 @@ class StructureCompiler:
         if cancelled is not None and cancelled():
             raise Cancelled()
 
-    def _kill(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc is not None:
-            for f in (proc.stdin, proc.stdout):
-                try:
-                    f.close()
-                except OSError:
-                    pass
-
     def close(self) -> None:
-        """Stop the worker now (whatever it compiles fails at once) and refuse compiles from here on."""
+        """Stop the workers now (whatever they compile fails at once) and refuse compiles from here on."""
         self.closed = True
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            proc.kill()
+        for worker in self._workers:
+            proc = worker.proc
+            if proc is not None and proc.poll() is None:
+                proc.kill()
 
     def __del__(self):
-        proc = getattr(self, "_proc", None)
-        if proc is not None and proc.poll() is None:
-            proc.kill()
+        for worker in getattr(self, "_workers", ()):
+            proc = worker.proc
+            if proc is not None and proc.poll() is None:
+                proc.kill()
