@@ -476,7 +476,9 @@ def bench_placement(cfg: ModelConfig, fmt: str, policy: str, dev: torch.device, 
     of that size on the CPU); UsageError (one line) when it cannot hold."""
     from .engine import plan_on
 
-    p = plan_on(cfg, fmt, policy, [dev], [gpu_memory], context, batch)
+    remedies = ["a shorter --prompt"] + (["a smaller --batch"] if batch > 1 else [])
+    remedies += ["a smaller --format"] if fmt != "nvfp4" else ["--policy all"] if policy == "experts" else []
+    p = plan_on(cfg, fmt, policy, [dev], [gpu_memory], context, batch, remedies + ["a larger --gpu-memory"])
     if not p.fits:
         raise UsageError(p.refusal)
     return p

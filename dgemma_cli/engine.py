@@ -521,15 +521,15 @@ def _in_inference_mode(events: Iterator[Event], denoiser: ModelDenoiser | None =
         yield event
 
 
-def plan_placement(path: Path, dev, gpu_memory: int | None, batch: int = 1, devices: list | None = None):
+def plan_placement(path: Path, dev, gpu_memory: int | None, batch: int = 1, devices: list | None = None,
+                   batch_flag: str | None = None):
     """The placement plan for a load (dgemma_cli/placement/plan.py), or None: everything resident as loaded. With
     --gpu-memory, cards of that size (on the CPU too, which then runs the same streamed path); on CUDA devices
     without it, each device's free memory, planned on one device only when the weights alone would not fit there.
     devices: the cards the layers may be split over, in order (--devices; default [dev]). ModelError (one line) when
-    the plan cannot hold."""
+    the plan cannot hold, naming what would help: batch_flag is the flag that sets `batch` (--max-batch)."""
     from .checkpoint.footprint import weight_bytes
-    from .checkpoint.layout import stored_policy
-    from .checkpoint.weights import read_quant_format
+    from .checkpoint.weights import stored_format
     from .placement.plan import planned_context
 
     devices = list(devices or [dev])
@@ -538,42 +538,49 @@ def plan_placement(path: Path, dev, gpu_memory: int | None, batch: int = 1, devi
             raise UsageError("--devices on the CPU runs the split of cards of --gpu-memory SIZE: give it")
         return None  # the CPU without --gpu-memory: everything resident, as ever
     cfg = ModelConfig.from_dir(path)
-    fmt = read_quant_format(path, cfg.raw) or "bf16"
-    policy = stored_policy(path) if fmt != "bf16" else None
+    fmt, policy = stored_format(path, cfg.raw)
     sizes = [gpu_memory] * len(devices)
     if gpu_memory is None:
         sizes = [torch.cuda.mem_get_info(d)[0] for d in devices]
         if len(devices) == 1 and sum(weight_bytes(cfg, fmt, policy).values()) <= sizes[0]:
             return None
-    p = plan_on(cfg, fmt, policy, devices, sizes, planned_context(cfg), batch)
+    # what the command can change: its batch, the memory planned for, the model's format (no context: the plan's is
+    # the model's own, up to 8k, whatever the command)
+    remedies = [f"a smaller {batch_flag or 'batch'}"] if batch > 1 else []
+    remedies.append("a larger --gpu-memory" if gpu_memory is not None else "more free memory on the card")
+    if fmt != "nvfp4" or policy == "experts":
+        remedies.append("a --model quantized smaller with `dgemma quantize`")
+    p = plan_on(cfg, fmt, policy, devices, sizes, planned_context(cfg), batch, remedies)
     if not p.fits:
         raise ModelError(p.refusal)
     return p
 
 
 def plan_on(cfg: ModelConfig, fmt: str, policy: str | None, devices: list, sizes: list[int], context: int,
-            batch: int):
+            batch: int, remedies=()):
     """The placement plan (placement/plan.py) of `cfg` in `fmt` on `devices`, each with the memory in `sizes`, with
     this machine's available host memory and the first device's MoE path (fused kernels read packed experts on
-    CUDA). Not checked: `fits` and `refusal` say whether it holds."""
+    CUDA). Not checked: `fits` and `refusal` say whether it holds (naming `remedies` when a card is too small)."""
     from .checkpoint.footprint import system_free
     from .placement.cards import card_for
     from .placement.plan import plan
 
     return plan(cfg, fmt, [card_for(d, size) for d, size in zip(devices, sizes)], context=context, batch=batch,
-                policy=policy, host_free=system_free() or None, fused_experts=devices[0].type == "cuda")
+                policy=policy, host_free=system_free() or None, fused_experts=devices[0].type == "cuda",
+                remedies=remedies)
 
 
 def load(model: str | Path, device: str = "auto", dtype: str = "auto", adapters=(), adapter_slots=None,
-         gpu_memory: int | None = None, batch: int = 1, devices: list[str] | str | None = None) -> Engine:
+         gpu_memory: int | None = None, batch: int = 1, devices: list[str] | str | None = None,
+         batch_flag: str | None = None) -> Engine:
     """Load a checkpoint directory (Hugging Face layout), or 'demo', with its tokenizer and generation defaults.
     adapters: (directory, scale) pairs of PEFT LoRA adapters, attached unmerged (dgemma_cli/tuner/lora.py); each is
     read and checked before the model's weights are. adapter_slots: each adapter's slot when rows choose theirs (the
     server); None: all apply together. gpu_memory: the card memory to plan for, bytes (--gpu-memory; on the CPU the
     same plan runs as on a card of that size); experts that do not fit stream from host memory (dgemma_cli/placement).
-    batch: the rows the plan leaves room for. devices: the cards the layers may be split over (--devices: "auto" or
-    names, device.parse_devices); the first replaces `device`; the plan splits only when one card cannot hold the
-    model."""
+    batch: the rows the plan leaves room for (batch_flag: the flag that set it, named when the plan cannot hold).
+    devices: the cards the layers may be split over (--devices: "auto" or names, device.parse_devices); the first
+    replaces `device`; the plan splits only when one card cannot hold the model."""
     from .tuner.lora import attach, read_adapter
 
     read = [(read_adapter(d), float(s)) for d, s in adapters]
@@ -592,7 +599,8 @@ def load(model: str | Path, device: str = "auto", dtype: str = "auto", adapters=
     dt = resolve_dtype(dtype, dev)
     for d in devs or [dev]:
         check_kernels(d)
-    placement = plan_placement(path, dev, gpu_memory, batch, devs)  # refused here, in one line, before anything loads
+    # refused here, in one line, before anything loads
+    placement = plan_placement(path, dev, gpu_memory, batch, devs, batch_flag)
     streamed = placement.streamed if placement is not None else []
     layer_devices = None
     if placement is not None and len(placement.cards) > 1:

@@ -553,3 +553,16 @@ def test_an_adapter_scale_that_is_no_number_is_said_so(value, says):
     msg = assert_error(dgemma_process("run", "--model", "demo-sudoku", "--adapter", value, "hi"), 2, says)
     if "SCALE" in says:
         assert "no such" not in msg, msg
+
+
+def test_an_adapter_named_as_the_model_says_to_run_it_on_its_base(capsys):
+    """`dgemma list` shows demo-sudoku-lora: as --model it is not "not found" but an adapter, run on its base."""
+    msg = assert_error(cli(capsys, "run", "--model", "demo-sudoku-lora", "hi"), 2,
+                       "adapter", "--model demo --adapter demo-sudoku-lora")
+    assert "not in the store" not in msg and "no such" not in msg, msg
+
+
+def test_a_json_schema_file_that_is_not_json_is_named(capsys, tmp_path):
+    schema = tmp_path / "person.json"
+    schema.write_text("{bad")
+    assert_error(cli(capsys, "run", "--json-schema", str(schema), "hi"), 2, str(schema), "is not JSON")

@@ -129,6 +129,62 @@ def test_plan_of_two_cards_and_a_refusal(capsys):
     assert rc == 2 and "not a card dgemma knows" in err
 
 
+def test_a_size_under_the_floor_is_refused_in_mib(capsys):
+    rc, out, err = run_cli(["plan", "--gpu", "257MB"], capsys)
+    assert rc == 2 and err.count("\n") == 1 and "at least 256 MiB" in err, err  # 257 MB is under 256 MiB
+    assert run_cli(["plan", "--gpu", "256MiB", "--json"], capsys)[0] == 1  # the floor itself is a size
+
+
+@pytest.mark.parametrize("args, named, not_named", [
+    (["plan", "--model", "demo", "--gpu", "300MB", "--batch", "2"], ["--context", "--batch", "--quant", "--gpu"], []),
+    (["plan", "--model", "demo", "--gpu", "300MB"], ["--context", "--quant", "--gpu"], ["--batch"]),
+    (["run", "--gpu-memory", "300MB", "upper: hello diffusions"], ["--gpu-memory"], ["context", "--batch"]),
+    (["run", "--gpu-memory", "300MB", "--each-line", "--batch-size", "4"], ["--batch-size", "--gpu-memory"],
+     ["context"]),
+    (["chat", "--gpu-memory", "300MB", "--context", "64"], ["--gpu-memory"], ["context", "batch"]),
+    (["serve", "--port", "0", "--gpu-memory", "300MB"], ["--max-batch", "--gpu-memory"], ["context"]),
+])
+def test_a_card_too_small_names_the_commands_own_remedies(capsys, monkeypatch, args, named, not_named):
+    """What a refusal suggests is what that command can change: its batch flag, never a --context it lacks (or,
+    chat's, one its plan does not read)."""
+    import io
+
+    class Stdin(io.StringIO):
+        def isatty(self):
+            return args[0] == "chat"  # chat needs a terminal
+
+    monkeypatch.setattr(sys, "stdin", Stdin("upper: hello diffusions\n"))
+    if args[0] != "plan":
+        args = [args[0], "--model", "demo", "--device", "cpu", *args[1:]]
+    rc, out, err = run_cli(args, capsys)
+    assert rc == 1 and err.count("\n") == 1 and "does not fit" in err, err
+    assert out == "" or args[0] == "plan"  # plan's table says what does not fit
+    remedies = err.split("on the card (", 1)[1]
+    for flag in named:
+        assert flag in remedies, (flag, err)
+    for word in not_named:
+        assert word not in remedies, (word, err)
+
+
+def test_plan_plans_the_format_run_runs(capsys):
+    """A bf16 model on a card that FP8 would fit whole: run runs it bf16 (streaming), and so plan plans it."""
+    rc, out, err = run_cli(["plan", "--model", "demo-sudoku", "--gpu", "542.7MB", "--json"], capsys)
+    assert rc == 0, err
+    planned = json.loads(out)
+    ran = load("demo-sudoku", device="cpu", gpu_memory=parse_size("542.7MB")).model.placement
+    assert (planned["format"], planned["policy"], planned["streamed_layers"]) == (ran.fmt, ran.policy, ran.streamed)
+    assert planned["format"] == "bf16"
+
+
+def test_a_policy_that_does_not_apply_is_not_dropped_silently(capsys):
+    for extra in (["--quant", "bf16"], []):  # bf16 asked for, or the model's own format (bf16)
+        rc, out, err = run_cli(["plan", "--model", "demo-sudoku", "--gpu", "542.7MB", *extra, "--policy", "all"],
+                               capsys)
+        assert rc == 2 and out == "" and err.count("\n") == 1 and "--policy" in err and "bf16" in err, err
+    rc, out, err = run_cli(["plan", "--gpu", "H100", "--policy", "all"], capsys)  # --quant auto takes bf16 there
+    assert rc == 0 and out.startswith("format bf16") and err.count("\n") == 1 and "--policy all" in err, err
+
+
 def test_plan_with_named_cards_never_imports_torch():
     code = ("import sys\nfrom dgemma_cli.cli import main\ntry:\n    main(['plan', '--gpu', 'RTX 4080'])\n"
             "except SystemExit:\n    pass\nprint('torch' in sys.modules, file=sys.stderr)")

@@ -573,3 +573,18 @@ def test_plain_progress_and_the_answer_never_share_a_line_on_a_terminal(how):
     progress = [line for line in lines if "dgemma: canvas" in line]
     assert len(progress) >= 2, data  # several canvases, so the answer was mid-line when progress came
     assert all(line.startswith("dgemma: canvas") for line in progress), lines
+
+
+@pytest.mark.parametrize("regex, limit, satisfied", [("[A-Z ]{16}", 64, True), ("[A-Z]{40}", 2, False)])
+def test_run_json_marks_whether_a_structured_answer_was_completed(capsys, monkeypatch, regex, limit, satisfied):
+    """A structured answer cut short by --max-new-tokens is marked in the JSON object, as an interrupted one is."""
+    code, out, err = cli(capsys, monkeypatch, "run", *DEMO, "-q", "--json", "--regex", regex, "--max-new-tokens",
+                         str(limit), "upper: hello diffusions")
+    assert code == (0 if satisfied else 1), err
+    assert json.loads(out)["satisfied"] is satisfied
+    code, out, err = cli(capsys, monkeypatch, "run", *DEMO, "-q", "--json", "--each-line", "--regex", regex,
+                         "--max-new-tokens", str(limit), stdin="upper: hello diffusions\n")
+    assert code == (0 if satisfied else 1), err
+    assert json.loads(out)["satisfied"] is satisfied
+    code, out, err = cli(capsys, monkeypatch, "run", *DEMO, "-q", "--json", "upper: hello diffusions")
+    assert code == 0 and "satisfied" not in json.loads(out)  # no structure, nothing to satisfy

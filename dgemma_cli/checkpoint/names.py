@@ -151,7 +151,12 @@ def resolve(ref: str, demo: Path) -> Path:
     if ref in BUNDLED:
         return BUNDLED[ref]
     if looks_like_path(ref):
-        return Path(ref).expanduser()
+        path = Path(ref).expanduser()
+        if (path / ADAPTER_CONFIG).is_file() and not (path / "config.json").is_file():
+            _adapter_as_model(ref, path)
+        return path
+    if ref in BUNDLED_ADAPTERS:
+        _adapter_as_model(ref, BUNDLED_ADAPTERS[ref])
     m = STORE_NAME.match(ref)
     if not m:
         raise UsageError(f"{ref!r} is neither a model directory nor a store name ([OWNER/]NAME[:QUANT])")
@@ -163,6 +168,9 @@ def resolve(ref: str, demo: Path) -> Path:
     if len(found) > 1:
         names = ", ".join(e.name for e in found)
         raise UsageError(f"{ref} matches {len(found)} models in the store ({names}); add :QUANT to choose")
+    adapters = [e for e in find(ref) if (e.path / ADAPTER_CONFIG).is_file()]
+    if len(adapters) == 1:
+        _adapter_as_model(ref, adapters[0].path)
     repo = f"{m['owner']}/{m['name']}" if m["owner"] else None
     quant = f" --quant {m['quant']}" if m["quant"] else ""
     hint = f"`dgemma pull {repo}{quant}` downloads it" if repo else "`dgemma list` shows what is there"
@@ -176,6 +184,16 @@ BUNDLED_ADAPTERS_ABOUT = {
     "demo-sudoku-lora": ("demo", "teaches demo 4x4 sudoku (dgemma run --model demo --adapter demo-sudoku-lora "
                                  "\"sudoku: ..4./..../.2.1/3...\")"),
 }
+
+
+def _adapter_as_model(ref: str, directory: Path) -> None:
+    """Refuse a LoRA adapter given as --model, saying how it runs: on the base its adapter_config.json names."""
+    try:
+        base = json.loads((directory / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    base = base if isinstance(base, str) and base.strip() else "BASE"
+    raise UsageError(f"{ref} is a LoRA adapter, not a model: run it on its base model, --model {base} --adapter {ref}")
 
 
 def resolve_adapter(arg: str) -> tuple[Path, float]:

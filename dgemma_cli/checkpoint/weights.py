@@ -143,6 +143,15 @@ def read_quant_format(directory: Path, raw_config: dict) -> str | None:
     return None if fmt is None else fmt.label
 
 
+def stored_format(directory: Path, raw_config: dict) -> tuple[str, str | None]:
+    """What a checkpoint runs as, and so what its placement plans: its format's short name ('bf16' unquantized) and
+    what it quantizes (layout.stored_policy; None for bf16). `dgemma plan --model` plans the same."""
+    from .layout import stored_policy
+
+    fmt = read_quant_format(directory, raw_config) or "bf16"
+    return fmt, stored_policy(directory) if fmt != "bf16" else None
+
+
 def swap_quantized_modules(model: torch.nn.Module, records: dict[str, TensorRecord], prefix: str,
                            fmt: qformats.Format | None) -> dict[str, str]:
     """Replace (on the meta model) every projection and expert block the checkpoint holds quantized.

@@ -9,7 +9,7 @@ from typing import List, Optional
 import typer
 
 from ..errors import ModelError, UsageError
-from .options import QUIET_OPTION, be_quiet, gb, model_arg
+from .options import QUIET_OPTION, be_quiet, gb, model_arg, note
 
 
 def plan(
@@ -18,8 +18,9 @@ def plan(
     gpu: Optional[List[str]] = typer.Option(None, "--gpu", metavar="CARD|SIZE", help="A card by name (\"RTX 4080\", "
                                             "\"RTX 4060\", \"H100\"...) or a size (16GB); once per card. Default: "
                                             "this machine's first NVIDIA card."),
-    quant: str = typer.Option("auto", "--quant", help="auto (the least lossy format that fits without streaming, "
-                              "else nvfp4), bf16, fp8, int8 or nvfp4; a quantized --model keeps its own."),
+    quant: str = typer.Option("auto", "--quant", help="auto (a --model's own format, as `dgemma run` runs it; "
+                              "else the least lossy format that fits without streaming, else nvfp4), bf16, fp8, int8 "
+                              "or nvfp4; a quantized --model keeps its own."),
     policy: Optional[str] = typer.Option(None, "--policy", help="What fp8/int8/nvfp4 quantize: experts or all (+ "
                                          "attention, dense MLP); default as published: all for fp8/int8, experts "
                                          "for nvfp4. The step's bound is tabled for all, and for nvfp4 experts."),
@@ -32,6 +33,7 @@ def plan(
     """Plan a model onto cards: which layers' experts stay on the card and which stream from host memory, and what
     each card and the host must hold. Exit status 1 when it does not fit (said in one line)."""
     be_quiet(quiet)
+    from ..checkpoint.footprint import DEFAULT_POLICY
     from ..checkpoint.names import QUANTS
     from ..config import DIFFUSIONGEMMA_26B_A4B, ModelConfig
     from ..placement.cards import card
@@ -46,17 +48,25 @@ def plan(
     if (context is not None and context < 1) or batch < 1:
         raise UsageError("--context and --batch must be at least 1")
     cards = [card(g) for g in gpu or []]
+    stored = stored_policy = None  # a --model's own format and policy: what `dgemma run` runs (engine.load's plan)
     if model is None:
-        cfg, published = ModelConfig.from_dict(DIFFUSIONGEMMA_26B_A4B), None
+        cfg = ModelConfig.from_dict(DIFFUSIONGEMMA_26B_A4B)
     else:
         from ..checkpoint.names import resolve_model
-        from ..checkpoint.weights import read_quant_format
+        from ..checkpoint.weights import stored_format
 
         path = resolve_model(model_arg(model))
         cfg = ModelConfig.from_dir(path)
-        published = read_quant_format(path, cfg.raw)
+        stored, stored_policy = stored_format(path, cfg.raw)
+    published = stored if stored != "bf16" else None
     if published is not None and quant not in ("auto", published):
         raise UsageError(f"{model} is stored in {published}; plan it as it is (--quant auto or {published})")
+    if published is not None and policy not in (None, stored_policy):
+        raise UsageError(f"{model} is stored with --policy {stored_policy}; plan it as it is (no --policy, or "
+                         f"--policy {stored_policy})")
+    if policy is not None and (quant == "bf16" or quant == "auto" and stored == "bf16"):
+        raise UsageError(f"--policy {policy} is for fp8, int8 and nvfp4: bf16 quantizes nothing"
+                         + (f" ({model} is stored in bf16; --quant plans a quantized copy)" if quant == "auto" else ""))
     context = context or planned_context(cfg)
     if context > cfg.text.max_position_embeddings:
         raise UsageError(f"--context {context}: the model's context is {cfg.text.max_position_embeddings:,} tokens")
@@ -64,13 +74,19 @@ def plan(
         cards = [_local_card()]
     from ..checkpoint.footprint import system_free
 
-    fmt = published or (choose(cfg, cards, context, batch) if quant == "auto" else quant)
+    fmt = quant if quant != "auto" else stored or choose(cfg, cards, context, batch)
+    if fmt == "bf16" and policy is not None:  # --quant auto took bf16
+        note(f"--policy {policy} does not apply: --quant auto took bf16, which quantizes nothing")
+        policy = None
     if published is not None:  # what the checkpoint quantizes, as stored
-        from ..checkpoint.layout import stored_policy
-
-        policy = stored_policy(path)
-    p = make_plan(cfg, fmt, cards, context=context, batch=batch, policy=policy if fmt != "bf16" else None,
-                  host_free=system_free() or None)
+        policy = stored_policy
+    remedies = ["a shorter --context"] + (["a smaller --batch"] if batch > 1 else [])
+    if published is None and fmt != "nvfp4":
+        remedies.append("a smaller --quant")
+    elif published is None and (policy or DEFAULT_POLICY[fmt]) == "experts":
+        remedies.append("--policy all")
+    p = make_plan(cfg, fmt, cards, context=context, batch=batch, policy=policy, host_free=system_free() or None,
+                  remedies=remedies + ["a larger --gpu", "another --gpu"])
     from ..placement.bounds import no_bound, step_bounds
 
     # the tables hold the published 26B-A4B's layers: another model's shapes get no bound

@@ -264,7 +264,12 @@ def _structure(json_schema: Optional[str], regex: Optional[str], grammar: Option
             except (OSError, UnicodeDecodeError) as e:
                 raise UsageError(f"{flag} {value}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
         structure = Structure("json_schema" if flag == "--json-schema" else "grammar", source)
-    structure.check()  # UsageError in one line
+    try:
+        structure.check()  # UsageError in one line
+    except UsageError as e:
+        if flag == "--regex" or value == "-":
+            raise
+        raise UsageError(f"{flag} {value}: {e}") from None  # the file named
     return structure
 
 
@@ -348,6 +353,8 @@ def _answer_line(result, i: int, as_json: bool, prompt: Optional[str] = None) ->
             "tokens_per_forward": result.tokens_per_forward[i],
             "seconds": round(result.seconds, 4),
         })
+        if result.satisfied is not None:  # held to a structure: whether the answer completed it (false: cut short)
+            obj["satisfied"] = bool(result.satisfied[i])
         return json.dumps(obj, ensure_ascii=False) + "\n"
     out = result.texts[i]
     return out if out.endswith("\n") else out + "\n"
@@ -399,7 +406,7 @@ def _run_each_line(text: str, *, model, as_json: bool, batch_size: int, device: 
     from ..engine import load  # heavy: torch
 
     engine = load(model_dir, device=device, dtype=dtype, adapters=adapters, gpu_memory=gpu_memory,
-                  batch=batch_size, devices=devices)
+                  batch=batch_size, devices=devices, batch_flag="--batch-size")
     note_placement(engine)
     engine.set_compile_budget(*compile_budget)
     todo = [i for i, line in enumerate(lines) if line.strip()]

@@ -83,7 +83,7 @@ def parse_size(text: str, what: str = "--gpu-memory") -> int:
     scale = {"gib": GIB, "gb": GB, "g": GB, "mib": 2**20, "mb": 10**6, "m": 10**6}[unit]
     size = int(value * scale)
     if size < 256 * 2**20:
-        raise UsageError(f"{what} {text}: at least 256 MB")
+        raise UsageError(f"{what} {text}: at least 256 MiB")
     return size
 
 

@@ -16,6 +16,7 @@ hide behind. Everything is arithmetic on the config's shapes (checkpoint/footpri
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..checkpoint.footprint import (
@@ -157,12 +158,14 @@ def _gb(n: int) -> str:
 
 
 def plan(cfg: ModelConfig, fmt: str, cards: list[Card], context: int = 8192, batch: int = 1,
-         policy: str | None = None, host_free: int | None = None, fused_experts: bool = True) -> Plan:
+         policy: str | None = None, host_free: int | None = None, fused_experts: bool = True,
+         remedies: Sequence[str] = ()) -> Plan:
     """The placement of `cfg` in format `fmt` on `cards` (in order) at `context` tokens and `batch` rows.
 
     host_free: available host memory, bytes (None: not checked). fused_experts: the GPU's fused MoE kernels read
     quantized experts packed (False: one layer is unpacked at a time, as on the CPU). A plan that cannot hold says
-    so in `refusal`, one line, before anything loads."""
+    so in `refusal`, one line, before anything loads; a card too small ends it with `remedies`, what the caller can
+    change (its own flags: "a smaller --batch"), when there are any."""
     policy = policy or DEFAULT_POLICY[fmt]
     t = cfg.text
     L = t.num_hidden_layers
@@ -219,13 +222,18 @@ def plan(cfg: ModelConfig, fmt: str, cards: list[Card], context: int = 8192, bat
             need = c.fixed_bytes + 2 * expert
             p.refusal = (f"{fmt} at a {context:,}-token context does not fit on the {c.card.name} "
                          f"({_gb(c.card.memory)}) even with every layer's experts streamed: its share needs "
-                         f"{_gb(need)} on the card (a shorter context, a smaller format, or more card memory)")
+                         f"{_gb(need)} on the card" + (f" ({either(remedies)})" if remedies else ""))
             return p
     if host_free is not None and host + HOST_MARGIN > host_free:
         p.refusal = (f"{fmt} on the {' + '.join(c.card.name for c in placed)} streams {len(p.streamed)} layers' "
                      f"experts from host memory: {_gb(host)} pinned, but only {_gb(host_free)} is available "
                      f"({_gb(HOST_MARGIN)} is left to the rest); free memory, or plan for a larger card")
     return p
+
+
+def either(options: Sequence[str]) -> str:
+    """'a', 'a or b', 'a, b or c'."""
+    return " or ".join(filter(None, (", ".join(options[:-1]), options[-1]))) if options else ""
 
 
 def choose(cfg: ModelConfig, cards: list[Card], context: int = 8192, batch: int = 1) -> str:

@@ -178,7 +178,7 @@ def serve(model: str, *, host: str, port: int, api_key: str | None, max_batch: i
         raise UsageError(f"--adapter {model_id(model)}: the base model answers to that name already")
     engine = load(model, device=device, dtype=dtype, adapters=[(d, s) for _, d, s in adapters],
                   adapter_slots=list(range(1, len(adapters) + 1)) or None, gpu_memory=gpu_memory, devices=devices,
-                  batch=max_batch)
+                  batch=max_batch, batch_flag="--max-batch")
     if engine.tokenizer is None:
         raise ModelError(f"{engine.path}: no tokenizer.json: the server needs one to read text")
     from ..placement.plan import loaded_summary
