@@ -131,9 +131,14 @@ MUTATIONS: list[Mutation] = [
         f"{FAULTS_T}::test_a_chunked_body_over_the_limit_is_refused_while_it_is_read"),
     mutation(
         "body/parsed-in-the-server-process", "dgemma_cli/server/body.py",
-        'if data.count(b"{") + data.count(b"[") > MAX_BRACKETS_HERE:',
-        'if False and data.count(b"{") + data.count(b"[") > MAX_BRACKETS_HERE:',
+        "        return self.commas > MAX_COMMAS_HERE or self.brackets > MAX_BRACKETS_HERE\n",
+        "        return False\n",
         f"{FAULTS_T}::test_a_body_of_many_objects_is_parsed_in_the_helper_not_the_server"),
+    mutation(  # a flat array of millions of numbers is no container: only its value count stops it
+        "body/values-not-counted", "dgemma_cli/server/body.py",
+        "    if bare.count(b\",\") + 2 * containers + 1 > MAX_VALUES:\n",
+        "    if False:\n",
+        f"{FAULTS_T}::test_a_flood_of_flat_arrays_is_refused_unparsed_and_stalls_nobody"),
     # ------------------------------------------------------------------ Ollama's API (ollama_api.py)
     mutation(
         "ollama/system-ignored", OLLAMA,
@@ -268,6 +273,26 @@ MUTATIONS: list[Mutation] = [
         "        return self.ok and (self.ended or bool(self.auto.final[self.state]))",
         "        return False",
         f"{STRUCT_T}::test_the_search_puts_nothing_past_max_new_tokens"),
+    mutation(
+        "compile/one-worker-for-everyone", "dgemma_cli/structured/worker.py",
+        "        self._workers = [_Worker() for _ in range(max(1, workers))]\n",
+        "        self._workers = [_Worker()]\n",
+        "tests/test_structure_bounds.py::test_a_slow_compile_holds_one_worker_not_every_clients_structure"),
+    mutation(
+        "compile/too-long-compiled-anyway", "dgemma_cli/structured/worker.py",
+        "        if max_tokens is not None and not fits(shortest, max_tokens, self.token_chars):\n",
+        "        if False:\n",
+        "tests/test_structure_bounds.py::test_what_cannot_fit_max_tokens_is_refused_before_it_compiles"),
+    mutation(
+        "answer/structure-read-for-tool-calls", "dgemma_cli/server/answering.py",
+        "                         tools=prep.tools and not prep.structured)",
+        "                         tools=prep.tools)",
+        f"{TOOLS_T} -k its_word_whether_or_not_tools"),
+    mutation(
+        "constrain/date-time-left-to-outlines", "dgemma_cli/structured/structure.py",
+        '        if node.get("format") in _RFC3339 and kind in (None, "string"):\n',
+        '        if False:\n',
+        f"{STRUCT_T}::test_dates_and_times_are_held_as_rfc_3339_so_pydantic_parses_every_answer"),
     # ------------------------------------------------------------------ placement: streamed experts, split layers
     mutation(
         "placement/experts-run-before-their-copy-lands", STREAMING,
