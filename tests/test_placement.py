@@ -771,6 +771,53 @@ def test_tuning_with_streamed_experts_makes_the_resident_runs_adapter(tmp_path, 
     assert rc == 2 and err.count("\n") == 1 and "--no-gradient-checkpointing" in err
 
 
+def test_streamed_layers_compute_on_weights_aligned_as_the_resident_ones():
+    """The resident load views the mapped file, whose tensors start wherever its header put them; each streamed
+    layer's copy sits in its buffer at the same offset modulo 64 bytes (checkpoint/weights.py ALIGN), its host copy
+    too. A BLAS kernel's path, and so its bits, can depend on where its operands start (MKL's SSE4.2 kernels do), and
+    so does grouped_linear's (torch's grouped matmul takes 16-byte-aligned operands only)."""
+    from dgemma_cli.checkpoint.names import DEMO_MODEL
+
+    ALIGN = 64
+    resident = load("demo", device="cpu")
+    streamed = load("demo", device="cpu", gpu_memory=streaming_memory(DEMO_MODEL, resident=0))
+    stream = streamed.model.expert_streams[0]
+    assert stream.layers == list(range(streamed.config.text.num_hidden_layers))
+    offsets = set()
+    for i in stream.layers:
+        ours = dict(streamed.model.layers[i].experts.named_parameters())
+        for name, t in resident.model.layers[i].experts.named_parameters():
+            at = t.data_ptr() % ALIGN
+            offsets.add(at)
+            assert (ours[name].data_ptr() % ALIGN, stream.host[i][name].data_ptr() % ALIGN) == (at, at), (i, name)
+    assert len(offsets) > 1  # the demo's experts start at several offsets (0 alone would check nothing)
+    prompt = "upper: hello diffusions"
+    assert streamed.generate(prompt, seed=0).token_ids == resident.generate(prompt, seed=0).token_ids
+
+
+def test_tuning_the_default_targets_with_every_layer_streamed_makes_the_resident_runs_adapter(tmp_path):
+    """No adapter on the experts: they compute on their weights as stored (not on a fold, a new tensor), and the
+    adapter is bit for bit the resident run's all the same, also with MKL's SSE4.2 kernels, whose sums depend on
+    their operands' alignment (in a process of its own: MKL reads MKL_ENABLE_INSTRUCTIONS once). With the streamed
+    copies at offsets of their own every tensor differed there, by an ulp or so."""
+    from test_tune import UPPER, adapter_tensors, tune_args, write_jsonl
+
+    from dgemma_cli.checkpoint.names import DEMO_MODEL
+
+    data = write_jsonl(tmp_path / "d.jsonl", UPPER)
+    size = f"{streaming_memory(DEMO_MODEL, resident=0) / 1e6:.6f}MB"
+    runs = [tune_args(data, tmp_path / "a", "--seed", "3"),
+            tune_args(data, tmp_path / "b", "--seed", "3", "--gpu-memory", size)]
+    code = (f"from dgemma_cli.cli import main\nfor args in {runs!r}:\n    try:\n        main(args)\n"
+            "    except SystemExit as e:\n        assert not e.code, e\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"})
+    assert p.returncode == 0, p.stderr
+    a, b = adapter_tensors(tmp_path / "a"), adapter_tensors(tmp_path / "b")
+    assert len(a) == 108 and a.keys() == b.keys()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
 @pytest.mark.gpu
 def test_on_two_gpus_a_split_gives_the_resident_runs_tokens():
     """Two real cards: the layers split (each card's share on it, with its own streamed layers), the tokens of one

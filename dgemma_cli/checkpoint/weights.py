@@ -19,6 +19,7 @@ which are stacked into [E, ...] buffers on load.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +69,20 @@ def index_checkpoint(directory: Path) -> dict[str, TensorRecord]:
     return records
 
 
+ALIGN = 64  # torch's own CPU allocations start at a multiple of this many bytes; a view of a mapped file need not
+
+
+def empty_at(shape, dtype: torch.dtype, offset: int = 0, pin_memory: bool = False) -> torch.Tensor:
+    """A new contiguous tensor whose data starts `offset` bytes (a multiple of dtype's size) past a multiple of
+    ALIGN, as a view of a mapped file may (`MappedFiles.offset`)."""
+    if not offset:
+        return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
+    n = math.prod(shape) * dtype.itemsize
+    raw = torch.empty(n + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
+    skip = (offset - raw.data_ptr()) % ALIGN
+    return raw[skip : skip + n].view(dtype).view(shape)
+
+
 class MappedFiles:
     """Keeps each checkpoint file memory-mapped (private, copy-on-write) while tensors are viewed from it."""
 
@@ -89,6 +104,13 @@ class MappedFiles:
         if raw.storage_offset() % itemsize:  # unaligned data: one copy for this tensor only
             raw = raw.clone()
         return raw.view(rec.dtype).view(rec.shape)
+
+    def offset(self, rec: TensorRecord) -> int:
+        """Where `tensor(rec)`'s data starts, modulo ALIGN (0 where it is a copy): the file maps at a page, so the
+        view sits wherever the header put it."""
+        if rec.start % rec.dtype.itemsize:
+            return 0
+        return self.bytes_of(rec).data_ptr() % ALIGN
 
 
 def read_into(rec: TensorRecord, out: torch.Tensor, chunk_bytes: int = 64 << 20) -> torch.Tensor:
@@ -287,18 +309,22 @@ def load_model(directory: Path, device: str | torch.device = "cpu", dtype: torch
     for name, parts in plan.items():
         meta = expected[name]
         want = meta.dtype if name in packed else dtype
-        if name.startswith(host_prefixes):
-            # a streamed layer's experts: read from the files into host memory the store owns (pinned on CUDA), one
-            # copy, never a mapping (its pages would be a second copy of what the store holds) nor the device
-            t = torch.empty(meta.shape, dtype=want, pin_memory=pin)
-            for rec, idx in parts:
-                read_into(rec, t[idx] if idx is not None else t)
-            state[name] = t
-            continue
         target = device
         if layer_devices is not None and name.startswith("layers."):
             target = layer_devices[int(name.split(".")[1])]
         zero_copy = torch.device(target).type == "cpu"
+        if name.startswith(host_prefixes):
+            # a streamed layer's experts: read from the files into host memory the store owns (pinned on CUDA), one
+            # copy, never a mapping (its pages would be a second copy of what the store holds) nor the device. On the
+            # CPU it starts where the resident load's view of the mapped file would (modulo ALIGN), and the layer
+            # buffers take each layer's copy at that offset too (placement/streaming.py): the experts' matmuls get
+            # operands aligned as the resident run's, which can choose a BLAS kernel's path and so its bits
+            viewed = zero_copy and parts[0][1] is None and parts[0][0].dtype == want
+            t = empty_at(meta.shape, want, files.offset(parts[0][0]) if viewed else 0, pin_memory=pin)
+            for rec, idx in parts:
+                read_into(rec, t[idx] if idx is not None else t)
+            state[name] = t
+            continue
         if parts[0][1] is not None:  # stacked from per-expert pieces
             t = torch.empty(meta.shape, dtype=want, device=target)
             for rec, idx in parts:

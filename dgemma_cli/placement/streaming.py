@@ -20,7 +20,9 @@ Two ways to copy (a `Copier`):
   backward pass reads a layer's experts after its forward hooks have run, and recomputes them in reverse order.
 
 Either way the tokens are the resident run's, bit for bit (tests/test_placement.py: every format, an adapter on the
-experts, and copiers that land copies as late or as early as the ordering allows). The first-use check on CUDA runs
+experts, and copiers that land copies as late or as early as the ordering allows), and so is a tune's adapter. Each
+layer's copy lands in its buffer at its host tensor's offset modulo ALIGN, which on the CPU is the resident load's
+(`_offset`): where an operand starts can choose a BLAS kernel's path, and so its bits. The first-use check on CUDA runs
 two streamed layers that share a buffer both ways and compares; if they differ it says so in one line and waits.
 """
 
@@ -31,6 +33,7 @@ import sys
 
 import torch
 
+from ..checkpoint.weights import ALIGN
 from .plan import buffer_order
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (destination in a layer buffer, source in host memory)
@@ -39,6 +42,14 @@ Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (destination in a layer buffe
 def _owner(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
     parent, _, leaf = name.rpartition(".")
     return (module.get_submodule(parent) if parent else module), leaf
+
+
+def _at(buffer: torch.Tensor, like: torch.Tensor, offset: int) -> torch.Tensor:
+    """A view of flat `buffer` shaped and strided as `empty_like(like)` would be, starting `offset` bytes past a
+    multiple of ALIGN (the buffer holds ALIGN bytes more than `like`)."""
+    skip = (offset - buffer.data_ptr()) % ALIGN // buffer.element_size()
+    strides = torch.empty_like(like, device="meta").stride()
+    return buffer.as_strided(like.shape, strides, buffer.storage_offset() + skip)
 
 
 class Copier:
@@ -100,7 +111,8 @@ class ExpertStream:
         self.device = torch.device(device)
         self.copier = copier or (CudaCopier(self.device) if self.device.type == "cuda" else Copier())
         self.host: dict[int, dict[str, torch.Tensor]] = {}  # layer -> tensor name (in its experts module) -> host copy
-        self.buffers: list[dict[str, torch.Tensor]] = [{}, {}]
+        self.buffers: list[dict[str, torch.Tensor]] = [{}, {}]  # name -> the buffer's storage (flat, ALIGN bytes spare)
+        self.views: dict[int, dict[str, torch.Tensor]] = {}  # layer -> name -> where its copy goes in its buffer
         self.holds: list[int | None] = [None, None]  # the layer each buffer holds, or will once its copy lands
         self.pending: list = [None, None]  # the copy into each buffer not yet waited for (copy_later's token)
         self.copies = 0  # layers copied in so far (what the tests count)
@@ -111,28 +123,42 @@ class ExpertStream:
             # every name a tensor is held under (a tensor two projections share is repointed under both)
             tensors = {**dict(experts.named_parameters(remove_duplicate=False)),
                        **dict(experts.named_buffers(remove_duplicate=False))}
-            buffer = self.buffers[self.buffer_of[i]]
+            first = self.host.get(self.first[self.buffer_of[i]])  # the host tensors of the buffer's first layer
             host = {}
             for name, t in tensors.items():
                 src = t.detach()
                 if src.device.type != "cpu":
                     raise ValueError(f"layer {i}'s experts were loaded onto {src.device}, not host memory")
-                host[name] = src.pin_memory() if pin and not src.is_pinned() else src
-                if name not in buffer:
-                    buffer[name] = torch.empty_like(src, device=self.device)
-                elif buffer[name].shape != src.shape or buffer[name].dtype != src.dtype:
+                if first is not None and (first[name].shape, first[name].dtype) != (src.shape, src.dtype):
                     raise ValueError(f"layer {i}'s experts differ in shape from the other streamed layers' ({name})")
-                owner, leaf = _owner(experts, name)
-                if leaf in owner._parameters:
-                    owner._parameters[leaf] = torch.nn.Parameter(buffer[name], requires_grad=False)
-                else:
-                    owner._buffers[leaf] = buffer[name]
+                host[name] = src.pin_memory() if pin and not src.is_pinned() else src
             self.host[i] = host
+        for i in self.layers:
+            buffer, self.views[i] = self.buffers[self.buffer_of[i]], {}
+            for name, src in self.host[i].items():
+                if name not in buffer:
+                    buffer[name] = torch.empty(src.numel() + ALIGN // src.element_size(), dtype=src.dtype,
+                                               device=self.device)
+                view = self.views[i][name] = _at(buffer[name], src, self._offset(src))
+                owner, leaf = _owner(model.layers[i].experts, name)
+                if leaf in owner._parameters:
+                    owner._parameters[leaf] = torch.nn.Parameter(view, requires_grad=False)
+                else:
+                    owner._buffers[leaf] = view
+            experts = model.layers[i].experts
             self._hooks.append(experts.register_forward_pre_hook(lambda module, args, i=i: self.before_experts(i)))
             # layer i has run when the next layer's first norm starts (the final norm after the last layer)
             following = model.layers[i + 1].input_layernorm if i + 1 < len(model.layers) else model.norm
             self._hooks.append(following.register_forward_pre_hook(lambda module, args, i=i: self.after_layer(i)))
         model.pass_hooks.append(self)
+
+    def _offset(self, src: torch.Tensor) -> int:
+        """Where a layer's copy of `src` starts in its buffer, modulo ALIGN: on the CPU where its host tensor starts,
+        which the loader placed where the resident load's view of the mapped file starts (checkpoint/weights.py
+        load_model); on a card at the start, as a resident layer's tensors are fresh allocations there. So the
+        experts' matmuls get operands aligned as the resident run's: a BLAS kernel's path can depend on it (and so
+        its bits), and so does grouped_linear's (model.py)."""
+        return src.data_ptr() % ALIGN if self.device.type == "cpu" else 0
 
     # ------------------------------------------------------------------ the schedule
 
@@ -141,8 +167,8 @@ class ExpertStream:
         return self.copier.overlaps and not torch.is_grad_enabled()
 
     def _pairs(self, layer: int) -> Pairs:
-        buffer = self.buffers[self.buffer_of[layer]]
-        return [(buffer[name], src) for name, src in self.host[layer].items()]
+        views = self.views[layer]
+        return [(views[name], src) for name, src in self.host[layer].items()]
 
     def _copy_ahead(self, layer: int) -> None:
         b = self.buffer_of[layer]
