@@ -241,6 +241,11 @@ MUTATIONS: list[Mutation] = [
         "    return [examples[i] for i in order], [examples[i] for i in order[:n]]",
         f"{TUNE_T}::test_held_out_examples_are_never_trained_on"),
     mutation(
+        "tune/out-written-over", "dgemma_cli/cli/tune.py",
+        "        there = [] if restart else others_in(out_dir)\n",
+        "        there = []\n",
+        f"{TUNE_T}::test_an_out_holding_another_adapter_is_refused_unless_restart"),
+    mutation(
         "tune/exact-rate-hard-coded", TUNE,
         "            exact = sum(t.strip() == ex.text.strip() for t, ex in zip(res.texts, shown)) / len(shown)",
         "            exact = 1.0",
@@ -312,6 +317,18 @@ MUTATIONS: list[Mutation] = [
         "    after = {i: next(j for j in layers[k + 1 :] + layers[: k + 1] if buffer_of[j] == buffer_of[i])",
         "    after = {i: next(j for j in layers[k + 1 :] + layers[: k + 1] if buffer_of[j] != buffer_of[i])",
         f"{PLACEMENT_T}::test_copies_ahead_of_their_layer_give_the_resident_runs_tokens[early]"),
+    mutation(
+        "placement/streamed-copies-at-the-buffers-start", STREAMING,
+        '        return src.data_ptr() % ALIGN if self.device.type == "cpu" else 0\n',
+        "        return 0\n",
+        f"{PLACEMENT_T}::test_streamed_layers_compute_on_weights_aligned_as_the_resident_ones",
+        f"{PLACEMENT_T}::test_tuning_the_default_targets_with_every_layer_streamed_makes_the_resident_runs_adapter"),
+    mutation(
+        "placement/host-copies-at-offsets-of-their-own", "dgemma_cli/checkpoint/weights.py",
+        "            t = empty_at(meta.shape, want, files.offset(parts[0][0]) if viewed else 0, pin_memory=pin)\n",
+        "            t = torch.empty(meta.shape, dtype=want, pin_memory=pin)\n",
+        f"{PLACEMENT_T}::test_streamed_layers_compute_on_weights_aligned_as_the_resident_ones",
+        f"{PLACEMENT_T}::test_tuning_the_default_targets_with_every_layer_streamed_makes_the_resident_runs_adapter"),
     mutation(
         "placement/hidden-state-left-on-the-first-card", "dgemma_cli/model.py",
         "            if split is not None:  # onto the layer's device\n                x = split.enter(i, x)\n"

@@ -70,6 +70,33 @@ def test_tune_trains_repeats_and_resumes_exactly(tmp_path, capsys, monkeypatch):
     assert len(err) == 1 and "another base ('demo', now 'demo-sudoku')" in err[0], err
 
 
+def test_an_out_holding_another_adapter_is_refused_unless_restart(tmp_path, capsys):
+    """An --out that holds files but no stopped tune (an adapter another run made) is refused in one line, before
+    anything loads, and nothing in it is touched; --restart writes the adapter there, an empty directory is written
+    into, and a directory a tune left resumes."""
+    data = write_jsonl(tmp_path / "d.jsonl", UPPER)
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "adapter_model.safetensors").write_bytes(b"an adapter tuned for days")
+    (out / "adapter_config.json").write_text("{}")
+    (out / "README.md").write_text("notes")
+    kept = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}
+    capsys.readouterr()
+    assert run_main(tune_args(data, out)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and f"--out {out}" in err, err
+    assert "README.md, adapter_config.json, adapter_model.safetensors" in err and "--restart" in err, err
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == kept  # no .tune either
+    assert run_main(tune_args(data, out, "--steps", "1", "--restart")) == 0
+    assert adapter_tensors(out) and (out / "README.md").read_text() == "notes"
+    capsys.readouterr()
+    assert run_main(tune_args(data, out, "--steps", "2")) == 0  # its own state now: resumed, not refused
+    assert "resuming" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run_main(tune_args(data, empty, "--steps", "1")) == 0 and adapter_tensors(empty)
+
+
 def test_bad_jsonl_lines_are_named_and_nothing_is_trained(tmp_path, capsys):
     cases = {"not json": (["{oops"], ":2: not JSON"),
              "no answer": ([{"prompt": "x"}], ':2: "completion" must be a string'),

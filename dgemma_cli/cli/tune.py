@@ -32,7 +32,8 @@ def tune(
                                "{\"messages\": [...]}, {\"prompt\", \"completion\"} or "
                                "{\"prefix\", \"middle\", \"suffix\"}."),
     out: str = typer.Option(..., "--out", "-o", metavar="DIR", help="Where the adapter goes (PEFT's format); its "
-                            "state in DIR/.tune lets a stopped run resume."),
+                            "state in DIR/.tune lets a stopped run resume. A DIR that holds files but no stopped run "
+                            "(another adapter) is refused, unless --restart."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     eval_file: Optional[str] = typer.Option(None, "--eval", metavar="FILE", help="Held-out examples (JSONL) for "
                                             "the held-out loss and exact-answer rate; default: --held-out of DATA."),
@@ -58,7 +59,8 @@ def tune(
     checkpoint_every: int = typer.Option(100, "--checkpoint-every", help="Steps between saved states."),
     raw: bool = typer.Option(False, "--raw", help="Prompts of prompt/completion lines as raw text (no chat "
                              "template)."),
-    restart: bool = typer.Option(False, "--restart", help="Start over even if DIR holds a stopped run's state."),
+    restart: bool = typer.Option(False, "--restart", help="Start over even if DIR holds a stopped run's state, "
+                                 "and write the adapter into a DIR that holds other files (over any adapter there)."),
     checkpointing: bool = typer.Option(True, "--gradient-checkpointing/--no-gradient-checkpointing",
                                        help="Recompute each layer's feed-forward stage in the backward pass instead "
                                        "of keeping it (less memory, about a third more compute; the same adapter)."),
@@ -96,6 +98,19 @@ def tune(
         raise UsageError("--lr must be in (0, 1) and --alpha positive")
     if not Path(data).is_file():
         raise UsageError(f"{data}: no such file")
+    out_dir = Path(out).expanduser()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UsageError(f"--out {out}: not a directory")
+    from ..tuner.tune import others_in
+
+    try:
+        there = [] if restart else others_in(out_dir)
+    except OSError as e:
+        raise UsageError(f"--out {out}: cannot read it ({e.strerror or e})") from None
+    if there:  # as quantize refuses an --out that exists: nothing there is written over unasked
+        names = ", ".join(there[:3]) + (f" and {len(there) - 3} more" if len(there) > 3 else "")
+        raise UsageError(f"--out {out} holds {names} and no stopped tune to resume: choose another --out, or "
+                         "--restart to write the adapter there (over any adapter it holds)")
     be_quiet(quiet)
     model_dir = model_arg(model, quiet)
     from ..engine import load
@@ -114,9 +129,6 @@ def tune(
     read = dict(raw=settings.raw, held_tokens=settings.held_tokens)
     examples = read_examples(Path(data), engine.tokenizer, C, **read)  # the whole file, before any training
     held = read_examples(Path(eval_file), engine.tokenizer, C, **read) if eval_file else None
-    out_dir = Path(out).expanduser()
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UsageError(f"--out {out}: not a directory")
     state = None if restart else load_state(out_dir)
     from ..tuner.lora import AdapterError
 
@@ -152,7 +164,8 @@ def tune(
         tuner.run()
     except KeyboardInterrupt:
         kept = f"the state at step {tuner.saved} is kept" if tuner.saved else "no state was saved yet"
-        raise Interrupted(f"interrupted; {kept}: run the same command again to resume") from None
+        again = "the same command without --restart" if restart else "the same command again"
+        raise Interrupted(f"interrupted; {kept}: run {again} to resume") from None
     note(f"adapter written to {out_dir} (run it: dgemma run --model {model or 'demo'} --adapter {out_dir} ...)")
 
 

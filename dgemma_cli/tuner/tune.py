@@ -17,7 +17,8 @@ Data (JSONL, one example per line; a line that is not one of these stops the run
 State: OUT/.tune/state.pt (the adapter, the optimiser, the step, every random generator), replaced atomically every
 --checkpoint-every steps; a run started again on the same OUT with the same settings resumes from it exactly (the
 same losses as an uninterrupted run). The adapter itself goes to OUT in PEFT's format at each checkpoint and at the
-end.
+end. An OUT that holds other files and no such state (an adapter another run made) is refused (`others_in`) unless
+the run is told to start over (--restart).
 """
 
 from __future__ import annotations
@@ -254,6 +255,15 @@ def save_state(out: Path, state: dict) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def others_in(out: Path) -> list[str]:
+    """The names of what OUT holds when it holds no stopped tune to resume (OUT/.tune/state.pt), a tune's own state
+    directory aside: what a tune there would write beside, or over (an adapter another run made). [] where OUT does
+    not exist, is empty or holds a stopped tune."""
+    if not out.is_dir() or (out / STATE_DIR / STATE).is_file():
+        return []
+    return sorted(p.name for p in out.iterdir() if p.name != STATE_DIR)
 
 
 def load_state(out: Path) -> dict | None:
