@@ -164,7 +164,8 @@ def tune(
         tuner.run()
     except KeyboardInterrupt:
         kept = f"the state at step {tuner.saved} is kept" if tuner.saved else "no state was saved yet"
-        again = "the same command without --restart" if restart else "the same command again"
+        # (with --restart and nothing saved yet, DIR still holds the state it started over from)
+        again = "the same command without --restart" if restart and tuner.saved else "the same command again"
         raise Interrupted(f"interrupted; {kept}: run {again} to resume") from None
     note(f"adapter written to {out_dir} (run it: dgemma run --model {model or 'demo'} --adapter {out_dir} ...)")
 
