@@ -468,7 +468,8 @@ def test_pull_of_a_lora_adapter_stores_it_as_published(fake_hub, checkpoints, tm
     assert run_main(["pull", "acme/tiny-lora"]) == 0
     assert "already in the store" in capsys.readouterr().err
     assert run_main(["run", "hi", "--model", "acme/tiny-lora", "--device", "cpu"]) != 0  # not a model
-    assert "not in the store" in one_error_line(capsys)
+    assert one_error_line(capsys).endswith(f"acme/tiny-lora is a LoRA adapter, not a model: run it on its base "
+                                           f"model, --model {REPO} --adapter acme/tiny-lora")
 
 
 def test_pull_auto_on_a_card_too_small_plans_streamed_experts(served, monkeypatch, capsys, checkpoints):
