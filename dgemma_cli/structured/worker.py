@@ -34,6 +34,7 @@ from collections import OrderedDict
 from typing import Callable
 
 from ..errors import UsageError
+from .structure import shortest_chars, unanchored
 
 DEFAULT_SECONDS = 30.0  # a structure's compile time budget (--compile-timeout)
 DEFAULT_MEMORY = 4 << 30  # each worker's resident memory budget, bytes (--compile-memory)
@@ -307,6 +308,9 @@ class StructureCompiler:
             self._waiting += 1
         try:
             structure.check_size()  # the rest of the checks run in the worker, under its budget
+            if structure.kind == "regex" and max_tokens is not None:  # an expression's (a choice's) shortest match
+                # is read here, in Python's linear parser, so that one too long waits for no worker
+                self._check_fits(shortest_chars(unanchored(structure.source)), max_tokens)
             request = ("compile", structure.kind, structure.source, max_tokens)
             kind, result, shortest = self._in_worker(request, cancelled, key)
             with self._cache_lock:
