@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 
@@ -360,10 +361,14 @@ def test_json_object_streamed_and_cut_short(random_server):
             reasons.append(c.choices[0].finish_reason)
     # a whole JSON object (it may end where max_tokens does: "length", as OpenAI says when the limit is reached)
     assert isinstance(json.loads(text), dict) and reasons[-1] in ("stop", "length")
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMAS["object"]}}
+    # its shortest answer (21 characters) could fit 5 tokens of this vocabulary (at most 5 characters each), not 3
+    with pytest.raises(openai.BadRequestError, match="shortest answer is 21 characters"):
+        client.chat.completions.create(model=random_server.id, messages=[{"role": "user", "content": "json"}],
+                                       max_tokens=3, seed=0, response_format=fmt, extra_body={"steps": 4})
     short = client.chat.completions.create(
-        model=random_server.id, messages=[{"role": "user", "content": "json"}], max_tokens=3, seed=0,
-        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMAS["object"]}},
-        extra_body={"steps": 4})
+        model=random_server.id, messages=[{"role": "user", "content": "json"}], max_tokens=5, seed=0,
+        response_format=fmt, extra_body={"steps": 4})
     assert short.choices[0].finish_reason == "length"  # the schema did not fit: said, not returned as if whole
     with pytest.raises(json.JSONDecodeError):
         json.loads(short.choices[0].message.content)
