@@ -620,6 +620,10 @@ def load(model: str | Path, device: str = "auto", dtype: str = "auto", adapters=
                 net.expert_streams.append(stream)
     net.placement = placement
     attach(net, read, adapter_slots)
+    from .doctor.first_use import first_use
+
+    notes = [first_use(d, path, dt, adapters=bool(read)) for d in dict.fromkeys(devs or [dev])]
+    net.kernel_note = "; ".join(n for n in notes if n) or None  # said by the command that loaded it
     if dev.type == "cpu":  # no more threads than usable cores, one for a demo-size model (see device.py)
         fit_cpu_threads(small=cfg.canvas_length * cfg.text.vocab_size < SMALL_STEP)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .kernels.probe import TOL, register
+from .kernels.probe import TOL, measured, register
 
 # Each builds its problem on the CPU from its own seeded generator (torch's global generator is left alone: it
 # drives the sampler's reproducible draws), moves it to the device, and returns None or a short mismatch reason.
@@ -19,6 +19,7 @@ def _rel_error(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> str 
     if got.shape != ref.shape or not torch.isfinite(got).all():
         return f"shape {tuple(got.shape)} or non-finite values"
     err = ((got.double() - ref.double()).abs().max() / ref.double().abs().max().clamp(min=1e-30)).item()
+    measured.append(err / TOL[dtype])  # what `dgemma doctor` reports: the error as a fraction of its tolerance
     return None if err <= TOL[dtype] else f"relative error {err:.1e} > {TOL[dtype]:.0e} in {str(dtype)[6:]}"
 
 

@@ -298,6 +298,17 @@ MUTATIONS: list[Mutation] = [
         '        if node.get("format") in _RFC3339 and kind in (None, "string"):\n',
         '        if False:\n',
         f"{STRUCT_T}::test_dates_and_times_are_held_as_rfc_3339_so_pydantic_parses_every_answer"),
+    # ------------------------------------------------------------------ dgemma doctor (dgemma_cli/doctor, verdicts)
+    mutation(  # a kernel wrong on this "card" (the interpreter): the doctor must catch it and turn it off
+        "doctor/norm-kernel-off-by-one-column", "quant/kernels/rmsnorm.py",
+        "        a = _round(a + a2, dt, EMULATE)\n    rstd = 1.0 / tl.sqrt(tl.sum(a * a, axis=1) / D + eps)\n",
+        "        a = _round(a + a2, dt, EMULATE)\n    rstd = 1.0 / tl.sqrt(tl.sum(a * a, axis=1) / (D + 1) + eps)\n",
+        "tests/test_doctor.py::test_the_doctor_reports_every_family_and_says_what_it_did_not_run"),
+    mutation(
+        "doctor/kept-verdict-ignored", "quant/kernels/probe.py",
+        "    kept = kept_verdicts(device).get(verdict_name(family, dtype))\n",
+        "    kept = None\n",
+        "tests/test_doctor.py::test_a_wrong_kernel_is_caught_turned_off_kept_and_the_run_after_gives_the_torch_tokens"),
     # ------------------------------------------------------------------ placement: streamed experts, split layers
     mutation(
         "placement/experts-run-before-their-copy-lands", STREAMING,

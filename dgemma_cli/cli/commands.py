@@ -46,7 +46,7 @@ def _root(
 
 # The commands, in the order `dgemma --help` lists them. Each module imports only light things at its top: torch and
 # the engine are imported inside a command, after its flags are checked.
-from . import bench, chat, fim, models, plan, run, serve, tune  # noqa: E402
+from . import bench, chat, doctor, fim, models, plan, run, serve, tune  # noqa: E402
 
 app.command()(run.run)
 app.command()(chat.chat)
@@ -62,6 +62,7 @@ app.command()(models.rm)
 app.command()(models.quantize)
 app.command()(plan.plan)
 app.command()(bench.bench)
+app.command()(doctor.doctor)
 
 
 def _click_exceptions():

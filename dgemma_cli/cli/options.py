@@ -172,6 +172,8 @@ def note_placement(engine) -> None:
     said = loaded_summary(engine.model)
     if said:
         note(said)
+    if getattr(engine.model, "kernel_note", None):  # the kernels checked on a card met for the first time
+        note(engine.model.kernel_note)
 
 
 def gb(n: int) -> str:

@@ -185,6 +185,8 @@ def serve(model: str, *, host: str, port: int, api_key: str | None, max_batch: i
 
     if said := loaded_summary(engine.model):  # experts streamed, layers split: said once, at the start
         note(said)
+    if getattr(engine.model, "kernel_note", None):  # the kernels checked on a card met for the first time
+        note(engine.model.kernel_note)
     engine.set_compile_budget(*compile_budget)  # each structure a client sends: structured/worker.py
     if engine.model.device.type == "cuda" and prefix_cache_bytes:  # the stored prompts live on the GPU: never more
         import torch

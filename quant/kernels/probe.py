@@ -8,9 +8,11 @@ error included) or disagrees beyond the kernel tests' tolerances (tests/test_ker
     dgemma: the Triton <family> kernel <failed to compile|failed to run|disagrees with the torch path> on this GPU
     (<short reason>); using the torch path
 
-and the family answers False for the rest of the process: its modules take the torch path, nothing crashes.
-On the CPU nothing is probed (the interpreter runs the kernels only in tests, which check them); `check` runs a
-probe directly on any device.
+and the family answers False for the rest of the process: its modules take the torch path, nothing crashes. The
+verdict is kept for the card (verdicts.py), so later processes on it read it instead of probing, and so is every
+verdict `dgemma doctor` reaches. On the CPU nothing is probed (the interpreter runs the kernels only in tests, which
+check them), but a verdict kept for it (the doctor runs there too) is followed; `check` runs a probe directly on
+any device.
 
 Not during a CUDA-graph capture: a probe synchronizes with the host, which a capture forbids. A family not yet
 probed when a capture asks gets the torch path inside that capture, and nothing is recorded, so it is probed at its
@@ -31,6 +33,7 @@ FAMILIES = ("nvfp4_linear", "nvfp4_w4a4", "int8_linear", "moe_nvfp4", "moe_nvfp4
 TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 2e-3}  # max |kernel - ref| / max |ref|
 
 _ok: dict[tuple[str, int, torch.dtype], bool] = {}  # (family, device index, dtype) -> verdict, this process
+measured: list[float] = []  # each comparison's relative error over its tolerance, since `check` last began
 
 
 def needs_probe(device: torch.device) -> bool:
@@ -39,17 +42,24 @@ def needs_probe(device: torch.device) -> bool:
 
 
 def family_ok(family: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether `family`'s Triton kernel may run on `device` for inputs of `dtype` (see the module docstring)."""
+    """Whether `family`'s Triton kernel may run on `device` for inputs of `dtype` (see the module docstring): a
+    verdict kept for this card (verdicts.py: by `dgemma doctor`, or by an earlier process's probe) if there is one,
+    else the probe's, kept for the next process."""
     if family not in FAMILIES:
         raise ValueError(f"unknown kernel family {family!r}")
-    if not needs_probe(device):
-        return True
     index = device.index
     if index is None:
-        index = torch.cuda.current_device() if device.type == "cuda" else 0
+        index = torch.cuda.current_device() if device.type == "cuda" else -1
     key = (family, index, dtype)
     if key in _ok:
         return _ok[key]
+    kept = kept_verdicts(device).get(verdict_name(family, dtype))
+    if kept is not None:
+        _ok[key] = kept["ok"]
+        return _ok[key]
+    if not needs_probe(device):
+        _ok[key] = True
+        return True
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return False  # not probed yet: the torch path for this capture, the probe at the next eager use
     _ok[key] = True  # while the probe runs the family's own entry point (fused_experts asks again) runs the kernel
@@ -61,12 +71,45 @@ def family_ok(family: str, device: torch.device, dtype: torch.dtype = torch.bflo
     if reason is not None:
         _ok[key] = False
         print(f"dgemma: the Triton {family} kernel {reason}; using the torch path", file=sys.stderr)
+    keep(device, {verdict_name(family, dtype): {"ok": reason is None, "why": reason or "", "error": None}})
     return _ok[key]
+
+
+def verdict_name(family: str, dtype: torch.dtype) -> str:
+    """A kept verdict's name: the family and the compute dtype it was checked in ("head bfloat16")."""
+    return f"{family} {str(dtype).removeprefix('torch.')}"
+
+
+_kept: dict[tuple, dict] = {}  # (home, card key) -> {verdict name: verdict}, read once a process
+
+
+def kept_verdicts(device: torch.device) -> dict[str, dict]:
+    """The verdicts kept for `device`'s card (verdicts.py), read once per process and home."""
+    from . import verdicts
+
+    cache = (str(verdicts.path()), device.type, device.index)
+    if cache not in _kept:
+        _kept[cache] = dict(verdicts.load(verdicts.card_key(device)))
+    return _kept[cache]
+
+
+def keep(device: torch.device, decided: dict[str, dict]) -> None:
+    """Keep verdicts for `device`'s card, in this process and for later ones (verdicts.py)."""
+    from . import verdicts
+
+    kept_verdicts(device).update(decided)
+    verdicts.save(verdicts.card_key(device), decided)
+    for name, v in decided.items():  # this process's own answers follow what was decided
+        family, _, dtype = name.partition(" ")
+        for key in [k for k in _ok if k[0] == family and str(k[2]).removeprefix("torch.") == dtype]:
+            _ok[key] = v["ok"]
 
 
 def check(family: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str | None:
     """Run `family`'s probe on `device` now: None when the kernel agrees with the torch path, else what went wrong
-    ("failed to compile (...)", "failed to run (...)", "disagrees with the torch path (...) on this GPU")."""
+    ("failed to compile (...)", "failed to run (...)", "disagrees with the torch path (...) on this GPU"). The
+    comparisons' errors, as fractions of their tolerances, are left in `measured`."""
+    measured.clear()
     try:
         if device.type == "cuda":
             with torch.cuda.device(device):
@@ -81,8 +124,9 @@ def check(family: str, device: torch.device, dtype: torch.dtype = torch.bfloat16
 
 
 def reset() -> None:
-    """Forget every verdict (a fresh process, for tests)."""
+    """Forget every verdict this process holds (a fresh process, for tests); the kept ones are read again."""
     _ok.clear()
+    _kept.clear()
 
 
 # The problem each family is checked on: quant/probes.py (which builds them from the quantized modules) registers

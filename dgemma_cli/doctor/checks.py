@@ -1,0 +1,125 @@
+"""The doctor's checks: each Triton kernel family against the torch path on this card (quant/kernels/probe.py's
+problems: seeded, small, with partial tiles, at the kernel tests' tolerances), and the checks only a CUDA card can
+run. A family that fails to compile, fails to run or disagrees is turned off for this card, kept (verdicts.py), and
+the torch path runs in its place from then on.
+
+On the CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by the command before Triton is imported):
+the same problems, the same verdicts, kept for the CPU as a card, so the doctor's logic is exercised without a GPU;
+the CUDA-only checks are listed as not run, with why.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+COMMON = ("head", "rms_norm", "softcap", "router", "moe_plan", "gelu_mul")  # every model, every format
+BY_FORMAT = {
+    "nvfp4": ("nvfp4_linear", "moe_nvfp4", "nvfp4_w4a4", "moe_nvfp4_w4a4", "nvfp4_w4a4_gated"),
+    "int8": ("int8_linear", "moe_int8", "w8a8_linear_int8", "moe_w8a8_int8"),  # dgemma's INT8 and W8A8 INT8
+    "fp8": ("w8a8_linear_fp8", "moe_w8a8_fp8"),
+    "bf16": (),
+}
+LORA = ("lora", "moe_lora", "lora_epilogue")
+WHAT = {  # a family, in the report's words
+    "nvfp4_linear": "NVFP4 linear", "nvfp4_w4a4": "NVFP4 W4A4 linear", "nvfp4_w4a4_gated": "NVFP4 W4A4 gated MLP",
+    "int8_linear": "INT8 linear", "w8a8_linear_fp8": "FP8 W8A8 linear", "w8a8_linear_int8": "INT8 W8A8 linear",
+    "moe_nvfp4": "NVFP4 experts", "moe_nvfp4_w4a4": "NVFP4 W4A4 experts", "moe_int8": "INT8 experts",
+    "moe_w8a8_fp8": "FP8 W8A8 experts", "moe_w8a8_int8": "INT8 W8A8 experts", "router": "router",
+    "moe_plan": "expert plan (routing)", "head": "fused head and its draws", "rms_norm": "RMS norms",
+    "softcap": "logit softcap", "gelu_mul": "GELU x up", "lora": "LoRA (linear)", "moe_lora": "LoRA (experts)",
+    "lora_epilogue": "LoRA (epilogue)",
+}
+CUDA_ONLY = (  # (name, what it would check); run by `make bench-gpu`'s gpu-marked tests where not here
+    ("cuda_graph", "the denoise step captured in a CUDA graph and replayed equal to eager"),
+    ("copy_stream", "streamed experts: the copy stream, its events and the first-use check"),
+    ("pinned_h2d", "pinned host-to-device copy rate"),
+    ("two_cards", "a split over two cards"),
+)
+
+
+@dataclass
+class Check:
+    name: str  # a family, or a CUDA-only check's name
+    what: str
+    status: str  # "pass", "off" (turned off for this card), "not run"
+    detail: str = ""  # why it is off, or not run; a measured figure
+    error: float | None = None  # the largest error as a fraction of its tolerance (kernel checks)
+    seconds: float | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def families_for(fmt: str | None = None, adapters: bool = False) -> tuple[str, ...]:
+    """The families a model of format `fmt` uses (None: every family: the full doctor)."""
+    from quant.kernels.probe import FAMILIES
+
+    if fmt is None:
+        return FAMILIES
+    chosen = COMMON + BY_FORMAT.get(fmt, ()) + (LORA if adapters else ())
+    return tuple(f for f in FAMILIES if f in chosen)
+
+
+def kernel_checks(device, dtype, families, progress: Callable[[str], None] | None = None) -> list[Check]:
+    """Each family's kernel against the torch path on `device`; the verdicts kept for the card (an "off" family
+    answers False to probe.family_ok from here on, in this process and later ones)."""
+    from quant.kernels import probe
+
+    checks, decided = [], {}
+    for family in families:
+        if progress is not None:
+            progress(WHAT[family])
+        t0 = time.perf_counter()
+        with warnings.catch_warnings():  # the interpreter's numpy overflow notices: the comparison is the verdict
+            warnings.simplefilter("ignore", RuntimeWarning)
+            reason = probe.check(family, device, dtype)
+        seconds = time.perf_counter() - t0
+        error = max(probe.measured) if probe.measured else None
+        if reason is None:
+            detail = "exact" if error is None else f"error {error:.2f} x tolerance"
+            checks.append(Check(family, WHAT[family], "pass", detail, error, seconds))
+        else:
+            checks.append(Check(family, WHAT[family], "off", reason, error, seconds))
+        decided[probe.verdict_name(family, dtype)] = {"ok": reason is None, "why": reason or "", "error": error}
+    probe.keep(device, decided)
+    return checks
+
+
+def pinned_rate(device, size: int = 256 << 20) -> float:
+    """Bytes a second from pinned host memory to `device` (one warm-up, then the best of three)."""
+    import torch
+
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(size, dtype=torch.uint8, device=device)
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize(device)
+    best = 0.0
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dev.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        best = max(best, size / (start.elapsed_time(end) / 1000))
+    return best
+
+
+def cuda_checks(device, cards: int) -> list[Check]:
+    """The checks only CUDA runs: on the CPU each is listed as not run, with why; on a card, what the doctor measures
+    itself (the pinned rate), and what it leaves to `make bench-gpu`'s gpu-marked tests, said so."""
+    out = []
+    for name, what in CUDA_ONLY:
+        if device.type != "cuda":
+            out.append(Check(name, what, "not run", "needs a CUDA card"))
+        elif name == "pinned_h2d":
+            t0 = time.perf_counter()
+            rate = pinned_rate(device)
+            out.append(Check(name, what, "pass", f"{rate / 1e9:.1f} GB/s", None, time.perf_counter() - t0))
+        elif name == "two_cards" and cards < 2:
+            out.append(Check(name, what, "not run", "one card"))
+        else:
+            out.append(Check(name, what, "not run", "not in the doctor yet: `make bench-gpu` runs it (pytest -m gpu)"))
+    return out

@@ -1,0 +1,114 @@
+"""`dgemma doctor` on the CPU (the kernels in Triton's interpreter, small shapes): its report, the verdicts it keeps
+for the card, and a wrong kernel injected on purpose: caught, turned off, kept, and the run after it gives the torch
+path's tokens; the quick form at load, said once per card."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cli_helpers import run_main
+
+pytest.importorskip("triton")
+
+PROMPT = "upper: hello diffusions"
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    from quant.kernels import probe
+
+    probe.reset()
+    yield
+    probe.reset()
+
+
+def run_ids(monkeypatch, capsys, kernels: str) -> list[int]:
+    monkeypatch.setenv("DGEMMA_KERNELS", kernels)
+    assert run_main(["run", PROMPT, "--model", "demo", "--device", "cpu", "--dtype", "float32", "--seed", "0",
+                     "--steps", "4", "--view", "none", "--json", "-q"]) == 0
+    return json.loads(capsys.readouterr().out)["token_ids"]
+
+
+def test_the_doctor_reports_every_family_and_says_what_it_did_not_run(fresh, tmp_path, capsys):
+    out = tmp_path / "report.json"
+    assert run_main(["doctor", "--json", str(out)]) == 0
+    captured = capsys.readouterr()
+    text = out.read_text()
+    report = json.loads(text)
+    from quant.kernels.probe import FAMILIES
+
+    assert report["ok"] and report["card"] == "cpu (Triton interpreter)" and not report["turned_off"]
+    assert [k["name"] for k in report["kernels"]] == list(FAMILIES)
+    assert all(k["status"] == "pass" and (k["error"] is None or k["error"] <= 1) for k in report["kernels"])
+    assert {c["name"]: c["status"] for c in report["cuda"]} == {
+        "cuda_graph": "not run", "copy_stream": "not run", "pinned_h2d": "not run", "two_cards": "not run"}
+    assert all(c["detail"] == "needs a CUDA card" for c in report["cuda"])
+    assert report["not_done"]  # what the doctor does not check yet is said, never implied
+    assert str(tmp_path) not in text and "/home" not in text and PROMPT not in text  # nothing of the user's
+    assert "not run" in captured.out and "rms_norm" in captured.out  # the table
+    assert captured.err.strip().splitlines()[-1] == ("dgemma: 20 of 20 kernel families agree with the torch path "
+                                                     "on cpu (Triton interpreter)")
+    from quant.kernels import verdicts
+
+    kept = verdicts.load(report["card_key"])
+    assert len(kept) == 20 and all(v["ok"] for v in kept.values())
+
+
+def test_a_wrong_kernel_is_caught_turned_off_kept_and_the_run_after_gives_the_torch_tokens(fresh, monkeypatch,
+                                                                                           capsys, tmp_path):
+    import quant.kernels.rmsnorm as rmsnorm
+
+    torch_ids = run_ids(monkeypatch, capsys, "torch")
+    real = rmsnorm.rms_norm
+
+    def wrong(*args, **kwargs):  # a kernel that writes its columns in the wrong order, as a miscompiled one may
+        out = real(*args, **kwargs)
+        return (out[0].flip(-1), *out[1:]) if isinstance(out, tuple) else out.flip(-1)
+
+    monkeypatch.setattr(rmsnorm, "rms_norm", wrong)
+    # with the wrong kernel and nothing decided yet (the CPU is never probed), the run's tokens change
+    assert run_ids(monkeypatch, capsys, "triton") != torch_ids
+    assert run_main(["doctor", "--json", str(tmp_path / "r.json")]) == 1
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["turned_off"] == ["rms_norm"] and not report["ok"]
+    (norm,) = [k for k in report["kernels"] if k["name"] == "rms_norm"]
+    assert norm["status"] == "off" and "disagrees with the torch path" in norm["detail"] and norm["error"] > 1
+    assert "turned off (the torch path runs instead): rms_norm" in capsys.readouterr().err
+    # the same process, and a fresh one (the verdict read back from the home): the torch path's tokens
+    assert run_ids(monkeypatch, capsys, "triton") == torch_ids
+    from quant.kernels import probe
+
+    probe.reset()
+    assert run_ids(monkeypatch, capsys, "triton") == torch_ids
+    assert run_main(["doctor", "--reset"]) == 0
+    assert "forgot the kernel verdicts" in capsys.readouterr().err
+    probe.reset()
+    assert run_ids(monkeypatch, capsys, "triton") != torch_ids  # forgotten: the wrong kernel runs again
+
+
+def test_a_card_met_for_the_first_time_is_checked_quickly_and_said_once(fresh, monkeypatch, capsys):
+    """run, chat and serve check the families the model uses the first time they meet a card (probed devices: a
+    CUDA card; the CPU stands in for one here) and say so in one line; the next load reads the verdicts."""
+    from quant.kernels import probe
+
+    monkeypatch.setattr(probe, "needs_probe", lambda device: True)
+    monkeypatch.setenv("DGEMMA_KERNELS", "triton")
+    args = ["run", PROMPT, "--model", "demo", "--device", "cpu", "--dtype", "float32", "--seed", "0", "--steps", "2",
+            "--view", "none"]
+    assert run_main(args) == 0
+    said = [x for x in capsys.readouterr().err.splitlines() if "first use of" in x]
+    assert len(said) == 1 and said[0].startswith("dgemma: first use of cpu (Triton interpreter): 6 kernel "
+                                                 "families checked against the torch path in "), said
+    assert said[0].endswith("all agree; `dgemma doctor` gives the full report")
+    probe.reset()  # a later process
+    assert run_main(args) == 0
+    assert "first use of" not in capsys.readouterr().err
+
+
+def test_a_report_that_cannot_be_written_is_said_before_anything_runs(capsys, tmp_path):
+    assert run_main(["doctor", "--json", str(tmp_path / "no" / "such" / "dir" / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--json" in err and "no such folder" in err and "Traceback" not in err
