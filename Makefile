@@ -39,11 +39,21 @@ test-slow: $(CLIENTS)
 bench: $(STAMP)
 	$(PY) scripts/bench_cpu.py
 
-# The prepared GPU check, for a machine with CUDA: the kernel tests compiled for the GPU, every gpu-marked test, the
-# Triton path's tokens against the torch path's, then the benchmark table on the real 26B-A4B shapes. It runs under
-# that machine's own python3 (torch, triton, transformers), installing nothing.
+# The prepared GPU check, for a machine with CUDA (scripts/bench_gpu.py): `dgemma doctor --json` (every kernel family
+# against the torch path on the card), then the timed steps on the real 26B-A4B shapes (`dgemma bench` rows: NVFP4 at
+# batch 1 and 4, streamed for a 12 GB card, INT8, bf16, an 8k prompt), the targets, and the measured rows written into
+# BENCHMARKS.md beside the kernel report's static bounds. Budget: 8 minutes on one H100 from a fresh checkout, the
+# wheels' install included (`scripts/bench_gpu.py --plan` prints each part's budget; a part the time left cannot hold
+# is skipped, one that runs is stopped at its budget). It runs under the machine's own python3 (torch, Triton) and
+# fetches nothing: what dgemma needs beside them travels as wheels in a `.whl` folder, installed into /tmp/site and put
+# on PYTHONPATH only when .whl exists. ARGS: e.g. --quick, --no-benchmarks; `--dry-run` checks the script on the CPU.
 bench-gpu:
-	PYTHONPATH=. PYTHONUNBUFFERED=1 python3 scripts/bench_gpu.py
+	BENCH_GPU_START=$$(date +%s); export BENCH_GPU_START; site=; \
+	if [ -d .whl ]; then \
+		python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl || exit 1; \
+		site=:/tmp/site; \
+	fi; \
+	PYTHONPATH=.$$site PYTHONUNBUFFERED=1 python3 scripts/bench_gpu.py $(ARGS)
 
 # The kernels compiled ahead of time for sm_80, 86, 89, 90, 100 and 120 with Triton's bundled ptxas, no GPU needed:
 # registers, spills, shared memory, SASS, and per denoise step the DRAM / tensor / issue floors on six GPUs

@@ -330,3 +330,167 @@ def test_bench_with_gpu_memory_streams_the_experts_that_do_not_fit(capsys, monke
     assert run_main(args[:-1] + ["300MB"]) != 0
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "does not fit" in err, err
+
+
+# ----------------------------------------------------------------------------- make bench-gpu (scripts/bench_gpu.py)
+
+
+def _bench_gpu():
+    """scripts/bench_gpu.py as a module (loaded once; its dataclass needs its module in sys.modules)."""
+    import importlib.util
+    from pathlib import Path
+
+    if "bench_gpu_script" not in sys.modules:
+        path = Path(__file__).resolve().parent.parent / "scripts" / "bench_gpu.py"
+        spec = importlib.util.spec_from_file_location("bench_gpu_script", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return sys.modules["bench_gpu_script"]
+
+
+def test_bench_gpu_plan_fits_eight_minutes_and_lists_every_part():
+    g = _bench_gpu()
+    assert g.TOTAL_S == 480 and g.planned_seconds() <= 480
+    text = g.plan_text()
+    assert all(p.label in text for p in g.PARTS)
+    assert text.count("not timed:") == sum(p.budget is None for p in g.PARTS) >= 1
+    assert f"{g.planned_seconds()}  of 480 s" in text
+    kinds = [p.kind for p in g.PARTS]
+    assert kinds[:2] == ["setup", "doctor"] and kinds[-1] == "report"
+    # the issue's steps: NVFP4 at batch 1 and 4 and streamed at 12 GB timed; FP8 W8A8 not (bench has no such format)
+    benches = {(p.bench["fmt"], p.bench["batch"], p.bench.get("gpu_memory")) for p in g.PARTS if p.kind == "bench"}
+    assert {("nvfp4", 1, None), ("nvfp4", 4, None), ("nvfp4", 1, 12 * 10**9)} <= benches
+    assert all(p.bench["fmt"] in bench.FORMATS for p in g.PARTS if p.kind == "bench")
+    assert "fp8" not in bench.FORMATS and any("fp8" in p.label and p.budget is None for p in g.PARTS)
+
+
+def test_bench_gpu_plan_touches_no_gpu():
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_gpu.py"
+    code = (f"import runpy, sys; sys.argv = [{str(script)!r}, '--plan']\n"
+            f"try:\n    runpy.run_path({str(script)!r}, run_name='__main__')\n"
+            "except SystemExit as e:\n    rc = e.code\n"
+            "assert rc == 0 and 'torch' not in sys.modules, rc")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "total" in p.stdout and "of 480 s" in p.stdout
+
+
+def test_bench_gpu_skips_a_part_the_time_left_cannot_hold():
+    g = _bench_gpu()
+    P = g.Part
+    parts = [P("setup", 10, "setup"), P("a", 100, "bench"), P("b", 100, "bench"), P("c", 50, "bench"),
+             P("d", 60, "bench"), P("e", None, "not timed", "no such format"), P("report", 20, "report")]
+    now = [5.0]  # the fake clock: 5 s went to the setup before the runner started
+    took = {"a": 100, "b": 150, "c": 40, "d": 60}  # b overran its budget (its subprocess stopped late)
+    ran, heard = [], []
+
+    def run(p):
+        ran.append(p.label)
+        now[0] += took[p.label]
+        return {"ms_per_step": 1.0}
+
+    r = g.run_parts(parts, run, clock=lambda: now[0], start=0.0, total=300, record=lambda k, v: heard.append(k))
+    # 300 s less the report's 20: a at 5 (100 fits), b at 105 (100 fits), c at 255 (25 left < 50), d at 255 (< 60)
+    assert ran == ["a", "b"]
+    assert r["setup"]["seconds"] == 5.0
+    assert r["a"]["seconds"] == 100 and r["b"]["seconds"] == 150 and r["a"]["budget_s"] == 100
+    assert r["c"] == {"skipped": "budget", "elapsed_s": 255.0, "budget_s": 50}
+    assert r["d"]["skipped"] == "budget" and r["e"] == {"not timed": "no such format"}
+    assert "report" not in r and heard == ["setup", "a", "b", "c", "d", "e"]
+    # with time to spare every part runs, in order
+    now[0], ran[:] = 0.0, []
+    took["b"] = 100
+    g.run_parts(parts, run, clock=lambda: now[0], start=0.0, total=400)
+    assert ran == ["a", "b", "c", "d"]
+
+
+def test_bench_gpu_records_the_doctor_or_its_absence(tmp_path):
+    g = _bench_gpu()
+    env = dict(__import__("os").environ)
+    missing = [sys.executable, "-c", "import sys; sys.stderr.write(\"dgemma: error: No such command 'doctor'.\\n\"); "
+               "sys.exit(2)"]
+    r = g.run_doctor(tmp_path / "doctor.json", env, 30, command=missing)
+    assert r["status"] == "not available" and r["report"] is None and not r["passed"]
+    turned_off = [sys.executable, "-c", f"import json, sys; open({str(tmp_path / 'doctor.json')!r}, 'w').write("
+                  "json.dumps({'ok': False})); sys.exit(1)"]
+    r = g.run_doctor(tmp_path / "doctor.json", env, 30, command=turned_off)
+    assert r["status"] == "a kernel family turned off" and r["report"] == {"ok": False}
+    slow = [sys.executable, "-c", "import time; time.sleep(30)"]
+    r = g.run_doctor(tmp_path / "doctor.json", env, 1, command=slow)
+    assert r["status"] == "timed out after 1 s" and r["returncode"] is None
+
+
+def _fake_results(g, **parts) -> dict:
+    row = dict(ms_per_step=7.5, tokens_per_s=2131.0, peak_memory_gb=16.2, graph_replays=14, floor_ms=4.0,
+               floor_ratio=1.875, gpu_memory_gb=None, streamed_layers=0, streamed_bytes_per_step=0,
+               host_to_device_gbs=None)
+    base = {label: {"skipped": "budget", "elapsed_s": 470.0, "budget_s": 40} for label in
+            (p.label for p in g.PARTS if p.kind == "bench")}
+    base.update({p.label: {"not timed": p.what} for p in g.PARTS if p.budget is None})
+    base.update({label: dict(row, **value) if value is not None else row for label, value in parts.items()})
+    return {"date": "2030-01-02", "commit": "abc1234", "dry_run": False, "budget_s": 480, "seconds": 471.0,
+            "device": {"name": "NVIDIA H100 80GB HBM3", "torch": "9.9", "triton": "9.9"},
+            "doctor": {"status": "passed"}, "parts": base}
+
+
+def test_bench_gpu_writes_only_the_measured_rows_into_benchmarks(tmp_path):
+    from pathlib import Path
+
+    g = _bench_gpu()
+    real = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
+    before_real = real.read_text()
+    copy = tmp_path / "BENCHMARKS.md"
+    copy.write_text(before_real)
+    assert g.BENCH_BEGIN in before_real and g.NOT_YET in before_real
+
+    # nothing measured (every row skipped, errors, timeouts): nothing written
+    results = _fake_results(g)
+    results["parts"]["nvfp4 (all) b4 p256"] = {"error": "timed out after 45 s (its budget)"}
+    assert g.write_benchmarks(results, copy) is False and copy.read_text() == before_real
+
+    bound = g.static_bounds(before_real)[("H100 SXM", "nvfp4", 1)]  # the kernel report's, read from the file
+    results = _fake_results(g, **{"nvfp4 (all) b1 p256": None, "nvfp4 (all) b1 p256 in 12 GB": dict(
+        ms_per_step=9.0, gpu_memory_gb=12.0, streamed_layers=16, streamed_bytes_per_step=6.85e9,
+        host_to_device_gbs=25.1)})
+    results["parts"]["nvfp4 (all) b4 p256"] = {"error": "timed out after 45 s (its budget)"}
+    assert g.write_benchmarks(results, copy) is True
+    text = copy.read_text()
+    section = text[text.index(g.BENCH_BEGIN):text.index(g.BENCH_END)]
+    table = [line for line in section.splitlines() if line.startswith("| ")][1:]  # the header left out
+    assert [line.split("|")[1].strip() for line in table] == ["nvfp4 (all) b1 p256", "nvfp4 (all) b1 p256 in 12 GB"]
+    assert f"| {bound:.2f} ({7.5 / bound:.2f}x) |" in table[0]  # beside the static bound
+    assert "16 layers' experts streamed" in table[1] and table[1].split("|")[7].strip() == "-"  # no bound for it
+    assert "#### 2030-01-02, NVIDIA H100 80GB HBM3, commit abc1234" in section and g.NOT_YET not in section
+    said = " ".join(section.split())  # the paragraphs are wrapped
+    assert "Not measured in this run: nvfp4 (all) b4 p256 (timed out after 45 s (its budget));" in said
+    assert "int8 (all) b1 p256 (skipped: budget)" in said and "fp8 w8a8 b1 p256, b4 p256 (not timed:" in said
+    # everything outside the section is as it was
+    begin, end = before_real.index(g.BENCH_BEGIN), before_real.index(g.BENCH_END)
+    assert text[:text.index(g.BENCH_BEGIN)] == before_real[:begin]
+    assert text[text.index(g.BENCH_END):] == before_real[end:]
+    # a second run's table goes after the first; a card the kernel report has no rows for gets no bound
+    second = _fake_results(g, **{"bf16 b1 p256": None})
+    second["device"]["name"], second["date"] = "NVIDIA GeForce RTX 3090", "2030-01-03"
+    assert g.write_benchmarks(second, copy) is True
+    section = copy.read_text()[copy.read_text().index(g.BENCH_BEGIN):copy.read_text().index(g.BENCH_END)]
+    assert section.index("#### 2030-01-02") < section.index("#### 2030-01-03")
+    rows = [line for line in section.splitlines() if line.startswith("| bf16 b1 p256")]
+    assert len(rows) == 1 and rows[0].split("|")[7].strip() == "-"
+    assert real.read_text() == before_real  # the real file is never written by the tests
+
+
+def test_bench_gpu_targets_say_what_was_not_measured():
+    g = _bench_gpu()
+    results = _fake_results(g, **{"nvfp4 (all) b1 p256": dict(tokens_per_s=3100.0),
+                                  "nvfp4 (all) b4 p256": dict(tokens_per_s=6200.0)})
+    t = g.targets(results)
+    assert t[">= 3000 tok/s in the canvas, NVFP4"] == {"value": 3100.0, "met": True}
+    assert t["batch 4 >= 2.5x batch 1 tok/s"] == {"value": 2.0, "met": False}
+    assert t["NVFP4 peak memory at 8k < 20 GB"] == {"value": None, "met": None}  # skipped: not measured, not failed
+    assert t[">= 5x transformers (bf16)"]["met"] is None
+    results["doctor"] = {"status": "not available"}
+    assert g.targets(results)["doctor: every kernel family passed or did not apply"]["met"] is None
