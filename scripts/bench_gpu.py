@@ -53,7 +53,7 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-TOTAL_S = 480  # the whole run on one H100, from a fresh checkout: a 15-minute device window holds it and a rerun
+TOTAL_S = 480  # the whole run on one H100, from a fresh checkout: a run and a rerun fit in 15 minutes of GPU time
 ROW_PREFIX = "bench-gpu row: "  # a --row subprocess's result, one JSON object on the last line of its stdout
 BENCH_BEGIN, BENCH_END = "<!-- bench-gpu:begin -->", "<!-- bench-gpu:end -->"
 NOT_YET = "No GPU run has been measured yet"  # the GPU check section's paragraph until a run's rows replace it
