@@ -16,13 +16,14 @@ from .options import QUIET_OPTION, be_quiet, devices_arg, model_arg, note
 
 
 def doctor(
-    quick: bool = typer.Option(False, "--quick", help="Only the families the model uses (--model, else every "
-                               "format's common ones), as run, chat and serve check a card the first time."),
+    quick: bool = typer.Option(False, "--quick", help="Only the families every model uses (norms, router, head, "
+                               "softcap, GELU, the expert plan); with --model, that model's."),
     json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Also write the report as JSON to "
                                             "FILE ('-': stdout, and the table goes to stderr): no paths, prompts or "
                                             "user data, ready to attach to an issue."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Check the families this model's format uses "
-                                        "(with --quick: only those)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Only the families this model uses (its "
+                                        "format's, and the common ones), as run, chat and serve check a card the "
+                                        "first time they meet it."),
     devices: Optional[str] = typer.Option(None, "--devices", help="The cards to list and check, as for run "
                                           "(cuda:0,cuda:1); the first is checked."),
     reset: bool = typer.Option(False, "--reset", help="Forget every verdict kept for every card (families turned "
@@ -39,7 +40,7 @@ def doctor(
     names = devices_arg(devices)
     if json_out is not None and json_out != Path("-") and not json_out.expanduser().parent.is_dir():
         raise UsageError(f"--json {json_out}: no such folder {json_out.expanduser().parent}")
-    fmt = _model_format(model) if model else None
+    fmt = _model_format(model) if model else ("bf16" if quick else None)  # bf16: the families every model uses
     import torch
 
     cuda = torch.cuda.is_available()
@@ -58,7 +59,7 @@ def doctor(
     indices = _indices(names) if cuda else None
     device = torch.device("cuda", indices[0] if indices else 0) if cuda else torch.device("cpu")
     stream = sys.stderr if json_out == Path("-") else sys.stdout
-    report = _run(diagnose, device, fmt=fmt if (quick or model) else None, devices=indices, quiet=quiet)
+    report = _run(diagnose, device, fmt=fmt, devices=indices, quiet=quiet)
     if json_out is not None:
         text = json.dumps(report, indent=1)
         if json_out == Path("-"):
