@@ -88,25 +88,6 @@ def kernel_checks(device, dtype, families, progress: Callable[[str], None] | Non
     return checks
 
 
-def pinned_rate(device, size: int = 256 << 20) -> float:
-    """Bytes a second from pinned host memory to `device` (one warm-up, then the best of three)."""
-    import torch
-
-    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(size, dtype=torch.uint8, device=device)
-    dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize(device)
-    best = 0.0
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dev.copy_(host, non_blocking=True)
-        end.record()
-        end.synchronize()
-        best = max(best, size / (start.elapsed_time(end) / 1000))
-    return best
-
-
 def cuda_checks(device, cards: int) -> list[Check]:
     """The checks only CUDA runs: on the CPU each is listed as not run, with why; on a card, what the doctor measures
     itself (the pinned rate), and what it leaves to `make bench-gpu`'s gpu-marked tests, said so."""
@@ -116,7 +97,9 @@ def cuda_checks(device, cards: int) -> list[Check]:
             out.append(Check(name, what, "not run", "needs a CUDA card"))
         elif name == "pinned_h2d":
             t0 = time.perf_counter()
-            rate = pinned_rate(device)
+            from ..bench import host_to_device_bandwidth
+
+            rate = host_to_device_bandwidth(device)
             out.append(Check(name, what, "pass", f"{rate / 1e9:.1f} GB/s", None, time.perf_counter() - t0))
         elif name == "two_cards" and cards < 2:
             out.append(Check(name, what, "not run", "one card"))
