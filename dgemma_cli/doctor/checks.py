@@ -104,5 +104,5 @@ def cuda_checks(device, cards: int) -> list[Check]:
         elif name == "two_cards" and cards < 2:
             out.append(Check(name, what, "not run", "one card"))
         else:
-            out.append(Check(name, what, "not run", "not in the doctor yet: `make bench-gpu` runs it (pytest -m gpu)"))
+            out.append(Check(name, what, "not run", "not in the doctor yet: `python3 -m pytest -m gpu` runs it"))
     return out
