@@ -26,7 +26,7 @@ FLOORS = [
     ("network and text", {"model", "sampler", "tokenizer", "tools", "image", "answer"}),
     ("checkpoint", {"checkpoint"}),
     ("tuner", {"tuner"}),
-    ("engine", {"engine", "vision", "conversation", "step_trace", "bench", "placement"}),
+    ("engine", {"engine", "vision", "conversation", "step_trace", "bench", "placement", "doctor"}),
     ("store", {"store"}),
     ("server", {"server"}),
     ("cli", {"cli"}),

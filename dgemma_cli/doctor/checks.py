@@ -1,11 +1,10 @@
 """The doctor's checks: each Triton kernel family against the torch path on this card (quant/kernels/probe.py's
-problems: seeded, small, with partial tiles, at the kernel tests' tolerances), and the checks only a CUDA card can
-run. A family that fails to compile, fails to run or disagrees is turned off for this card, kept (verdicts.py), and
+problems: seeded, small, with partial tiles, at the kernel tests' tolerances). A family that fails to compile, fails to run or disagrees is turned off for this card, kept (verdicts.py), and
 the torch path runs in its place from then on.
 
 On the CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by the command before Triton is imported):
-the same problems, the same verdicts, kept for the CPU as a card, so the doctor's logic is exercised without a GPU;
-the CUDA-only checks are listed as not run, with why.
+the same problems, the same verdicts, kept for the CPU as a card, so the doctor's logic is exercised without a GPU.
+This module is what the engine's first use of a card runs (first_use.py): it imports nothing above the network.
 """
 
 from __future__ import annotations
@@ -32,14 +31,6 @@ WHAT = {  # a family, in the report's words
     "softcap": "logit softcap", "gelu_mul": "GELU x up", "lora": "LoRA (linear)", "moe_lora": "LoRA (experts)",
     "lora_epilogue": "LoRA (epilogue)",
 }
-CUDA_ONLY = (  # (name, what it would check); run by `make bench-gpu`'s gpu-marked tests where not here
-    ("cuda_graph", "the denoise step captured in a CUDA graph and replayed equal to eager"),
-    ("copy_stream", "streamed experts: the copy stream, its events and the first-use check"),
-    ("pinned_h2d", "pinned host-to-device copy rate"),
-    ("two_cards", "a split over two cards"),
-)
-
-
 @dataclass
 class Check:
     name: str  # a family, or a CUDA-only check's name
@@ -86,23 +77,3 @@ def kernel_checks(device, dtype, families, progress: Callable[[str], None] | Non
         decided[probe.verdict_name(family, dtype)] = {"ok": reason is None, "why": reason or "", "error": error}
     probe.keep(device, decided)
     return checks
-
-
-def cuda_checks(device, cards: int) -> list[Check]:
-    """The checks only CUDA runs: on the CPU each is listed as not run, with why; on a card, what the doctor measures
-    itself (the pinned rate), and what it leaves to `make bench-gpu`'s gpu-marked tests, said so."""
-    out = []
-    for name, what in CUDA_ONLY:
-        if device.type != "cuda":
-            out.append(Check(name, what, "not run", "needs a CUDA card"))
-        elif name == "pinned_h2d":
-            t0 = time.perf_counter()
-            from ..bench import host_to_device_bandwidth
-
-            rate = host_to_device_bandwidth(device)
-            out.append(Check(name, what, "pass", f"{rate / 1e9:.1f} GB/s", None, time.perf_counter() - t0))
-        elif name == "two_cards" and cards < 2:
-            out.append(Check(name, what, "not run", "one card"))
-        else:
-            out.append(Check(name, what, "not run", "not in the doctor yet: `python3 -m pytest -m gpu` runs it"))
-    return out

@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from .checks import Check, cuda_checks, families_for, kernel_checks
+from .checks import Check, families_for, kernel_checks
+from .cuda import cuda_checks
 from .inventory import inventory
 
 SCHEMA = 1  # the report's layout version
