@@ -311,6 +311,7 @@ def test_what_cannot_fit_max_tokens_is_refused_before_it_compiles(server, field,
         assert len(r.json()["choices"][0]["message"]["content"]) >= shortest - 2
 
 
+@pytest.mark.slow  # a server of its own and a compile of several seconds
 def test_a_slow_compile_holds_one_worker_not_every_clients_structure(tmp_path):
     """A structure that compiles for its whole budget holds one compile worker; another client's tiny expression,
     sent a second later, is compiled by the other and answered at once (with one worker it waited the budget out:
