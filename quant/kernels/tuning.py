@@ -171,18 +171,24 @@ def _save(path: Path, gpu: str, kernel: str, jkey: str, cfg: dict) -> None:
     configs.setdefault(kernel, {})[jkey] = cfg
     _files[path] = configs
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"device": gpu, "dgemma": version(), "configs": configs}, f, indent=1, sort_keys=True)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        write_json(path, {"device": gpu, "dgemma": version(), "configs": configs})
     except OSError as e:
         _warn_once(f"write {path}", f"dgemma: cannot save tuned kernel settings to {path} "
                                     f"({type(e).__name__}: {e}); they will be tuned again next run")
+
+
+def write_json(path: Path, data) -> None:
+    """`data` as JSON at `path`, whole or not at all (a temporary file beside it, renamed over it); its folder made.
+    OSError when it cannot be written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def reset() -> None:

@@ -19,15 +19,13 @@ nothing is kept. The file holds no paths, prompts or user data.
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from .tuning import home, version
+from .tuning import home, version, write_json
 
 _warned: set[str] = set()
 
@@ -106,15 +104,7 @@ def save(key: str, verdicts: dict[str, dict]) -> None:
     entry.setdefault("families", {}).update(verdicts)
     entry["checked"] = int(time.time())
     try:
-        file.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=file.name + ".", suffix=".tmp", dir=file.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1, sort_keys=True)
-            os.replace(tmp, file)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        write_json(file, data)
     except OSError as e:
         _warn_once(f"write {file}", f"dgemma: cannot keep the kernel verdicts in {file} ({type(e).__name__}: {e}); "
                                     "they will be checked again next run")
