@@ -340,3 +340,46 @@ def test_the_expression_holds_what_outlines_core_alone_would_let_through(schema,
     rx = Structure("json_schema", json.dumps(schema)).regex()
     assert re.fullmatch(rx, good) and not re.fullmatch(rx, bad)
     jsonschema.validate(json.loads(good), schema)
+
+
+def _discriminated_union() -> dict:
+    from typing import Literal, Union
+
+    from pydantic import BaseModel, Field
+
+    class Cat(BaseModel):
+        pet_type: Literal["cat"]
+        meows: int
+
+    class Dog(BaseModel):
+        pet_type: Literal["dog"]
+        barks: float
+
+    class Owner(BaseModel):
+        pet: Union[Cat, Dog] = Field(discriminator="pet_type")
+
+    return Owner.model_json_schema()
+
+
+@pytest.mark.parametrize("schema,held", [
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, False),  # 3 matches both: not exactly one
+    ({"oneOf": [{"const": 1}, {"const": 1.0}]}, False),  # the same number
+    ({"oneOf": [{"type": "object", "properties": {"a": {"type": "string"}}},
+                {"type": "object", "properties": {"b": {"type": "string"}}}]}, False),  # {} matches both
+    ({"oneOf": [{"type": "string"}, {"type": "integer"}]}, True),
+    ({"oneOf": [{"enum": ["a", "b"]}, {"enum": ["c"]}]}, True),
+    (_discriminated_union(), True),  # pydantic's oneOf, told apart by its tag
+])
+def test_a_one_of_whose_branches_overlap_is_refused_not_held_as_any_of(schema, held):
+    """oneOf was compiled as anyOf: a value matching two branches (and so not the schema) could be the answer.
+    Now a oneOf is held only where its branches are apart (types, const / enum values, a required tag), and
+    refused in one line otherwise."""
+    from dgemma_cli.errors import UsageError
+    from dgemma_cli.structured.structure import Structure
+
+    structure = Structure("json_schema", json.dumps(schema))
+    if held:
+        structure.regex()
+    else:
+        with pytest.raises(UsageError, match="'oneOf' whose branches 0 and 1 a value could both match"):
+            structure.regex()

@@ -428,6 +428,52 @@ def _no_bare_any(node):
     return out
 
 
+def _types(node: dict) -> set[str] | None:
+    """A subschema's JSON types (a number's include integer: 3 is both), None where it names none."""
+    kind = node.get("type")
+    if kind is None:
+        return None
+    kinds = {kind} if isinstance(kind, str) else set(kind)
+    return kinds | {"integer"} if "number" in kinds else kinds
+
+
+def _values(node: dict) -> set[str] | None:
+    """A subschema's const or enum values, as canonical JSON (1.0 as 1), None where it has neither."""
+    if "const" in node:
+        values = [node["const"]]
+    elif isinstance(node.get("enum"), list):
+        values = node["enum"]
+    else:
+        return None
+
+    def canonical(v):
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        if isinstance(v, dict):
+            return {k: canonical(x) for k, x in v.items()}
+        return [canonical(x) for x in v] if isinstance(v, list) else v
+
+    return {json.dumps(canonical(v), sort_keys=True) for v in values}
+
+
+def _apart(a: dict, b: dict) -> bool:
+    """Whether no value can satisfy both prepared subschemas, as far as can be read off them: different types,
+    different const / enum values, or a property both require with different const / enum values (a discriminated
+    union's tag, as pydantic writes it)."""
+    ta, tb = _types(a), _types(b)
+    if ta is not None and tb is not None and not ta & tb:
+        return True
+    va, vb = _values(a), _values(b)
+    if va is not None and vb is not None and not va & vb:
+        return True
+    pa, pb = a.get("properties") or {}, b.get("properties") or {}
+    for name in set(a.get("required") or []) & set(b.get("required") or []):
+        x, y = _values(pa.get(name) or {}), _values(pb.get(name) or {})
+        if x is not None and y is not None and not x & y:
+            return True
+    return False
+
+
 def _possible(node: dict, path: str):
     """A subschema whose children were prepared (None: unsatisfiable) -> itself simplified, or None."""
     if node.get("enum") == [] or ("allOf" in node and any(s is None for s in node["allOf"])):
@@ -438,6 +484,13 @@ def _possible(node: dict, path: str):
             if not kept:
                 return None
             node[key] = kept
+    branches = node.get("oneOf", [])
+    for i, a in enumerate(branches):  # oneOf is compiled as anyOf: held only where no value can match two branches
+        for j in range(i + 1, len(branches)):
+            if not _apart(a, branches[j]):
+                raise UsageError(f"the JSON schema at {path}: 'oneOf' whose branches {i} and {j} a value could both "
+                                 "match, which an answer cannot be held to (exactly one); use anyOf, or branches "
+                                 "of different types or of different const values")
     lo, hi = node.get("minLength", 0), node.get("maxLength")
     if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo > hi:
         return None
