@@ -289,7 +289,8 @@ def report_flood(out: dict) -> str:
 
 # ----------------------------------------------------------------------------- slow structure compiles
 
-SLOW_SCHEMA = {"type": "string", "pattern": "(.{1,30}){1,17}"}  # fits any max_tokens; compiles for its whole budget
+# fits any max_tokens; takes seconds to compile on the demo's vocabulary (two ways to read every run of x)
+SLOW_SCHEMA = {"type": "string", "pattern": "(.{1,30}|x{1,29}){1,17}"}
 
 
 def timed_post(url: str, body: dict, path: str = "/v1/chat/completions") -> tuple[int, dict, float]:

@@ -28,7 +28,7 @@ jsonschema = pytest.importorskip("jsonschema")
 BOMB = {"type": "string", "pattern": "(.{1,100}){1,100}"}  # 10,000 nested repeats: refused on sight
 # passes the checks (17 x 30 = 510 repeats) and takes seconds to determinize on the demo's vocabulary: a compile the
 # budget, the client's departure and SIGTERM must be able to stop
-SLOW = {"type": "string", "pattern": "(.{1,30}){1,17}"}
+SLOW = {"type": "string", "pattern": "(.{1,30}|x{1,29}){1,17}"}  # two ways to read every run of x: seconds
 CYCLE = {"type": "object", "properties": {"b": {"$ref": "#"}}, "required": ["b"]}  # no finite instance
 EMPTY_GRAMMARS = ["root ::= root", "start: start", 'root ::= "a" root']
 
@@ -383,3 +383,27 @@ def test_a_one_of_whose_branches_overlap_is_refused_not_held_as_any_of(schema, h
     else:
         with pytest.raises(UsageError, match="'oneOf' whose branches 0 and 1 a value could both match"):
             structure.regex()
+
+
+@pytest.mark.parametrize("pattern,inside,outside", [
+    ("a.b[^x]", ['a b?', 'a-b!'], ['a"b?', 'a\\bz', 'a\tb?']),  # `.` and [^x] never a raw quote, backslash, tab
+    ("[ -~]{2}", ['ab', '\\"!', '\\\\!'], ['"!', '\\!']),  # a range over the quote: written escaped, or not at all
+    ('c"d', ['c\\"d'], ['c"d']),  # a quote the pattern asks for, escaped as JSON writes it
+    (r"\d\S", ['1a'], ['1"', '1\\u0001']),
+])
+def test_a_pattern_is_held_inside_the_json_string(pattern, inside, outside):
+    """A schema pattern was put between quotes as it was: its `.` or a negated set let a raw quote, a backslash or a
+    control character into the string (an answer that does not parse). Each string the expression takes now parses
+    and its text matches the pattern."""
+    import re
+
+    from dgemma_cli.structured.structure import Structure
+
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}, "required": ["s"]}
+    rx = re.compile(Structure("json_schema", json.dumps(schema)).regex())
+    for body in inside:
+        text = '{"s":"' + body + '"}'
+        assert rx.fullmatch(text), (pattern, text)
+        assert re.fullmatch(pattern, json.loads(text)["s"]), (pattern, text)
+    for body in outside:
+        assert not rx.fullmatch('{"s":"' + body + '"}'), (pattern, body)

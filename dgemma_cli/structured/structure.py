@@ -551,6 +551,10 @@ def schema_regex(schema) -> str:
         if not isinstance(node, dict):
             return node
         kind = node.get("type")
+        if isinstance(node.get("pattern"), str) and kind in (None, "string"):  # held inside the JSON string
+            mark = f"DGEMMARANGE{len(ranges)}X"
+            ranges[mark] = pattern_string_regex(node["pattern"])
+            return {"const": mark}
         if node.get("format") in _RFC3339 and kind in (None, "string"):
             mark = f"DGEMMARANGE{len(ranges)}X"
             ranges[mark] = '"' + date_time_regex(node["format"]) + '"'
@@ -595,6 +599,123 @@ _LEAP_YEAR = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]
 _DATE = (rf"(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|"
          rf"02-(?:0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)")
 _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+
+
+# Characters a JSON string never holds raw (a quote, a backslash, the C0 controls) and those outlines-core's own
+# string expression leaves out too (DEL and the C1 controls): a pattern's character sets are cut down to the rest,
+# and a quote or a backslash the pattern names is written escaped (\" and \\), as JSON writes it.
+_UNSAFE = set(range(0x20)) | {0x22, 0x5C} | set(range(0x7F, 0xA0))
+_UNSAFE_CLASS = r'"\\\x00-\x1f\x7f-\x9f'
+_CATEGORY = {"CATEGORY_DIGIT": "0-9", "CATEGORY_WORD": "a-zA-Z0-9_", "CATEGORY_SPACE": " "}  # ASCII, no controls
+
+
+def _ascii_set(keep) -> str:
+    """The printable ASCII characters `keep` takes, less a quote and a backslash, as a set's body."""
+    return "".join(re.escape(chr(c)) if chr(c) in "\\]^-[" else chr(c)
+                   for c in range(0x21, 0x7F) if keep(chr(c)) and c not in (0x22, 0x5C))
+
+
+_NOT_CATEGORY = {"CATEGORY_NOT_DIGIT": _ascii_set(lambda ch: not ch.isdigit()),
+                 "CATEGORY_NOT_WORD": _ascii_set(lambda ch: not (ch.isalnum() or ch == "_")),
+                 "CATEGORY_NOT_SPACE": _ascii_set(lambda ch: True)}
+
+
+def pattern_string_regex(pattern: str) -> str:
+    """A schema's `pattern` -> the expression of the JSON strings (quotes included) whose text matches it whole:
+    every `.`, negated set and range cut to the characters a JSON string holds raw, and a quote or backslash the
+    pattern asks for written escaped, so that every answer parses and its string matches. UsageError (naming the
+    pattern) for what Python's parser reads and this cannot write (a lookaround, a backreference, a flag)."""
+    try:
+        from re import _parser as parser  # Python 3.11+
+    except ImportError:  # pragma: no cover - Python 3.10
+        import sre_parse as parser
+
+    def refuse(what: str):
+        raise UsageError(f"the JSON schema's pattern {pattern[:60]!r}: {what} cannot be held inside a JSON string")
+
+    def char(c: int) -> str:  # one character of the string, as the JSON text writes it
+        if c == 0x22:
+            return r'\\"'
+        if c == 0x5C:
+            return r"\\\\"
+        return re.escape(chr(c))
+
+    def in_class(c: int) -> str:
+        return "\\" + chr(c) if chr(c) in "\\]^-[" else chr(c) if 0x20 < c < 0x7F or c > 0x9F else f"\\x{c:02x}" \
+            if c < 0x100 else chr(c)
+
+    def charset(items) -> str:
+        negate = bool(items) and str(items[0][0]) == "NEGATE"
+        parts, escaped = [], []
+        for op, av in items[1:] if negate else items:
+            name = str(op)
+            if name == "LITERAL":
+                lo = hi = av
+            elif name == "RANGE":
+                lo, hi = av
+            elif name == "CATEGORY" and str(av) in _CATEGORY:
+                parts.append(_CATEGORY[str(av)])
+                continue
+            elif name == "CATEGORY" and str(av) in _NOT_CATEGORY and not negate:  # \S, \D, \W: their printable
+                parts.append(_NOT_CATEGORY[str(av)])  # ASCII (a subset: every answer still matches)
+                continue
+            else:
+                refuse(f"the set item {name} {av}")
+            if negate:
+                parts.append(in_class(lo) if lo == hi else f"{in_class(lo)}-{in_class(hi)}")
+                continue
+            run = None
+            for c in range(lo, hi + 1):
+                if c in _UNSAFE:
+                    if c in (0x22, 0x5C):
+                        escaped.append(char(c))
+                    if run is not None:
+                        parts.append(in_class(run) if run == c - 1 else f"{in_class(run)}-{in_class(c - 1)}")
+                        run = None
+                elif run is None:
+                    run = c
+                if c - lo > 0x110000:
+                    break
+            if run is not None:
+                parts.append(in_class(run) if run == hi else f"{in_class(run)}-{in_class(hi)}")
+        if negate:
+            return f"[^{''.join(parts)}{_UNSAFE_CLASS}]"
+        alternatives = ([f"[{''.join(parts)}]"] if parts else []) + escaped
+        if not alternatives:
+            refuse("a set of characters no JSON string holds raw")
+        return alternatives[0] if len(alternatives) == 1 else f"(?:{'|'.join(alternatives)})"
+
+    def write(items) -> str:
+        out = []
+        for op, av in items:
+            name = str(op)
+            if name == "LITERAL":
+                out.append(char(av) if av not in _UNSAFE or av in (0x22, 0x5C) else refuse("a control character"))
+            elif name == "NOT_LITERAL":
+                out.append(f"[^{in_class(av)}{_UNSAFE_CLASS}]")
+            elif name == "ANY":
+                out.append(f"[^{_UNSAFE_CLASS}]")
+            elif name == "IN":
+                out.append(charset(list(av)))
+            elif name == "BRANCH":
+                out.append("(?:" + "|".join(write(b) for b in av[1]) + ")")
+            elif name == "SUBPATTERN":
+                if av[1] or av[2]:
+                    refuse("an inline flag")
+                out.append("(?:" + write(av[3]) + ")")
+            elif name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+                lo, hi, sub = av
+                count = f"{{{lo},}}" if hi == parser.MAXREPEAT else f"{{{lo},{hi}}}"
+                out.append("(?:" + write(sub) + ")" + count)
+            else:
+                refuse(f"{name.lower().replace('_', ' ')}")
+        return "".join(out)
+
+    try:
+        tree = parser.parse(unanchored(pattern))
+    except (re.error, RecursionError, OverflowError) as e:
+        raise UsageError(f"the JSON schema's pattern {pattern[:60]!r} is not a regular expression ({e})") from None
+    return '"' + write(list(tree)) + '"'
 
 
 def date_time_regex(fmt: str) -> str:
