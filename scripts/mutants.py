@@ -298,6 +298,16 @@ MUTATIONS: list[Mutation] = [
         '        if node.get("format") in _RFC3339 and kind in (None, "string"):\n',
         '        if False:\n',
         f"{STRUCT_T}::test_dates_and_times_are_held_as_rfc_3339_so_pydantic_parses_every_answer"),
+    mutation(
+        "constrain/one-of-held-as-any-of", "dgemma_cli/structured/structure.py",
+        "            if not _apart(a, branches[j]):\n",
+        "            if False:\n",
+        "tests/test_structure_bounds.py -k one_of_whose_branches_overlap"),
+    mutation(
+        "constrain/pattern-put-between-quotes", "dgemma_cli/structured/structure.py",
+        '        if isinstance(node.get("pattern"), str) and kind in (None, "string"):  # held inside the JSON string\n',
+        '        if False:\n',
+        "tests/test_structure_bounds.py -k pattern_is_held_inside_the_json_string"),
     # ------------------------------------------------------------------ dgemma doctor (dgemma_cli/doctor, verdicts)
     mutation(  # a kernel wrong on this "card" (the interpreter): the doctor must catch it and turn it off
         "doctor/norm-kernel-off-by-one-column", "quant/kernels/rmsnorm.py",
