@@ -559,7 +559,8 @@ def schema_regex(schema) -> str:
             mark = f"DGEMMARANGE{len(ranges)}X"
             ranges[mark] = '"' + date_time_regex(node["format"]) + '"'
             return {"const": mark}
-        if isinstance(kind, list) and "string" in kind and node.get("format") in _RFC3339:  # ["string", "null"]
+        if isinstance(kind, list) and "string" in kind and (node.get("format") in _RFC3339 or
+                                                            isinstance(node.get("pattern"), str)):  # [.., "null"]
             rest = {k: v for k, v in node.items() if k != "type"}
             return walk({"anyOf": [dict(rest, type=t) if t == "string" else {"type": t} for t in kind]})
         if isinstance(kind, list) and any(k in node for k in _BOUNDS):  # ["integer", "null"] with a range
@@ -618,6 +619,10 @@ def _ascii_set(keep) -> str:
 _NOT_CATEGORY = {"CATEGORY_NOT_DIGIT": _ascii_set(lambda ch: not ch.isdigit()),
                  "CATEGORY_NOT_WORD": _ascii_set(lambda ch: not (ch.isalnum() or ch == "_")),
                  "CATEGORY_NOT_SPACE": _ascii_set(lambda ch: True)}
+
+
+_UNWRITABLE = {"AT": "an anchor inside it", "GROUPREF": "a backreference", "GROUPREF_EXISTS": "a conditional",
+               "ASSERT": "a lookaround", "ASSERT_NOT": "a lookaround", "ATOMIC_GROUP": "an atomic group"}
 
 
 def pattern_string_regex(pattern: str) -> str:
@@ -708,7 +713,7 @@ def pattern_string_regex(pattern: str) -> str:
                 count = f"{{{lo},}}" if hi == parser.MAXREPEAT else f"{{{lo},{hi}}}"
                 out.append("(?:" + write(sub) + ")" + count)
             else:
-                refuse(f"{name.lower().replace('_', ' ')}")
+                refuse(_UNWRITABLE.get(name, name.lower().replace("_", " ")))
         return "".join(out)
 
     try:
