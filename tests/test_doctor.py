@@ -57,6 +57,7 @@ def test_the_doctor_reports_every_family_and_says_what_it_did_not_run(fresh, tmp
     assert len(kept) == 20 and all(v["ok"] for v in kept.values())
 
 
+@pytest.mark.slow  # five generations and two doctors in the interpreter
 def test_a_wrong_kernel_is_caught_turned_off_kept_and_the_run_after_gives_the_torch_tokens(fresh, monkeypatch,
                                                                                            capsys, tmp_path):
     import quant.kernels.rmsnorm as rmsnorm
@@ -89,6 +90,7 @@ def test_a_wrong_kernel_is_caught_turned_off_kept_and_the_run_after_gives_the_to
     assert run_ids(monkeypatch, capsys, "triton") != torch_ids  # forgotten: the wrong kernel runs again
 
 
+@pytest.mark.slow  # two generations in the interpreter
 def test_a_card_met_for_the_first_time_is_checked_quickly_and_said_once(fresh, monkeypatch, capsys):
     """run, chat and serve check the families the model uses the first time they meet a card (probed devices: a
     CUDA card; the CPU stands in for one here) and say so in one line; the next load reads the verdicts."""
