@@ -114,3 +114,23 @@ def test_a_report_that_cannot_be_written_is_said_before_anything_runs(capsys, tm
     assert run_main(["doctor", "--json", str(tmp_path / "no" / "such" / "dir" / "r.json")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--json" in err and "no such folder" in err and "Traceback" not in err
+
+
+def test_kernels_a_card_cannot_run_are_not_run_there_not_turned_off(monkeypatch):
+    """On an H100 (sm_90) the FP4 tensor-core kernels do not exist and on an A100 (sm_80) the FP8 ones: their
+    probes would fail to compile and be reported as broken. The doctor says they are not for that card instead, and
+    keeps no verdict for them."""
+    import quant.kernels as kernels
+    from dgemma_cli.doctor.checks import not_for
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(kernels, "arch", lambda device: 90)
+    assert not_for("nvfp4_w4a4", cuda).startswith("not for this card: FP4 tensor cores")
+    assert not_for("moe_nvfp4_w4a4", cuda) and not_for("nvfp4_w4a4_gated", cuda)
+    assert not_for("moe_w8a8_fp8", cuda) is None and not_for("nvfp4_linear", cuda) is None
+    monkeypatch.setattr(kernels, "arch", lambda device: 80)
+    assert not_for("w8a8_linear_fp8", cuda).startswith("not for this card: FP8 tensor cores (sm_89")
+    assert not_for("moe_w8a8_int8", cuda) is None
+    monkeypatch.setattr(kernels, "arch", lambda device: 120)
+    assert not_for("nvfp4_w4a4", cuda) is None and not_for("w8a8_linear_fp8", cuda) is None
+    assert not_for("nvfp4_w4a4", torch.device("cpu")) is None  # the interpreter runs every kernel

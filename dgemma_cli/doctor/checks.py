@@ -54,6 +54,22 @@ def families_for(fmt: str | None = None, adapters: bool = False) -> tuple[str, .
     return tuple(f for f in FAMILIES if f in chosen)
 
 
+def not_for(family: str, device) -> str | None:
+    """Why a family's kernel does not run on this card at all (its modules take another kernel or the torch path
+    there, so it has nothing to agree with), or None. The interpreter runs every kernel."""
+    if device.type != "cuda":
+        return None
+    from quant.kernels import moe_w8a8, nvfp4_w4a4
+
+    if family in ("nvfp4_w4a4", "moe_nvfp4_w4a4", "nvfp4_w4a4_gated") and not nvfp4_w4a4.supported(device):
+        return "not for this card: FP4 tensor cores (sm_100, sm_120); NVFP4 runs through nvfp4_linear here"
+    for kind in ("fp8", "int8"):
+        if family in (f"w8a8_linear_{kind}", f"moe_w8a8_{kind}") and not moe_w8a8.supported(kind, device):
+            return (f"not for this card: {kind.upper()} tensor cores (sm_{moe_w8a8.MIN_ARCH[kind]} or newer); the "
+                    "torch path runs W8A8 here")
+    return None
+
+
 def kernel_checks(device, dtype, families, progress: Callable[[str], None] | None = None) -> list[Check]:
     """Each family's kernel against the torch path on `device`; the verdicts kept for the card (an "off" family
     answers False to probe.family_ok from here on, in this process and later ones)."""
@@ -63,6 +79,10 @@ def kernel_checks(device, dtype, families, progress: Callable[[str], None] | Non
     for family in families:
         if progress is not None:
             progress(WHAT[family])
+        why = not_for(family, device)
+        if why is not None:  # nothing decided: its modules never ask for it on this card
+            checks.append(Check(family, WHAT[family], "not run", why))
+            continue
         t0 = time.perf_counter()
         with warnings.catch_warnings():  # the interpreter's numpy overflow notices: the comparison is the verdict
             warnings.simplefilter("ignore", RuntimeWarning)

@@ -45,9 +45,11 @@ NOT_DONE = [
 
 def summary(report: dict) -> str:
     """One line: how many families passed, which were turned off."""
-    kernels = report["kernels"]
+    kernels = [k for k in report["kernels"] if k["status"] != "not run"]  # not for this card: nothing to agree
     passed = sum(k["status"] == "pass" for k in kernels)
     line = f"{passed} of {len(kernels)} kernel families agree with the torch path on {report['card']}"
+    if len(kernels) < len(report["kernels"]):
+        line += f" ({len(report['kernels']) - len(kernels)} not for this card)"
     if report["turned_off"]:
         line += f"; turned off (the torch path runs instead): {', '.join(report['turned_off'])}"
     return line
