@@ -8,7 +8,7 @@ import json
 import time
 from pathlib import Path
 
-from .checks import families_for, kernel_checks
+from .checks import families_for, kernel_checks, not_for
 
 
 def model_format(path: Path) -> str:
@@ -31,7 +31,8 @@ def first_use(device, path: Path, dtype, adapters: bool = False) -> str | None:
     if not use_triton(device) or not probe.needs_probe(device):
         return None
     kept = probe.kept_verdicts(device)
-    todo = [f for f in families_for(model_format(path), adapters) if probe.verdict_name(f, dtype) not in kept]
+    todo = [f for f in families_for(model_format(path), adapters)
+            if probe.verdict_name(f, dtype) not in kept and not_for(f, device) is None]
     if not todo:
         return None
     t0 = time.perf_counter()
