@@ -75,14 +75,9 @@ def doctor(
 
 def _model_format(model: str) -> str:
     from ..checkpoint.names import resolve_model
-    from ..checkpoint.weights import stored_format
+    from ..doctor.first_use import model_format
 
-    path = resolve_model(model_arg(model, quiet=True))
-    try:
-        raw = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        raw = {}
-    return stored_format(path, raw)[0]
+    return model_format(resolve_model(model_arg(model, quiet=True)))
 
 
 def _indices(names) -> list[int] | None:

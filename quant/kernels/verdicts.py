@@ -19,16 +19,12 @@ nothing is kept. The file holds no paths, prompts or user data.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from .tuning import home, version, write_json
-
-_warned: set[str] = set()
-
+from .tuning import _warn_once, home, version, write_json
 
 def path() -> Path:
     return home() / "doctor" / "verdicts.json"
@@ -117,9 +113,3 @@ def forget() -> bool:
         return True
     except FileNotFoundError:
         return False
-
-
-def _warn_once(tag: str, line: str) -> None:
-    if tag not in _warned:
-        _warned.add(tag)
-        print(line, file=sys.stderr)
