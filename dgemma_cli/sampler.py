@@ -358,7 +358,7 @@ def settle_step(buf: SamplerBuffers, state: CanvasState, settings: GenerationSet
         logp = buf.logits.view(B, C, V)  # sample_step leaves the log-probabilities there (the torch path)
         for b, rc in enumerate(constraints):
             if rc is not None:
-                rc.step(logp[b], sample[b], new_argmax[b], settings.greedy)
+                rc.step(logp[b], sample[b], new_argmax[b], settings.greedy, drawn=True)
     accepted = entropy_bound_accept(entropy, settings.entropy_bound)
     noise = torch.randint(0, V, (B, C), device=dev)
     # Accepted positions take the draw, the rest fresh noise. Rows that already converged keep their canvas and

@@ -345,54 +345,136 @@ def _integer(lo: int, hi: int) -> tuple[str, int]:
     return regex, repeat_product(regex)
 
 
-class _CallRules:
-    """The grammar rules of call_grammar for one bound on what is unbounded: strings of at most `chars` characters,
-    arrays of at most `items` items. Each value's rule comes with the most tokens it can take (a text token holds at
-    least one byte, or one character of a string; the quote, where the vocabulary has its token, is one) and the
-    product of its nested counted repetitions (structure.check_grammar holds grammars to MAX_REPEAT)."""
+class _Lark:
+    """call_grammar's notation: llguidance's Lark, a rule per distinct value (named, shared by equal values)."""
 
-    def __init__(self, q: str, quote_cost: int, chars: int, items: int):
-        self.q, self.quote_cost, self.chars, self.items = q, quote_cost, chars, items
+    def __init__(self, quote: int | None):
+        self.q = f"<[{quote}]>" if quote is not None else json.dumps(QUOTE)
+        self.quote_cost = 1 if quote is not None else len(QUOTE.encode())
         self.rules: list[str] = []
         self.named: dict[str, str] = {}  # a rule's body -> its name: equal values share one rule
 
-    def value(self, v: Any) -> str:
-        """A fixed value (an enum's, a const) as grammar items: its strings between quote tokens, as the model
-        writes them (the quote's text, a control token's, is never spelled by text tokens)."""
-        q, lit = self.q, json.dumps
-        if isinstance(v, str):
-            return f"{q} {lit(v)} {q}" if v else f"{q} {q}"
-        if isinstance(v, dict):
-            items = [f"{lit(k + ':')} {self.value(v[k])}" for k in key_order(v)]
-            return lit("{") + (" " + ' "," '.join(items) if items else "") + " " + lit("}")
-        if isinstance(v, list):
-            return lit("[") + (" " + ' "," '.join(self.value(x) for x in v) if v else "") + " " + lit("]")
-        return lit(gemma_value(v))
+    def token(self, token_id: int) -> str:
+        return f"<[{token_id}]>"
 
-    def add(self, name: str, alternatives: list[tuple[str, int, int]]) -> tuple[str, int, int]:
-        body = " | ".join(f"({b})" if len(alternatives) > 1 else b for b, _, _ in alternatives)
+    def lit(self, text: str) -> str:
+        return json.dumps(text)
+
+    def seq(self, *parts: str) -> str:
+        return " ".join(parts)
+
+    def alt(self, name: str, bodies: list[str]) -> str:
+        body = " | ".join(f"({b})" if len(bodies) > 1 else b for b in bodies)
         if body not in self.named:
             self.named[body] = name
             self.rules.append(f"{name}: {body}")
-        return self.named[body], max(w for _, w, _ in alternatives), max(r for _, _, r in alternatives)
+        return self.named[body]
 
-    def rule(self, schema: Any, name: str) -> tuple[str, int, int]:
-        """(the rule for a value of the prepared `schema`, its most tokens, its repetition product)."""
-        lit = json.dumps
+    def repeat(self, item: str, lo: int, hi: int | None) -> str:
+        return f"({item}){{{lo},{hi}}}" if hi is not None else f"({item})*" if lo == 0 else f"({item})+"
+
+    def optional(self, item: str) -> str:
+        return f"({item})?"
+
+    def pattern(self, regex: str) -> str:
+        return f"/{regex}/"
+
+    def string(self, lo: int, hi: int | None) -> str:
+        return f"{self.q} /[^<]{{{lo},{hi}}}/ {self.q}"
+
+
+class _Regex:
+    """call_regex's notation: one regular expression, every value inlined; special tokens as the characters
+    structure.SPECIAL_BASE + k (k: their index in `specials`): Unicode's last private-use plane, which no text token
+    of the compiled vocabulary spells (structure.outlines_vocabulary(specials=...) leaves out the tokens that hold a
+    byte of it), so that a special token is written only as its own id."""
+
+    def __init__(self, quote: int | None):
+        from .structured.structure import SPECIAL_BASE
+
+        self.base = SPECIAL_BASE
+        self.specials: list[int] = []
+        self.q = self.token(quote) if quote is not None else re.escape(QUOTE)
+        self.quote_cost = 1 if quote is not None else len(QUOTE.encode())
+
+    def token(self, token_id: int) -> str:
+        if token_id not in self.specials:
+            self.specials.append(token_id)
+        return f"\\U{self.base + self.specials.index(token_id):08X}"
+
+    def lit(self, text: str) -> str:
+        if any(ord(c) >= self.base for c in text):
+            raise UsageError("a tool's schema holds a character of Unicode's plane 16 (U+100000 and above), which a "
+                             "call cannot be held to")
+        return re.escape(text)
+
+    def seq(self, *parts: str) -> str:
+        return "".join(parts)
+
+    def alt(self, name: str, bodies: list[str]) -> str:
+        return f"(?:{'|'.join(dict.fromkeys(bodies))})" if len(set(bodies)) > 1 else f"(?:{bodies[0]})"
+
+    def repeat(self, item: str, lo: int, hi: int | None) -> str:
+        return f"(?:{item}){{{lo},{hi if hi is not None else ''}}}"
+
+    def optional(self, item: str) -> str:
+        return f"(?:{item})?"
+
+    def pattern(self, regex: str) -> str:
+        return f"(?:{regex})"
+
+    def string(self, lo: int, hi: int | None) -> str:
+        count = f"{{{lo},{hi}}}" if hi is not None else "*" if lo == 0 else f"{{{lo},}}"
+        return f"{self.q}[^<\\U{self.base:08X}-\\U0010FFFF]{count}{self.q}"
+
+
+class _CallRules:
+    """The rules of a call for one bound on what is unbounded, in a notation (`_Lark`: call_grammar's, `_Regex`:
+    call_regex's): strings of at most `chars` characters, arrays of at most `items` items (None: unbounded, which
+    the automaton search can take: it knows how many tokens finishing takes). Each value comes with the most tokens
+    it can take (a text token holds at least one byte, or one character of a string; the quote, where the
+    vocabulary has its token, is one), the product of its nested counted repetitions (structure.check_grammar holds
+    grammars to MAX_REPEAT) and the automaton states its strings' characters take (each is an edge for nearly every
+    token of the vocabulary: call_regex's size)."""
+
+    def __init__(self, syntax, chars: int | None, items: int | None):
+        self.s, self.chars, self.items = syntax, chars, items
+
+    def value(self, v: Any) -> str:
+        """A fixed value (an enum's, a const) in the notation: its strings between quote marks, as the model writes
+        them (the quote's text, a control token's, is never spelled by text tokens)."""
+        s = self.s
+        if isinstance(v, str):
+            return s.seq(s.q, s.lit(v), s.q) if v else s.seq(s.q, s.q)
+        if isinstance(v, dict):
+            items = [s.seq(s.lit(k + ":"), self.value(v[k])) for k in key_order(v)]
+            return s.seq(s.lit("{"), *_commas(s, items), s.lit("}"))
+        if isinstance(v, list):
+            return s.seq(s.lit("["), *_commas(s, [self.value(x) for x in v]), s.lit("]"))
+        return s.lit(gemma_value(v))
+
+    def add(self, name: str, alternatives: list[tuple[str, int, int, int]]) -> tuple[str, int, int, int]:
+        return (self.s.alt(name, [b for b, _, _, _ in alternatives]), max(a[1] for a in alternatives),
+                max(a[2] for a in alternatives), sum(a[3] for a in alternatives))
+
+    def rule(self, schema: Any, name: str) -> tuple[str, int, int, int]:
+        """(a value of the prepared `schema` in the notation, its most tokens, its repetition product, its string
+        states)."""
+        s = self.s
         schema = schema if isinstance(schema, dict) else {}
         for key in ("anyOf", "oneOf"):  # alternatives (oneOf's are not told apart: a value of either is written)
             if key in schema:
-                return self.add(name, [self.rule(s, f"{name}_{i}") for i, s in enumerate(schema[key])])
+                return self.add(name, [self.rule(x, f"{name}_{i}") for i, x in enumerate(schema[key])])
         if "allOf" in schema:  # of one schema (prepare_schema refuses more): pydantic's allOf: [{$ref}]
             return self.rule(schema["allOf"][0] if schema["allOf"] else {}, name)
         if schema.get("nullable") is True:
             rest = {k: v for k, v in schema.items() if k != "nullable"}
-            return self.add(name, [self.rule(rest, name + "_v"), ('"null"', 4, 1)])
+            return self.add(name, [self.rule(rest, name + "_v"), (s.lit("null"), 4, 1, 0)])
         if "enum" in schema or "const" in schema:
             values = schema["enum"] if "enum" in schema else [schema["const"]]
             if not isinstance(values, list) or not values:
                 raise UsageError("a tool parameter's enum must be a non-empty list")
-            return self.add(name, [(self.value(v), len(gemma_value(v).encode()), 1) for v in values])
+            return self.add(name, [(self.value(v), len(gemma_value(v).encode()), 1, 0) for v in values])
         kind = schema.get("type")
         if kind is None:  # the type its keywords imply, else any scalar (a value of any type is valid)
             kind = "object" if "properties" in schema or "required" in schema else "array" if "items" in schema \
@@ -405,45 +487,74 @@ class _CallRules:
                 return self.add(name, [self.rule({**schema, "type": k}, f"{name}_{k}") for k in kinds])
         if kind == "object":
             props = schema.get("properties") or {}
-            parts, worst, rep = [], 2 + max(0, len(props) - 1), 1
+            parts, worst, rep, states = [], 2 + max(0, len(props) - 1), 1, 0
             for i, k in enumerate(key_order(props)):  # every property, optional ones too (still valid)
-                sub, w, r = self.rule(props[k], f"{name}_{i}")
-                parts.append(f"{lit(k + ':')} {sub}")
-                worst, rep = worst + len(k.encode()) + 1 + w, max(rep, r)
-            return self.add(name, [(lit("{") + (" " + ' "," '.join(parts) if parts else "") + " " + lit("}"),
-                                    worst, rep)])
+                sub, w, r, n = self.rule(props[k], f"{name}_{i}")
+                parts.append(s.seq(s.lit(k + ":"), sub))
+                worst, rep, states = worst + len(k.encode()) + 1 + w, max(rep, r), states + n
+            return self.add(name, [(s.seq(s.lit("{"), *_commas(s, parts), s.lit("}")), worst, rep, states)])
         if kind == "array":
             lo = max(0, min(_bound(schema.get("minItems"), 0), ITEMS_CAP))
-            hi = max(lo, min(_bound(schema.get("maxItems"), ITEMS_CAP), self.items))
+            hi = _most(schema.get("maxItems"), lo, ITEMS_CAP, self.items)
             if schema.get("items") is False or hi == 0:
-                return self.add(name, [('"[" "]"', 2, 1)])
-            item, w, r = self.rule(schema.get("items", {}), name + "_item")
-            more = f' ("," {item}){{{max(lo - 1, 0)},{hi - 1}}}' if hi > 1 else ""
-            body = f'"[" {item}{more} "]"' if lo else f'"[" ({item}{more})? "]"'
-            return self.add(name, [(body, 2 + hi * w + hi - 1, max(hi - 1, 1) * r)])
-        if kind == "integer":  # unbounded ones as numbers of at most 10 digits
+                return self.add(name, [(s.seq(s.lit("["), s.lit("]")), 2, 1, 0)])
+            item, w, r, n = self.rule(schema.get("items", {}), name + "_item")
+            more = s.repeat(s.seq(s.lit(","), item), max(lo - 1, 0), None if hi is None else hi - 1) \
+                if hi is None or hi > 1 else ""
+            body = s.seq(s.lit("["), item, more, s.lit("]")) if lo else \
+                s.seq(s.lit("["), s.optional(s.seq(item, more)), s.lit("]"))
+            copies = 2 if hi is None else hi  # a bounded array's items are each their own states; a loop's, one
+            return self.add(name, [(body, 2 + (hi or 1) * w + (hi or 1) - 1, max((hi or 2) - 1, 1) * r,
+                                    copies * n)])
+        if kind == "integer":
             lo = max(_bound(schema.get("minimum"), -(10**10 - 1)),
                      _bound(math.floor(_bound(schema.get("exclusiveMinimum"), -(10**10))) + 1, -(10**10 - 1)))
             hi = min(_bound(schema.get("maximum"), 10**10 - 1),
                      _bound(math.ceil(_bound(schema.get("exclusiveMaximum"), 10**10)) - 1, 10**10 - 1))
             if lo > hi:
                 raise UsageError(f"a tool parameter's integer range [{lo}, {hi}] holds no integer")
-            regex, rep = _integer(lo, hi)
-            return self.add(name, [(f"/{regex}/", max(len(str(lo)), len(str(hi))), rep)])
-        if kind == "number":  # digits bounded: a walk without lookahead must be able to finish a number
-            return self.add(name, [(r"/-?(0|[1-9][0-9]{0,8})(\.[0-9]{1,6})?/", 17, 8)])
+            if self.chars is None and not any(k in schema for k in _BOUNDS):  # any integer: the search finishes it
+                return self.add(name, [(s.pattern("-?(0|[1-9][0-9]*)"), 11, 1, 0)])
+            regex, rep = _integer(lo, hi)  # the walk's: unbounded ones as integers of at most 10 digits
+            return self.add(name, [(s.pattern(regex), max(len(str(lo)), len(str(hi))), rep, 0)])
+        if kind == "number":
+            if self.chars is None:
+                return self.add(name, [(s.pattern(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?"), 17, 1, 0)])
+            # digits bounded: a walk without lookahead must be able to finish a number
+            return self.add(name, [(s.pattern(r"-?(0|[1-9][0-9]{0,8})(\.[0-9]{1,6})?"), 17, 8, 0)])
         if kind == "boolean":
-            return self.add(name, [('"true" | "false"', 5, 1)])
+            return self.add(name, [(s.lit("true"), 5, 1, 0), (s.lit("false"), 5, 1, 0)])
         if kind == "null":
-            return self.add(name, [('"null"', 4, 1)])
+            return self.add(name, [(s.lit("null"), 4, 1, 0)])
         if kind != "string":
             raise UsageError(f"a tool parameter has the unknown type {json.dumps(kind)[:40]}")
         # A string's characters: anything but '<', so that no argument spells a control token's text (a quote
         # written as text would end the string early where the vocabulary has no quote token). The closing quote
         # may follow any character: the string can always end, and must within its bound.
         lo = max(0, min(_bound(schema.get("minLength"), 0), STRING_CAP))
-        hi = max(lo, min(_bound(schema.get("maxLength"), STRING_CAP), self.chars))
-        return self.add(name, [(f"{self.q} /[^<]{{{lo},{hi}}}/ {self.q}", 2 * self.quote_cost + hi, max(hi, 1))])
+        hi = _most(schema.get("maxLength"), lo, STRING_CAP, self.chars)
+        return self.add(name, [(s.string(lo, hi), 2 * s.quote_cost + (hi or 0), max(hi or 1, 1),
+                                1 if hi is None else hi + 1)])
+
+
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _most(given: Any, lo: int, cap: int, room: int | None) -> int | None:
+    """The most characters (items) a string (an array) is held to: its schema's bound, at most `cap` and `room`
+    (None: no room asked, where a missing bound leaves it unbounded), never under `lo`."""
+    most = _bound(given, None)
+    if most is None:
+        return None if room is None else max(lo, min(cap, room))
+    return max(lo, min(most, cap, room if room is not None else cap))
+
+
+def _commas(s, items: list[str]) -> list[str]:
+    """Items separated by commas, in the notation."""
+    out: list[str] = []
+    for i, x in enumerate(items):
+        out += [s.lit(","), x] if i else [x]
+    return out
 
 
 def call_grammar(functions: list[dict], call_start: int, call_end: int, quote: int | None, most: int = 1,
@@ -463,21 +574,20 @@ def call_grammar(functions: list[dict], call_start: int, call_end: int, quote: i
     from .structured.structure import MAX_REPEAT
 
     schemas = [(fn["name"], check_call_parameters(fn["name"], fn["parameters"])) for fn in functions]
-    q = f"<[{quote}]>" if quote is not None else json.dumps(QUOTE)
-    quote_cost = 1 if quote is not None else len(QUOTE.encode())
     budget = max_tokens if max_tokens is not None else 10**9
 
     @functools.lru_cache(maxsize=None)
     def build(chars: int, k: int) -> tuple[str, bool]:
-        rules = _CallRules(q, quote_cost, chars, min(ITEMS_CAP, chars // 8))
+        lark = _Lark(quote)
+        rules = _CallRules(lark, chars, min(ITEMS_CAP, chars // 8))
         calls, worst, rep = [], 0, 1
         for i, (name, schema) in enumerate(schemas):
-            args, w, r = rules.rule({**schema, "type": "object"}, f"args{i}")
+            args, w, r, _ = rules.rule({**schema, "type": "object"}, f"args{i}")
             calls.append(f"{json.dumps('call:' + name)} {args}")
             worst, rep = max(worst, len(("call:" + name).encode()) + w), max(rep, r)
         more = "".join(" (call" for _ in range(k - 1)) + ")?" * (k - 1)
         text = "\n".join([f"start: <[{call_start}]> call{more} <[{call_end}]>", "call: " + " | ".join(calls),
-                          *rules.rules]) + "\n"
+                          *lark.rules]) + "\n"
         return text, 3 + k * worst <= budget and rep <= MAX_REPEAT  # the call tokens, the calls, the end
 
     @functools.lru_cache(maxsize=None)
@@ -496,3 +606,27 @@ def call_grammar(functions: list[dict], call_start: int, call_end: int, quote: i
     while k > 1 and widest(k) < min(ROOM, one):
         k -= 1
     return build(max(widest(k), 0), k)[0]
+
+
+def call_regex(functions: list[dict], call_start: int, call_end: int, quote: int | None,
+               most: int = 1) -> tuple[str, list[int], int]:
+    """The language of call_grammar as one regular expression, for the automaton search (constrain.best_path), which
+    looks ahead: it knows how many tokens finishing a call takes from each state, so nothing needs a bound to be
+    closed in time. Strings, arrays and numbers are bounded only where their schema bounds them (strings by at most
+    STRING_CAP characters, arrays by ITEMS_CAP items, as the grammar's), and one to `most` calls follow each other.
+    Special tokens (the call tokens, the quote token where the vocabulary has it) are written as the characters
+    SPECIAL_BASE + k, k their index in the returned list of ids (structure.outlines_vocabulary spells them).
+
+    Returns (the expression, the special ids, the string states: the automaton states strings' characters take,
+    each an edge for nearly every token of the vocabulary, which sizes the automaton before it is built)."""
+    schemas = [(fn["name"], check_call_parameters(fn["name"], fn["parameters"])) for fn in functions]
+    regex = _Regex(quote)
+    rules = _CallRules(regex, None, None)
+    calls, states = [], 0
+    start, end = regex.token(call_start), regex.token(call_end)
+    for i, (name, schema) in enumerate(schemas):
+        args, _, _, n = rules.rule({**schema, "type": "object"}, f"args{i}")
+        calls.append(regex.seq(regex.lit("call:" + name), args))
+        states = max(states, n)
+    call = regex.alt("call", calls)
+    return f"{start}{regex.repeat(call, 1, most)}{end}", regex.specials, states * max(1, most)

@@ -308,6 +308,21 @@ MUTATIONS: list[Mutation] = [
         '        if isinstance(node.get("pattern"), str) and kind in (None, "string"):  # held inside the JSON string\n',
         '        if False:\n',
         "tests/test_structure_bounds.py -k pattern_is_held_inside_the_json_string"),
+    mutation(  # a byte-fallback token left in a call's vocabulary could spell the call token's character
+        "calls/plane-16-text-kept", "dgemma_cli/structured/structure.py",
+        "        if b and i < vocab_size and not (specials and _PLANE_16 in b):\n",
+        "        if b and i < vocab_size:\n",
+        f"{TOOLS_T} -k special_tokens_of_a_call"),
+    mutation(  # the sampler's draw taken for a group it is not in
+        "search/hint-taken-outside-its-group", "dgemma_cli/structured/constrain.py",
+        "        miss = torch.nonzero(~hit).flatten()\n        sub = None\n",
+        "        miss = torch.nonzero(hit & ~hit).flatten()\n        sub = None\n",
+        f"{STRUCT_T} -k big_groups_search_as_token_by_token"),
+    mutation(  # a required call walked as the grammar again (strings bounded to fit max_tokens)
+        "calls/walked-not-searched", "dgemma_cli/server/constraints.py",
+        "        if states * tok.vocab_size <= MAX_EDGES and len(source) <= MAX_SOURCE and \\\n",
+        "        if False and \\\n",
+        f"{TOOLS_T} -k one_expression_and_takes"),
     # ------------------------------------------------------------------ dgemma doctor (dgemma_cli/doctor, verdicts)
     mutation(  # a kernel wrong on this "card" (the interpreter): the doctor must catch it and turn it off
         "doctor/norm-kernel-off-by-one-column", "quant/kernels/rmsnorm.py",

@@ -495,7 +495,8 @@ def test_big_groups_search_as_token_by_token(checkpoints, monkeypatch):
         logp = torch.log_softmax(torch.randn(40, 512, generator=g) * 3, -1)
         a, ok_a = best_path(exact, logp, 0, 40, 0, [1], 0)
         b, ok_b = best_path(masked, logp, 0, 40, 0, [1], 0)
-        assert ok_a and ok_b and torch.equal(a, b)
+        hinted, ok_h = best_path(masked, logp, 0, 40, 0, [1], 0, hint=logp.argmax(dim=1))  # the sampler's argmax
+        assert ok_a and ok_b and ok_h and torch.equal(a, b) and torch.equal(a, hinted)
     word = constrain.compile_structure(Structure("regex", "[a-z]+"), tok, 512)  # one big group from the start
     assert word.big
     logp = torch.log_softmax(torch.randn(1, 512, generator=g) * 2, -1)
@@ -504,6 +505,13 @@ def test_big_groups_search_as_token_by_token(checkpoints, monkeypatch):
                             and bool(word.final[word.step(0, t)])])
     want = torch.zeros(512)
     want[members] = logp[0, members].softmax(0)
+    seen = torch.bincount(draws, minlength=512).float() / len(draws)
+    assert set(draws.tolist()) <= set(members.tolist())
+    assert (seen - want).abs().max() < 0.03
+    # given the sampler's own draw from the whole distribution (RowConstraint.step(drawn=True)): the same law
+    free = torch.multinomial(logp[0].exp(), 3000, replacement=True, generator=g)
+    draws = torch.stack([best_path(word, logp, 0, 1, 0, [1], 0, noise=g, hint=free[i : i + 1])[0][0]
+                         for i in range(3000)])
     seen = torch.bincount(draws, minlength=512).float() / len(draws)
     assert set(draws.tolist()) <= set(members.tolist())
     assert (seen - want).abs().max() < 0.03

@@ -572,8 +572,8 @@ def demo_server(tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_required_call_with_a_plain_string_completes_on_the_demo(demo_server):
-    """The demo never writes a quote of its own accord: a plain `str` parameter (no maxLength) is closed by the
-    bound that fits the call in max_tokens, so the call completes within the default max_tokens, with
+    """The demo never writes a quote of its own accord: a plain `str` parameter (no maxLength) is closed where the
+    search must close it to finish the call in max_tokens, so the call completes within the default max_tokens, with
     finish_reason "tool_calls", no content, and arguments that validate (whole and streamed); so do the pydantic
     schemas real clients send (Optional, nested models, lists of models, Literal)."""
     params = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
@@ -696,3 +696,154 @@ def test_a_structured_answer_is_its_word_whether_or_not_tools_are_offered(server
                                                     "options": {"seed": 0, "num_predict": 64}})
             assert r.status_code == 200, r.text
             assert holds(r.json()["message"]["content"]) and not r.json()["message"].get("tool_calls"), r.text
+
+
+# ------------------------------------------------------------------ required calls searched as one expression
+
+
+def _call_automaton(tok, functions, max_tokens=160, most=1):
+    """A required call's structure as the server builds it (constraints.call_structure), compiled in-process."""
+    from dgemma_cli.server.constraints import call_structure
+    from dgemma_cli.structured.constrain import compile_structure
+
+    structure = call_structure(tok, functions, 48, 49, most=most, max_tokens=max_tokens)
+    assert structure.kind == "calls", structure.source[:80]
+    return compile_structure(structure, tok, tok.vocab_size)
+
+
+def _takes(auto, tok, text: str) -> bool:
+    """Whether the automaton takes `text` (<|tool_call>...<tool_call|> blocks) whole, the call tokens by id."""
+    ids = []
+    for piece in re.split(r"(<\|tool_call>|<tool_call\|>)", text):
+        ids += [tok.token_id(piece)] if piece in ("<|tool_call>", "<tool_call|>") else tok.encode_text(piece)
+    state = auto.advance(auto.start, ids)
+    return state is not None and bool(auto.final[state])
+
+
+def test_a_required_call_is_one_expression_and_takes_what_the_grammar_takes():
+    """tools.call_regex writes call_grammar's language as one expression for the automaton search: the pydantic
+    schemas' calls it takes and refuses are the grammar's, parallel calls up to four, and a string is never
+    bounded to fit max_tokens (the search knows what finishing costs): at max_tokens 64 the grammar bounds the
+    location to fewer than 40 characters, the expression takes 40."""
+    from dgemma_cli.tools import call_grammar
+
+    tok = _demo_tok()
+    person, node = _pydantic_tools()
+    auto = _call_automaton(tok, [{"name": "save", "parameters": person}])
+    grammar = call_grammar([{"name": "save", "parameters": person}], 48, 49, None)
+    base = {"name": "Ann", "nickname": None, "age": None, "home": {"street": "Main", "zip": None}, "previous": [],
+            "role": "user", "score": 0.5, "active": True}
+    cases = [base, {**base, "nickname": "A", "age": 41, "home": {"street": "", "zip": 75001}, "role": "admin",
+                    "previous": [{"street": "Old", "zip": None}, {"street": "Older", "zip": 1}], "score": -2},
+             {**base, "age": "41"}, {**base, "home": {"street": "Main"}}, {**base, "role": "root"},
+             {**base, "name": "a<b"}, {**base, "previous": [{"street": 1, "zip": None}]}, {**base, "nickname": 3}]
+    for args in cases:
+        text = "<|tool_call>call:save" + gemma_value(args) + "<tool_call|>"
+        assert _takes(auto, tok, text) == _holds(grammar, tok, text), args
+    assert sum(_takes(auto, tok, "<|tool_call>call:save" + gemma_value(a) + "<tool_call|>") for a in cases) == 2
+    chain = {"next": {"next": {"next": None, "value": 3}, "value": 2}, "value": 1}
+    walk = _call_automaton(tok, [{"name": "walk", "parameters": node}])
+    assert _takes(walk, tok, "<|tool_call>call:walk" + gemma_value(chain) + "<tool_call|>")
+
+    weather = [{"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "location": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}}}}]
+    long_call = "<|tool_call>call:get_weather" + gemma_value({"location": "x" * 40, "unit": "celsius"}) + \
+        "<tool_call|>"
+    assert _takes(_call_automaton(tok, weather, max_tokens=64), tok, long_call)
+    walked = call_grammar(weather, 48, 49, None, max_tokens=64)  # the quote as text here: 5 bytes each
+    assert int(re.search(r"\[\^<\]\{0,(\d+)\}", walked).group(1)) < 40 and not _holds(walked, tok, long_call)
+    one = long_call.removesuffix("<tool_call|>").removeprefix("<|tool_call>")
+    parallel = _call_automaton(tok, weather, most=4)
+    assert _takes(parallel, tok, "<|tool_call>" + one * 4 + "<tool_call|>")
+    assert not _takes(parallel, tok, "<|tool_call>" + one * 5 + "<tool_call|>")
+    assert not _takes(_call_automaton(tok, weather), tok, "<|tool_call>" + one * 2 + "<tool_call|>")
+
+
+def test_held_calls_are_whole_and_valid_on_random_log_probabilities():
+    """200 seeds of random log-probabilities over the demo vocabulary, canvases of 32 kept as the search writes
+    them: every answer ends inside max_tokens as one whole call whose arguments validate against the schema."""
+    import torch
+
+    from dgemma_cli.tools import check_call_parameters
+
+    tok = _demo_tok()
+    person, _ = _pydantic_tools()
+    tools = [{"name": "get_weather", "parameters": WEATHER}, {"name": "save", "parameters": person}]
+    auto = _call_automaton(tok, tools, max_tokens=160)
+    schemas = {t["name"]: check_call_parameters(t["name"], t["parameters"]) for t in tools}
+    names = set()
+    for seed in range(200):
+        g = torch.Generator().manual_seed(seed)
+        row = auto.row(160, [tok.eos_id], 0, g)
+        ids: list[int] = []
+        while not row.ended and row.produced < 160:
+            logp = torch.log_softmax(torch.randn(32, tok.vocab_size, generator=g) * 3, dim=-1)
+            sample, argmax = torch.zeros(32, dtype=torch.long), torch.zeros(32, dtype=torch.long)
+            row.step(logp, sample, argmax, greedy=False)
+            row.end_canvas(sample.tolist())
+            ids += sample.tolist()
+        assert row.satisfied, seed
+        text = tok.decode(ids[: ids.index(tok.eos_id)] if tok.eos_id in ids else ids, skip_special_tokens=False)
+        content, calls = parse_tool_calls(text)
+        assert content == "" and len(calls) == 1, (seed, text)
+        jsonschema.validate(calls[0]["arguments"], schemas[calls[0]["name"]])
+        names.add(calls[0]["name"])
+    assert names == {"get_weather", "save"}
+
+
+def test_no_text_spells_the_special_tokens_of_a_call():
+    """A call's expression names its special tokens by characters of Unicode's plane 16: the text tokens that could
+    spell one (a byte-fallback token 0xF4, a token holding such a character) are left out of its vocabulary, so the
+    call tokens and the quote are written only as their ids; a schema holding such a character is refused."""
+    from dgemma_cli.errors import UsageError
+    from dgemma_cli.server.constraints import call_structure
+    from dgemma_cli.structured.constrain import compile_structure
+
+    class Bytes:  # the demo vocabulary with byte-fallback tokens for F4 80 80 80..82, and a plane-16 character
+        def __init__(self):
+            self.words = _demo_tok().token_bytes() + [b"\xf4", b"\x80", b"\x81", b"\x82", "\U00100000".encode()]
+            self.vocab_size = len(self.words)
+
+        def token_bytes(self):
+            return self.words
+
+        def token_id(self, text):
+            return None
+
+    tok = Bytes()
+    fn = [{"name": "f", "parameters": {"type": "object", "properties": {"s": {"type": "string"}}}}]
+    auto = compile_structure(call_structure(tok, fn, 48, 49, most=1, max_tokens=64), tok, tok.vocab_size)
+    spelled = [tok.words.index(w) for w in (b"\xf4", b"\x80", b"\x80", b"\x80")]
+    assert auto.advance(0, [48]) is not None and auto.advance(0, spelled) is None
+    assert auto.advance(0, [tok.words.index("\U00100000".encode())]) is None
+    inside = auto.advance(0, [48] + [tok.words.index(c.encode()) for c in 'call:f{s:<|"|>'])  # in the string
+    plane_16 = tok.words.index("\U00100000".encode())
+    assert inside is not None and auto.advance(inside, [plane_16]) is None  # not inside a string either
+    assert auto.advance(inside, [tok.words.index(b"x")]) is not None
+    evil = [{"name": "f", "parameters": {"type": "object", "properties": {"u": {"enum": ["\U00100001"]}}}}]
+    with pytest.raises(UsageError, match="plane 16"):
+        call_structure(tok, evil, 48, 49, most=1, max_tokens=64)
+
+
+def test_a_call_too_large_to_search_is_offered_alone_then_walked():
+    """At the real vocabulary (262,144 tokens) a bounded string's characters are a vocabulary's worth of edges
+    each: four parallel calls with a maxLength of 30 are over the automaton's edges, one call is searched; a
+    maxLength of 100 is walked as the grammar (bounded to fit max_tokens)."""
+    from dgemma_cli.server.constraints import call_structure
+
+    class Real:
+        vocab_size = 262_144
+
+        def token_id(self, text):
+            return 52 if text == '<|"|>' else None
+
+    def fn(bound):
+        return [{"name": "f", "parameters": {"type": "object", "properties": {"s": {"type": "string",
+                                                                                    "maxLength": bound}}}}]
+
+    four = call_structure(Real(), fn(10), 48, 49, most=4, max_tokens=256)
+    assert four.kind == "calls" and "{1,4}" in json.loads(four.source)["regex"]
+    one = call_structure(Real(), fn(30), 48, 49, most=4, max_tokens=256)
+    assert one.kind == "calls" and "{1,1}" in json.loads(one.source)["regex"]
+    walked = call_structure(Real(), fn(100), 48, 49, most=4, max_tokens=256)
+    assert walked.kind == "grammar" and "/[^<]{0," in walked.source

@@ -77,6 +77,13 @@ def finish_reason(text: AnswerText, done: RowDone | None) -> str:
     return "stop" if text.stopped or (done is not None and done.ended) else "length"
 
 
+def calls_reason(reason: str, done: RowDone | None) -> str:
+    """The finish reason of an answer with tool calls: "tool_calls", unless max_tokens cut the block (the calls
+    completed before the cut are returned with "length", as the API does). A required call whose block closed
+    exactly at max_tokens (the search writes the longest values that still finish) is whole: "tool_calls"."""
+    return "tool_calls" if reason != "length" or (done is not None and done.satisfied is True) else "length"
+
+
 async def answer_whole(server: Server, request: Request, prep: Prepared) -> Response:
     body = await whole(server, request, prep)
     return Response(status_code=499) if body is None else JSONResponse(body)  # 499: nobody is listening
@@ -137,7 +144,7 @@ async def whole(server: Server, request: Request, prep: Prepared) -> dict | None
         message = {"role": "assistant", "content": answer, "refusal": None}
         if calls:  # cut at max_tokens, the calls completed before the cut, with "length" (as the API does)
             message.update(content=answer or None, tool_calls=calls)
-            reason = "length" if reason == "length" else "tool_calls"
+            reason = calls_reason(reason, done)
         if thought:
             message["reasoning_content"] = thought
         body = {**base, "object": "chat.completion",
@@ -234,7 +241,7 @@ def stream_chunks(server: Server, prep: Prepared) -> tuple[AsyncIterator[dict], 
                 {"index": i, **c} for i, c in enumerate(calls)]}, "finish_reason": None, "logprobs": None}],
                 **({"usage": None} if prep.include_usage else {})})
         reason = finish_reason(text, done)  # cut at max_tokens: "length", with the calls completed before the cut
-        yield chunk(reason="tool_calls" if calls and reason != "length" else reason)
+        yield chunk(reason=calls_reason(reason, done) if calls else reason)
         if prep.include_usage:
             yield {**base, "choices": [], "usage": usage(prep, text.returned_tokens(), done)}
 

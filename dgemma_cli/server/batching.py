@@ -254,7 +254,7 @@ class _Row:
             sample[:, free:] = self.held
             argmax[:, free:] = self.held
         if self.constraint is not None:  # the best paths through the automaton replace the draws and the argmax
-            self.constraint.step(logp, sample[0], argmax[0], s.greedy)
+            self.constraint.step(logp, sample[0], argmax[0], s.greedy, drawn=True)  # the step's own draws
         accepted = entropy_bound_accept(entropy, s.entropy_bound)
         kept = torch.where(accepted, sample, self.canvas)
         noise = torch.randint(0, self.V, (1, self.C), device=self.model.device, generator=self.gen)

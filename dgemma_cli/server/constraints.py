@@ -17,7 +17,7 @@ def request_tools(tok, body: dict, kind: str, max_tokens: int | None = None):
     "required" (a call, of any of them), or {"type": "function", "function": {"name": ...}} (that one). max_tokens:
     the answer's, which the call's strings and arrays are bounded to fit (tools.call_grammar); None: checked only."""
     from ..structured.constrain import Structure
-    from ..tools import call_grammar, check_call_parameters, check_tools
+    from ..tools import check_call_parameters, check_tools
 
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools in (None, []):
@@ -55,11 +55,29 @@ def request_tools(tok, body: dict, kind: str, max_tokens: int | None = None):
             for fn in wanted:  # of Python for a schema of thousands of nodes), is built once max_tokens is known
                 check_call_parameters(fn["name"], fn["parameters"])
             return functions, Structure("grammar")
-        grammar = call_grammar(wanted, start, end, tok.token_id('<|"|>'), most=4 if parallel else 1,
-                               max_tokens=max_tokens)
+        return functions, call_structure(tok, wanted, start, end, most=4 if parallel else 1, max_tokens=max_tokens)
     except UsageError as e:
         raise ApiError(400, str(e), param="tools", code="invalid_value") from None
-    return functions, Structure("grammar", grammar)
+
+
+def call_structure(tok, functions: list[dict], start: int, end: int, most: int, max_tokens: int):
+    """The structure a required call is held to: its expression (tools.call_regex), searched by the automaton with
+    lookahead, so that no string is bounded to fit max_tokens; or, where that automaton would be over the edges,
+    repetitions or text it may hold (a string of a large maxLength is an edge per token per character), the
+    grammar walked left to right (tools.call_grammar: every string and array bounded to fit max_tokens). Parallel
+    calls (`most`) that would be too large are offered as one call before the walk is taken."""
+    from ..structured.constrain import Structure
+    from ..structured.structure import MAX_EDGES, MAX_REPEAT, MAX_SOURCE, repeat_product
+    from ..tools import call_grammar, call_regex
+
+    quote = tok.token_id('<|"|>')
+    for calls in dict.fromkeys((most, 1)):  # parallel calls multiply the states: one call searched before a walk
+        regex, specials, states = call_regex(functions, start, end, quote, most=calls)
+        source = json.dumps({"regex": regex, "specials": specials})
+        if states * tok.vocab_size <= MAX_EDGES and len(source) <= MAX_SOURCE and \
+                repeat_product(regex) <= MAX_REPEAT:
+            return Structure("calls", source)
+    return Structure("grammar", call_grammar(functions, start, end, quote, most=most, max_tokens=max_tokens))
 
 
 GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "grammar",

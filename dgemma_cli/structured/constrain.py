@@ -60,12 +60,15 @@ class TokenAutomaton:
             else torch.zeros(0, dtype=torch.long)
         self.big: list[tuple[int, int]] = [tuple(x) for x in tables["big"]]  # (group, index into self.masks)
         self.masks: list[torch.Tensor] = []  # bool [V]: the group's tokens
-        self.complements: list[torch.Tensor] = []  # the tokens not in it (few)
+        self.complements: list[torch.Tensor] = []  # the tokens not in it
+        self.members: list[torch.Tensor | None] = []  # its tokens where they are at most half the vocabulary
         for members in tables["masks"]:
             mask = torch.zeros(self.vocab_size, dtype=torch.bool)
             mask[torch.tensor(members, dtype=torch.long)] = True
             self.masks.append(mask)
             self.complements.append(torch.nonzero(~mask).flatten())
+            self.members.append(torch.nonzero(mask).flatten() if 2 * len(members) <= self.vocab_size else None)
+        self.groups_of_mask = [[g for g, k in self.big if k == m] for m in range(len(self.masks))]
         self._mask_of = dict(self.big)
         self._out: dict[int, list[int]] = {}  # state -> its groups, made when an answer first passes there
         self._small: dict[int, dict[int, int]] = {}  # state -> {token: next state} of its small groups
@@ -120,7 +123,7 @@ def compile_structure(structure: Structure, tokenizer, vocab_size: int):
     if structure.kind == "grammar":
         auto = LarkGrammar(lark_grammar(structure.source), tokenizer, vocab_size)  # lark_grammar checks it
     else:
-        vocabulary = outlines_vocabulary(tokenizer.token_bytes(), vocab_size)
+        vocabulary = outlines_vocabulary(tokenizer.token_bytes(), vocab_size, structure.specials)
         auto = TokenAutomaton(regex_tables(structure.regex(), vocabulary, vocab_size, BIG_GROUP))
     with _CACHE_LOCK:
         _CACHE[key] = auto
@@ -133,7 +136,6 @@ def compile_structure(structure: Structure, tokenizer, vocab_size: int):
 
 _GATHER = 1 << 23  # score elements gathered at once (positions x tokens): 32 MB of float32
 BIG_GROUP = 4096  # tokens above which a group is searched by its mask and complement, not token by token
-_TOP = 64  # the argmax search looks for a big group's best token among each position's top _TOP first
 
 
 def gumbel(shape, generator: torch.Generator | None, device) -> torch.Tensor:
@@ -142,10 +144,12 @@ def gumbel(shape, generator: torch.Generator | None, device) -> torch.Tensor:
     return -torch.log(-torch.log(u.clamp_(min=1e-20)))
 
 
-def _edge_weights(auto: TokenAutomaton, score: torch.Tensor,
-                  noise: torch.Generator | bool | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _edge_weights(auto: TokenAutomaton, score: torch.Tensor, noise: torch.Generator | bool | None,
+                  hint: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """score [P, V] -> (w [P, G]: the best score among each group's tokens, tok [P, G]: that token). noise: add
-    Gumbel noise to every gathered score (from this generator; True: torch's global one)."""
+    Gumbel noise to every gathered score (from this generator; True: torch's global one). hint [P]: each position's
+    best token over the whole vocabulary (without noise) or a draw from its distribution (with noise), which the
+    sampler has already made; None: made here (a pass or three over `score`)."""
     P, T, G = score.shape[0], auto.tokens.numel(), auto.G
     dev = score.device
     tokens, group_of = auto.tokens.to(dev), auto.group_of.to(dev)
@@ -163,55 +167,62 @@ def _edge_weights(auto: TokenAutomaton, score: torch.Tensor,
         w[p0 : p0 + step] = wp
         tok[p0 : p0 + step] = tokens[first.clamp(max=T - 1)]
     if auto.big:
-        _big_edge_weights(auto, score, noise, w, tok)
+        _big_edge_weights(auto, score, noise, w, tok, hint)
     return w, tok
 
 
-def _big_edge_weights(auto: TokenAutomaton, score: torch.Tensor, noise, w: torch.Tensor, tok: torch.Tensor) -> None:
-    """The big groups' columns of w and tok, without gathering their tokens. Argmax: the first of a position's
-    top _TOP tokens that is in the group (the whole group where none is). With noise (a draw): the max over a
-    group of log-probability plus Gumbel noise is distributed as the group's log-mass plus one Gumbel draw, and
-    its token as a draw from the distribution restricted to the group; the log-mass is taken through the
-    complement (log(1 - its mass)), the draw by drawing from the whole distribution until it lands in the group.
-    Exact in distribution, as the token-by-token search is."""
+def _big_edge_weights(auto: TokenAutomaton, score: torch.Tensor, noise, w: torch.Tensor, tok: torch.Tensor,
+                      hint: torch.Tensor | None) -> None:
+    """The big groups' columns of w and tok, without gathering their tokens, once per mask (groups of the same
+    tokens share their best token). Argmax: the position's best token (`hint`) where it is in the group, else the
+    best of the group's (searched at those positions only). With noise (a draw): the max over a group of
+    log-probability plus Gumbel noise is distributed as the group's log-mass plus one Gumbel draw, and its token,
+    independent of it, as a draw from the distribution restricted to the group; the log-mass is taken through the
+    smaller of the group and its complement (log(1 - the mass outside)), the token is the position's draw from the
+    whole distribution (`hint`) where that landed in the group (so restricted to it), else a draw restricted to the
+    group at those positions. Exact in distribution, as the token-by-token search is: a position takes one edge,
+    so groups sharing a token draw take each a correct one."""
     P, dev = score.shape[0], score.device
-    masks = [m.to(dev) for m in auto.masks]
-    if noise is None or noise is False:
-        top_v, top_i = score.topk(min(_TOP, score.shape[1]), dim=1)
-        for g, k in auto.big:
-            hit = masks[k][top_i]  # [P, TOP]
-            first = hit.to(torch.int8).argmax(dim=1, keepdim=True)
-            w[:, g] = top_v.gather(1, first).squeeze(1)
-            tok[:, g] = top_i.gather(1, first).squeeze(1)
-            miss = torch.nonzero(~hit.any(dim=1)).flatten()
-            if miss.numel():  # no top token in the group: search all of it there
-                v, i = score[miss].masked_fill(~masks[k], -math.inf).max(dim=1)
-                w[miss, g], tok[miss, g] = v, i
-        return
-    gen = None if noise is True else noise
-    cand = _draws(score, _TOP, gen)  # [P, TOP] independent draws from each position's distribution
-    mass: dict[int, torch.Tensor] = {}  # per mask: the log of its tokens' probability, per position
-    for k, comp in enumerate(auto.complements):
-        if comp.numel() > auto.vocab_size // 2:  # the group is the smaller side: sum it
-            mass[k] = torch.logsumexp(score[:, torch.nonzero(masks[k]).flatten()], dim=1)
+    gen = None if noise is True or noise is False else noise
+    drawing = noise is not None and noise is not False
+    if hint is None:
+        hint = _draws(score, 1, gen).squeeze(1) if drawing else score.argmax(dim=1)
+    hint = hint.to(dev)
+    best = None if drawing else score.gather(1, hint[:, None]).squeeze(1)
+    for k, groups in enumerate(auto.groups_of_mask):
+        if not groups:
             continue
-        out_mass = torch.logsumexp(score[:, comp.to(dev)], dim=1) if comp.numel() else \
-            torch.full((P,), -math.inf, device=dev)
-        lse = torch.log(-torch.expm1(out_mass))  # log(1 - mass outside)
-        close = out_mass > -1e-4  # nearly all the mass outside: take the group's own sum
-        if bool(close.any()):
-            lse[close] = torch.logsumexp(score[close].masked_fill(~masks[k], -math.inf), dim=1)
-        mass[k] = lse
-    for g, k in auto.big:
-        lse = mass[k]
-        # the max's value and its token are independent (Gumbel-max): the value from the mass, the token the
-        # first draw that lands in the group (a draw restricted to it), or one from the group where none did
-        w[:, g] = lse + gumbel((P,), gen, dev)
-        hit = masks[k][cand]
-        tok[:, g] = cand.gather(1, hit.to(torch.int8).argmax(dim=1, keepdim=True)).squeeze(1)
-        miss = torch.nonzero(~hit.any(dim=1)).flatten()
-        if miss.numel():
-            tok[miss, g] = _draws(score[miss].masked_fill(~masks[k], -math.inf), 1, gen).squeeze(1)
+        mask, members, cols = auto.masks[k].to(dev), auto.members[k], torch.tensor(groups, device=dev)
+        members = None if members is None else members.to(dev)
+        hit = mask[hint]
+        t = hint.clone()
+        miss = torch.nonzero(~hit).flatten()
+        sub = None
+        if miss.numel():  # the positions whose best token (draw) is not in the group: its own tokens there
+            sub = score[miss[:, None], members] if members is not None else \
+                score[miss].masked_fill(~mask, -math.inf)
+        if not drawing:
+            v = torch.where(hit, best, -math.inf)
+            if sub is not None:
+                mv, mi = sub.max(dim=1)
+                v[miss], t[miss] = mv, (members[mi] if members is not None else mi)
+            w[:, cols], tok[:, cols] = v[:, None], t[:, None]
+            continue
+        if members is not None:  # the group is the smaller side: sum it
+            lse = torch.logsumexp(score[:, members], dim=1)
+        else:
+            comp = auto.complements[k].to(dev)
+            out_mass = torch.logsumexp(score[:, comp], dim=1) if comp.numel() else \
+                torch.full((P,), -math.inf, device=dev)
+            lse = torch.log(-torch.expm1(out_mass))  # log(1 - mass outside)
+            close = out_mass > -1e-4  # nearly all the mass outside: take the group's own sum
+            if bool(close.any()):
+                lse[close] = torch.logsumexp(score[close].masked_fill(~mask, -math.inf), dim=1)
+        if sub is not None:
+            i = _draws(sub, 1, gen).squeeze(1)
+            t[miss] = members[i] if members is not None else i
+        w[:, cols] = lse[:, None] + gumbel((P, len(groups)), gen, dev)
+        tok[:, cols] = t[:, None]
 
 
 def _draws(score: torch.Tensor, k: int, gen: torch.Generator | None) -> torch.Tensor:
@@ -228,15 +239,17 @@ def _draws(score: torch.Tensor, k: int, gen: torch.Generator | None) -> torch.Te
 
 
 def best_path(auto: TokenAutomaton, score: torch.Tensor, state: int, room: int, after: int, end_ids: list[int],
-              pad_id: int, noise: torch.Generator | bool | None = None) -> tuple[torch.Tensor, bool]:
+              pad_id: int, noise: torch.Generator | bool | None = None,
+              hint: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
     """The best-scoring canvas that the automaton accepts a prefix of, from `state`.
 
     score [C, V]: per-position log-probabilities; noise: search on them plus Gumbel noise (a draw, not the argmax;
     a generator, or True for torch's global one). room: positions of this canvas within max_new_tokens (the rest
     are pad); after: tokens allowed after this canvas. A path either ends (an id of end_ids from an accepting state;
     later positions score as their best end or pad id and hold it) or reaches the canvas's end in a state at most
-    `after` tokens from acceptance. Returns (tokens [C], ok): ok False when no such path exists, the tokens then the
-    best path that ignores the length limit (an answer cut short)."""
+    `after` tokens from acceptance. hint [C]: each position's argmax (noise None) or free draw (with noise), where
+    the sampler made them (_edge_weights). Returns (tokens [C], ok): ok False when no such path exists, the tokens
+    then the best path that ignores the length limit (an answer cut short)."""
     C = score.shape[0]
     dev = score.device
     END = auto.S
@@ -244,7 +257,7 @@ def best_path(auto: TokenAutomaton, score: torch.Tensor, state: int, room: int, 
     if room <= 0:
         return out, bool(auto.final[state])
     sc = score[:room]
-    w, wtok = _edge_weights(auto, sc, noise)
+    w, wtok = _edge_weights(auto, sc, noise, None if hint is None else hint[:room])
     finals = torch.nonzero(auto.final).flatten()
     ends = torch.tensor(sorted(set(end_ids)), dtype=torch.long, device=dev)
     stop = torch.tensor(sorted(set(end_ids) | {pad_id}), dtype=torch.long, device=dev)
@@ -320,20 +333,24 @@ class RowConstraint:
         self.ended = False  # an end id was kept from an accepting state
         self.ok = True  # every step found a path within the length limit
 
-    def step(self, logp: torch.Tensor, sample: torch.Tensor, argmax: torch.Tensor, greedy: bool) -> None:
+    def step(self, logp: torch.Tensor, sample: torch.Tensor, argmax: torch.Tensor, greedy: bool,
+             drawn: bool = False) -> None:
         """logp [C, V]: this step's log-probabilities for the row's canvas; sample, argmax [C]: overwritten in place
-        with the best paths (the sample's on Gumbel-perturbed scores)."""
+        with the best paths (the sample's on Gumbel-perturbed scores). drawn: they hold the sampler's draws from
+        logp and its argmax (the sampler's step), which the search then reads instead of making its own."""
         C = logp.shape[0]
         room = _room(self.limit, self.produced, C)
         after = self.limit - self.produced - room
-        best, ok = best_path(self.auto, logp, self.state, room, after, self.end_ids, self.pad_id)
+        free_draw = sample.clone() if drawn and not greedy else None
+        best, ok = best_path(self.auto, logp, self.state, room, after, self.end_ids, self.pad_id,
+                             hint=argmax.clone() if drawn else None)
         self.ok = ok
         argmax.copy_(best)
         if greedy:
             sample.copy_(best)
             return
         drawn, _ = best_path(self.auto, logp, self.state, room, after, self.end_ids, self.pad_id,
-                             noise=self.gen if self.gen is not None else True)
+                             noise=self.gen if self.gen is not None else True, hint=free_draw)
         sample.copy_(drawn)
 
     def end_canvas(self, tokens) -> None:
@@ -467,7 +484,8 @@ class GrammarRowConstraint:
         self.m.rollback(consumed)  # back to the canvas's start: the next step walks again
         return out
 
-    def step(self, logp: torch.Tensor, sample: torch.Tensor, argmax: torch.Tensor, greedy: bool) -> None:
+    def step(self, logp: torch.Tensor, sample: torch.Tensor, argmax: torch.Tensor, greedy: bool,
+             drawn: bool = False) -> None:
         room = _room(self.limit, self.produced, logp.shape[0])
         best = self._walk(logp, room, draw=False)
         argmax.copy_(best)

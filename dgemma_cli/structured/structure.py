@@ -51,8 +51,10 @@ _RFC3339 = ("date-time", "date", "time")
 @dataclass(frozen=True)
 class Structure:
     """A requested answer shape: kind "regex" (source: the expression), "json_schema" (source: the schema as JSON
-    text), "json_object" (any JSON object) or "grammar" (source: a context-free grammar in llguidance's Lark syntax,
-    or llama.cpp's GBNF, which is converted)."""
+    text), "json_object" (any JSON object), "grammar" (source: a context-free grammar in llguidance's Lark syntax,
+    or llama.cpp's GBNF, which is converted) or "calls" (a required tool call, made by the server: source the JSON
+    text of {"regex": tools.call_regex's expression, "specials": the token ids its characters SPECIAL_BASE + k
+    stand for})."""
 
     kind: str
     source: str = ""
@@ -60,7 +62,7 @@ class Structure:
     def check_size(self) -> None:
         """The check a server makes in its own process: the kind and the size (constant time). Everything else runs
         in the compile worker, under its budget (worker.py)."""
-        if self.kind not in ("regex", "json_schema", "json_object", "grammar"):
+        if self.kind not in ("regex", "json_schema", "json_object", "grammar", "calls"):
             raise UsageError(f"unknown answer structure {self.kind!r}")
         if len(self.source) > MAX_SOURCE:
             what = {"regex": "expression", "grammar": "grammar"}.get(self.kind, "JSON schema")
@@ -74,6 +76,8 @@ class Structure:
         try:
             if self.kind == "regex":
                 check_regex(unanchored(self.source), "--regex")
+            elif self.kind == "calls":
+                check_regex(self._calls["regex"], "the tool call")
             elif self.kind == "json_schema":
                 self.prepared  # noqa: B018 (read: prepare_schema's checks)
             elif self.kind == "grammar":
@@ -92,6 +96,15 @@ class Structure:
             raise UsageError("the JSON schema is nested too deeply") from None
 
     @cached_property
+    def _calls(self) -> dict:
+        return json.loads(self.source)
+
+    @property
+    def specials(self) -> tuple[int, ...]:
+        """The special token ids a "calls" expression names (by the characters SPECIAL_BASE + k); () for others."""
+        return tuple(int(i) for i in self._calls["specials"]) if self.kind == "calls" else ()
+
+    @cached_property
     def prepared(self):
         """The schema (json_schema, json_object kinds) as `prepare_schema` leaves it, made once per structure."""
         return {"type": "object"} if self.kind == "json_object" else prepare_schema(self.schema())
@@ -102,6 +115,8 @@ class Structure:
         self.check()
         if self.kind == "regex":
             return unanchored(self.source)
+        if self.kind == "calls":
+            return self._calls["regex"]
         regex = schema_regex(self.prepared)
         check_regex(regex, "the JSON schema")
         return regex
@@ -1244,13 +1259,24 @@ def ll_tokenizer(words, vocab_size: int, encode, eos_id: int | None = None, bos_
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Words()), n_vocab=vocab_size)
 
 
-def outlines_vocabulary(words, vocab_size: int):
+SPECIAL_BASE = 0x100000  # special token k of a "calls" expression is the character SPECIAL_BASE + k
+_PLANE_16 = 0xF4  # the leading byte of every UTF-8 character from U+100000 on, and of none before
+
+
+def outlines_vocabulary(words, vocab_size: int, specials=()):
     """A tokenizer's token bytes (None: special) -> outlines-core's Vocabulary. Its end-of-sequence id is one no
-    text token has (every id past the vocabulary is one): the search adds the model's own end ids itself."""
+    text token has (every id past the vocabulary is one): the search adds the model's own end ids itself.
+
+    specials: token ids spelled by the characters SPECIAL_BASE + k (a "calls" structure's). The text tokens that hold
+    a byte 0xF4 are left out then (they spell plane 16's characters, or, byte by byte, begin one), so that no text
+    spells a special token's character and the special token is written only as its own id."""
     from outlines_core import Vocabulary
 
     by_bytes: dict[bytes, list[int]] = {}
     for i, b in enumerate(words):
-        if b and i < vocab_size:
+        if b and i < vocab_size and not (specials and _PLANE_16 in b):
             by_bytes.setdefault(b, []).append(i)
+    for k, i in enumerate(specials):
+        if 0 <= i < vocab_size:
+            by_bytes.setdefault(chr(SPECIAL_BASE + k).encode(), []).append(int(i))
     return Vocabulary(vocab_size, by_bytes)

@@ -137,7 +137,8 @@ class Compile:
 
         self.words, self.vocab_size, self.tokenizer_json = words, vocab_size, tokenizer_json
         self.max_edges = MAX_EDGES if max_edges is None else max_edges
-        self.vocabulary = self.ll_tokenizer = None  # made at the first structure that needs them
+        self.vocabularies: dict[tuple, object] = {}  # specials -> outlines-core's Vocabulary, made when first needed
+        self.ll_tokenizer = None  # made at the first grammar
         self.token_chars = longest_token(words, vocab_size)
 
     def __call__(self, kind: str, source: str, max_tokens: int | None = None):
@@ -155,9 +156,10 @@ class Compile:
             return "too_long", shortest, shortest
         if kind == "json_schema" and estimated_edges(regex, self.vocab_size) > self.max_edges:
             return "grammar", self._probed(schema_grammar(structure.prepared)), shortest
-        if self.vocabulary is None:
-            self.vocabulary = outlines_vocabulary(self.words, self.vocab_size)
-        return "tables", regex_tables(regex, self.vocabulary, self.vocab_size), shortest
+        specials = structure.specials
+        if specials not in self.vocabularies:  # the plain one, and one per set of special tokens a call names
+            self.vocabularies[specials] = outlines_vocabulary(self.words, self.vocab_size, specials)
+        return "tables", regex_tables(regex, self.vocabularies[specials], self.vocab_size), shortest
 
     def _probed(self, grammar: str) -> str:
         if self.ll_tokenizer is None:

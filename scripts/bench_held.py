@@ -1,0 +1,196 @@
+"""What holding one row to a structure adds to a denoise step at the real vocabulary (BENCHMARKS.md, "Structured
+answers at the real vocabulary"), on this CPU.
+
+A synthetic vocabulary of 262,144 tokens (scripts/bench_structured.py's: printable ASCII strings by length, ids 0-9
+special, with 3, 4 and 5 standing for the call tokens and the quote), one row, a canvas of 256, random
+log-probabilities. For each structure an agent sends: how it is searched (the automaton's dynamic programme, or the
+grammar's walk), its compile in the worker's code with the vocabulary already made (structured/worker.py `Compile`),
+and one step's search (the argmax and the sample path, as the sampler asks) split into the vocabulary-wide pass (each
+edge group's best token per position, and the end scores) and the rest (the dynamic programme and its back-trace).
+The unit is one pass: a `max` over the step's [256 x 262,144] float32 log-probabilities, timed in the same run.
+
+    .venv/bin/python scripts/bench_held.py [--walk]   # --walk: the forced calls also as the grammar walk (before)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_structured import SyntheticVocab  # noqa: E402
+
+from dgemma_cli.structured import constrain  # noqa: E402
+from dgemma_cli.structured.structure import Structure  # noqa: E402
+
+V, CANVAS = 262_144, 256
+CALL_START, CALL_END, QUOTE = 3, 4, 5
+
+WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "location": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["location"]}}
+SEARCH = {"name": "search", "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}
+BOOKING = {"name": "book", "parameters": {"type": "object", "properties": {
+    "guest": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}},
+    "nights": {"type": "array", "items": {"type": "string", "format": "date"}},
+    "rooms": {"type": "integer", "minimum": 1, "maximum": 9}}}}
+FUNCTION_CALLING = {"type": "object", "properties": {  # the OpenAI function-calling shape, as a response_format
+    "name": {"const": "get_weather"},
+    "arguments": {"type": "object", "properties": {"location": {"type": "string"},
+                                                   "unit": {"enum": ["celsius", "fahrenheit"]}},
+                  "required": ["location", "unit"]}}, "required": ["name", "arguments"]}
+PERSON = {"$defs": {"Address": {"type": "object", "properties": {"street": {"type": "string"},
+                                                                 "zip": {"anyOf": [{"type": "integer"},
+                                                                                   {"type": "null"}]}},
+                                "required": ["street", "zip"]}},
+          "type": "object", "properties": {"name": {"type": "string"}, "home": {"$ref": "#/$defs/Address"},
+                                           "previous": {"type": "array", "items": {"$ref": "#/$defs/Address"}},
+                                           "role": {"enum": ["admin", "user"]}},
+          "required": ["name", "home", "previous", "role"]}
+
+
+def form(bound: int | None) -> dict:
+    string = {"type": "string", **({"maxLength": bound} if bound is not None else {})}
+    return {"type": "object", "properties": {f"field_{i:02d}": string for i in range(50)},
+            "required": [f"field_{i:02d}" for i in range(50)]}
+
+
+class CallTokenizer:
+    """What constraints.call_structure reads of a tokenizer: the quote's id and the vocabulary's size."""
+
+    vocab_size = V
+
+    def token_id(self, text: str) -> int | None:
+        return QUOTE if text == '<|"|>' else None
+
+
+def structures() -> list[tuple[str, Structure, int]]:
+    from dgemma_cli.server.constraints import call_structure
+
+    tok = CallTokenizer()
+
+    def call(functions, max_tokens):
+        return call_structure(tok, functions, CALL_START, CALL_END, most=1, max_tokens=max_tokens)
+
+    return [("forced call get_weather(location: str, unit: enum), max_tokens 64", call([WEATHER], 64), 64),
+            ("the same, max_tokens 256", call([WEATHER], 256), 256),
+            ("forced call search(query: str), max_tokens 4,096", call([SEARCH], 4096), 4096),
+            ("named tool book(guest: object, nights: array, rooms)", call([BOOKING], 256), 256),
+            ("OpenAI function-calling schema (3 properties)", Structure("json_schema", json.dumps(FUNCTION_CALLING)),
+             256),
+            ("nested pydantic model", Structure("json_schema", json.dumps(PERSON)), 256),
+            ("50-property form, strings unbounded", Structure("json_schema", json.dumps(form(None))), 1024),
+            ("50-property form, strings of at most 32", Structure("json_schema", json.dumps(form(32))), 1024)]
+
+
+def walked(functions, max_tokens: int) -> Structure:
+    from dgemma_cli.tools import call_grammar
+
+    return Structure("grammar", call_grammar(functions, CALL_START, CALL_END, QUOTE, most=1, max_tokens=max_tokens))
+
+
+def held_step(auto, max_tokens: int, steps: int = 3) -> dict:
+    """Median seconds of what holding adds to one step: the search (argmax and sample paths) given what the free
+    step made already (its draw and argmax per position), and the vocabulary-wide part of it."""
+    g = torch.Generator().manual_seed(0)
+    totals, passes = [], []
+    for _ in range(steps):
+        logp = torch.log_softmax(torch.randn(CANVAS, V, generator=g) * 3, dim=-1)
+        row = auto.row(max_new_tokens=max_tokens, end_ids=[1], pad_id=0, generator=g)
+        # what the free step has made already (sampler.sample_step): a draw per position and the argmax
+        sample = (logp.exp() / torch.empty_like(logp).exponential_(generator=g)).argmax(dim=1)
+        argmax = logp.argmax(dim=1)
+        spent = [0.0]
+        real = constrain._edge_weights
+
+        def timed(*args, **kw):
+            t0 = time.perf_counter()
+            out = real(*args, **kw)
+            spent[0] += time.perf_counter() - t0
+            return out
+
+        constrain._edge_weights = timed
+        try:
+            t0 = time.perf_counter()
+            row.step(logp, sample, argmax, greedy=False, drawn=True)
+            totals.append(time.perf_counter() - t0)
+        finally:
+            constrain._edge_weights = real
+        passes.append(spent[0])
+    return dict(step=statistics.median(totals), vocab=statistics.median(passes))
+
+
+def one_pass() -> float:
+    logp = torch.log_softmax(torch.randn(CANVAS, V, generator=torch.Generator().manual_seed(1)), dim=-1)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        logp.max(dim=1)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    from dgemma_cli.structured.worker import Compile
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--walk", action="store_true", help="the forced calls also as the grammar walk (the before)")
+    ap.add_argument("--only", default="", help="rows whose name holds this text")
+    args = ap.parse_args()
+    words = SyntheticVocab(V).words
+    for i in (CALL_START, CALL_END, QUOTE):
+        words[i] = None
+    unit = one_pass()
+    compiler = Compile(words, V, None)
+    t0 = time.perf_counter()
+    compiler("regex", "a")  # the vocabulary made once, as a worker keeps it
+    print(f"one pass: {unit * 1e3:.1f} ms; the worker's vocabulary: {time.perf_counter() - t0:.1f} s", flush=True)
+
+    rows = structures()
+    if args.walk:
+        rows += [("walk: " + rows[0][0], walked([WEATHER], 64), 64), ("walk: " + rows[1][0], walked([WEATHER], 256), 256),
+                 ("walk: " + rows[2][0], walked([SEARCH], 4096), 4096)]
+    print("| structure | searched by | compile | held step | its vocabulary pass | the rest | in passes |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for name, structure, max_tokens in rows:
+        if args.only not in name:
+            continue
+        t0 = time.perf_counter()
+        try:
+            kind, result, _ = compiler(structure.kind, structure.source, max_tokens)
+        except Exception as e:  # noqa: BLE001 (a row that cannot compile is said, not fatal)
+            print(f"| {name} | refused: {str(e)[:80]} | | | | | |", flush=True)
+            continue
+        compile_s = time.perf_counter() - t0
+        if kind == "tables":
+            auto, how = constrain.TokenAutomaton(result), f"automaton ({result['edges'] / 1e6:.1f} M edges)"
+        else:
+            auto, how = constrain.LarkGrammar(result, _LLWords(words), V), "grammar walk"
+        cost = held_step(auto, max_tokens)
+        print(f"| {name} | {how} | {compile_s:.2f} s | {cost['step']:.2f} s | {cost['vocab']:.2f} s | "
+              f"{cost['step'] - cost['vocab']:.2f} s | {cost['step'] / unit:.0f} |", flush=True)
+
+
+class _LLWords:
+    """What constrain.ll_tokenizer reads of a tokenizer, for the walk's rows."""
+
+    def __init__(self, words):
+        self.words, self.eos_id, self.bos_id = words, 1, 2
+        self._index = {w: i for i, w in enumerate(words) if w}
+
+    def token_bytes(self):
+        return self.words
+
+    def encode_text(self, text: str) -> list[int]:
+        return [self._index[c.encode()] for c in text if c.encode() in self._index]
+
+
+if __name__ == "__main__":
+    main()
