@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_structure_compile import SCHEMAS  # noqa: E402  (the schemas of BENCHMARKS "Structure compiles")
 from bench_structured import SyntheticVocab  # noqa: E402
 
 from dgemma_cli.structured import constrain  # noqa: E402
@@ -41,27 +42,6 @@ BOOKING = {"name": "book", "parameters": {"type": "object", "properties": {
     "guest": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}},
     "nights": {"type": "array", "items": {"type": "string", "format": "date"}},
     "rooms": {"type": "integer", "minimum": 1, "maximum": 9}}}}
-FUNCTION_CALLING = {"type": "object", "properties": {  # the OpenAI function-calling shape, as a response_format
-    "name": {"const": "get_weather"},
-    "arguments": {"type": "object", "properties": {"location": {"type": "string"},
-                                                   "unit": {"enum": ["celsius", "fahrenheit"]}},
-                  "required": ["location", "unit"]}}, "required": ["name", "arguments"]}
-PERSON = {"$defs": {"Address": {"type": "object", "properties": {"street": {"type": "string"},
-                                                                 "zip": {"anyOf": [{"type": "integer"},
-                                                                                   {"type": "null"}]}},
-                                "required": ["street", "zip"]}},
-          "type": "object", "properties": {"name": {"type": "string"}, "home": {"$ref": "#/$defs/Address"},
-                                           "previous": {"type": "array", "items": {"$ref": "#/$defs/Address"}},
-                                           "role": {"enum": ["admin", "user"]}},
-          "required": ["name", "home", "previous", "role"]}
-
-
-def form(bound: int | None) -> dict:
-    string = {"type": "string", **({"maxLength": bound} if bound is not None else {})}
-    return {"type": "object", "properties": {f"field_{i:02d}": string for i in range(50)},
-            "required": [f"field_{i:02d}" for i in range(50)]}
-
-
 class CallTokenizer:
     """What constraints.call_structure reads of a tokenizer: the quote's id and the vocabulary's size."""
 
@@ -83,11 +63,8 @@ def structures() -> list[tuple[str, Structure, int]]:
             ("the same, max_tokens 256", call([WEATHER], 256), 256),
             ("forced call search(query: str), max_tokens 4,096", call([SEARCH], 4096), 4096),
             ("named tool book(guest: object, nights: array, rooms)", call([BOOKING], 256), 256),
-            ("OpenAI function-calling schema (3 properties)", Structure("json_schema", json.dumps(FUNCTION_CALLING)),
-             256),
-            ("nested pydantic model", Structure("json_schema", json.dumps(PERSON)), 256),
-            ("50-property form, strings unbounded", Structure("json_schema", json.dumps(form(None))), 1024),
-            ("50-property form, strings of at most 32", Structure("json_schema", json.dumps(form(32))), 1024)]
+            *[(name, Structure("json_schema", json.dumps(schema)), 1024)
+              for name, schema in SCHEMAS]]
 
 
 def walked(functions, max_tokens: int) -> Structure:

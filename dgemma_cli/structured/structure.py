@@ -1139,12 +1139,17 @@ BIG_GROUP = 4096  # tokens above which a group is searched by its mask and compl
 
 def automaton_tables(transitions: dict[int, dict[int, int]], start: int, finals, vocab_size: int,
                      big_group: int = BIG_GROUP) -> dict:
-    """outlines-core's token DFA -> the compact tables `constrain.TokenAutomaton` is made of, as plain lists (the
-    worker sends them to the server as they are; no torch here). States 0..S-1 (0 the start) are those from which an
-    accepting one can be reached; edges are grouped by (source, target) state, group g holding the tokens
-    tokens[offsets[g]:offsets[g + 1]] when it is small, or naming one of `masks` (a big group: a string's
-    characters, most of the vocabulary) when it is not. dist[s]: the fewest tokens from s to acceptance."""
+    """outlines-core's token DFA -> the compact tables `constrain.TokenAutomaton` is made of, as numpy arrays and
+    plain numbers (the worker sends them to the server as they are; no torch here). States 0..S-1 (0 the start) are
+    those from which an accepting one can be reached; edges are grouped by (source, target) state, group g holding
+    the tokens tokens[offsets[g]:offsets[g + 1]] when it is small, or naming one of `masks` (a big group: a
+    string's characters, most of the vocabulary) when it is not. dist[s]: the fewest tokens from s to acceptance.
+
+    Each state's edges are read into arrays at once (a string's state has an edge for nearly every token of the
+    vocabulary: millions of edges in all, which a loop in Python would take seconds over)."""
     from collections import deque
+
+    import numpy as np
 
     back: dict[int, list[int]] = {}
     for s, edges in transitions.items():
@@ -1161,32 +1166,42 @@ def automaton_tables(transitions: dict[int, dict[int, int]], start: int, finals,
     if start not in dist:
         raise UsageError("the constraint accepts no text this vocabulary can spell")
     order = [start] + sorted(s for s in dist if s != start)
-    ids = {s: i for i, s in enumerate(order)}
-    groups: dict[tuple[int, int], list[int]] = {}
-    for s in order:
-        for tok, t in transitions.get(s, {}).items():
-            if t in ids and 0 <= tok < vocab_size:
-                groups.setdefault((ids[s], ids[t]), []).append(tok)
-    keys = sorted(groups)
-    tokens: list[int] = []
-    offsets = [0]
-    big: list[tuple[int, int]] = []  # (group, index into masks)
-    masks: list[list[int]] = []
-    seen: dict[tuple, int] = {}
-    for g, k in enumerate(keys):
-        members = sorted(groups[k])
-        if len(members) > big_group:
-            key = tuple(members)
-            if key not in seen:
-                seen[key] = len(masks)
-                masks.append(members)
-            big.append((g, seen[key]))
-        else:
-            tokens += members
-        offsets.append(len(tokens))
-    return {"S": len(order), "vocab_size": vocab_size, "dist": [dist[s] for s in order],
-            "src": [k[0] for k in keys], "dst": [k[1] for k in keys], "tokens": tokens, "offsets": offsets,
-            "big": big, "masks": masks, "edges": sum(len(v) for v in groups.values())}
+    top = max(max(transitions, default=0), max(order)) + 1
+    ids = np.full(top + 1, -1, dtype=np.int64)  # outlines' state -> ours (-1: dropped)
+    ids[np.array(order, dtype=np.int64)] = np.arange(len(order))
+    src_l, dst_l, tokens, offsets, big, masks = [], [], [], [0], [], []
+    seen: dict[bytes, int] = {}
+    size = edges_kept = 0
+    for i, s in enumerate(order):
+        edges = transitions.get(s)
+        if not edges:
+            continue
+        tok = np.fromiter(edges.keys(), dtype=np.int64, count=len(edges))
+        dst = ids[np.minimum(np.fromiter(edges.values(), dtype=np.int64, count=len(edges)), top)]
+        keep = (dst >= 0) & (tok >= 0) & (tok < vocab_size)
+        tok, dst = tok[keep], dst[keep]
+        if not tok.size:
+            continue
+        by = np.lexsort((tok, dst))  # by target, then token
+        tok, dst = tok[by], dst[by]
+        cut = np.flatnonzero(np.diff(dst)) + 1
+        edges_kept += int(tok.size)
+        for members, target in zip(np.split(tok, cut), dst[np.concatenate(([0], cut))].tolist()):
+            src_l.append(i)
+            dst_l.append(target)
+            if members.size > big_group:
+                key = members.tobytes()
+                if key not in seen:
+                    seen[key] = len(masks)
+                    masks.append(members)
+                big.append((len(src_l) - 1, seen[key]))
+            else:
+                tokens.append(members)
+                size += int(members.size)
+            offsets.append(size)
+    return {"S": len(order), "vocab_size": vocab_size, "dist": [dist[s] for s in order], "src": src_l,
+            "dst": dst_l, "tokens": np.concatenate(tokens) if tokens else np.zeros(0, dtype=np.int64),
+            "offsets": offsets, "big": big, "masks": masks, "edges": edges_kept}
 
 
 def regex_tables(regex: str, vocabulary, vocab_size: int, big_group: int = BIG_GROUP) -> dict:
