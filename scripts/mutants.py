@@ -318,6 +318,11 @@ MUTATIONS: list[Mutation] = [
         "        miss = torch.nonzero(~hit).flatten()\n        sub = None\n",
         "        miss = torch.nonzero(hit & ~hit).flatten()\n        sub = None\n",
         f"{STRUCT_T} -k big_groups_search_as_token_by_token"),
+    mutation(  # groups of the same tokens searched once: each group must read its own set's best
+        "search/small-sets-mixed-up", "dgemma_cli/structured/constrain.py",
+        "                self.set_of[g] = sets[key]\n",
+        "                self.set_of[g] = sets[key] // 2\n",
+        f"{STRUCT_T} -k the_search_finds_the_most_probable_valid_canvas"),
     mutation(  # a required call walked as the grammar again (strings bounded to fit max_tokens)
         "calls/walked-not-searched", "dgemma_cli/server/constraints.py",
         "        if states * tok.vocab_size <= MAX_EDGES and len(source) <= MAX_SOURCE and \\\n",

@@ -69,6 +69,24 @@ class TokenAutomaton:
             self.complements.append(torch.nonzero(~mask).flatten())
             self.members.append(torch.nonzero(mask).flatten() if 2 * len(members) <= self.vocab_size else None)
         self.groups_of_mask = [[g for g, k in self.big if k == m] for m in range(len(self.masks))]
+        # Small groups of the same tokens (an integer's digits in every integer field, a key's first token in each
+        # state it may follow) are searched once: `sets` of distinct token lists, set_tokens flat with set_of_token
+        # [T'] naming each one's set, and set_of [G] each group's (-1: a big group's, or no token).
+        sets: dict[bytes, int] = {}
+        self.set_of = torch.full((self.G,), -1, dtype=torch.long)
+        pieces: list[torch.Tensor] = []
+        for g in range(self.G):
+            piece = self.tokens[offsets[g] : offsets[g + 1]]
+            if piece.numel():
+                key = piece.numpy().tobytes()
+                if key not in sets:
+                    sets[key] = len(pieces)
+                    pieces.append(piece)
+                self.set_of[g] = sets[key]
+        self.set_tokens = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+        self.set_of_token = torch.repeat_interleave(torch.arange(len(pieces)),
+                                                    torch.tensor([x.numel() for x in pieces], dtype=torch.long))
+        self.small_groups = torch.nonzero(self.set_of >= 0).flatten()
         self._mask_of = dict(self.big)
         self._out: dict[int, list[int]] = {}  # state -> its groups, made when an answer first passes there
         self._small: dict[int, dict[int, int]] = {}  # state -> {token: next state} of its small groups
@@ -144,35 +162,54 @@ def gumbel(shape, generator: torch.Generator | None, device) -> torch.Tensor:
     return -torch.log(-torch.log(u.clamp_(min=1e-20)))
 
 
+def _gathered(score: torch.Tensor, tokens: torch.Tensor, cache: dict | None, key) -> torch.Tensor:
+    """score[:, tokens], gathered once per step: the argmax and the draw search read the same columns (a gather
+    over the vocabulary costs about what a pass over it does)."""
+    if cache is None:
+        return score[:, tokens]
+    if key not in cache:
+        cache[key] = score[:, tokens]
+    return cache[key]
+
+
 def _edge_weights(auto: TokenAutomaton, score: torch.Tensor, noise: torch.Generator | bool | None,
-                  hint: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  hint: torch.Tensor | None = None, cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """score [P, V] -> (w [P, G]: the best score among each group's tokens, tok [P, G]: that token). noise: add
-    Gumbel noise to every gathered score (from this generator; True: torch's global one). hint [P]: each position's
-    best token over the whole vocabulary (without noise) or a draw from its distribution (with noise), which the
-    sampler has already made; None: made here (a pass or three over `score`)."""
-    P, T, G = score.shape[0], auto.tokens.numel(), auto.G
+    Gumbel noise to the scores (from this generator; True: torch's global one), one draw per position and token
+    (groups of the same tokens get the same best). hint [P]: each position's best token over the whole vocabulary
+    (without noise) or a draw from its distribution (with noise), which the sampler has already made; None: made
+    here (a pass or three over `score`). cache: a dict kept for one step's searches of the same `score` (its gathers
+    are made once)."""
+    P, T, G = score.shape[0], auto.set_tokens.numel(), auto.G
     dev = score.device
-    tokens, group_of = auto.tokens.to(dev), auto.group_of.to(dev)
     w = torch.full((P, G), -math.inf, dtype=score.dtype, device=dev)
     tok = torch.zeros((P, G), dtype=torch.long, device=dev)
-    step = max(1, _GATHER // max(T, 1))
-    for p0 in range(0, P if T else 0, step):
-        s = score[p0 : p0 + step, tokens]  # [p, T]
-        if noise is not None and noise is not False:
-            s = s + gumbel(s.shape, None if noise is True else noise, dev)
-        idx = group_of.expand_as(s)
-        wp = torch.full((s.shape[0], G), -math.inf, dtype=s.dtype, device=dev).scatter_reduce(1, idx, s, "amax")
-        pos = torch.where(s == wp.gather(1, idx), torch.arange(T, device=dev).expand_as(s), T)
-        first = torch.full((s.shape[0], G), T, dtype=torch.long, device=dev).scatter_reduce(1, idx, pos, "amin")
-        w[p0 : p0 + step] = wp
-        tok[p0 : p0 + step] = tokens[first.clamp(max=T - 1)]
+    if T:
+        tokens, set_of_token = auto.set_tokens.to(dev), auto.set_of_token.to(dev)
+        D = int(auto.set_of_token[-1]) + 1
+        wd = torch.empty((P, D), dtype=score.dtype, device=dev)
+        td = torch.empty((P, D), dtype=torch.long, device=dev)
+        step = max(1, _GATHER // T)
+        whole = _gathered(score, tokens, cache, "tokens") if step >= P else None  # [P, T'] when it fits
+        for p0 in range(0, P, step):
+            s = whole if whole is not None else score[p0 : p0 + step, tokens]  # [p, T']
+            if noise is not None and noise is not False:
+                s = s + gumbel(s.shape, None if noise is True else noise, dev)
+            idx = set_of_token.expand_as(s)
+            wp = torch.full((s.shape[0], D), -math.inf, dtype=s.dtype, device=dev).scatter_reduce(1, idx, s, "amax")
+            pos = torch.where(s == wp.gather(1, idx), torch.arange(T, device=dev).expand_as(s), T)
+            first = torch.full((s.shape[0], D), T, dtype=torch.long, device=dev).scatter_reduce(1, idx, pos, "amin")
+            wd[p0 : p0 + s.shape[0]] = wp
+            td[p0 : p0 + s.shape[0]] = tokens[first.clamp(max=T - 1)]
+        small, sets = auto.small_groups.to(dev), auto.set_of[auto.small_groups].to(dev)
+        w[:, small], tok[:, small] = wd[:, sets], td[:, sets]
     if auto.big:
-        _big_edge_weights(auto, score, noise, w, tok, hint)
+        _big_edge_weights(auto, score, noise, w, tok, hint, cache)
     return w, tok
 
 
 def _big_edge_weights(auto: TokenAutomaton, score: torch.Tensor, noise, w: torch.Tensor, tok: torch.Tensor,
-                      hint: torch.Tensor | None) -> None:
+                      hint: torch.Tensor | None, cache: dict | None = None) -> None:
     """The big groups' columns of w and tok, without gathering their tokens, once per mask (groups of the same
     tokens share their best token). Argmax: the position's best token (`hint`) where it is in the group, else the
     best of the group's (searched at those positions only). With noise (a draw): the max over a group of
@@ -180,8 +217,8 @@ def _big_edge_weights(auto: TokenAutomaton, score: torch.Tensor, noise, w: torch
     independent of it, as a draw from the distribution restricted to the group; the log-mass is taken through the
     smaller of the group and its complement (log(1 - the mass outside)), the token is the position's draw from the
     whole distribution (`hint`) where that landed in the group (so restricted to it), else a draw restricted to the
-    group at those positions. Exact in distribution, as the token-by-token search is: a position takes one edge,
-    so groups sharing a token draw take each a correct one."""
+    group at those positions. Exact in distribution, as the token-by-token search is; groups of the same mask get
+    the same value and token at a position, as they would under one noise draw per position and token."""
     P, dev = score.shape[0], score.device
     gen = None if noise is True or noise is False else noise
     drawing = noise is not None and noise is not False
@@ -197,10 +234,10 @@ def _big_edge_weights(auto: TokenAutomaton, score: torch.Tensor, noise, w: torch
         hit = mask[hint]
         t = hint.clone()
         miss = torch.nonzero(~hit).flatten()
+        own = _gathered(score, members, cache, ("mask", k)) if members is not None else None  # [P, members]
         sub = None
         if miss.numel():  # the positions whose best token (draw) is not in the group: its own tokens there
-            sub = score[miss[:, None], members] if members is not None else \
-                score[miss].masked_fill(~mask, -math.inf)
+            sub = own[miss] if own is not None else score[miss].masked_fill(~mask, -math.inf)
         if not drawing:
             v = torch.where(hit, best, -math.inf)
             if sub is not None:
@@ -209,7 +246,7 @@ def _big_edge_weights(auto: TokenAutomaton, score: torch.Tensor, noise, w: torch
             w[:, cols], tok[:, cols] = v[:, None], t[:, None]
             continue
         if members is not None:  # the group is the smaller side: sum it
-            lse = torch.logsumexp(score[:, members], dim=1)
+            lse = torch.logsumexp(own, dim=1)
         else:
             comp = auto.complements[k].to(dev)
             out_mass = torch.logsumexp(score[:, comp], dim=1) if comp.numel() else \
@@ -221,7 +258,7 @@ def _big_edge_weights(auto: TokenAutomaton, score: torch.Tensor, noise, w: torch
         if sub is not None:
             i = _draws(sub, 1, gen).squeeze(1)
             t[miss] = members[i] if members is not None else i
-        w[:, cols] = lse[:, None] + gumbel((P, len(groups)), gen, dev)
+        w[:, cols] = (lse + gumbel((P,), gen, dev))[:, None]
         tok[:, cols] = t[:, None]
 
 
@@ -239,8 +276,8 @@ def _draws(score: torch.Tensor, k: int, gen: torch.Generator | None) -> torch.Te
 
 
 def best_path(auto: TokenAutomaton, score: torch.Tensor, state: int, room: int, after: int, end_ids: list[int],
-              pad_id: int, noise: torch.Generator | bool | None = None,
-              hint: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+              pad_id: int, noise: torch.Generator | bool | None = None, hint: torch.Tensor | None = None,
+              cache: dict | None = None) -> tuple[torch.Tensor, bool]:
     """The best-scoring canvas that the automaton accepts a prefix of, from `state`.
 
     score [C, V]: per-position log-probabilities; noise: search on them plus Gumbel noise (a draw, not the argmax;
@@ -257,7 +294,7 @@ def best_path(auto: TokenAutomaton, score: torch.Tensor, state: int, room: int, 
     if room <= 0:
         return out, bool(auto.final[state])
     sc = score[:room]
-    w, wtok = _edge_weights(auto, sc, noise, None if hint is None else hint[:room])
+    w, wtok = _edge_weights(auto, sc, noise, None if hint is None else hint[:room], cache)
     finals = torch.nonzero(auto.final).flatten()
     ends = torch.tensor(sorted(set(end_ids)), dtype=torch.long, device=dev)
     stop = torch.tensor(sorted(set(end_ids) | {pad_id}), dtype=torch.long, device=dev)
@@ -342,15 +379,16 @@ class RowConstraint:
         room = _room(self.limit, self.produced, C)
         after = self.limit - self.produced - room
         free_draw = sample.clone() if drawn and not greedy else None
+        cache: dict = {}  # the two searches' shared gathers
         best, ok = best_path(self.auto, logp, self.state, room, after, self.end_ids, self.pad_id,
-                             hint=argmax.clone() if drawn else None)
+                             hint=argmax.clone() if drawn else None, cache=cache)
         self.ok = ok
         argmax.copy_(best)
         if greedy:
             sample.copy_(best)
             return
         drawn, _ = best_path(self.auto, logp, self.state, room, after, self.end_ids, self.pad_id,
-                             noise=self.gen if self.gen is not None else True, hint=free_draw)
+                             noise=self.gen if self.gen is not None else True, hint=free_draw, cache=cache)
         sample.copy_(drawn)
 
     def end_canvas(self, tokens) -> None:
