@@ -10,6 +10,7 @@ edge group's best token per position, and the end scores) and the rest (the dyna
 The unit is one pass: a `max` over the step's [256 x 262,144] float32 log-probabilities, timed in the same run.
 
     .venv/bin/python scripts/bench_held.py [--walk]   # --walk: the forced calls also as the grammar walk (before)
+    .venv/bin/python scripts/bench_held.py --ops     # the held step in the kernel report's terms (no GPU needed)
 """
 
 from __future__ import annotations
@@ -111,6 +112,36 @@ def held_step(auto, max_tokens: int, steps: int = 3) -> dict:
     return dict(step=statistics.median(totals), vocab=statistics.median(passes))
 
 
+def held_ops(auto, max_tokens: int) -> dict:
+    """One held step (given the free step's draw and argmax) in the kernel report's terms: every torch op that would
+    run on the device, metered as the whole-step trace meters ops (scripts/bench_structured.py `search_ops`):
+    kernels, host round trips, bytes read and written. The dynamic programme runs on the host: its ops are not
+    counted as kernels (its table's copy to the host is one round trip)."""
+    from bench_structured import SYNCS
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from dgemma_cli.step_trace import _Meter
+
+    def unmetered(*args, host=constrain.host_path):
+        with _disable_current_modes():
+            return host(*args)
+
+    g = torch.Generator().manual_seed(0)
+    logp = torch.log_softmax(torch.randn(CANVAS, V, generator=g) * 3, dim=-1)
+    sample = (logp.exp() / torch.empty_like(logp).exponential_(generator=g)).argmax(dim=1)
+    argmax = logp.argmax(dim=1)
+    row = auto.row(max_new_tokens=max_tokens, end_ids=[1], pad_id=0, generator=g)
+    ops: list = []
+    constrain.host_path = unmetered
+    try:
+        with _Meter(ops, persistent=set()):
+            row.step(logp, sample, argmax, greedy=False, drawn=True)
+    finally:
+        constrain.host_path = unmetered.__kwdefaults__["host"]
+    kernels = [o for o in ops if o.name not in SYNCS]
+    return dict(kernels=len(kernels), syncs=sum(o.name in SYNCS for o in ops), bytes=sum(o.bytes for o in kernels))
+
+
 def one_pass() -> float:
     logp = torch.log_softmax(torch.randn(CANVAS, V, generator=torch.Generator().manual_seed(1)), dim=-1)
     times = []
@@ -127,6 +158,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--walk", action="store_true", help="the forced calls also as the grammar walk (the before)")
     ap.add_argument("--only", default="", help="rows whose name holds this text")
+    ap.add_argument("--ops", action="store_true", help="the held step in the kernel report's terms instead of timed")
     args = ap.parse_args()
     words = SyntheticVocab(V).words
     for i in (CALL_START, CALL_END, QUOTE):
@@ -142,8 +174,12 @@ def main() -> None:
     if args.walk:
         rows += [("walk: " + rows[0][0], walked([WEATHER], 64), 64), ("walk: " + rows[1][0], walked([WEATHER], 256), 256),
                  ("walk: " + rows[2][0], walked([SEARCH], 4096), 4096)]
-    print("| structure | searched by | compile | held step | its vocabulary pass | the rest | in passes |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    if args.ops:
+        print("| structure | kernels | host round trips | GB read + written | x one read of the logits |")
+        print("|---|---:|---:|---:|---:|")
+    else:
+        print("| structure | searched by | compile | held step | its vocabulary pass | the rest | in passes |")
+        print("|---|---|---:|---:|---:|---:|---:|")
     for name, structure, max_tokens in rows:
         if args.only not in name:
             continue
@@ -158,6 +194,14 @@ def main() -> None:
             auto, how = constrain.TokenAutomaton(result), f"automaton ({result['edges'] / 1e6:.1f} M edges)"
         else:
             auto, how = constrain.LarkGrammar(result, _LLWords(words), V), "grammar walk"
+        if args.ops:
+            if kind != "tables":
+                print(f"| {name} | (grammar walk: not metered) | | | |", flush=True)
+                continue
+            m = held_ops(auto, max_tokens)
+            print(f"| {name} | {m['kernels']:,} | {m['syncs']} | {m['bytes'] / 1e9:.3f} | "
+                  f"{m['bytes'] / (CANVAS * V * 4):.1f} |", flush=True)
+            continue
         cost = held_step(auto, max_tokens)
         print(f"| {name} | {how} | {compile_s:.2f} s | {cost['step']:.2f} s | {cost['vocab']:.2f} s | "
               f"{cost['step'] - cost['vocab']:.2f} s | {cost['step'] / unit:.0f} |", flush=True)
