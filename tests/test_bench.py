@@ -216,6 +216,7 @@ def test_failed_capture_is_recorded_not_silent(monkeypatch):
     assert stats["graph_fallback"] == "operation not permitted when stream is capturing"
 
 
+@pytest.mark.slow  # make test's time: the slow suite (CI) runs it
 def test_kernel_path_comparison_on_the_cpu():
     r = compare_kernel_paths("bf16", device="cpu", dtype="float32", steps=4)
     # float32: the fused norms differ from the torch ops by summation order only (measured 1.8e-6 at the worst)

@@ -149,7 +149,7 @@ def test_activation_quantization_with_a_static_scale_matches_emulation():
         assert bool(row2.abs().max() == 6 * 448) is saturates  # row 2 (100x row 1) clipped at the largest value
 
 
-@pytest.mark.parametrize("rows", [1, 17, 130])
+@pytest.mark.parametrize("rows", [1, 17, pytest.param(130, marks=pytest.mark.slow)])
 def test_w4a4_matches_emulation(rows):
     """FP4 x FP4 (W4A4) against the PyTorch emulation of the same quantization: float32 to summation order,
     bfloat16 to one rounding of the output; N not a multiple of the 128-wide tile."""
@@ -295,7 +295,8 @@ LOADS = {
 
 
 # every row count with a uniform load; the skewed loads at the small counts (interpreter time)
-MOE_CASES = [(t, "uniform") for t in ROWS] + [(t, load) for t in ROWS if t <= 33 for load in LOADS if load != "uniform"]
+MOE_CASES = [(t, "uniform") if t < 255 else pytest.param(t, "uniform", marks=pytest.mark.slow)  # make test's time
+             for t in ROWS] + [(t, load) for t in ROWS if t <= 33 for load in LOADS if load != "uniform"]
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "int8"])

@@ -218,6 +218,7 @@ def test_q_and_k_norms_in_one_launch():
     assert torch.equal(q4, got_q) and torch.equal(k4.cpu(), got_k.cpu()) and torch.equal(v4.cpu(), v3.cpu())
 
 
+@pytest.mark.slow  # make test's time: the slow suite (CI) runs it
 def test_the_model_step_with_fused_norms_matches_without(monkeypatch):
     """The demo DiffusionGemma's denoise logits with every norm fused (DGEMMA_KERNELS=triton, the interpreter) against
     the torch path: the same to float32 summation order, and the same argmax."""

@@ -69,6 +69,7 @@ def test_streaming_is_ndjson_ending_done(client, server, engine):
     assert lines[-1]["done"] is True and all(not x["done"] for x in lines[:-1])
 
 
+@pytest.mark.slow  # make test's time: the slow suite (CI) runs it
 def test_format_json_and_schema(client):
     schema = {"type": "object", "properties": {"w": {"type": "string", "maxLength": 5}}, "required": ["w"]}
     for seed in range(2):

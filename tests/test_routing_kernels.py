@@ -39,7 +39,7 @@ def by_expert(w: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return w.gather(1, order), i.gather(1, order)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=pytest.mark.slow), torch.float16])
 def test_router_kernel_routes_as_the_torch_ops(dtype):
     """The fused router against the model's torch ops on 300 tokens of a real-width router (hidden 2816, top-8 of
     128): the same experts for all but a near-tie or two, and the same weights where the experts agree."""

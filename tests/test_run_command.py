@@ -199,6 +199,7 @@ def test_ctrl_c_before_the_first_canvas_still_prints_the_json_object():
     assert part["tokens_per_forward"] == 0.0 and part["prompt_token_ids"], part
 
 
+@pytest.mark.slow  # make test's time: the slow suite (CI) runs it
 def test_ctrl_c_mid_answer_prints_the_finished_canvases_as_a_json_object():
     """A real Ctrl-C during the third canvas: the JSON object holds the first two, as the whole run's begins."""
     args = ["hello there, how are you doing today", *DEMO, "--raw", "--max-new-tokens", "96", "--json"]

@@ -106,7 +106,7 @@ def test_only_alike_quantizations_are_shared(rtx50, counted_act):
 
 
 @pytest.mark.parametrize("rows,dtype,static", [(3, torch.float32, False), (3, torch.bfloat16, True),
-                                               (130, torch.bfloat16, False)])
+                                               pytest.param(130, torch.bfloat16, False, marks=pytest.mark.slow)])
 def test_w4a4_gated_mlp_in_one_launch(rows, dtype, static, rtx50, counted_act):
     """The dense MLP's gelu_tanh(gate(x)) * up(x) on the W4A4 path: one quantization, one product launch, against
     the emulation of the three ops (each product, the activation and the product rounded as torch rounds them)."""

@@ -759,6 +759,7 @@ def test_a_required_call_is_one_expression_and_takes_what_the_grammar_takes():
     assert not _takes(_call_automaton(tok, weather), tok, "<|tool_call>" + one * 2 + "<tool_call|>")
 
 
+@pytest.mark.slow  # make test's time: the slow suite (CI) runs it
 def test_held_calls_are_whole_and_valid_on_random_log_probabilities():
     """200 seeds of random log-probabilities over the demo vocabulary, canvases of 32 kept as the search writes
     them: every answer ends inside max_tokens as one whole call whose arguments validate against the schema."""

@@ -483,12 +483,14 @@ class GrammarRowConstraint:
         self.end_ids, self.pad_id = [int(i) for i in end_ids], pad_id
         self.gen = generator
         self.m = grammar.matcher()  # at the current canvas's start
+        self._host_gen: torch.Generator | None = None
         self.produced = 0
         self.ended = False
         self.ok = True
 
-    def _walk(self, logp: torch.Tensor, room: int, draw: bool) -> torch.Tensor:
-        C, V = logp.shape
+    def _walk(self, logp: torch.Tensor, C: int, draw: bool) -> torch.Tensor:
+        """logp [room, V] on the host -> the walked canvas [C] (on the host)."""
+        room, V = logp.shape
         dev = logp.device
         out = torch.full((C,), self.pad_id, dtype=torch.long, device=dev)
         ends = torch.tensor(self.end_ids, dtype=torch.long, device=dev)
@@ -506,7 +508,7 @@ class GrammarRowConstraint:
                 break
             row = logp[p].masked_fill(~allowed, -math.inf)
             if draw:
-                t = int(torch.multinomial((row - row.max()).exp(), 1, generator=self.gen))
+                t = int(torch.multinomial((row - row.max()).exp(), 1, generator=self._host_generator()))
             else:
                 t = int(row.argmax())
             out[p] = t
@@ -522,12 +524,25 @@ class GrammarRowConstraint:
         self.m.rollback(consumed)  # back to the canvas's start: the next step walks again
         return out
 
+    def _host_generator(self) -> torch.Generator | None:
+        """The generator the walk's draws take: the row's own on the CPU; for a row on a GPU, a host generator
+        seeded from it once (the walk runs on the host)."""
+        if self.gen is None or self.gen.device.type == "cpu":
+            return self.gen
+        if self._host_gen is None:
+            self._host_gen = torch.Generator().manual_seed(self.gen.initial_seed())
+        return self._host_gen
+
     def step(self, logp: torch.Tensor, sample: torch.Tensor, argmax: torch.Tensor, greedy: bool,
              drawn: bool = False) -> None:
-        room = _room(self.limit, self.produced, logp.shape[0])
-        best = self._walk(logp, room, draw=False)
+        """As RowConstraint.step. The walk reads the step's log-probabilities on the host, copied there once (on a
+        GPU one host round trip a step, not a read-back and a mask upload per position)."""
+        C = logp.shape[0]
+        room = _room(self.limit, self.produced, C)
+        host = logp[:room].to("cpu")
+        best = self._walk(host, C, draw=False)
         argmax.copy_(best)
-        sample.copy_(best if greedy else self._walk(logp, room, draw=True))
+        sample.copy_(best if greedy else self._walk(host, C, draw=True))
 
     def end_canvas(self, tokens) -> None:
         room = _room(self.limit, self.produced, len(tokens))
