@@ -234,7 +234,8 @@ def _big_edge_weights(auto: TokenAutomaton, score: torch.Tensor, noise, w: torch
         hit = mask[hint]
         t = hint.clone()
         miss = torch.nonzero(~hit).flatten()
-        own = _gathered(score, members, cache, ("mask", k)) if members is not None else None  # [P, members]
+        own = _gathered(score, members, cache, ("mask", k)) if members is not None and (drawing or miss.numel()) \
+            else None  # [P, members]: the draw's log-mass reads it, the argmax only where its hint missed
         sub = None
         if miss.numel():  # the positions whose best token (draw) is not in the group: its own tokens there
             sub = own[miss] if own is not None else score[miss].masked_fill(~mask, -math.inf)
