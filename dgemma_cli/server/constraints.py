@@ -15,7 +15,7 @@ def request_tools(tok, body: dict, kind: str, max_tokens: int | None = None):
     """`tools` and `tool_choice` -> (the offered functions or None, the structure a required call holds the answer
     to or None). tool_choice: "auto" (the default with tools: the model may call), "none" (tools not offered),
     "required" (a call, of any of them), or {"type": "function", "function": {"name": ...}} (that one). max_tokens:
-    the answer's, which the call's strings and arrays are bounded to fit (tools.call_grammar); None: checked only."""
+    the answer's (`call_structure`: a walked call's strings and arrays are bounded to fit it); None: checked only."""
     from ..structured.constrain import Structure
     from ..tools import check_call_parameters, check_tools
 
