@@ -349,7 +349,7 @@ class _Lark:
     """call_grammar's notation: llguidance's Lark, a rule per distinct value (named, shared by equal values)."""
 
     def __init__(self, quote: int | None):
-        self.q = f"<[{quote}]>" if quote is not None else json.dumps(QUOTE)
+        self.q = self.token(quote) if quote is not None else json.dumps(QUOTE)
         self.quote_cost = 1 if quote is not None else len(QUOTE.encode())
         self.rules: list[str] = []
         self.named: dict[str, str] = {}  # a rule's body -> its name: equal values share one rule
@@ -583,10 +583,11 @@ def call_grammar(functions: list[dict], call_start: int, call_end: int, quote: i
         calls, worst, rep = [], 0, 1
         for i, (name, schema) in enumerate(schemas):
             args, w, r, _ = rules.rule({**schema, "type": "object"}, f"args{i}")
-            calls.append(f"{json.dumps('call:' + name)} {args}")
+            calls.append(lark.seq(lark.lit("call:" + name), args))
             worst, rep = max(worst, len(("call:" + name).encode()) + w), max(rep, r)
         more = "".join(" (call" for _ in range(k - 1)) + ")?" * (k - 1)
-        text = "\n".join([f"start: <[{call_start}]> call{more} <[{call_end}]>", "call: " + " | ".join(calls),
+        text = "\n".join([f"start: {lark.token(call_start)} call{more} {lark.token(call_end)}",
+                          "call: " + " | ".join(calls),
                           *lark.rules]) + "\n"
         return text, 3 + k * worst <= budget and rep <= MAX_REPEAT  # the call tokens, the calls, the end
 

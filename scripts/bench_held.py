@@ -114,32 +114,16 @@ def held_step(auto, max_tokens: int, steps: int = 3) -> dict:
 
 def held_ops(auto, max_tokens: int) -> dict:
     """One held step (given the free step's draw and argmax) in the kernel report's terms: every torch op that would
-    run on the device, metered as the whole-step trace meters ops (scripts/bench_structured.py `search_ops`):
-    kernels, host round trips, bytes read and written. The dynamic programme runs on the host: its ops are not
-    counted as kernels (its table's copy to the host is one round trip)."""
-    from bench_structured import SYNCS
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    from dgemma_cli.step_trace import _Meter
-
-    def unmetered(*args, host=constrain.host_path):
-        with _disable_current_modes():
-            return host(*args)
+    run on the device, metered as the whole-step trace meters ops (scripts/bench_structured.py `metered`): kernels,
+    host round trips, bytes read and written (the dynamic programme's host work not counted as kernels)."""
+    from bench_structured import metered
 
     g = torch.Generator().manual_seed(0)
     logp = torch.log_softmax(torch.randn(CANVAS, V, generator=g) * 3, dim=-1)
     sample = (logp.exp() / torch.empty_like(logp).exponential_(generator=g)).argmax(dim=1)
     argmax = logp.argmax(dim=1)
     row = auto.row(max_new_tokens=max_tokens, end_ids=[1], pad_id=0, generator=g)
-    ops: list = []
-    constrain.host_path = unmetered
-    try:
-        with _Meter(ops, persistent=set()):
-            row.step(logp, sample, argmax, greedy=False, drawn=True)
-    finally:
-        constrain.host_path = unmetered.__kwdefaults__["host"]
-    kernels = [o for o in ops if o.name not in SYNCS]
-    return dict(kernels=len(kernels), syncs=sum(o.name in SYNCS for o in ops), bytes=sum(o.bytes for o in kernels))
+    return metered(lambda: row.step(logp, sample, argmax, greedy=False, drawn=True))
 
 
 def one_pass() -> float:

@@ -83,33 +83,39 @@ def search_cost(structure: Structure, tok, vocab: int, canvas: int = 256, steps:
 SYNCS = ("aten::_local_scalar_dense", "aten::is_nonzero", "aten::item", "aten::nonzero")  # the host waits
 
 
-def search_ops(structure: Structure, tok, vocab: int, canvas: int = 256) -> dict:
-    """One step's search (argmax and draw) on random log-probabilities, every torch op on the device metered:
-    kernels launched, bytes read and written, host round trips (a nonzero's size, an int() or bool())."""
+def metered(step) -> dict:
+    """`step()` (a row's search) with every torch op on the device metered: kernels launched, bytes read and
+    written, host round trips (a nonzero's size, an int() or bool()). The dynamic programme runs on the host: its
+    ops are not kernels."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     from dgemma_cli.structured import constrain
     from dgemma_cli.step_trace import _Meter
 
-    def unmetered(*args, host=constrain.host_path):  # the dynamic programme runs on the host: no kernels
+    def unmetered(*args, host=constrain.host_path):
         with _disable_current_modes():
             return host(*args)
 
-    auto = compile_structure(structure, tok, vocab)
-    g = torch.Generator().manual_seed(0)
-    logp = torch.log_softmax(torch.randn(canvas, vocab, generator=g) * 3, dim=-1)
-    row = auto.row(max_new_tokens=4096, end_ids=[1], pad_id=0, generator=g)
-    sample, argmax = torch.zeros(canvas, dtype=torch.long), torch.zeros(canvas, dtype=torch.long)
     ops: list = []
     constrain.host_path = unmetered
     try:
         with _Meter(ops, persistent=set()):
-            row.step(logp, sample, argmax, greedy=False)
+            step()
     finally:
         constrain.host_path = unmetered.__kwdefaults__["host"]
     syncs = sum(o.name in SYNCS for o in ops)
     kernels = [o for o in ops if o.name not in SYNCS]
     return dict(kernels=len(kernels), syncs=syncs, bytes=sum(o.bytes for o in kernels))
+
+
+def search_ops(structure: Structure, tok, vocab: int, canvas: int = 256) -> dict:
+    """One step's search (argmax and draw) on random log-probabilities, metered (`metered`)."""
+    auto = compile_structure(structure, tok, vocab)
+    g = torch.Generator().manual_seed(0)
+    logp = torch.log_softmax(torch.randn(canvas, vocab, generator=g) * 3, dim=-1)
+    row = auto.row(max_new_tokens=4096, end_ids=[1], pad_id=0, generator=g)
+    sample, argmax = torch.zeros(canvas, dtype=torch.long), torch.zeros(canvas, dtype=torch.long)
+    return metered(lambda: row.step(logp, sample, argmax, greedy=False))
 
 
 def demo_rows() -> list[dict]:

@@ -40,8 +40,8 @@ from .structure import (MAX_EDGES, MAX_REPEAT, Structure, integer_regex, lark_gr
 class TokenAutomaton:
     """A DFA over token ids, compacted (structure.automaton_tables: what the compile worker returns): states 0..S-1
     (0 the start), only states from which an accepting one can be reached. Edges are grouped by (source, target):
-    group g goes from src[g] to dst[g] on the tokens tokens[offsets[g]:offsets[g + 1]] (flat, with group_of [T]
-    naming each token's group) or, for a big group, on the tokens of its mask. dist[s]: the fewest tokens from s to
+    group g goes from src[g] to dst[g] on the tokens tokens[offsets[g]:offsets[g + 1]] (flat) or, for a big group,
+    on the tokens of its mask. dist[s]: the fewest tokens from s to
     an accepting state. End-of-sequence ids are not in it: the search adds them from accepting states."""
 
     def __init__(self, tables: dict):
@@ -53,11 +53,9 @@ class TokenAutomaton:
         self.G = self.src.numel()
         offsets = tables["offsets"]
         self.offsets = offsets
-        # Small groups are searched token by token (flat, gathered); a big one (a string's characters: most of the
-        # vocabulary) through its membership mask and its complement (_edge_weights), shared by equal groups.
+        # Small groups are searched token by token (their distinct token lists gathered, below); a big one (a
+        # string's characters: most of the vocabulary) through its membership mask (_big_edge_weights), once per mask.
         self.tokens = torch.tensor(tables["tokens"], dtype=torch.long)
-        self.group_of = torch.repeat_interleave(torch.arange(self.G), torch.tensor(offsets).diff()) if self.G \
-            else torch.zeros(0, dtype=torch.long)
         self.big: list[tuple[int, int]] = [tuple(x) for x in tables["big"]]  # (group, index into self.masks)
         self.masks: list[torch.Tensor] = []  # bool [V]: the group's tokens
         self.complements: list[torch.Tensor] = []  # the tokens not in it
