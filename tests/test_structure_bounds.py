@@ -233,22 +233,27 @@ def test_answers_that_stop_validate_against_their_schema(name):
 
 
 def test_a_schema_too_large_for_an_automaton_runs_as_llguidances_json_grammar():
-    """A schema whose token automaton would hold over the edge limit (bounded strings times the vocabulary) compiles
-    to llguidance's JSON Schema grammar instead of being refused; its answers that stop validate. The limit is
-    lowered here so that the demo's small vocabulary crosses it."""
+    """A bounded string is states over token classes, whatever the edge limit; a schema the class builder does not
+    take (here two bounds at one place: strings of at most 3 or of at most 6 characters) whose token automaton would
+    hold over the edge limit compiles to llguidance's JSON Schema grammar instead of being refused; its answers that
+    stop validate. The limit is lowered here so that the demo's small vocabulary crosses it."""
     from dgemma_cli.structured.constrain import LarkGrammar, TokenAutomaton
     from dgemma_cli.engine import load
     from dgemma_cli.structured.worker import Compile
 
     engine = load("demo", device="cpu", dtype="float32")
     tok, V = engine.tokenizer, engine.config.text.vocab_size
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                               "ok": {"type": "boolean"}}, "required": ["name", "ok"]}
-    source = json.dumps(schema)
     small = Compile(tok.token_bytes(), V, None, max_edges=10**9)
     large = Compile(tok.token_bytes(), V, None, max_edges=100)
+    bounded = json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}}})
+    kind, tables, _ = large("json_schema", bounded)
+    assert kind == "tables" and tables["classes"] and TokenAutomaton(tables).edges > 100
+    schema = {"type": "object", "properties": {"name": {"anyOf": [{"type": "string", "maxLength": 3},
+                                                                  {"type": "string", "maxLength": 6}]},
+                                               "ok": {"type": "boolean"}}, "required": ["name", "ok"]}
+    source = json.dumps(schema)
     kind, tables, _ = small("json_schema", source)
-    assert kind == "tables" and TokenAutomaton(tables).edges > 100
+    assert kind == "tables" and not tables.get("classes") and TokenAutomaton(tables).edges > 100
     kind, grammar, _ = large("json_schema", source)
     assert kind == "grammar"
     auto = LarkGrammar(grammar, tok, V)

@@ -85,6 +85,18 @@ class TokenAutomaton:
         self.set_of_token = torch.repeat_interleave(torch.arange(len(pieces)),
                                                     torch.tensor([x.numel() for x in pieces], dtype=torch.long))
         self.small_groups = torch.nonzero(self.set_of >= 0).flatten()
+        # Class groups (classes.class_tables): an edge on every token of a set of classes. token_class [V]: each
+        # token's class (-1: none); class_sets padded to [sets, widest] with the class count (an empty column).
+        self.class_groups = [tuple(x) for x in tables.get("classes", [])]  # (group, set)
+        tc = tables.get("token_class")
+        self.token_class = torch.as_tensor(tc, dtype=torch.long) if tc is not None and self.class_groups else None
+        self.n_classes = int(self.token_class.max()) + 1 if self.token_class is not None else 0
+        sets = tables.get("class_sets", [])
+        widest = max((len(x) for x in sets), default=0)
+        self.class_sets = torch.full((len(sets), widest), self.n_classes, dtype=torch.long)
+        for i, x in enumerate(sets):
+            self.class_sets[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+        self._class_of = {g: set(sets[k]) for g, k in self.class_groups}
         self._mask_of = dict(self.big)
         self._out: dict[int, list[int]] = {}  # state -> its groups, made when an answer first passes there
         self._small: dict[int, dict[int, int]] = {}  # state -> {token: next state} of its small groups
@@ -95,13 +107,19 @@ class TokenAutomaton:
             groups = torch.nonzero(self.src == state).flatten().tolist()
             self._out[state] = groups
             self._small[state] = {t: int(self.dst[g]) for g in groups if g not in self._mask_of
+                                  and g not in self._class_of
                                   for t in self.tokens[self.offsets[g] : self.offsets[g + 1]].tolist()}
         nxt = self._small[state].get(token)
         if nxt is not None:
             return nxt
+        if not 0 <= token < self.vocab_size:
+            return None
         for g in self._out[state]:
             k = self._mask_of.get(g)
-            if k is not None and 0 <= token < self.vocab_size and bool(self.masks[k][token]):
+            if k is not None and bool(self.masks[k][token]):
+                return int(self.dst[g])
+            classes = self._class_of.get(g)
+            if classes is not None and int(self.token_class[token]) in classes:
                 return int(self.dst[g])
         return None
 
@@ -139,8 +157,15 @@ def compile_structure(structure: Structure, tokenizer, vocab_size: int):
     if structure.kind == "grammar":
         auto = LarkGrammar(lark_grammar(structure.source), tokenizer, vocab_size)  # lark_grammar checks it
     else:
-        vocabulary = outlines_vocabulary(tokenizer.token_bytes(), vocab_size, structure.specials)
-        auto = TokenAutomaton(regex_tables(structure.regex(), vocabulary, vocab_size, BIG_GROUP))
+        from .classes import NotClassed, class_tables
+
+        regex = structure.regex()
+        try:
+            tables = class_tables(regex, tokenizer.token_bytes(), vocab_size, structure.specials, BIG_GROUP)
+        except NotClassed:
+            vocabulary = outlines_vocabulary(tokenizer.token_bytes(), vocab_size, structure.specials)
+            tables = regex_tables(regex, vocabulary, vocab_size, BIG_GROUP)
+        auto = TokenAutomaton(tables)
     with _CACHE_LOCK:
         _CACHE[key] = auto
         while len(_CACHE) > _CACHE_SIZE:
@@ -203,7 +228,62 @@ def _edge_weights(auto: TokenAutomaton, score: torch.Tensor, noise: torch.Genera
         w[:, small], tok[:, small] = wd[:, sets], td[:, sets]
     if auto.big:
         _big_edge_weights(auto, score, noise, w, tok, hint, cache)
+    if auto.class_groups:
+        _class_edge_weights(auto, score, noise, w, tok)
     return w, tok
+
+
+def _class_edge_weights(auto: TokenAutomaton, score: torch.Tensor, noise, w: torch.Tensor, tok: torch.Tensor) -> None:
+    """The class groups' columns of w, and of tok each group's best class c written as -(1 + c): its token is
+    picked only where the path takes it (`_class_tokens`). One pass over `score` by class: without noise each
+    class's best score; with noise (a draw) each class's log-mass plus one Gumbel draw, which is distributed as the
+    max over its tokens of log-probability plus Gumbel noise (as `_big_edge_weights` takes a mask's)."""
+    P, V = score.shape
+    dev = score.device
+    NC = auto.n_classes
+    tc = auto.token_class.to(dev)
+    idx = torch.where(tc >= 0, tc, NC).expand(P, V)  # tokens of no class: a column of their own, dropped
+    drawing = noise is not None and noise is not False
+    if not drawing:
+        cw = torch.full((P, NC + 1), -math.inf, dtype=score.dtype, device=dev).scatter_reduce(1, idx, score, "amax")
+    else:
+        top = score.max(dim=1, keepdim=True).values
+        mass = torch.zeros((P, NC + 1), dtype=score.dtype, device=dev).scatter_add_(1, idx, (score - top).exp())
+        cw = mass.log() + top + gumbel((P, NC + 1), None if noise is True else noise, dev)
+    cw[:, NC] = -math.inf  # the padding of class_sets
+    sets = auto.class_sets.to(dev)  # [sets, widest]
+    v, at = cw[:, sets].max(dim=2)  # [P, sets]: each set's best class
+    chosen = sets.gather(1, at.T).T if sets.numel() else at
+    cols = torch.tensor([g for g, _ in auto.class_groups], dtype=torch.long, device=dev)
+    which = torch.tensor([k for _, k in auto.class_groups], dtype=torch.long, device=dev)
+    w[:, cols] = v[:, which]
+    tok[:, cols] = -1 - chosen[:, which]
+
+
+def _class_tokens(auto: TokenAutomaton, score: torch.Tensor, path: torch.Tensor, noise,
+                  hint: torch.Tensor | None) -> torch.Tensor:
+    """path [room] with classes written as -(1 + c) -> tokens: at each such position the class's best token (no
+    noise) or a draw from the distribution restricted to the class: the sampler's own argmax or draw (`hint`) where
+    it is of that class (a free draw that landed in the class is a draw restricted to it), else one made here
+    over that position's row."""
+    at = torch.nonzero(path < 0).flatten()
+    if not at.numel():
+        return path
+    dev = score.device
+    c = -1 - path[at].to(dev)
+    tc = auto.token_class.to(dev)
+    out = path.clone()
+    if hint is not None:
+        h = hint[at.to(dev)].to(dev)
+        hit = tc[h] == c
+        out[at[hit.cpu()]] = h[hit].cpu()
+        at, c = at[~hit.cpu()], c[~hit]
+    if at.numel():
+        rows = score[at.to(dev)]
+        if noise is not None and noise is not False:
+            rows = rows + gumbel(rows.shape, None if noise is True else noise, dev)
+        out[at] = rows.masked_fill(tc[None, :] != c[:, None], -math.inf).argmax(dim=1).cpu()
+    return out
 
 
 def _big_edge_weights(auto: TokenAutomaton, score: torch.Tensor, noise, w: torch.Tensor, tok: torch.Tensor,
@@ -316,6 +396,8 @@ def best_path(auto: TokenAutomaton, score: torch.Tensor, state: int, room: int, 
     path, ok = host_path(W, tok, src, dst, dist, state, after)
     if path is None:
         return out, False
+    if auto.class_groups:
+        path = _class_tokens(auto, sc, path, noise, None if hint is None else hint[:room])
     out[:room] = path.to(dev)
     return out, ok
 

@@ -144,6 +144,7 @@ class Compile:
     def __call__(self, kind: str, source: str, max_tokens: int | None = None):
         """(kind, result, shortest): shortest is the fewest characters of an answer (0 where not known, a grammar);
         ("too_long", shortest, shortest) when that cannot fit max_tokens tokens, compiling nothing."""
+        from .classes import NotClassed, class_tables
         from .structure import (Structure, estimated_edges, lark_grammar, outlines_vocabulary, regex_tables,
                                 schema_grammar, shortest_chars)
 
@@ -154,9 +155,13 @@ class Compile:
         shortest = shortest_chars(regex)
         if max_tokens is not None and not fits(shortest, max_tokens, self.token_chars):
             return "too_long", shortest, shortest
+        specials = structure.specials
+        try:  # over token classes (a string's characters a few dozen classes, a bound states, not edges)
+            return "tables", class_tables(regex, self.words, self.vocab_size, specials), shortest
+        except NotClassed:  # outlines-core's token Index, as large as it is
+            pass
         if kind == "json_schema" and estimated_edges(regex, self.vocab_size) > self.max_edges:
             return "grammar", self._probed(schema_grammar(structure.prepared)), shortest
-        specials = structure.specials
         if specials not in self.vocabularies:  # the plain one, and one per set of special tokens a call names
             self.vocabularies[specials] = outlines_vocabulary(self.words, self.vocab_size, specials)
         return "tables", regex_tables(regex, self.vocabularies[specials], self.vocab_size), shortest
