@@ -309,9 +309,9 @@ MUTATIONS: list[Mutation] = [
         '        if False:\n',
         "tests/test_structure_bounds.py -k pattern_is_held_inside_the_json_string"),
     mutation(  # a byte-fallback token left in a call's vocabulary could spell the call token's character
-        "calls/plane-16-text-kept", "dgemma_cli/structured/structure.py",
-        "        if b and i < vocab_size and not (specials and _PLANE_16 in b):\n",
-        "        if b and i < vocab_size:\n",
+        "calls/plane-16-text-kept", "dgemma_cli/structured/classes.py",
+        "            elif w and not (drop_f4 and 0xF4 in w):\n",
+        "            elif w:\n",
         f"{TOOLS_T} -k special_tokens_of_a_call"),
     mutation(  # the sampler's draw taken for a group it is not in
         "search/hint-taken-outside-its-group", "dgemma_cli/structured/constrain.py",
@@ -325,9 +325,19 @@ MUTATIONS: list[Mutation] = [
         f"{STRUCT_T} -k the_search_finds_the_most_probable_valid_canvas"),
     mutation(  # a required call walked as the grammar again (strings bounded to fit max_tokens)
         "calls/walked-not-searched", "dgemma_cli/server/constraints.py",
-        "        if states * tok.vocab_size <= MAX_EDGES and len(source) <= MAX_SOURCE and \\\n",
+        "        if states * BODY_STATES <= MAX_STATES and len(source) <= MAX_SOURCE and \\\n",
         "        if False and \\\n",
         f"{TOOLS_T} -k one_expression_and_takes"),
+    mutation(  # a bounded string's characters not counted: a token moves k by one whatever it adds
+        "classes/bound-not-counted", "dgemma_cli/structured/classes.py",
+        "                reach = k + bt.class_chars\n",
+        "                reach = k + np.minimum(bt.class_chars, 1)\n",
+        "tests/test_token_classes.py"),
+    mutation(  # a body left at a character's middle (an escape begun, a UTF-8 lead byte) as at its end
+        "classes/left-mid-character", "dgemma_cli/structured/classes.py",
+        "            kind[s] = np.where(state[s] == 0, 2, 0)\n",
+        "            kind[s] = 2\n",
+        "tests/test_token_classes.py"),
     # ------------------------------------------------------------------ dgemma doctor (dgemma_cli/doctor, verdicts)
     mutation(  # a kernel wrong on this "card" (the interpreter): the doctor must catch it and turn it off
         "doctor/norm-kernel-off-by-one-column", "quant/kernels/rmsnorm.py",

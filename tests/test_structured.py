@@ -478,14 +478,17 @@ def test_sample_step_leaves_the_log_probabilities():
 
 
 def test_big_groups_search_as_token_by_token(checkpoints, monkeypatch):
-    """Groups above BIG_GROUP tokens are searched through masks: the same argmax paths as token by token, and
-    draws distributed as the distribution restricted to the group (the Gumbel-max identity)."""
+    """Groups above BIG_GROUP tokens, and token classes (a string's characters), are searched through masks: the
+    same argmax paths as token by token (outlines-core's automaton, every group a list of tokens), and draws
+    distributed as the distribution restricted to the group (the Gumbel-max identity)."""
     import dgemma_cli.structured.constrain as constrain
+    from dgemma_cli.structured.structure import outlines_vocabulary, regex_tables
     from dgemma_cli.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(checkpoints["five_to_one"])
     st = Structure("json_schema", json.dumps(SCHEMAS["nested, optional fields"]))
-    exact = constrain.compile_structure(st, tok, 512)
+    exact = constrain.TokenAutomaton(regex_tables(st.regex(), outlines_vocabulary(tok.token_bytes(), 512), 512,
+                                                  big_group=10**9))
     monkeypatch.setattr(constrain, "BIG_GROUP", 8)
     monkeypatch.setattr(constrain, "_CACHE", type(constrain._CACHE)())
     masked = constrain.compile_structure(st, tok, 512)

@@ -827,9 +827,10 @@ def test_no_text_spells_the_special_tokens_of_a_call():
 
 
 def test_a_call_too_large_to_search_is_offered_alone_then_walked():
-    """At the real vocabulary (262,144 tokens) a bounded string's characters are a vocabulary's worth of edges
-    each: four parallel calls with a maxLength of 30 are over the automaton's edges, one call is searched; a
-    maxLength of 100 is walked as the grammar (bounded to fit max_tokens)."""
+    """A bounded string's characters are states of its body (classes.py), not edges: four parallel calls with a
+    maxLength of 100 are searched; 200 would take over MAX_REPEAT repetitions four times over, so one call is
+    searched; thirty such strings are over the automaton's states and are walked as the grammar (bounded to fit
+    max_tokens). At the real vocabulary (262,144 tokens), whose size no longer counts."""
     from dgemma_cli.server.constraints import call_structure
 
     class Real:
@@ -838,13 +839,13 @@ def test_a_call_too_large_to_search_is_offered_alone_then_walked():
         def token_id(self, text):
             return 52 if text == '<|"|>' else None
 
-    def fn(bound):
-        return [{"name": "f", "parameters": {"type": "object", "properties": {"s": {"type": "string",
-                                                                                    "maxLength": bound}}}}]
+    def fn(bound, n=1):
+        return [{"name": "f", "parameters": {"type": "object", "properties": {
+            f"s{i}": {"type": "string", "maxLength": bound} for i in range(n)}}}]
 
-    four = call_structure(Real(), fn(10), 48, 49, most=4, max_tokens=256)
+    four = call_structure(Real(), fn(100), 48, 49, most=4, max_tokens=256)
     assert four.kind == "calls" and "{1,4}" in json.loads(four.source)["regex"]
-    one = call_structure(Real(), fn(30), 48, 49, most=4, max_tokens=256)
+    one = call_structure(Real(), fn(200), 48, 49, most=4, max_tokens=256)
     assert one.kind == "calls" and "{1,1}" in json.loads(one.source)["regex"]
-    walked = call_structure(Real(), fn(100), 48, 49, most=4, max_tokens=256)
+    walked = call_structure(Real(), fn(500, n=30), 48, 49, most=4, max_tokens=256)
     assert walked.kind == "grammar" and "/[^<]{0," in walked.source

@@ -60,21 +60,25 @@ def request_tools(tok, body: dict, kind: str, max_tokens: int | None = None):
         raise ApiError(400, str(e), param="tools", code="invalid_value") from None
 
 
+BODY_STATES = 16  # at most, the states of a call string's body automaton (a character's end, UTF-8's middles)
+
+
 def call_structure(tok, functions: list[dict], start: int, end: int, most: int, max_tokens: int):
     """The structure a required call is held to: its expression (tools.call_regex), searched by the automaton with
-    lookahead, so that no string is bounded to fit max_tokens; or, where that automaton would be over the edges,
-    repetitions or text it may hold (a string of a large maxLength is an edge per token per character), the
-    grammar walked left to right (tools.call_grammar: every string and array bounded to fit max_tokens). Parallel
-    calls (`most`) that would be too large are offered as one call before the walk is taken."""
+    lookahead, so that no string is bounded to fit max_tokens; or, where that automaton would be over the states,
+    repetitions or text it may hold (a bounded string's characters are states of its body's automaton each:
+    classes.py), the grammar walked left to right (tools.call_grammar: every string and array bounded to fit
+    max_tokens). Parallel calls (`most`) that would be too large are offered as one call before the walk is taken."""
+    from ..structured.classes import MAX_STATES
     from ..structured.constrain import Structure
-    from ..structured.structure import MAX_EDGES, MAX_REPEAT, MAX_SOURCE, repeat_product
+    from ..structured.structure import MAX_REPEAT, MAX_SOURCE, repeat_product
     from ..tools import call_grammar, call_regex
 
     quote = tok.token_id('<|"|>')
     for calls in dict.fromkeys((most, 1)):  # parallel calls multiply the states: one call searched before a walk
         regex, specials, states = call_regex(functions, start, end, quote, most=calls)
         source = json.dumps({"regex": regex, "specials": specials})
-        if states * tok.vocab_size <= MAX_EDGES and len(source) <= MAX_SOURCE and \
+        if states * BODY_STATES <= MAX_STATES and len(source) <= MAX_SOURCE and \
                 repeat_product(regex) <= MAX_REPEAT:
             return Structure("calls", source)
     return Structure("grammar", call_grammar(functions, start, end, quote, most=most, max_tokens=max_tokens))

@@ -54,8 +54,11 @@ def marked(regex: str) -> tuple[str, str | None, list[tuple[int, int | None]]]:
     """regex -> (the expression with each body (X quantified) replaced by its marker character, X, each marker's
     (fewest, most) characters, most None for unbounded). One kind of body per expression (the first of BODIES
     found); none found: (regex, None, [])."""
-    if any(ord(c) >= MARK_BASE for c in regex) or re.search(r"\\U0010F", regex, re.IGNORECASE):
-        return regex, None, []
+    probe = regex
+    for body in BODIES:
+        probe = probe.replace(body, "")
+    if any(ord(c) >= MARK_BASE for c in probe) or re.search(r"\\U0010F|\\[ux]\{10F", probe, re.IGNORECASE):
+        return regex, None, []  # a character of the markers' own in the text
     for body in BODIES:
         if body not in regex:
             continue

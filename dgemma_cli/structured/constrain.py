@@ -28,6 +28,7 @@ import math
 import threading
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 from ..errors import UsageError
@@ -57,15 +58,26 @@ class TokenAutomaton:
         # string's characters: most of the vocabulary) through its membership mask (_big_edge_weights), once per mask.
         self.tokens = torch.tensor(tables["tokens"], dtype=torch.long)
         self.big: list[tuple[int, int]] = [tuple(x) for x in tables["big"]]  # (group, index into self.masks)
+        member_lists = list(tables["masks"])
+        # Class groups (classes.class_tables): an edge on every token of a set of token classes (a string's
+        # characters, by how many a token adds), searched as a big group is, one mask per set of classes.
+        token_class = tables.get("token_class")
+        if tables.get("classes"):
+            tc = np.asarray(token_class)
+            first = len(member_lists)
+            for classes in tables["class_sets"]:
+                member_lists.append(np.flatnonzero(np.isin(tc, classes)))
+            self.big += [(g, first + k) for g, k in tables["classes"]]
         self.masks: list[torch.Tensor] = []  # bool [V]: the group's tokens
-        self.complements: list[torch.Tensor] = []  # the tokens not in it
+        self.complements: list[torch.Tensor | None] = []  # the tokens not in it, where they are the smaller side
         self.members: list[torch.Tensor | None] = []  # its tokens where they are at most half the vocabulary
-        for members in tables["masks"]:
+        for members in member_lists:
             mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-            mask[torch.tensor(members, dtype=torch.long)] = True
+            mask[torch.as_tensor(np.asarray(members), dtype=torch.long)] = True
             self.masks.append(mask)
-            self.complements.append(torch.nonzero(~mask).flatten())
-            self.members.append(torch.nonzero(mask).flatten() if 2 * len(members) <= self.vocab_size else None)
+            small = 2 * len(members) <= self.vocab_size
+            self.complements.append(None if small else torch.nonzero(~mask).flatten())
+            self.members.append(torch.nonzero(mask).flatten() if small else None)
         self.groups_of_mask = [[g for g, k in self.big if k == m] for m in range(len(self.masks))]
         # Small groups of the same tokens (an integer's digits in every integer field, a key's first token in each
         # state it may follow) are searched once: `sets` of distinct token lists, set_tokens flat with set_of_token
@@ -85,18 +97,6 @@ class TokenAutomaton:
         self.set_of_token = torch.repeat_interleave(torch.arange(len(pieces)),
                                                     torch.tensor([x.numel() for x in pieces], dtype=torch.long))
         self.small_groups = torch.nonzero(self.set_of >= 0).flatten()
-        # Class groups (classes.class_tables): an edge on every token of a set of classes. token_class [V]: each
-        # token's class (-1: none); class_sets padded to [sets, widest] with the class count (an empty column).
-        self.class_groups = [tuple(x) for x in tables.get("classes", [])]  # (group, set)
-        tc = tables.get("token_class")
-        self.token_class = torch.as_tensor(tc, dtype=torch.long) if tc is not None and self.class_groups else None
-        self.n_classes = int(self.token_class.max()) + 1 if self.token_class is not None else 0
-        sets = tables.get("class_sets", [])
-        widest = max((len(x) for x in sets), default=0)
-        self.class_sets = torch.full((len(sets), widest), self.n_classes, dtype=torch.long)
-        for i, x in enumerate(sets):
-            self.class_sets[i, : len(x)] = torch.tensor(x, dtype=torch.long)
-        self._class_of = {g: set(sets[k]) for g, k in self.class_groups}
         self._mask_of = dict(self.big)
         self._out: dict[int, list[int]] = {}  # state -> its groups, made when an answer first passes there
         self._small: dict[int, dict[int, int]] = {}  # state -> {token: next state} of its small groups
@@ -107,7 +107,6 @@ class TokenAutomaton:
             groups = torch.nonzero(self.src == state).flatten().tolist()
             self._out[state] = groups
             self._small[state] = {t: int(self.dst[g]) for g in groups if g not in self._mask_of
-                                  and g not in self._class_of
                                   for t in self.tokens[self.offsets[g] : self.offsets[g + 1]].tolist()}
         nxt = self._small[state].get(token)
         if nxt is not None:
@@ -117,9 +116,6 @@ class TokenAutomaton:
         for g in self._out[state]:
             k = self._mask_of.get(g)
             if k is not None and bool(self.masks[k][token]):
-                return int(self.dst[g])
-            classes = self._class_of.get(g)
-            if classes is not None and int(self.token_class[token]) in classes:
                 return int(self.dst[g])
         return None
 
@@ -228,62 +224,7 @@ def _edge_weights(auto: TokenAutomaton, score: torch.Tensor, noise: torch.Genera
         w[:, small], tok[:, small] = wd[:, sets], td[:, sets]
     if auto.big:
         _big_edge_weights(auto, score, noise, w, tok, hint, cache)
-    if auto.class_groups:
-        _class_edge_weights(auto, score, noise, w, tok)
     return w, tok
-
-
-def _class_edge_weights(auto: TokenAutomaton, score: torch.Tensor, noise, w: torch.Tensor, tok: torch.Tensor) -> None:
-    """The class groups' columns of w, and of tok each group's best class c written as -(1 + c): its token is
-    picked only where the path takes it (`_class_tokens`). One pass over `score` by class: without noise each
-    class's best score; with noise (a draw) each class's log-mass plus one Gumbel draw, which is distributed as the
-    max over its tokens of log-probability plus Gumbel noise (as `_big_edge_weights` takes a mask's)."""
-    P, V = score.shape
-    dev = score.device
-    NC = auto.n_classes
-    tc = auto.token_class.to(dev)
-    idx = torch.where(tc >= 0, tc, NC).expand(P, V)  # tokens of no class: a column of their own, dropped
-    drawing = noise is not None and noise is not False
-    if not drawing:
-        cw = torch.full((P, NC + 1), -math.inf, dtype=score.dtype, device=dev).scatter_reduce(1, idx, score, "amax")
-    else:
-        top = score.max(dim=1, keepdim=True).values
-        mass = torch.zeros((P, NC + 1), dtype=score.dtype, device=dev).scatter_add_(1, idx, (score - top).exp())
-        cw = mass.log() + top + gumbel((P, NC + 1), None if noise is True else noise, dev)
-    cw[:, NC] = -math.inf  # the padding of class_sets
-    sets = auto.class_sets.to(dev)  # [sets, widest]
-    v, at = cw[:, sets].max(dim=2)  # [P, sets]: each set's best class
-    chosen = sets.gather(1, at.T).T if sets.numel() else at
-    cols = torch.tensor([g for g, _ in auto.class_groups], dtype=torch.long, device=dev)
-    which = torch.tensor([k for _, k in auto.class_groups], dtype=torch.long, device=dev)
-    w[:, cols] = v[:, which]
-    tok[:, cols] = -1 - chosen[:, which]
-
-
-def _class_tokens(auto: TokenAutomaton, score: torch.Tensor, path: torch.Tensor, noise,
-                  hint: torch.Tensor | None) -> torch.Tensor:
-    """path [room] with classes written as -(1 + c) -> tokens: at each such position the class's best token (no
-    noise) or a draw from the distribution restricted to the class: the sampler's own argmax or draw (`hint`) where
-    it is of that class (a free draw that landed in the class is a draw restricted to it), else one made here
-    over that position's row."""
-    at = torch.nonzero(path < 0).flatten()
-    if not at.numel():
-        return path
-    dev = score.device
-    c = -1 - path[at].to(dev)
-    tc = auto.token_class.to(dev)
-    out = path.clone()
-    if hint is not None:
-        h = hint[at.to(dev)].to(dev)
-        hit = tc[h] == c
-        out[at[hit.cpu()]] = h[hit].cpu()
-        at, c = at[~hit.cpu()], c[~hit]
-    if at.numel():
-        rows = score[at.to(dev)]
-        if noise is not None and noise is not False:
-            rows = rows + gumbel(rows.shape, None if noise is True else noise, dev)
-        out[at] = rows.masked_fill(tc[None, :] != c[:, None], -math.inf).argmax(dim=1).cpu()
-    return out
 
 
 def _big_edge_weights(auto: TokenAutomaton, score: torch.Tensor, noise, w: torch.Tensor, tok: torch.Tensor,
@@ -396,8 +337,6 @@ def best_path(auto: TokenAutomaton, score: torch.Tensor, state: int, room: int, 
     path, ok = host_path(W, tok, src, dst, dist, state, after)
     if path is None:
         return out, False
-    if auto.class_groups:
-        path = _class_tokens(auto, sc, path, noise, None if hint is None else hint[:room])
     out[:room] = path.to(dev)
     return out, ok
 
