@@ -345,30 +345,44 @@ def host_path(W: torch.Tensor, tok: torch.Tensor, src: torch.Tensor, dst: torch.
               state: int, after: int) -> tuple[torch.Tensor | None, bool]:
     """best_path's dynamic programme, on the host. W, tok [room, E]: each edge's score and token per position; src,
     dst [E]: its states (the last one, END, absorbs); dist [S + 1]: tokens to acceptance. Returns (tokens [room],
-    ok), or (None, False) when no path exists at all."""
-    room, S1 = W.shape[0], dist.numel()
-    edge = torch.arange(src.numel())
-    V = torch.full((S1,), -math.inf, dtype=W.dtype)
-    V[state] = 0.0
-    back = torch.full((room, S1), -1, dtype=torch.long)
-    for p in range(room):  # V[s]: the best score of positions < p ending in state s (END: ended)
-        cand = V[src] + W[p]
-        nv = torch.full_like(V, -math.inf).scatter_reduce(0, dst, cand, "amax")
-        best = (cand == nv[dst]) & torch.isfinite(cand)
-        back[p].scatter_(0, dst[best], edge[best])
-        V = nv
-    feasible = torch.where(dist <= after, V, torch.tensor(-math.inf, dtype=V.dtype))
-    ok = bool(torch.isfinite(feasible).any())
-    last = int((feasible if ok else V).argmax())
-    if not torch.isfinite(V[last]):
+    ok), or (None, False) when no path exists at all.
+
+    numpy, with the edges sorted by target once: a position is a gather, an add and one segmented max
+    (`maximum.reduceat`) over the edges. No back-pointers are kept: the back-trace takes, at each position, the
+    best edge into the state it is in from the kept best scores (its in-edges only)."""
+    room, E = W.shape
+    S1 = dist.numel()
+    Wn = W.numpy()
+    order = np.argsort(dst.numpy(), kind="stable")
+    ds, ss = dst.numpy()[order], src.numpy()[order]
+    starts = np.flatnonzero(np.concatenate(([True], ds[1:] != ds[:-1]))) if E else np.zeros(0, dtype=np.int64)
+    targets = ds[starts]
+    ends = np.append(starts[1:], E)
+    first = np.full(S1, -1, dtype=np.int64)
+    last_in = np.full(S1, -1, dtype=np.int64)
+    first[targets], last_in[targets] = starts, ends
+    Wo = Wn[:, order]  # [room, E], in target order
+    best = np.empty((room + 1, S1), dtype=Wn.dtype)  # best[p, s]: the best score of positions < p ending in s
+    v = np.full(S1, -np.inf, dtype=Wn.dtype)
+    v[state] = 0.0
+    best[0] = v
+    for p in range(room):
+        v = np.full(S1, -np.inf, dtype=Wn.dtype)
+        if E:
+            v[targets] = np.maximum.reduceat(best[p][ss] + Wo[p], starts)
+        best[p + 1] = v
+    feasible = np.where(dist.numpy() <= after, v, -np.inf)
+    ok = bool(np.isfinite(feasible).any())
+    at = int(np.argmax(feasible if ok else v))
+    if not np.isfinite(v[at]):
         return None, False
-    back_l, tok_l, src_l = back.tolist(), tok.tolist(), src.tolist()
-    path = [0] * room
+    edges = np.empty(room, dtype=np.int64)
     for p in range(room - 1, -1, -1):
-        e = back_l[p][last]
-        path[p] = tok_l[p][e]
-        last = src_l[e]
-    return torch.tensor(path, dtype=torch.long), ok
+        lo, hi = first[at], last_in[at]
+        j = lo + int(np.argmax(best[p][ss[lo:hi]] + Wo[p, lo:hi]))
+        edges[p] = order[j]
+        at = int(ss[j])
+    return tok[torch.arange(room), torch.from_numpy(edges)], ok
 
 
 def _room(limit: int, produced: int, length: int) -> int:
