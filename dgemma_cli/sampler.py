@@ -144,6 +144,16 @@ class SamplerBuffers:
         else:
             self.fused.soft[dst : dst + n].copy_(self.fused.soft[src : src + n])
 
+    def swap_rows(self, a: int, b: int, n: int, chunk: int = 16) -> None:
+        """Exchange rows [a, a + n) and [b, b + n) of what the next step's self-conditioning reads, `chunk` rows at a
+        time (a temporary of chunk x vocab, not of a canvas)."""
+        held = self.probs if self.fused is None else self.fused.soft
+        for k in range(0, n, chunk):
+            m = min(chunk, n - k)
+            tmp = held[a + k : a + k + m].clone()
+            held[a + k : a + k + m].copy_(held[b + k : b + k + m])
+            held[b + k : b + k + m].copy_(tmp)
+
 
 def prepare_step(buf: SamplerBuffers, temperature: torch.Tensor, generators: list[torch.Generator] | None = None):
     """Before a step's forward pass, for the fused head: its temperature (0-dim, or one per row [N] / [N, 1]) and two

@@ -338,6 +338,16 @@ MUTATIONS: list[Mutation] = [
         "            kind[s] = np.where(state[s] == 0, 2, 0)\n",
         "            kind[s] = 2\n",
         "tests/test_token_classes.py"),
+    mutation(  # a held row's search run between every row's steps again: the free rows wait for it
+        "serve/held-search-inline", "dgemma_cli/server/batching.py",
+        "        aside = len(self.rows) > 1  # others to hold up: a held row's search goes to a helper thread\n",
+        "        aside = False\n",
+        "tests/test_held_rows.py"),
+    mutation(  # a searching row's softmax left behind when the rows before it leave
+        "serve/searching-row-softmax-dropped", "dgemma_cli/server/batching.py",
+        "            if a != j and (moved.sc or moved.searching is not None):  # a > j: it moves forward, over a freed slot\n",
+        "            if a != j and moved.sc:\n",
+        "tests/test_held_rows.py"),
     # ------------------------------------------------------------------ dgemma doctor (dgemma_cli/doctor, verdicts)
     mutation(  # a kernel wrong on this "card" (the interpreter): the doctor must catch it and turn it off
         "doctor/norm-kernel-off-by-one-column", "quant/kernels/rmsnorm.py",

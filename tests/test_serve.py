@@ -528,13 +528,13 @@ def test_a_lagged_rows_undone_step_changes_nothing(engine, monkeypatch):
     from dgemma_cli.server.batching import BatchLoop, Job, RowDone
 
     V = engine.model.cfg.text.vocab_size
-    real, moved = batching._Row.after_step, []
+    real, moved = batching._Row.settle, []
 
-    def after_step(row, sample, argmax, entropy, logp=None):
+    def settle(row, sample, argmax, entropy):
         if row.lagged and bool(row.done.all()):  # the canvas ended a step ago: this step is the undone one
             moved.append(row.ci)
             sample, argmax = torch.full_like(sample, V - 1), torch.full_like(argmax, V - 1)
-        return real(row, sample, argmax, entropy, logp)
+        return real(row, sample, argmax, entropy)
 
     def tokens(lagged: bool) -> list:
         ids = [engine.prompt_ids(p) for p in ("upper: hello diffusions", "sudoku: ..4./..../.2.1/3...")]
@@ -549,7 +549,7 @@ def test_a_lagged_rows_undone_step_changes_nothing(engine, monkeypatch):
         return [e.token_ids for e in ends]
 
     at_once = tokens(False)
-    monkeypatch.setattr(batching._Row, "after_step", after_step)
+    monkeypatch.setattr(batching._Row, "settle", settle)
     assert tokens(True) == at_once
     assert moved  # a canvas stopped early, and its undone step ran
 

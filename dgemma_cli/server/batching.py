@@ -35,6 +35,13 @@ next canvas draws what it would have; the step is not counted. Rows whose step t
 immediate test: a structured answer's (its automaton steps on the host), one that streams its steps, one that asks
 for log-probabilities (read from the canvas's last step).
 
+A held row (a structured answer) searches its step's paths through its automaton on the host (structured/
+constrain.py) before it can settle its step. With other rows in the batch that search runs on a helper thread
+(`_Row.search`), and the row sits the next steps out until it is done: the rows still searching are kept at the back
+of the batch and of the buffers (`_stepping_first` swaps a row's self-conditioning softmax with its slot), the others
+step without them. A row's own draws come in the same order either way, so its answer is the one it gets alone; only
+when every row is searching does the loop wait, for the first search to finish.
+
 Failures: one request's failure is that request's. A job that cannot be admitted, or a row whose own step fails,
 gets `RowFailed` and leaves; the others go on. When a step's batched forward raises, each row runs that step alone
 on its own rows of the buffers (`SamplerBuffers.span`), as it would have run in the batch: its generator is put
@@ -201,6 +208,8 @@ class _Row:
         # the stop test read a step late (module docstring), where the host does not read the step anyway
         self.lagged = lagged and self.constraint is None and not job.want_steps and job.logprobs is None
         self.before_step = None  # the generator's state before this step's draws (BatchLoop._step)
+        self.searching = None  # a Future: this step's held search, on a helper thread (BatchLoop._after)
+        self.settling: tuple | None = None  # what settling the step after it takes
         self.undone = 0  # steps run after its canvas had ended, undone
         self.t0 = time.perf_counter()
         self.cache = model.new_cache(1, job.capacity)
@@ -247,14 +256,26 @@ class _Row:
         """Accept, renoise and test for the canvas's end, from this row's [1, C] slices of the step's results (and
         its log-probabilities [C, V], which a structured answer's search reads); returns True when the canvas is
         finished."""
+        self.search(sample, argmax, entropy, logp)
+        return self.settle(sample, argmax, entropy)
+
+    def search(self, sample: torch.Tensor, argmax: torch.Tensor, entropy: torch.Tensor,
+               logp: torch.Tensor | None = None) -> None:
+        """The part of after_step that a held answer's search makes long: held ids written in, and the automaton's
+        best paths in place of the draws and the argmax. Touches only this row's own tensors and generator, so the
+        loop may run it on a helper thread while the other rows step (BatchLoop._after)."""
         s, free = self.settings, self.free
-        self.steps += 1
         if self.h:  # held tokens: certain by definition
             entropy[:, free:] = 0
             sample[:, free:] = self.held
             argmax[:, free:] = self.held
         if self.constraint is not None:  # the best paths through the automaton replace the draws and the argmax
             self.constraint.step(logp, sample[0], argmax[0], s.greedy, drawn=True)  # the step's own draws
+
+    def settle(self, sample: torch.Tensor, argmax: torch.Tensor, entropy: torch.Tensor) -> bool:
+        """The rest of after_step, once `search` has run."""
+        s, free = self.settings, self.free
+        self.steps += 1
         accepted = entropy_bound_accept(entropy, s.entropy_bound)
         kept = torch.where(accepted, sample, self.canvas)
         noise = torch.randint(0, self.V, (1, self.C), device=self.model.device, generator=self.gen)
@@ -364,6 +385,7 @@ class BatchLoop:
         self.completed = 0
         self.failed = 0
         self.batch_errors: set[str] = set()  # batched forwards' failures already said (`_note_batch_error`)
+        self.search_pool = None  # helper threads for held rows' searches (`_searcher`)
         self.thread = threading.Thread(target=self._run, name="dgemma-batch-loop", daemon=True)
         self.thread.start()
 
@@ -445,7 +467,8 @@ class BatchLoop:
         C = self.C
         kept = [a for a in range(len(self.rows)) if a not in gone]
         for j, a in enumerate(kept):
-            if a != j and self.rows[a].sc:  # a > j always: a row only ever moves forward, over a freed slot
+            moved = self.rows[a]  # a row searching holds its step's softmax, though it says so (sc) once settled
+            if a != j and (moved.sc or moved.searching is not None):  # a > j: it moves forward, over a freed slot
                 self.buf.move_rows(a * C, j * C, C)
         self.rows = [self.rows[a] for a in kept]
 
@@ -454,7 +477,8 @@ class BatchLoop:
         runs the step alone on its own rows of the buffers (the batch's failure may be no row's own); a row whose
         forward, sampling or bookkeeping fails alone fails, the others go on."""
         self._leave({a for a, r in enumerate(self.rows) if r.ticket.cancelled})
-        rows = self.rows
+        self._settle_searched()
+        rows = self.rows[: self._stepping_first()]  # those searching sit this step out, at the back
         if not rows:
             return
         gone: set[int] = set()
@@ -517,6 +541,7 @@ class BatchLoop:
             return
         if buf.fused is not None:  # the head's buffers are overwritten next step; a row keeps its argmax (history)
             sample, argmax = sample.clone(), argmax.clone()
+        aside = len(self.rows) > 1  # others to hold up: a held row's search goes to a helper thread
         for a, r in enumerate(rows):
             try:
                 drawn = argmax if r.job.settings.greedy else sample
@@ -524,23 +549,86 @@ class BatchLoop:
                 if r.constraint is not None:  # the step's log-probabilities, which its search reads
                     logp = buf.logits[a * C : (a + 1) * C] if hidden is None else \
                         self._log_probs(hidden[a : a + 1], temperature[a * C])
-                undone = r.undone
-                finished = r.after_step(drawn[a : a + 1], argmax[a : a + 1], entropy[a : a + 1], logp)
-                self.discarded += r.undone - undone
-                if not finished:
+                step = (drawn[a : a + 1], argmax[a : a + 1], entropy[a : a + 1], logp)
+                if r.constraint is not None and aside:
+                    if hidden is None:  # the buffer's rows are the next step's: the search reads its own copy
+                        logp = logp.clone()
+                    step = (step[0].clone(), step[1].clone(), step[2].clone(), logp)
+                    r.settling = step
+                    r.searching = self._searcher().submit(_in_inference_mode, r.search, *step)
                     continue
-                if r.job.logprobs is not None:  # the canvas's last step: its argmax is what the canvas keeps
-                    if logp is None:
-                        logp = buf.logits[a * C : (a + 1) * C] if hidden is None else \
-                            self._log_probs(hidden[a : a + 1], temperature[a * C])
-                    r.logprobs = token_logprobs(logp[: r.free], r.argmax[0, : r.free], r.job.logprobs)
-                if r.finish_canvas():
-                    gone.add(lo + a)
-                    self.completed += 1
-                    r.deliver(r.done_event())
+                r.search(*step)
+                self._settle(lo + a, r, step, gone, lambda a=a: buf.logits[a * C : (a + 1) * C] if hidden is None
+                             else self._log_probs(hidden[a : a + 1], temperature[a * C]))
             except Exception as e:  # noqa: BLE001 (this row's own failure)
                 self._fail(r.ticket, e)
                 gone.add(lo + a)
+
+    def _settle(self, index: int, r: _Row, step: tuple, gone: set[int], log_probs: Callable[[], torch.Tensor]):
+        """The rest of a row's step once its search has run (`_Row.settle`), and its canvas's end: adds `index` to
+        `gone` when the row is done. log_probs: the step's log-probabilities, made where a row without a search
+        asks for them (Job.logprobs)."""
+        sample, argmax, entropy, logp = step
+        undone = r.undone
+        finished = r.settle(sample, argmax, entropy)
+        self.discarded += r.undone - undone
+        if not finished:
+            return
+        if r.job.logprobs is not None:  # the canvas's last step: its argmax is what the canvas keeps
+            if logp is None:
+                logp = log_probs()
+            r.logprobs = token_logprobs(logp[: r.free], r.argmax[0, : r.free], r.job.logprobs)
+        if r.finish_canvas():
+            gone.add(index)
+            self.completed += 1
+            r.deliver(r.done_event())
+
+    def _searcher(self):
+        """The helper threads that held rows' searches run on (made at the first)."""
+        if self.search_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.search_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dgemma-search")
+        return self.search_pool
+
+    def _settle_searched(self) -> None:
+        """Rows whose search has finished settle their step and step again (moved ahead of the rows still
+        searching); with no row left to step, wait for the first search to finish."""
+        searching = [r for r in self.rows if r.searching is not None]
+        if not searching:
+            return
+        if len(searching) == len(self.rows):
+            from concurrent.futures import FIRST_COMPLETED, wait
+
+            wait([r.searching for r in searching], return_when=FIRST_COMPLETED)
+        gone: set[int] = set()
+        for a, r in enumerate(self.rows):
+            if r.searching is None or not r.searching.done():
+                continue
+            future, step = r.searching, r.settling
+            r.searching = r.settling = None
+            try:
+                future.result()
+                self._settle(a, r, step, gone, lambda: step[3])
+            except Exception as e:  # noqa: BLE001 (this row's own failure)
+                self._fail(r.ticket, e)
+                gone.add(a)
+        self._leave(gone)
+
+    def _stepping_first(self) -> int:
+        """Reorder the rows (and their buffers' self-conditioning) so that those not searching come first; returns
+        how many they are. The rows searching keep their buffers apart from the step's (which writes the first)."""
+        rows, C = self.rows, self.C
+        i, j = 0, len(rows) - 1
+        while True:
+            while i < len(rows) and rows[i].searching is None:
+                i += 1
+            while j >= 0 and rows[j].searching is not None:
+                j -= 1
+            if i >= j:
+                return i
+            self.buf.swap_rows(i * C, j * C, C)
+            rows[i], rows[j] = rows[j], rows[i]
 
     def _fail(self, ticket: Ticket, e: BaseException) -> None:
         """A request that cannot go on: one line on stderr (what the client's error does not say), RowFailed to it."""
@@ -568,6 +656,12 @@ def token_logprobs(logp: torch.Tensor, tokens: torch.Tensor, k: int) -> list[tup
         return [(c, []) for c in chosen]
     values, ids = logp.topk(k, dim=-1)
     return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), values.tolist())]
+
+
+def _in_inference_mode(fn: Callable, *args) -> Any:
+    """fn(*args) as the loop's own thread runs its work (a helper thread's mode is its own)."""
+    with torch.inference_mode():
+        return fn(*args)
 
 
 def _internal_error(where: str, e: BaseException) -> None:

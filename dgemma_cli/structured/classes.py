@@ -112,12 +112,19 @@ def _byte_automaton(regex: str, n_symbols: int, symbols: dict[bytes, int]):
     accepting = set(index.get_final_states())
     table = np.full((S + 1, n_symbols), S, dtype=np.int32)
     final = np.zeros(S + 1, dtype=bool)
-    for s, edges in transitions.items():
-        for sym, t in edges.items():
-            if sym == end:  # the expression is whole here (a class of characters may take the end mark too: then
-                final[ids[s]] = t in accepting  # it leads on to a state that is not accepting)
-            elif sym < n_symbols:
-                table[ids[s], sym] = ids[t]
+    top = max(names) + 1
+    index_of = np.full(top, S, dtype=np.int64)
+    index_of[np.array(names, dtype=np.int64)] = np.arange(S)
+    is_accepting = np.zeros(top, dtype=bool)
+    is_accepting[np.array(sorted(accepting), dtype=np.int64)] = True
+    for s, edges in transitions.items():  # each state's edges read into arrays at once
+        sym = np.fromiter(edges.keys(), dtype=np.int64, count=len(edges))
+        nxt = np.fromiter(edges.values(), dtype=np.int64, count=len(edges))
+        keep = sym < n_symbols
+        table[ids[s], sym[keep]] = index_of[nxt[keep]]
+        at_end = sym == end  # the expression is whole here (a class of characters may take the end mark too:
+        if at_end.any():  # then it leads on to a state that is not accepting)
+            final[ids[s]] = bool(is_accepting[nxt[at_end][0]])
     table[:, end] = S
     return table, ids[index.get_initial_state()], final
 
@@ -473,8 +480,13 @@ def class_tables(regex: str, words, vocab_size: int, specials: tuple[int, ...] =
         if key[0] == "o":
             q = key[1]
             live = np.flatnonzero(table[q] != D)
-            tokens = np.concatenate([by_first[first_cut[c] : first_cut[c + 1]] for c in live]) if live.size else \
-                np.zeros(0, dtype=np.int64)
+            if live.size > 32:  # most of the symbols: the tokens whose first one is live, in one pass
+                alive = np.zeros(table.shape[1] + 1, dtype=bool)
+                alive[live] = True
+                tokens = np.flatnonzero(alive[first_sym])
+            else:
+                tokens = np.concatenate([by_first[first_cut[c] : first_cut[c + 1]] for c in live]) if live.size \
+                    else np.zeros(0, dtype=np.int64)
             for e, ts in finish(tokens, np.full(tokens.size, q), np.zeros(tokens.size, dtype=np.int64)):
                 edges.append((i, e, "tokens", ts))
         else:
