@@ -39,7 +39,9 @@ A held row (a structured answer) searches its step's paths through its automaton
 constrain.py) before it can settle its step. With other rows in the batch that search runs on a helper thread
 (`_Row.search`), and the row sits the next steps out until it is done: the rows still searching are kept at the back
 of the batch and of the buffers (`_stepping_first` swaps a row's self-conditioning softmax with its slot), the others
-step without them. A row's own draws come in the same order either way, so its answer is the one it gets alone; only
+step without them. Before a step the loop waits for the searches at most a quarter of the last step's time
+(SEARCH_WAIT), so a search shorter than that costs its row no step and the others at most that. A row's own draws
+come in the same order either way, so its answer is the one it gets alone; only
 when every row is searching does the loop wait, for the first search to finish.
 
 Failures: one request's failure is that request's. A job that cannot be admitted, or a row whose own step fails,
@@ -346,6 +348,8 @@ def _deliver(ticket: Ticket, event: RowEvent) -> None:
 
 # ----------------------------------------------------------------------------- the loop
 
+SEARCH_WAIT = 0.25  # of a step's time, what the loop waits for held rows' searches before stepping without them
+
 
 class BatchLoop:
     """Runs every admitted request's steps in one thread, batching the active rows' decoder forwards.
@@ -386,6 +390,7 @@ class BatchLoop:
         self.failed = 0
         self.batch_errors: set[str] = set()  # batched forwards' failures already said (`_note_batch_error`)
         self.search_pool = None  # helper threads for held rows' searches (`_searcher`)
+        self.step_seconds = 0.0  # the last step's forward and sampling, wall time (`_settle_searched`)
         self.thread = threading.Thread(target=self._run, name="dgemma-batch-loop", daemon=True)
         self.thread.start()
 
@@ -485,6 +490,7 @@ class BatchLoop:
         states = [r.gen.get_state() for r in rows]  # the fused head's uniforms are drawn before the forward
         for r, state in zip(rows, states):  # where a row's stop test lags, what its draws go back to
             r.before_step = state
+        t0 = time.perf_counter()
         try:
             ran = self._forward(0, rows)
         except Exception as e:  # noqa: BLE001 (tried again row by row, below)
@@ -492,6 +498,7 @@ class BatchLoop:
             self._reset_head()
         if ran is not None:
             self._after(0, rows, *ran, gone)
+            self.step_seconds = time.perf_counter() - t0
         elif len(rows) == 1:
             self._fail(rows[0].ticket, batch_error)
             gone.add(0)
@@ -597,10 +604,13 @@ class BatchLoop:
         searching = [r for r in self.rows if r.searching is not None]
         if not searching:
             return
-        if len(searching) == len(self.rows):
-            from concurrent.futures import FIRST_COMPLETED, wait
+        from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, wait
 
+        if len(searching) == len(self.rows):
             wait([r.searching for r in searching], return_when=FIRST_COMPLETED)
+        else:  # a search shorter than a fraction of a step is waited for: the row then misses no step
+            wait([r.searching for r in searching], timeout=SEARCH_WAIT * self.step_seconds,
+                 return_when=ALL_COMPLETED)
         gone: set[int] = set()
         for a, r in enumerate(self.rows):
             if r.searching is None or not r.searching.done():
