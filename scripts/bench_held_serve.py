@@ -7,7 +7,7 @@ byte fallback, a BPE trained on a few lines), its placeholder ids made text toke
 scripts/bench_structured.py's synthetic vocabulary), so a structure's search meets a vocabulary of real size. One
 server, `--max-batch 2`; a free chat request (A: one canvas, a fixed seed and step count, which a random model's
 canvas always runs to) is timed alone, beside another free request, beside a required tool call and beside a JSON
-schema (one canvas each, a step more than A's, started just before it, so that they are beside A at every step). A's time per step beside each, less
+schema, of the same parameters and the 50-property form with bounded strings (one canvas each, a step more than A's, started just before it, so that they are beside A at every step). A's time per step beside each, less
 alone, is what the other row adds to every step of A; the difference between the two is the stall a held row adds,
 in passes: a `max` over [256 x 262,144] float32 values, timed in this process on the same machine.
 
@@ -110,6 +110,9 @@ def run(http, url: str, steps: int) -> None:
     call = {**other, "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}],
             "tool_choice": "required"}
     schema = {**other, "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}}
+    from bench_structure_compile import form
+
+    bounded = {**other, "response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": form(True)}}}
 
     def ask(body) -> tuple[float, int, dict]:
         t0 = time.perf_counter()
@@ -122,13 +125,15 @@ def run(http, url: str, steps: int) -> None:
     ask(free)  # warm: the first step's allocations, the compile worker
     ask(call)
     ask(schema)
+    ask(bounded)
     from bench_held import one_pass  # the unit: a max over [256 x 262,144] float32 log-probabilities
 
     unit = one_pass()
     print(f"one pass: {unit * 1e3:.1f} ms", flush=True)
     rows = []
     for name, beside in (("alone", None), ("beside a free request", other), ("beside a required tool call", call),
-                         ("beside a JSON schema (the same parameters)", schema)):
+                         ("beside a JSON schema (the same parameters)", schema),
+                         ("beside a 50-property form, strings of at most 32", bounded)):
         per_step = []
         for _ in range(2):
             out: dict = {}
