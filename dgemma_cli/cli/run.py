@@ -200,7 +200,9 @@ def run(
     t0 = time.perf_counter()
     try:
         if structure is not None:
-            engine.automaton(structure)  # compiled before the first step: a schema the vocabulary cannot spell fails
+            # compiled before the first step: a schema the vocabulary cannot spell, or whose shortest answer cannot
+            # fit --max-tokens, fails in one line
+            engine.automaton(structure, max_tokens=engine.settings.override(**sampler).max_new_tokens)
         if view == "live" and engine.tokenizer is not None:
             from .view import view_for
 
@@ -412,10 +414,10 @@ def _run_each_line(text: str, *, model, as_json: bool, batch_size: int, device: 
     todo = [i for i, line in enumerate(lines) if line.strip()]
     written = 0  # input lines answered on stdout so far
     cut_short = 0  # answers that could not complete their --json-schema / --regex
-    if gen.get("structure") is not None:
-        engine.automaton(gen["structure"])  # a schema the vocabulary cannot spell fails before the first line
     limit = engine.settings.override(**{k: v for k, v in gen.items()
                                         if k not in ("raw", "system", "seed", "structure")}).max_new_tokens
+    if gen.get("structure") is not None:  # a schema the vocabulary cannot spell, or too long for max_tokens, fails
+        engine.automaton(gen["structure"], max_tokens=limit)  # before the first line
     try:
         for start in range(0, len(todo), batch_size):
             chunk = todo[start : start + batch_size]

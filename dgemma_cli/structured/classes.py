@@ -335,7 +335,12 @@ def class_tables(regex: str, words, vocab_size: int, specials: tuple[int, ...] =
     n_symbols = mark0 + len(bounds) + 2
     symbols[chr(END_MARK).encode()] = n_symbols - 1
     voc = spelled(words, vocab_size, tuple(specials), drop_f4)
-    table, start, final = _reachable(*_byte_automaton(text, n_symbols, symbols))
+    try:
+        table, start, final = _reachable(*_byte_automaton(text, n_symbols, symbols))
+    except UsageError:
+        if bounds and not specials:  # a character of plane 16 in the text, which the markers' symbols leave out
+            raise NotClassed("plane 16 in the text") from None
+        raise
     D = table.shape[0] - 1  # the dead state
     # A marker's source: a state whose only edge is the marker (the body is then the only way on); its target. A
     # state where a class of text characters takes markers (the unused one too) is not one.
@@ -382,8 +387,8 @@ def class_tables(regex: str, words, vocab_size: int, specials: tuple[int, ...] =
     def state_id(key) -> int:
         i = ids.get(key)
         if i is None:
-            if len(keys) >= MAX_STATES:
-                raise UsageError(f"the constraint is too large (over {MAX_STATES:,} automaton states)")
+            if len(keys) >= MAX_STATES:  # left to the other builders: a schema's grammar, outlines-core's Index
+                raise NotClassed(f"over {MAX_STATES:,} automaton states")
             i = ids[key] = len(keys)
             keys.append(key)
         return i
