@@ -578,14 +578,19 @@ def test_plain_progress_and_the_answer_never_share_a_line_on_a_terminal(how):
 
 @pytest.mark.parametrize("regex, limit, satisfied", [("[A-Z ]{16}", 64, True), ("[A-Z]{40}", 2, False)])
 def test_run_json_marks_whether_a_structured_answer_was_completed(capsys, monkeypatch, regex, limit, satisfied):
-    """A structured answer cut short by --max-new-tokens is marked in the JSON object, as an interrupted one is."""
+    """A structured answer is marked in the JSON object; one whose shortest answer cannot fit --max-new-tokens at
+    all is refused in one line before the first step (the server's 400), one line or each line alike."""
     code, out, err = cli(capsys, monkeypatch, "run", *DEMO, "-q", "--json", "--regex", regex, "--max-new-tokens",
                          str(limit), "upper: hello diffusions")
-    assert code == (0 if satisfied else 1), err
-    assert json.loads(out)["satisfied"] is satisfied
+    if not satisfied:
+        assert code == 2 and out == "" and err.count("\n") == 1 and "raise max_tokens" in err, err
+    else:
+        assert code == 0 and json.loads(out)["satisfied"] is True, err
     code, out, err = cli(capsys, monkeypatch, "run", *DEMO, "-q", "--json", "--each-line", "--regex", regex,
                          "--max-new-tokens", str(limit), stdin="upper: hello diffusions\n")
-    assert code == (0 if satisfied else 1), err
-    assert json.loads(out)["satisfied"] is satisfied
+    if not satisfied:
+        assert code == 2 and out == "" and err.count("\n") == 1 and "raise max_tokens" in err, err
+    else:
+        assert code == 0 and json.loads(out)["satisfied"] is True, err
     code, out, err = cli(capsys, monkeypatch, "run", *DEMO, "-q", "--json", "upper: hello diffusions")
     assert code == 0 and "satisfied" not in json.loads(out)  # no structure, nothing to satisfy

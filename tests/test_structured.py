@@ -224,7 +224,7 @@ def test_run_says_when_the_schema_cannot_be_completed(checkpoints, tmp_path):
     (["--json-schema", "/nonexistent/s.json"], "cannot read it"),
     (["--json-schema", "s.json", "--regex", "a"], "exclude each other"),
     (["--regex", "é+"], "cannot be compiled for this model's vocabulary"),
-    (["--regex", "A{400}", "--max-tokens", "8"], "more than max_tokens (8) tokens can hold"),
+    (["--regex", "A{400}", "--max-new-tokens", "8"], "more than max_tokens (8) tokens can hold"),
 ])
 def test_run_refuses_bad_structures_in_one_line(args, message, capsys):
     from cli_helpers import run_main
