@@ -309,14 +309,14 @@ MUTATIONS: list[Mutation] = [
         '        if False:\n',
         "tests/test_structure_bounds.py -k pattern_is_held_inside_the_json_string"),
     mutation(  # a byte-fallback token left in a call's vocabulary could spell the call token's character
-        "calls/plane-16-text-kept", "dgemma_cli/structured/classes.py",
-        "            elif w and not (drop_f4 and 0xF4 in w):\n",
-        "            elif w:\n",
+        "calls/plane-16-text-kept", "dgemma_cli/structured/structure.py",
+        "        if b and i < vocab_size and not (specials and _PLANE_16 in b):\n",
+        "        if b and i < vocab_size:\n",
         f"{TOOLS_T} -k special_tokens_of_a_call"),
     mutation(  # the sampler's draw taken for a group it is not in
         "search/hint-taken-outside-its-group", "dgemma_cli/structured/constrain.py",
-        "        miss = torch.nonzero(~hit).flatten()\n        sub = None\n",
-        "        miss = torch.nonzero(hit & ~hit).flatten()\n        sub = None\n",
+        "        miss = torch.nonzero(~hit).flatten()\n",
+        "        miss = torch.nonzero(hit & ~hit).flatten()\n",
         f"{STRUCT_T} -k big_groups_search_as_token_by_token"),
     mutation(  # groups of the same tokens searched once: each group must read its own set's best
         "search/small-sets-mixed-up", "dgemma_cli/structured/constrain.py",

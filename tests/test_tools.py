@@ -792,13 +792,23 @@ def test_held_calls_are_whole_and_valid_on_random_log_probabilities():
     assert names == {"get_weather", "save"}
 
 
-def test_no_text_spells_the_special_tokens_of_a_call():
+@pytest.mark.parametrize("builder", ["classes", "outlines-core"])
+def test_no_text_spells_the_special_tokens_of_a_call(builder, monkeypatch):
     """A call's expression names its special tokens by characters of Unicode's plane 16: the text tokens that could
     spell one (a byte-fallback token 0xF4, a token holding such a character) are left out of its vocabulary, so the
-    call tokens and the quote are written only as their ids; a schema holding such a character is refused."""
+    call tokens and the quote are written only as their ids; a schema holding such a character is refused. Both
+    builders: over token classes, and outlines-core's token Index (what an expression the first does not take gets)."""
     from dgemma_cli.errors import UsageError
     from dgemma_cli.server.constraints import call_structure
+    from dgemma_cli.structured import classes, constrain
     from dgemma_cli.structured.constrain import compile_structure
+
+    if builder != "classes":
+        def refuse(*a, **k):
+            raise classes.NotClassed("the other builder, for this test")
+
+        monkeypatch.setattr(classes, "class_tables", refuse)
+        monkeypatch.setattr(constrain, "_CACHE", type(constrain._CACHE)())
 
     class Bytes:  # the demo vocabulary with byte-fallback tokens for F4 80 80 80..82, and a plane-16 character
         def __init__(self):
