@@ -398,6 +398,34 @@ def class_tables(regex: str, words, vocab_size: int, specials: tuple[int, ...] =
     first_sym[has] = voc.flat[voc.offsets[has]]
     by_first = np.argsort(first_sym, kind="stable")
     first_cut = np.searchsorted(first_sym[by_first], np.arange(table.shape[1] + 1))
+    # ... and by their first two (NS: none, a token of one symbol): a literal's state takes only the tokens that
+    # begin with its next two bytes, not every token that begins with the next one
+    NS = table.shape[1] + 1
+    second = np.full(vocab_size, NS - 1, dtype=np.int64)
+    two = voc.lens > 1
+    second[two] = voc.flat[voc.offsets[two] + 1]
+    pair = first_sym * NS + second
+    by_pair = np.argsort(pair, kind="stable")
+    pair_sorted = pair[by_pair]
+
+    def candidates(q: int) -> np.ndarray:
+        """The tokens whose walk from outside state q gets past its first two symbols (and those of one)."""
+        live = np.flatnonzero(table[q] != D)
+        if live.size > 32:  # most of the symbols: the tokens whose first one is live, in one pass
+            alive = np.zeros(table.shape[1] + 1, dtype=bool)
+            alive[live] = True
+            return np.flatnonzero(alive[first_sym])
+        pieces = []
+        for c in live.tolist():
+            after = int(table[q, c])
+            nxt = np.flatnonzero(table[after] != D) if not stop[after] else None
+            if nxt is None or nxt.size > 8:  # into a body, or most second symbols: every token beginning with c
+                pieces.append(by_first[first_cut[c] : first_cut[c + 1]])
+                continue
+            for c2 in nxt.tolist() + [NS - 1]:
+                a, b = np.searchsorted(pair_sorted, [c * NS + c2, c * NS + c2 + 1])
+                pieces.append(by_pair[a:b])
+        return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
 
     def finish(tokens: np.ndarray, q: np.ndarray, off: np.ndarray) -> list:
         """Walk on tokens from outside states q at symbol offsets `off`, through bodies and out of them, to their
@@ -484,14 +512,7 @@ def class_tables(regex: str, words, vocab_size: int, specials: tuple[int, ...] =
         before = len(edges)
         if key[0] == "o":
             q = key[1]
-            live = np.flatnonzero(table[q] != D)
-            if live.size > 32:  # most of the symbols: the tokens whose first one is live, in one pass
-                alive = np.zeros(table.shape[1] + 1, dtype=bool)
-                alive[live] = True
-                tokens = np.flatnonzero(alive[first_sym])
-            else:
-                tokens = np.concatenate([by_first[first_cut[c] : first_cut[c + 1]] for c in live]) if live.size \
-                    else np.zeros(0, dtype=np.int64)
+            tokens = candidates(q)
             for e, ts in finish(tokens, np.full(tokens.size, q), np.zeros(tokens.size, dtype=np.int64)):
                 edges.append((i, e, "tokens", ts))
         else:
