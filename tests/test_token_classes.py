@@ -214,3 +214,28 @@ def test_random_expressions_over_random_strings():
             except UnicodeDecodeError:
                 whole = False
             assert (end is not None and bool(auto.final[end])) == whole, (text, lo, hi)
+
+
+@pytest.mark.slow
+def test_the_same_optimum_at_the_real_vocabulary():
+    """At 262,144 tokens (scripts/bench_structured.py's synthetic vocabulary), the function-calling schema and the
+    nested model: the class search's argmax canvas is outlines-core automaton's, on random log-probabilities of a
+    whole canvas."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from bench_structure_compile import FUNCTION, PYDANTIC
+    from bench_structured import SyntheticVocab
+
+    big = 262_144
+    words = SyntheticVocab(big).token_bytes()
+    g = torch.Generator().manual_seed(1)
+    for schema in (FUNCTION, PYDANTIC):
+        regex = Structure("json_schema", json.dumps(schema)).regex()
+        new = TokenAutomaton(class_tables(regex, words, big))
+        old = TokenAutomaton(regex_tables(regex, outlines_vocabulary(words, big), big))
+        logp = torch.log_softmax(torch.randn(64, big, generator=g) * 3, dim=1)
+        want, ok_old = best_path(old, logp, 0, 64, 200, [1], 0)
+        got, ok_new = best_path(new, logp, 0, 64, 200, [1], 0, hint=logp.argmax(dim=1))
+        assert ok_new == ok_old and torch.equal(got, want)
