@@ -176,9 +176,11 @@ def test_a_client_leaving_stops_its_compile(server):
 
 
 def _run(*args: str, **kw) -> subprocess.Popen:
+    """`dgemma run` on the demo, Ctrl-C's default in it (as a terminal's is) whatever this process does with it."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.Popen([sys.executable, "-m", "dgemma_cli", "run", "--model", "demo", "--device", "cpu", *args],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **kw)
 
 
 def test_run_refuses_the_bomb_in_one_line_and_ctrl_c_during_a_compile_exits_130(tmp_path):
