@@ -17,7 +17,7 @@ seconds. Here the automaton is built in three parts:
    of the expression. A bounded body's states count the characters written (k = 0..m), and a class moves k by its
    characters: a bound costs states, not edges.
 3. A breadth-first walk of the token-level states: (byte state) outside bodies, (body, k, body state) inside them.
-   Outside a body only the tokens whose first byte leads somewhere are walked (numpy, every token at once); inside,
+   Outside a body only the tokens whose first two bytes lead somewhere are walked (numpy, every token at once); inside,
    the class table gives the edges, and only the tokens that leave the body are walked on (from the body's end).
 
 The tables are constrain.TokenAutomaton's (structure.automaton_tables's) with class groups added: an edge on a set of
