@@ -21,7 +21,7 @@ seconds. Here the automaton is built in three parts:
    the class table gives the edges, and only the tokens that leave the body are walked on (from the body's end).
 
 The tables are constrain.TokenAutomaton's (structure.automaton_tables's) with class groups added: an edge on a set of
-classes (every token of them), searched by a pass over the step's log-probabilities per class (constrain.py).
+classes (every token of them), which constrain.TokenAutomaton searches as a big group: one mask per set of classes.
 """
 
 from __future__ import annotations
