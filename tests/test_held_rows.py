@@ -9,7 +9,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from dgemma_cli.server.batching import BatchLoop, Job, RowCanvas, RowDone, RowFailed
 from dgemma_cli.structured.constrain import Structure, compile_structure

@@ -33,6 +33,7 @@ from collections import deque
 import numpy as np
 
 from ..errors import UsageError
+from .structure import BIG_GROUP
 
 MARK_BASE = 0x10F000  # body k is written as the character MARK_BASE + k while the byte automaton is built
 END_MARK = 0x10FFFD  # appended to every expression (see 1. above)
@@ -106,7 +107,6 @@ def _byte_automaton(regex: str, n_symbols: int, symbols: dict[bytes, int]):
         raise UsageError(f"the constraint cannot be compiled for this model's vocabulary: {_first_line(e)}") from None
     transitions = index.get_transitions()
     names = sorted(set(transitions) | {t for e in transitions.values() for t in e.values()})
-    ids = {s: i for i, s in enumerate(names)}
     S = len(names)
     end = symbols[chr(END_MARK).encode()]
     accepting = set(index.get_final_states())
@@ -121,12 +121,12 @@ def _byte_automaton(regex: str, n_symbols: int, symbols: dict[bytes, int]):
         sym = np.fromiter(edges.keys(), dtype=np.int64, count=len(edges))
         nxt = np.fromiter(edges.values(), dtype=np.int64, count=len(edges))
         keep = sym < n_symbols
-        table[ids[s], sym[keep]] = index_of[nxt[keep]]
+        table[index_of[s], sym[keep]] = index_of[nxt[keep]]
         at_end = sym == end  # the expression is whole here (a class of characters may take the end mark too:
         if at_end.any():  # then it leads on to a state that is not accepting)
-            final[ids[s]] = bool(is_accepting[nxt[at_end][0]])
+            final[index_of[s]] = bool(is_accepting[nxt[at_end][0]])
     table[:, end] = S
-    return table, ids[index.get_initial_state()], final
+    return table, int(index_of[index.get_initial_state()]), final
 
 
 def _reachable(table: np.ndarray, start: int, final: np.ndarray):
@@ -315,7 +315,8 @@ def walk_body(table: np.ndarray, dead: int, voc: Spelled, tokens: np.ndarray, st
 # ---------------------------------------------------------------------------------------------- the automaton
 
 
-def class_tables(regex: str, words, vocab_size: int, specials: tuple[int, ...] = (), big_group: int = 4096) -> dict:
+def class_tables(regex: str, words, vocab_size: int, specials: tuple[int, ...] = (),
+                 big_group: int = BIG_GROUP) -> dict:
     """An expression over a vocabulary (token bytes, None: special; `specials`: the ids spelled by the characters
     structure.SPECIAL_BASE + k) -> the tables of constrain.TokenAutomaton, with class groups (see the module's
     docstring). NotClassed for what it does not build (the caller builds it with outlines-core's Index)."""
@@ -345,37 +346,32 @@ def class_tables(regex: str, words, vocab_size: int, specials: tuple[int, ...] =
     # A marker's source: a state whose only edge is the marker (the body is then the only way on); its target. A
     # state where a class of text characters takes markers (the unused one too) is not one.
     source_of = np.full(D + 1, -1, dtype=np.int64)  # state -> body index
-    target = {}
+    target_of = np.full(D + 1, -1, dtype=np.int64)  # a source -> the state after its body
     unused = mark0 + len(bounds)
     for k in range(len(bounds)):
         for s in np.flatnonzero((table[:D, mark0 + k] != D) & (table[:D, unused] == D)).tolist():
             row = table[s]
             if int((row != D).sum()) != 1 or final[s]:
                 raise NotClassed("a body beside another way on")
-            source_of[s] = k
-            target[s] = int(row[mark0 + k])
+            source_of[s], target_of[s] = k, row[mark0 + k]
     stop = source_of >= 0
+    sources = np.flatnonzero(stop)
     bt = body_table(body, voc, n_symbols, symbols) if bounds else None
-    if bt is not None:  # what may follow a body must not also be a character of it
-        for s, t in target.items():
-            firsts = np.flatnonzero(table[t] != D)
-            firsts = firsts[firsts < bt.table.shape[1]]
-            if stop[t] or (bt.table[0, firsts[firsts < 256]] != bt.dead).any():
-                raise NotClassed("a body followed by one of its own characters")
+    for t in target_of[sources].tolist():  # what may follow a body must not also be a character of it
+        firsts = np.flatnonzero(table[t, :256] != D)
+        if stop[t] or (bt.table[0, firsts] != bt.dead).any():
+            raise NotClassed("a body followed by one of its own characters")
 
     # Token-level states: ("o", q) outside bodies, ("b", source, k, body state) inside (k: characters written,
     # capped at the body's fewest where it is unbounded).
-    n_states = table.shape[0]
-    lo_of = np.zeros(n_states, dtype=np.int64)
-    hi_of = np.full(n_states, np.iinfo(np.int64).max, dtype=np.int64)
-    cap_of = np.zeros(n_states, dtype=np.int64)
-    target_of = np.full(n_states, -1, dtype=np.int64)
-    for s, t in target.items():
+    lo_of = np.zeros(D + 1, dtype=np.int64)
+    hi_of = np.full(D + 1, np.iinfo(np.int64).max, dtype=np.int64)
+    cap_of = np.zeros(D + 1, dtype=np.int64)
+    for s in sources.tolist():
         lo, hi = bounds[source_of[s]]
-        lo_of[s], target_of[s] = lo, t
+        lo_of[s], cap_of[s] = lo, hi if hi is not None else lo
         if hi is not None:
             hi_of[s] = hi
-        cap_of[s] = hi if hi is not None else lo
 
     def key_of(q: int):
         return ("b", q, 0, 0) if stop[q] else ("o", q)
@@ -489,7 +485,7 @@ def class_tables(regex: str, words, vocab_size: int, specials: tuple[int, ...] =
             groups = []
             for c in np.unique(chars).tolist():
                 tc = t[chars == c]
-                for key, ts in finish(tc, np.full(tc.size, target[s]), bt.at[b, tc].astype(np.int64)):
+                for key, ts in finish(tc, np.full(tc.size, target_of[s]), bt.at[b, tc].astype(np.int64)):
                     groups.append((c, key, ts))
             leave_cache[(s, b)] = groups
         return leave_cache[(s, b)]
@@ -542,7 +538,7 @@ def class_tables(regex: str, words, vocab_size: int, specials: tuple[int, ...] =
         if key[0] == "o":
             return bool(final[key[1]])
         _, s, k, b = key
-        return b == 0 and lo_of[s] <= k <= hi_of[s] and bool(final[target[s]])
+        return b == 0 and lo_of[s] <= k <= hi_of[s] and bool(final[target_of[s]])
 
     return _tables(keys, ids, edges, accepting, vocab_size, big_group, bt)
 
