@@ -448,8 +448,9 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
     draws and argmax each step by its best paths through the row's automaton (from the step's log-probabilities:
     the torch path's buffers), and whose `end_canvas` follows each kept canvas. Not with held tokens.
 
-    lagged_stop (default: on CUDA without constraints, whose search reads the step on the host anyway): the stop
-    test read one step late (`LaggedStop`), so no step waits for the host; the events and tokens are the same.
+    lagged_stop (default: on CUDA, unless a row's search reads the step on the host: a grammar's walk, an automaton
+    searched on the host, `RowConstraint.on_device`): the stop test read one step late (`LaggedStop`), so no step
+    waits for the host; the events and tokens are the same.
     """
     t0 = time.perf_counter()
     B = prompt.shape[0]
@@ -476,8 +477,9 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
             raise ValueError(f"{h} held tokens leave no free position in a canvas of {C}")
         eos = torch.cat([eos, torch.tensor([pad], device=dev)])  # an infill's middle may also end at <pad>
 
-    if lagged_stop is None:
-        lagged_stop = dev.type == "cuda" and constraints is None
+    if lagged_stop is None:  # a held row's search on the device reads nothing on the host either
+        lagged_stop = dev.type == "cuda" and (constraints is None or all(
+            c is None or (hasattr(c, "on_device") and c.on_device(dev, C)) for c in constraints))
     temperatures = step_temperatures(settings, dev)
     run_step = getattr(denoiser, "run_step", None) or (lambda step, graphable: step())
     for ci in range(settings.canvases_for(free)):

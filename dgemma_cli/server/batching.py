@@ -207,8 +207,11 @@ class _Row:
         self.constraint = None
         if job.automaton is not None:
             self.constraint = job.automaton.row(s.max_new_tokens, s.eos_token_ids, s.pad_token_id, self.gen)
-        # the stop test read a step late (module docstring), where the host does not read the step anyway
-        self.lagged = lagged and self.constraint is None and not job.want_steps and job.logprobs is None
+        # the stop test read a step late (module docstring), where the host does not read the step anyway (a held
+        # row's search on the device reads nothing there)
+        self.on_device = self.constraint is not None and self.constraint.on_device(dev, self.C)
+        self.lagged = lagged and (self.constraint is None or self.on_device) and not job.want_steps and \
+            job.logprobs is None
         self.before_step = None  # the generator's state before this step's draws (BatchLoop._step)
         self.searching = None  # a Future: this step's held search, on a helper thread (BatchLoop._after)
         self.settling: tuple | None = None  # what settling the step after it takes
@@ -557,7 +560,7 @@ class BatchLoop:
                     logp = buf.logits[a * C : (a + 1) * C] if hidden is None else \
                         self._log_probs(hidden[a : a + 1], temperature[a * C])
                 step = (drawn[a : a + 1], argmax[a : a + 1], entropy[a : a + 1], logp)
-                if r.constraint is not None and aside:
+                if r.constraint is not None and aside and not r.on_device:  # (on the device: its kernels queue)
                     if hidden is None:  # the buffer's rows are the next step's: the search reads its own copy
                         logp = logp.clone()
                     step = (step[0].clone(), step[1].clone(), step[2].clone(), logp)

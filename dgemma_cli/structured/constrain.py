@@ -123,8 +123,9 @@ class TokenAutomaton:
     def start(self) -> int:
         return 0
 
-    def row(self, max_new_tokens: int, end_ids, pad_id: int, generator: torch.Generator | None = None):
-        return RowConstraint(self, max_new_tokens, end_ids, pad_id, generator)
+    def row(self, max_new_tokens: int, end_ids, pad_id: int, generator: torch.Generator | None = None,
+            device_search: bool | None = None):
+        return RowConstraint(self, max_new_tokens, end_ids, pad_id, generator, device_search)
 
     def advance(self, state: int, tokens) -> int | None:
         """The state after `tokens` from `state`, or None where a token has no edge."""
@@ -395,7 +396,7 @@ class RowConstraint:
     how many tokens the answer has, and whether it could be kept."""
 
     def __init__(self, auto: TokenAutomaton, max_new_tokens: int, end_ids, pad_id: int,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, device_search: bool | None = None):
         self.auto, self.limit = auto, max_new_tokens
         self.end_ids, self.pad_id = [int(i) for i in end_ids], pad_id
         self.gen = generator
@@ -403,6 +404,37 @@ class RowConstraint:
         self.produced = 0  # tokens of finished canvases
         self.ended = False  # an end id was kept from an accepting state
         self.ok = True  # every step found a path within the length limit
+        # the search on the device (device_search.py): None decides per device (`on_device`), True forces it (the
+        # interpreter's tests), False keeps the host search
+        self.device_search = device_search
+        self._device: dict = {}  # (device, canvas) -> DeviceSearch, or None where the automaton stays on the host
+        self._device_ok = None  # the DeviceSearch whose last step's `ok` is still on the device
+
+    def on_device(self, device, canvas: int) -> bool:
+        """Whether this row's search runs on `device` for canvases of `canvas` positions: a CUDA device where the
+        Triton kernels run (quant.kernels.use_triton), an automaton whose back-pointers fit (device_search.MAX_BACK).
+        Such a step reads nothing on the host, so the row keeps the lagged stop test."""
+        return self._searcher(torch.device(device), canvas) is not None
+
+    def _searcher(self, device: torch.device, canvas: int):
+        key = (device, canvas)
+        if key not in self._device:
+            use = self.device_search
+            if use is None:
+                from quant.kernels import use_triton
+
+                use = device.type == "cuda" and use_triton(device)
+            searcher = None
+            if use:
+                from .device_search import DeviceSearch, NotOnDevice, device_tables
+
+                try:
+                    searcher = DeviceSearch(device_tables(self.auto, self.end_ids, self.pad_id), canvas, self.pad_id,
+                                            device, self.gen)
+                except NotOnDevice:
+                    searcher = None
+            self._device[key] = searcher
+        return self._device[key]
 
     def step(self, logp: torch.Tensor, sample: torch.Tensor, argmax: torch.Tensor, greedy: bool,
              drawn: bool = False) -> None:
@@ -412,6 +444,13 @@ class RowConstraint:
         C = logp.shape[0]
         room = _room(self.limit, self.produced, C)
         after = self.limit - self.produced - room
+        searcher = self._searcher(logp.device, C) if room > 0 else None
+        if searcher is not None:  # two kernels and a fill; ok stays on the device until the canvas ends
+            searcher.set_canvas(self.state, room, after)
+            searcher.step(logp, sample, argmax, greedy)
+            self._device_ok = searcher
+            return
+        self._device_ok = None
         free_draw = sample.clone() if drawn and not greedy else None
         cache: dict = {}  # the two searches' shared gathers
         best, ok = best_path(self.auto, logp, self.state, room, after, self.end_ids, self.pad_id,
@@ -427,6 +466,9 @@ class RowConstraint:
 
     def end_canvas(self, tokens) -> None:
         """The canvas kept (its ids, pad after an end id): move the automaton through it."""
+        if self._device_ok is not None:  # the last step's search ran on the device: whether it kept within the limit
+            self.ok = self._device_ok.path_found()
+            self._device_ok = None
         room = _room(self.limit, self.produced, len(tokens))
         for t in list(tokens)[:room]:
             t = int(t)
@@ -445,7 +487,8 @@ class RowConstraint:
     def satisfied(self) -> bool:
         """The answer is a whole word of the language: it ended from an accepting state, or the length limit came
         exactly where one is."""
-        return self.ok and (self.ended or bool(self.auto.final[self.state]))
+        ok = self.ok if self._device_ok is None else self._device_ok.path_found()
+        return ok and (self.ended or bool(self.auto.final[self.state]))
 
 
 # ------------------------------------------------------------------------------------------- grammars (llguidance)
@@ -577,6 +620,10 @@ class GrammarRowConstraint:
         best = self._walk(host, C, draw=False)
         argmax.copy_(best)
         sample.copy_(best if greedy else self._walk(host, C, draw=True))
+
+    def on_device(self, device, canvas: int) -> bool:
+        """A grammar's walk reads the step on the host."""
+        return False
 
     def end_canvas(self, tokens) -> None:
         room = _room(self.limit, self.produced, len(tokens))

@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import interpreting
 from .class_pass import keep_max, pack, unpack_index, unpack_value
 
-BLOCK = 1024
 KMIN: tl.constexpr = tl.constexpr(-(1 << 63))  # below every key
 
 
@@ -138,4 +138,5 @@ def automaton_dp(keys: torch.Tensor, pair_set: torch.Tensor, pair_blk: torch.Ten
     P = setk.shape[1]
     automaton_dp_kernel[(searches,)](
         keys, pair_set, pair_blk, e_src, e_set, e_dst, dist, meta, setk, vals, back, out0, out1, ok,
-        P, NB, keys.stride(0), sets, pair_set.numel(), e_src.numel(), dist.numel(), out0.numel(), pad_id, BLOCK, num_warps=8)
+        P, NB, keys.stride(0), sets, pair_set.numel(), e_src.numel(), dist.numel(), out0.numel(), pad_id,
+        64 if interpreting() else 1024, num_warps=8)  # the interpreter's scan calls its combine once a lane

@@ -28,9 +28,14 @@ import torch
 import triton
 import triton.language as tl
 
+from . import interpreting
+
 KEY_MIN = -(1 << 63)  # below every key a score makes (no class is left without one: every class holds a token)
-BLOCK_V = 1024
-BLOCK_P = 4
+
+
+def _blocks() -> tuple[int, int]:
+    """(BLOCK_P, BLOCK_V): 4 x 1024 on a GPU; small under the interpreter, whose scan calls its combine once a lane."""
+    return (2, 128) if interpreting() else (4, 1024)
 
 
 @triton.jit
@@ -65,6 +70,14 @@ def keep_max(seg_a, key_a, seg_b, key_b):
 
 
 @triton.jit
+def keep_max2(seg_a, best_a, drawn_a, seg_b, best_b, drawn_b):
+    """keep_max over two keys of the same runs at once."""
+    same = seg_a == seg_b
+    return seg_b, tl.where(same, tl.maximum(best_a, best_b), best_b), tl.where(same, tl.maximum(drawn_a, drawn_b),
+                                                                              drawn_b)
+
+
+@triton.jit
 def class_pass_kernel(score_ptr, perm_ptr, blk_ptr, seed_ptr, out_ptr, P, V, T, NB, stride, plane,
                       DRAW: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_V: tl.constexpr):
     pid_v = tl.program_id(0)  # token blocks vary fastest: programs reading one row run together
@@ -81,14 +94,15 @@ def class_pass_kernel(score_ptr, perm_ptr, blk_ptr, seed_ptr, out_ptr, P, V, T, 
     x = tl.load(score_ptr + rows[:, None].to(tl.int64) * stride + tok[None, :], mask=m, other=-float("inf"))
     seg = tl.broadcast_to(blk[None, :], (BLOCK_P, BLOCK_V))
     at = out_ptr + rows[:, None].to(tl.int64) * NB + blk[None, :]
-    _, best = tl.associative_scan((seg, pack(x, tok[None, :])), 1, keep_max)
-    tl.atomic_max(at, best, mask=m & last[None, :])
     if DRAW:
         seed = tl.load(seed_ptr)
         u = tl.rand(seed, rows[:, None] * V + tok[None, :])
         g = -tl.log(-tl.log(tl.maximum(u, 1e-20)))
-        _, drawn = tl.associative_scan((seg, pack(x + g, tok[None, :])), 1, keep_max)
+        _, best, drawn = tl.associative_scan((seg, pack(x, tok[None, :]), pack(x + g, tok[None, :])), 1, keep_max2)
         tl.atomic_max(at + plane, drawn, mask=m & last[None, :])
+    else:
+        _, best = tl.associative_scan((seg, pack(x, tok[None, :])), 1, keep_max)
+    tl.atomic_max(at, best, mask=m & last[None, :])
 
 
 def class_pass(score: torch.Tensor, perm: torch.Tensor, blk: torch.Tensor, classes: int, seed: torch.Tensor | None,
@@ -106,6 +120,7 @@ def class_pass(score: torch.Tensor, perm: torch.Tensor, blk: torch.Tensor, class
     if T == 0 or P == 0:
         return out
     draw = seed is not None
+    BLOCK_P, BLOCK_V = _blocks()
     class_pass_kernel[(triton.cdiv(T, BLOCK_V), triton.cdiv(P, BLOCK_P))](
         score, perm, blk, seed if draw else perm, out, P, V, T, classes, score.stride(0), out.stride(0), draw,
         BLOCK_P, BLOCK_V,

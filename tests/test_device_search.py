@@ -1,0 +1,156 @@
+"""A held row's search on the device (dgemma_cli/structured/device_search.py, quant/kernels/class_pass.py and
+automaton_dp.py) in Triton's interpreter: each kernel equal to its torch path (the class pass's keys, its noise
+included; the dynamic programme's paths against the host's programme on the reference's scores), the argmax path the
+host search's (the same optimum), answers valid, and a step that reads nothing on the host."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dgemma_cli.structured.classes import class_tables
+from dgemma_cli.structured.constrain import TokenAutomaton, best_path
+from dgemma_cli.structured.device_search import DeviceSearch, device_tables, reference_step
+from dgemma_cli.structured.structure import SPECIAL_BASE, Structure
+from quant.kernels.class_pass import KEY_MIN, class_pass, class_pass_reference, indices_of, values_of
+from test_token_classes import SCHEMAS, WORDS, V
+
+END, PAD = 1, 2
+
+
+def automaton(name: str) -> TokenAutomaton:
+    return TokenAutomaton(class_tables(Structure("json_schema", json.dumps(SCHEMAS[name])).regex(), WORDS, V))
+
+
+def call_automaton() -> TokenAutomaton:
+    """A tool call spelled with special tokens (ids 0-2 stand for the call's start, end and quote)."""
+    q = f"\\U{SPECIAL_BASE:08X}"
+    regex = f"\\U{SPECIAL_BASE + 1:08X}call:f\\{{x:{q}[^<\\U00100000-\\U0010FFFF]{{0,3}}{q}\\}}\\U{SPECIAL_BASE + 2:08X}"
+    return TokenAutomaton(class_tables(regex, WORDS, V, (0, 1, 2)))
+
+
+class NoHostReads(TorchDispatchMode):
+    """Fails on any op that makes the host wait for the device (a value read, a data-dependent size)."""
+
+    READS = ("aten::_local_scalar_dense", "aten::is_nonzero", "aten::item", "aten::nonzero", "aten::equal")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        assert func._schema.name not in self.READS, f"{func._schema.name}: a host round trip in the step"
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_class_pass_is_its_torch_path():
+    """Each class's best key per position equals the reference's bit for bit; under noise (philox, repeated in
+    numpy) the same tokens, the values within the log's rounding."""
+    g = torch.Generator().manual_seed(0)
+    P, Vs, NB = 3, 300, 9
+    score = torch.log_softmax(torch.randn(P, Vs, generator=g) * 3, dim=1)
+    score[1, 7] = -float("inf")  # a token the row cannot take
+    cls = torch.randint(0, NB, (Vs,), generator=g)
+    cls[::5] = -1  # tokens no class holds: not read
+    keep = torch.nonzero(cls >= 0).flatten()
+    perm = keep[torch.argsort(cls[keep], stable=True)].int()
+    blk = cls[perm.long()].int()
+    out = torch.empty(2, P, NB, dtype=torch.int64)
+    class_pass(score, perm, blk, NB, torch.tensor([987654321]), out)
+    ref = class_pass_reference(score, perm, blk, NB, 987654321)
+    assert torch.equal(out[0], ref[0]) and (out != KEY_MIN).all()
+    assert torch.equal(indices_of(out[1]), indices_of(ref[1]))
+    assert torch.allclose(values_of(out[1]), values_of(ref[1]), atol=1e-5, rtol=0)
+    for c in range(NB):  # and the reference is what it says
+        toks = torch.nonzero(cls == c).flatten()
+        v, i = score[:, toks].max(dim=1)
+        assert torch.equal(values_of(ref[0, :, c]), v) and torch.equal(indices_of(ref[0, :, c]), toks[i])
+
+
+def _step(auto: TokenAutomaton, C: int, room: int, after: int, seed: int, state: int = 0):
+    t = device_tables(auto, [END], PAD)
+    gen = torch.Generator().manual_seed(seed)
+    search = DeviceSearch(t, C, PAD, "cpu", gen)
+    logp = torch.log_softmax(torch.randn(C, V, generator=torch.Generator().manual_seed(seed + 1)) * 3, dim=1)
+    noise_seed = int(torch.randint(0, 1 << 62, (1,), generator=torch.Generator().set_state(gen.get_state())))
+    sample, argmax = torch.zeros(C, dtype=torch.long), torch.zeros(C, dtype=torch.long)
+    search.set_canvas(state, room, after)
+    with NoHostReads():
+        search.step(logp, sample, argmax, greedy=False)
+    return t, search, logp, noise_seed, sample, argmax
+
+
+def test_the_device_search_is_the_host_search():
+    """One step of the function schema: the argmax path is the host search's (constrain.best_path, the same
+    optimum), both paths are the reference's (the kernels' torch path with the same noise), with no host read."""
+    auto = automaton("function")
+    C = 10
+    t, search, logp, noise_seed, sample, argmax = _step(auto, C, C, 40, seed=3)
+    want, ok = best_path(auto, logp, 0, C, 40, [END], PAD)
+    assert torch.equal(argmax, want) and search.path_found() == ok
+    ref_argmax, ref_drawn, ref_ok = reference_step(t, logp, 0, C, 40, PAD, noise_seed)
+    assert torch.equal(argmax, ref_argmax) and torch.equal(sample, ref_drawn) and ref_ok == ok
+    assert auto.advance(0, [x for x in sample.tolist() if x not in (END, PAD)]) is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SCHEMAS) + ["call"])
+def test_every_structure_and_a_cut_short_canvas(name):
+    """The schemas and a call with special tokens, from the start and from a state inside, with room to end and
+    without (ok False: the best path that ignores the limit, as the host's)."""
+    auto = call_automaton() if name == "call" else automaton(name)
+    for seed, (room, after, state) in enumerate([(10, 40, 0), (6, 1, 0), (10, 40, 3)]):
+        C = 10
+        t, search, logp, noise_seed, sample, argmax = _step(auto, C, room, after, seed=10 * seed, state=state)
+        want, ok = best_path(auto, logp, state, room, after, [END], PAD)
+        assert torch.equal(argmax, want) and search.path_found() == ok, (room, after, state)
+        ref_argmax, ref_drawn, _ = reference_step(t, logp, state, room, after, PAD, noise_seed)
+        assert torch.equal(sample, ref_drawn)
+
+
+@pytest.mark.slow
+def test_answers_through_the_row_are_valid():
+    """RowConstraint with the device search forced (the interpreter stands in for a GPU): answers made canvas by
+    canvas validate against the schema, and its `ok` is read when the canvas ends."""
+    schema = SCHEMAS["function"]
+    auto = automaton("function")
+    valid = 0
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        row = auto.row(40, [END], PAD, generator=g, device_search=True)
+        assert row.on_device("cpu", 10)
+        ids: list[int] = []
+        while row.produced < 40 and not row.ended:
+            logp = torch.log_softmax(torch.randn(10, V, generator=g) * 2, dim=1)
+            sample, argmax = torch.zeros(10, dtype=torch.long), torch.zeros(10, dtype=torch.long)
+            row.step(logp, sample, argmax, greedy=False)
+            row.end_canvas(sample.tolist())
+            ids += sample.tolist()
+        if row.satisfied:
+            cut = ids.index(END) if END in ids else len(ids)
+            jsonschema.validate(json.loads(b"".join(WORDS[t] for t in ids[:cut] if t != PAD).decode()), schema)
+            valid += 1
+    assert valid >= 2
+
+
+def test_classes_partition_every_set():
+    """Every token set of the automaton (small groups, masks, the end ids, the end ids and pad) is exactly the union
+    of its classes, and tokens no set holds are in no class."""
+    auto = automaton("bounded")
+    t = device_tables(auto, [END], PAD)
+    class_of = np.full(V, -1)
+    class_of[t.perm] = t.blk
+    assert np.all(np.diff(t.blk) >= 0) and len(set(t.perm.tolist())) == t.perm.size
+    members = {int(k): set(np.flatnonzero(class_of == k).tolist()) for k in range(t.classes)}
+    sets: dict[int, set] = {}
+    for s, b in zip(t.pair_set.tolist(), t.pair_blk.tolist()):
+        sets.setdefault(s, set()).update(members[b])
+    assert sets[t.sets - 2] == {END} and sets[t.sets - 1] == {END, PAD}
+    for g in range(auto.G):
+        k = int(auto.set_of[g])
+        if k >= 0:
+            want = set(auto.tokens[auto.offsets[g] : auto.offsets[g + 1]].tolist())
+            assert sets[k] == want
+    union = set().union(*sets.values())
+    assert union == set(t.perm.tolist())
