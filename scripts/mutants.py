@@ -348,6 +348,26 @@ MUTATIONS: list[Mutation] = [
         "            if a != j and (moved.sc or moved.searching is not None):  # a > j: it moves forward, over a freed slot\n",
         "            if a != j and moved.sc:\n",
         "tests/test_held_rows.py"),
+    mutation(  # the device search's dynamic programme forgets a target's run begun in the previous chunk of lanes
+        "device/run-carry-dropped", "quant/kernels/automaton_dp.py",
+        "            k = tl.where(d == c_seg, tl.maximum(k, c_key), k)\n",
+        "",
+        "tests/test_device_search.py::test_the_programme_is_its_torch_path"),
+    mutation(  # the same for a set's run of classes
+        "device/set-carry-dropped", "quant/kernels/automaton_dp.py",
+        "            k = tl.where(seg == c_seg, tl.maximum(k, c_key), k)\n",
+        "",
+        "tests/test_device_search.py::test_the_programme_is_its_torch_path"),
+    mutation(  # the class pass's drawn keys without their noise: the drawn path would be the argmax path
+        "device/noise-dropped", "quant/kernels/class_pass.py",
+        "        g = -tl.log(-tl.log(tl.maximum(u, 1e-20)))\n",
+        "        g = 0.0 * u\n",
+        "tests/test_device_search.py::test_the_class_pass_is_its_torch_path"),
+    mutation(  # a path past the length limit taken as one within it
+        "device/cut-short-taken-as-ok", "quant/kernels/automaton_dp.py",
+        "    ok = unpack_value(best_ok) > NEG\n",
+        "    ok = unpack_value(best_any) > NEG\n",
+        "tests/test_device_search.py -m slow -k cut_short"),
     # ------------------------------------------------------------------ dgemma doctor (dgemma_cli/doctor, verdicts)
     mutation(  # a kernel wrong on this "card" (the interpreter): the doctor must catch it and turn it off
         "doctor/norm-kernel-off-by-one-column", "quant/kernels/rmsnorm.py",

@@ -68,6 +68,46 @@ def test_the_class_pass_is_its_torch_path():
         assert torch.equal(values_of(ref[0, :, c]), v) and torch.equal(indices_of(ref[0, :, c]), toks[i])
 
 
+def test_the_programme_is_its_torch_path():
+    """The dynamic programme's kernel on made-up tables whose runs cross its chunks of lanes (a set of 100 classes,
+    a target with 100 edges into it): both paths and ok equal the host's programme (constrain.host_path) on the same
+    sets' keys."""
+    from dgemma_cli.structured.constrain import host_path
+    from quant.kernels.automaton_dp import automaton_dp
+    from quant.kernels.class_pass import keys_of
+
+    g = torch.Generator().manual_seed(5)
+    P, NB, S, E = 6, 120, 7, 300
+    sizes = [3, 2, 100, 4, 1, 2, 3, 2, 1, 3, 2, 4, 1, 2, 3, 2, 1, 3, 2, 4]  # set 2: a run across the lanes' chunks
+    NS = len(sizes)
+    pair_set = torch.arange(NS).repeat_interleave(torch.tensor(sizes)).int()
+    pair_blk = torch.cat([torch.randperm(NB, generator=g)[:n] for n in sizes]).int()
+    e_dst = torch.sort(torch.cat([torch.full((100,), 2), torch.randint(0, S, (E - 100,), generator=g)])).values.int()
+    e_src = torch.randint(0, S, (E,), generator=g).int()
+    e_set = torch.randint(0, NS, (E,), generator=g).int()
+    into = torch.nonzero(e_dst == 2).flatten()  # each (source, set) at most once: the best edge is one of them
+    combos = torch.randperm(S * NS, generator=g)[: into.numel()]
+    e_src[into], e_set[into] = (combos // NS).int(), (combos % NS).int()
+    dist = torch.tensor([2, 1, 0, 3, 1, 0, 2], dtype=torch.int32)
+    keys = keys_of(torch.randn(2, P, NB, generator=g), torch.randint(0, 1000, (2, P, NB), generator=g))
+    for state, room, after in [(0, 6, 0), (4, 4, 1), (3, 1, 0)]:
+        meta = torch.tensor([state, room, after], dtype=torch.int32)
+        scratch = (torch.empty(2, P, NS, dtype=torch.int64), torch.empty(2, 3, S, dtype=torch.float32),
+                   torch.empty(2, P, S, dtype=torch.int32))
+        out0, out1 = torch.zeros(P, dtype=torch.long), torch.zeros(P, dtype=torch.long)
+        ok = torch.zeros(2, dtype=torch.int32)
+        automaton_dp(keys, pair_set, pair_blk, NS, e_src, e_set, e_dst, dist, meta, scratch, out0, out1, ok, PAD, 2)
+        sets = torch.full((2, P, NS), KEY_MIN, dtype=torch.int64)
+        sets.scatter_reduce_(2, pair_set.long().expand(2, P, -1), keys[:, :, pair_blk.long()], "amax")
+        for which, out in ((0, out0), (1, out1)):
+            k = sets[which, :room][:, e_set.long()]
+            path, found = host_path(values_of(k), indices_of(k), e_src.long(), e_dst.long(), dist.long(), state,
+                                    after)
+            want = torch.full((P,), PAD, dtype=torch.long)
+            want[:room] = path
+            assert torch.equal(out, want) and bool(ok[which]) == found, (which, state, room, after)
+
+
 def _step(auto: TokenAutomaton, C: int, room: int, after: int, seed: int, state: int = 0):
     t = device_tables(auto, [END], PAD)
     gen = torch.Generator().manual_seed(seed)
