@@ -11,6 +11,7 @@ The unit is one pass: a `max` over the step's [256 x 262,144] float32 log-probab
 
     .venv/bin/python scripts/bench_held.py [--walk]   # --walk: the forced calls also as the grammar walk (before)
     .venv/bin/python scripts/bench_held.py --ops     # the held step in the kernel report's terms (no GPU needed)
+    .venv/bin/python scripts/bench_held.py --device  # the same, searched on the device (a GPU's launches recorded)
 """
 
 from __future__ import annotations
@@ -126,6 +127,63 @@ def held_ops(auto, max_tokens: int) -> dict:
     return metered(lambda: row.step(logp, sample, argmax, greedy=False, drawn=True))
 
 
+def launch_bytes(launch) -> int:
+    """A recorded Triton launch's bytes as the kernel report's meter counts a torch op's: each tensor operand once,
+    whole, except the class pass's scores, of which it reads the gathered columns (positions x the classes' tokens:
+    tokens no class holds are not read)."""
+    named = launch.named()
+    seen, total = set(), 0
+    for k, v in named.items():
+        if not isinstance(v, torch.Tensor) or v.untyped_storage().data_ptr() in seen:
+            continue
+        seen.add(v.untyped_storage().data_ptr())
+        if launch.kernel == "class_pass_kernel" and k == "score_ptr":
+            total += named["P"] * named["T"] * v.element_size()
+        else:
+            total += v.numel() * v.element_size()
+    return total
+
+
+def held_device_ops(auto, max_tokens: int, repeats: int = 20) -> dict:
+    """One held step searched on the device (structured/device_search.py), recorded as a GPU of compute capability
+    9.0 would launch it (quant.kernels.aot's recorder: Triton launches kept, not run) with every torch op metered:
+    kernels, host round trips, bytes (`launch_bytes`), and the host's own time for the step (median of `repeats`:
+    the launches' Python, the fill's and the seed's ops on this CPU's small tensors). The tables are made before
+    (once per automaton and end ids, at the request's first step)."""
+    from bench_structured import SYNCS
+
+    from dgemma_cli.step_trace import _Meter
+    from quant.kernels import aot
+
+    g = torch.Generator().manual_seed(0)
+    logp = torch.zeros(CANVAS, V)
+    sample, argmax = torch.zeros(CANVAS, dtype=torch.long), torch.zeros(CANVAS, dtype=torch.long)
+    row = auto.row(max_tokens, [1], 0, generator=g, device_search=True)
+    t0 = time.perf_counter()
+    searcher = row._searcher(torch.device("cpu"), CANVAS)
+    tables_s = time.perf_counter() - t0
+    if searcher is None:
+        return dict(on_device=False)
+    events: list = []
+    ops: list = []
+    with aot._recording(events, 90), _Meter(ops, persistent=set()):
+        row.step(logp, sample, argmax, greedy=False)
+    launches = [e for e in events if isinstance(e, aot.Launch)]
+    torch_ops = [o for o in ops if o.name not in SYNCS]
+    times = []
+    with aot._recording([], 90):
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            row.step(logp, sample, argmax, greedy=False)
+            times.append(time.perf_counter() - t0)
+    t = searcher.t
+    return dict(on_device=True, classes=t.classes, edges=int(t.e_src.size), states=t.states,
+                kernels=len(launches) + len(torch_ops), triton=[f"{x.kernel} {x.grid}" for x in launches],
+                syncs=sum(o.name in SYNCS for o in ops),
+                bytes=sum(launch_bytes(x) for x in launches) + sum(o.bytes for o in torch_ops),
+                host_ms=1e3 * statistics.median(times), tables_s=tables_s)
+
+
 def one_pass() -> float:
     logp = torch.log_softmax(torch.randn(CANVAS, V, generator=torch.Generator().manual_seed(1)), dim=-1)
     times = []
@@ -143,6 +201,8 @@ def main() -> None:
     ap.add_argument("--walk", action="store_true", help="the forced calls also as the grammar walk (the before)")
     ap.add_argument("--only", default="", help="rows whose name holds this text")
     ap.add_argument("--ops", action="store_true", help="the held step in the kernel report's terms instead of timed")
+    ap.add_argument("--device", action="store_true",
+                    help="the held step searched on the device (a GPU's launches recorded, not run), in those terms")
     args = ap.parse_args()
     words = SyntheticVocab(V).words
     for i in (CALL_START, CALL_END, QUOTE):
@@ -158,7 +218,11 @@ def main() -> None:
     if args.walk:
         rows += [("walk: " + rows[0][0], walked([WEATHER], 64), 64), ("walk: " + rows[1][0], walked([WEATHER], 256), 256),
                  ("walk: " + rows[2][0], walked([SEARCH], 4096), 4096)]
-    if args.ops:
+    if args.device:
+        print("| structure | classes | edges | states | kernels | host round trips | GB read + written | "
+              "x one read of the logits | host ms a step | tables (once) s |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    elif args.ops:
         print("| structure | kernels | host round trips | GB read + written | x one read of the logits |")
         print("|---|---:|---:|---:|---:|")
     else:
@@ -178,6 +242,18 @@ def main() -> None:
             auto, how = constrain.TokenAutomaton(result), f"automaton ({result['edges'] / 1e6:.1f} M edges)"
         else:
             auto, how = constrain.LarkGrammar(result, _LLWords(words), V), "grammar walk"
+        if args.device:
+            if kind != "tables":
+                print(f"| {name} | (grammar walk: on the host) | | | | | | | | |", flush=True)
+                continue
+            m = held_device_ops(auto, max_tokens)
+            if not m["on_device"]:
+                print(f"| {name} | (searched on the host: too many states) | | | | | | | | |", flush=True)
+                continue
+            print(f"| {name} | {m['classes']} | {m['edges']:,} | {m['states']:,} | {m['kernels']} | {m['syncs']} | "
+                  f"{m['bytes'] / 1e9:.3f} | {m['bytes'] / (CANVAS * V * 4):.2f} | {m['host_ms']:.2f} | "
+                  f"{m['tables_s']:.2f} |", flush=True)
+            continue
         if args.ops:
             if kind != "tables":
                 print(f"| {name} | (grammar walk: not metered) | | | |", flush=True)

@@ -384,3 +384,62 @@ def test_the_prepared_steps_draws_follow_the_distribution(own_generators):
     n = 24
     fused_head(h[:n].to(DEVICE), w.to(DEVICE), 30.0, 4.0, buf.temperature[:n], buf.uniforms[:n], buf.fused.first(n))
     assert torch.equal(sample_step(buf.first(n), temperature)[0].cpu(), sample[:n])
+
+
+def _held_reference(h, w, cap, t, u, class_of, slot, width):
+    """The class pass of held rows as the head runs it, in torch ops: x = capped logits / t in base 2, each class's
+    best x and best x + Gumbel noise x log2 e (philox keyed by the row's uniforms at the token), as keys."""
+    import numpy as np
+
+    from quant.kernels.class_pass import KEY_MIN, keys_of, philox_uniform
+
+    LOG2E = 1.4426950408889634
+    l = h.float() @ w.float().t()
+    if cap:
+        l = torch.tanh(l / cap) * cap
+    x = l / t.float()[:, None] * LOG2E
+    R, V = x.shape
+    keys = torch.full((2, R, width), KEY_MIN, dtype=torch.int64)
+    bits = u.float().contiguous().view(torch.int32).long()
+    for r in range(R):
+        if slot[r] < 0:
+            continue
+        seed = (int(bits[r, 0]) << 32) | (int(bits[r, 1]) & 0xFFFFFFFF)
+        g = -torch.log(-torch.log(torch.from_numpy(philox_uniform(seed, np.arange(V))).clamp(min=1e-20))) * LOG2E
+        cls = class_of[slot[r]].long()
+        inside = cls >= 0
+        toks = torch.arange(V)[inside]
+        keys[0, r].scatter_reduce_(0, cls[inside], keys_of(x[r, inside], toks), "amax")
+        keys[1, r].scatter_reduce_(0, cls[inside], keys_of(x[r, inside] + g[inside], toks), "amax")
+    return keys
+
+
+@pytest.mark.parametrize("size", [pytest.param((13, 300, 128, 256), id="small"),
+                                  pytest.param((37, 1000, 256, 512), id="two-chunks", marks=pytest.mark.slow)])
+def test_the_head_runs_the_class_pass_of_held_rows(size):
+    """Rows held to structures (two class maps, free rows between them): the logits kernel's class pass equals the
+    same pass in torch ops on the reference's logits (the same keys, values within the logits' rounding), the free
+    rows' keys are untouched, and the head's own outputs are as without held rows."""
+    from quant.kernels.class_pass import KEY_MIN, indices_of, values_of
+    from quant.kernels.head import HeadBuffers, HeldRows, fused_head, head_reference
+
+    R, V, tile, chunk = size
+    h, w, t, u = _head_case(R=R, H=64, V=V, seed=4)
+    H = h.shape[1]
+    g = torch.Generator().manual_seed(9)
+    width = 12
+    class_of = torch.randint(-1, width, (2, V), generator=g, dtype=torch.int32)
+    slot = torch.tensor([0] * (R // 3) + [-1] * (R // 3) + [1] * (R - 2 * (R // 3)), dtype=torch.int32)
+    keys = torch.full((2, R + 5, width), KEY_MIN, dtype=torch.int64)
+    buf = HeadBuffers(R + 5, V, H, torch.bfloat16, DEVICE, chunk=chunk, tile=tile)
+    buf.held = HeldRows(torch.cat([slot, torch.full((5,), -1, dtype=torch.int32)]).to(DEVICE), class_of.to(DEVICE),
+                        keys.to(DEVICE))
+    fused_head(h.to(DEVICE), w.to(DEVICE), 30.0, H**0.5, t.to(DEVICE), u.to(DEVICE), buf)
+    sample, argmax, _, _ = head_reference(h, w, 30.0, H**0.5, t, u, tile=tile)
+    assert torch.equal(buf.first(R).sample.cpu(), sample) and torch.equal(buf.first(R).argmax.cpu(), argmax)
+    got = buf.held.keys.cpu()[:, :R]
+    want = _held_reference(h, w, 30.0, t, u, class_of, slot, width)
+    held = slot >= 0
+    assert (got[:, ~held] == KEY_MIN).all() and (got[:, held] != KEY_MIN).all()
+    assert torch.equal(indices_of(got), indices_of(want))
+    assert (values_of(got[:, held]) - values_of(want[:, held])).abs().max() < 1e-3

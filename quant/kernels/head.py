@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from . import arch, fewest_waves, interpreting, shared_b_operand
+from .class_pass import keep_max, pack
 from .rmsnorm import _round
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -59,10 +60,48 @@ CHUNK = 32768  # vocab columns per chunk: the bfloat16 probabilities buffer is r
 
 
 @triton.jit
+def _held_classes(x, vocab, base, vmask, rows, rmask, u_ptr, slot_ptr, class_ptr, key_ptr, V, KR, KP,
+                  TILE: tl.constexpr, EMULATE: tl.constexpr):
+    """The class pass of the rows held to a structure (quant/kernels/class_pass.py, fused here): for each held row of
+    the tile (slot >= 0: its structure's class map), each class's best x and best x + Gumbel noise (in x's base-2
+    units: the noise times log2 e), as keys, by atomic max into key_ptr [2, R, KR] (planes KP apart). The tile's
+    tokens are sorted by class (a bitonic sort of class x TILE + lane), a segmented max-scan runs along them, and a
+    run's last token writes: an atomic per class present in the tile. The noise: philox keyed by the row's two
+    uniforms (drawn from its own generator each step), at the token's id."""
+    slot = tl.load(slot_ptr + rows, mask=rmask, other=-1)
+    held = slot >= 0
+    if tl.max(held.to(tl.int32)) > 0:
+        lane = tl.arange(0, TILE)
+        cls = tl.load(class_ptr + slot[:, None].to(tl.int64) * V + vocab[None, :], mask=held[:, None] & vmask[None, :],
+                      other=-1)
+        key = (cls + 1) * TILE + lane[None, :]  # distinct within a row
+        if EMULATE:  # the interpreter runs tl.sort's network lane by lane: the same order by ranks, all at once
+            rank = tl.sum((key[:, None, :] < key[:, :, None]).to(tl.int32), axis=2)  # [BLOCK_M, TILE]
+            order = tl.sum(tl.where(rank[:, :, None] == lane[None, None, :], key[:, :, None], 0), axis=1)
+        else:
+            order = tl.sort(key, dim=1)  # [BLOCK_M, TILE]: class-major, then lane
+        at = order % TILE
+        c = order // TILE - 1
+        nxt = tl.gather(order, tl.minimum(lane + 1, TILE - 1)[None, :] + 0 * at, 1) // TILE - 1
+        last = (c >= 0) & ((c != nxt) | (lane[None, :] == TILE - 1))
+        tok = base + at  # the tile's vocabulary is consecutive
+        xs = tl.gather(x, at, 1)
+        dst = key_ptr + rows[:, None].to(tl.int64) * KR + c
+        _, best = tl.associative_scan((c, pack(xs, tok)), 1, keep_max)
+        tl.atomic_max(dst, best, mask=last)
+        u = tl.load(u_ptr + rows * 2, mask=held, other=0.0).to(tl.int32, bitcast=True).to(tl.int64)
+        u2 = tl.load(u_ptr + rows * 2 + 1, mask=held, other=0.0).to(tl.int32, bitcast=True).to(tl.int64)
+        r = tl.rand(((u << 32) | (u2 & 0xFFFFFFFF))[:, None], tok)
+        g = -tl.log(-tl.log(tl.maximum(r, 1e-20))) * LOG2E
+        _, drawn = tl.associative_scan((c, pack(xs + g, tok)), 1, keep_max)
+        tl.atomic_max(dst + KP, drawn, mask=last)
+
+
+@triton.jit
 def head_logits_kernel(h_ptr, w_ptr, temp_ptr, u_ptr, p_ptr, tmax_ptr, tsum_ptr, tw_ptr, targ_ptr, tsamp_ptr,
-                       m_ptr, R, H, V, v0, VC, NT, NC, chunk, cap,
+                       m_ptr, slot_ptr, class_ptr, key_ptr, R, H, V, v0, VC, NT, NC, chunk, cap, KR, KP,
                        HAS_CAP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
-                       BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
+                       BLOCK_K: tl.constexpr, EMULATE: tl.constexpr, HELD: tl.constexpr = False):
     pid_m = tl.program_id(0)  # row tiles vary fastest: the programs sharing a W tile run together (L2)
     pid_n = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -120,6 +159,9 @@ def head_logits_kernel(h_ptr, w_ptr, temp_ptr, u_ptr, p_ptr, tmax_ptr, tsum_ptr,
     tl.store(targ_ptr + s_at, (v0 + pid_n * TILE + am).to(tl.int32), mask=rmask)
     tl.store(tsamp_ptr + s_at, (v0 + pid_n * TILE + pick).to(tl.int32), mask=rmask)
     tl.atomic_max(m_ptr + rows * NC + chunk, mt, mask=rmask)
+    if HELD:
+        _held_classes(x, vocab, v0 + pid_n * TILE, vmask, rows, rmask, u_ptr, slot_ptr, class_ptr, key_ptr, V, KR, KP,
+                      TILE, EMULATE)
 
 
 @triton.jit
@@ -253,6 +295,7 @@ class HeadBuffers:
         self.soft = torch.empty(rows, hidden, dtype=dtype, device=device)
         self.sample, self.argmax = (torch.empty(rows, dtype=torch.int64, device=device) for _ in range(2))
         self.entropy = torch.empty(rows, dtype=torch.float32, device=device)
+        self.held: HeldRows | None = None  # rows held to structures: the class pass runs in the logits kernel
 
     def reset(self) -> None:
         """The chunk maxima back to -inf, as a completed step leaves them (after a step that stopped midway)."""
@@ -266,6 +309,7 @@ class HeadBuffers:
         view = object.__new__(HeadBuffers)
         view.__dict__.update({k: (v[lo : lo + n] if isinstance(v, torch.Tensor) else v)
                               for k, v in self.__dict__.items()})
+        view.held = None if self.held is None else self.held.span(lo, n)
         return view
 
     @property
@@ -275,6 +319,19 @@ class HeadBuffers:
     @property
     def nbytes(self) -> int:
         return sum(v.untyped_storage().nbytes() for v in self.__dict__.values() if isinstance(v, torch.Tensor))
+
+
+class HeldRows:
+    """The rows of a step held to structures, whose class pass the logits kernel runs (`_held_classes`): slot int32
+    [rows] (-1: a free row; else its structure's row of class_of), class_of int32 [slots, V] (each structure's class
+    of each token, -1: none; dgemma_cli/structured/device_search.py), keys int64 [2, rows, width] (best and drawn
+    keys per row and class; KEY_MIN before the head runs: the search's programme sets back what it read)."""
+
+    def __init__(self, slot: torch.Tensor, class_of: torch.Tensor, keys: torch.Tensor):
+        self.slot, self.class_of, self.keys = slot, class_of, keys
+
+    def span(self, lo: int, n: int) -> HeldRows:
+        return HeldRows(self.slot[lo : lo + n], self.class_of, self.keys[:, lo : lo + n])
 
 
 def _settings(device: torch.device) -> dict:
@@ -324,6 +381,11 @@ def fused_head(h: torch.Tensor, weight: torch.Tensor, cap: float | None, scale: 
     soft_grid = (triton.cdiv(R, sf["BLOCK_M"]), triton.cdiv(H, sf["BLOCK_N"]))
     S = splits or _splits(dev, soft_grid[0] * soft_grid[1], VC // tile)
     running = torch.empty(S, R, H, dtype=torch.float32, device=dev)  # the soft embedding's running sums, per split
+    held = buf.held
+    if held is not None:
+        held_args, held_strides = (held.slot, held.class_of, held.keys), (held.keys.stride(1), held.keys.stride(0))
+    else:  # no held row: the pointers are not read
+        held_args, held_strides = (buf.chunk_max, buf.chunk_max, buf.chunk_max), (0, 0)
     for c in range(NC):
         v0 = c * VC
         width = min(VC, V - v0)
@@ -334,8 +396,9 @@ def fused_head(h: torch.Tensor, weight: torch.Tensor, cap: float | None, scale: 
         targ, tsamp = picks[:, :, t0 : t0 + tiles]
         p = probs[:, : tiles * tile]
         head_logits_kernel[(triton.cdiv(R, lg["BLOCK_M"]), tiles)](
-            h, w, temperature, uniforms, p, tmax, tsum, tw, targ, tsamp, buf.chunk_max, R, H, V, v0, VC, NT, NC, c,
-            float(cap or 0.0), bool(cap), H % lg["BLOCK_K"] == 0, lg["BLOCK_M"], tile, lg["BLOCK_K"], emulate, num_warps=lg["num_warps"], num_stages=lg["num_stages"])
+            h, w, temperature, uniforms, p, tmax, tsum, tw, targ, tsamp, buf.chunk_max, *held_args, R, H, V, v0, VC,
+            NT, NC, c, float(cap or 0.0), *held_strides, bool(cap), H % lg["BLOCK_K"] == 0, lg["BLOCK_M"], tile,
+            lg["BLOCK_K"], emulate, held is not None, num_warps=lg["num_warps"], num_stages=lg["num_stages"])
         per_split = triton.cdiv(triton.cdiv(VC, tile), S) * tile  # whole tiles a split (of a full chunk)
         head_soft_kernel[soft_grid + (S,)](
             p, w, tmax, buf.chunk_max, running, R, H, V, v0, VC, NT, NC, c, tiles * tile, per_split,
