@@ -245,6 +245,30 @@ def new_buffers(rows: int, denoiser: Denoiser, device: torch.device, logits: boo
     return SamplerBuffers(rows, denoiser.vocab_size, device, head)
 
 
+def hold_rows(buf: SamplerBuffers, constraints: list, canvas: int) -> None:
+    """The fused head runs the class pass of the rows held to structures (quant/kernels/head.py `HeldRows`): each
+    canvas's rows take their constraint's class map (a free row's: none), and the keys start at KEY_MIN."""
+    from quant.kernels.class_pass import KEY_MIN
+    from quant.kernels.head import HeldRows
+
+    dev = buf.fused.soft.device
+    maps, slot = [], []
+    for rc in constraints:
+        slot += [len(maps) if rc is not None else -1] * canvas
+        if rc is not None:
+            maps.append(rc.class_map(dev, canvas))
+    width = max(rc.classes for rc in constraints if rc is not None)
+    rows = buf.fused.rows
+    slot += [-1] * (rows - len(slot))
+    buf.fused.held = HeldRows(torch.tensor(slot, dtype=torch.int32, device=dev), torch.stack(maps),
+                              torch.full((2, rows, width), KEY_MIN, dtype=torch.int64, device=dev))
+
+
+def held_in_head(buf: SamplerBuffers) -> bool:
+    """Whether the fused head makes the held rows' class keys this step (`hold_rows`)."""
+    return buf.fused is not None and buf.fused.held is not None
+
+
 def step_temperature(n: int, settings: GenerationSettings, device) -> torch.Tensor:
     """The temperature of the step with n steps left (N .. 1): it falls linearly from t_max to t_min; a float32
     0-dim tensor, computed as the reference does. n is filled in on the device (a kernel with n as its argument):
@@ -364,7 +388,12 @@ def settle_step(buf: SamplerBuffers, state: CanvasState, settings: GenerationSet
         entropy[:, free:] = 0
         sample[:, free:] = held
         new_argmax[:, free:] = held
-    if constraints is not None:  # the rows' best paths through their automata replace the draws and the argmax
+    if constraints is not None and held_in_head(buf):  # the head made the held rows' class keys: the programme
+        keys = buf.fused.held.keys
+        for b, rc in enumerate(constraints):
+            if rc is not None:
+                rc.step_keys(keys[:, b * C : (b + 1) * C], sample[b], new_argmax[b], settings.greedy)
+    elif constraints is not None:  # the rows' best paths through their automata replace the draws and the argmax
         logp = buf.logits.view(B, C, V)  # sample_step leaves the log-probabilities there (the torch path)
         for b, rc in enumerate(constraints):
             if rc is not None:
@@ -469,7 +498,13 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
     chunk, chunk_valid = prompt, prompt_valid
     if constraints is not None and held is not None:
         raise ValueError("constrained canvases cannot hold tokens")
-    buf = new_buffers(B * C, denoiser, dev, logits=constraints is not None)
+    # rows held to structures whose search runs on the device take their class pass in the fused head (no
+    # log-probabilities kept); other constraints search the torch path's log-probabilities
+    on_device = constraints is not None and all(
+        c is None or (hasattr(c, "on_device") and c.on_device(dev, C)) for c in constraints)
+    buf = new_buffers(B * C, denoiser, dev, logits=constraints is not None and not on_device)
+    if on_device and buf.fused is not None:
+        hold_rows(buf, constraints, C)
     h = 0 if held is None else held.shape[1]
     free = C - h
     if h:
@@ -478,8 +513,7 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
         eos = torch.cat([eos, torch.tensor([pad], device=dev)])  # an infill's middle may also end at <pad>
 
     if lagged_stop is None:  # a held row's search on the device reads nothing on the host either
-        lagged_stop = dev.type == "cuda" and (constraints is None or all(
-            c is None or (hasattr(c, "on_device") and c.on_device(dev, C)) for c in constraints))
+        lagged_stop = dev.type == "cuda" and (constraints is None or on_device)
     temperatures = step_temperatures(settings, dev)
     run_step = getattr(denoiser, "run_step", None) or (lambda step, graphable: step())
     for ci in range(settings.canvases_for(free)):
@@ -503,8 +537,9 @@ def generate_events(denoiser: Denoiser, prompt: torch.Tensor, settings: Generati
             ran += 1
             conditioned = k > 0  # a canvas's first step is not self-conditioned
             # the steps after the first are one CUDA graph where the denoiser has them (their host work: none)
+            # (held rows too where the head makes their class keys: their step is kernels with fixed operands)
             run_step(lambda: whole_step(denoiser, state, buf, settings, conditioned, held, live),
-                     conditioned and live is None)
+                     conditioned and (live is None or held_in_head(buf)))
             batched_calls += 1
             step = state.step_event(ci, k, N)
             if stop is None:

@@ -194,3 +194,90 @@ def test_classes_partition_every_set():
             assert sets[k] == want
     union = set().union(*sets.values())
     assert union == set(t.perm.tolist())
+
+
+class _CanvasModel:
+    """A stand-in denoiser over the test vocabulary: each position's hidden state from its token and place, and the
+    head over a random embedding: the fused head (buf.fused) or the torch path's logits (buf.logits)."""
+
+    def __init__(self, C: int, H: int = 64):
+        g = torch.Generator().manual_seed(0)
+        self.vocab_size, self.canvas_length, self.hidden_size, self.dtype = V, C, H, torch.bfloat16
+        self.emb = (torch.randn(V, H, generator=g) * 0.3).to(torch.bfloat16)
+        self.place = torch.randn(C, H, generator=g)
+
+    def encode(self, ids, valid) -> None:
+        pass
+
+    def start_canvas(self) -> None:
+        pass
+
+    def denoise(self, canvas, buf, self_conditioned: bool) -> None:
+        from quant.kernels.head import fused_head
+
+        B, C = canvas.shape
+        h = (self.emb[canvas].float() * 0.5 + self.place).reshape(B * C, -1).to(torch.bfloat16)
+        self.last_h = h
+        if buf.fused is not None:
+            self.last_t = buf.temperature[0]
+            fused_head(h, self.emb, 30.0, self.hidden_size**0.5, buf.temperature, buf.uniforms, buf.fused)
+        else:
+            logits = h.float() @ self.emb.float().t()
+            buf.logits.copy_(torch.tanh(logits / 30.0) * 30.0)
+
+
+@pytest.mark.slow
+def test_held_rows_search_the_heads_class_keys(monkeypatch):
+    """The sampler with the fused head (forced: the interpreter stands in for a GPU): the held row's class pass runs
+    in the head and its programme on the keys, reading nothing on the host; at every step its argmax path is the host
+    search's on the same step's log-probabilities (the reference's logits from the head's input), and the answer,
+    greedy or drawn, is a word of the schema."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from dgemma_cli import sampler
+    from dgemma_cli.config import GenerationSettings
+    from dgemma_cli.sampler import Done, generate_events
+    from dgemma_cli.structured.constrain import RowConstraint
+
+    auto = automaton("function")
+    model = _CanvasModel(8)
+    monkeypatch.setattr(sampler, "use_fused_head", lambda device, dtype: True)
+    steps = []
+    real_keys = RowConstraint.step_keys
+
+    def step_keys(self, keys, sample, argmax, greedy):
+        real_keys(self, keys, sample, argmax, greedy)
+        with _disable_current_modes():
+            steps.append((argmax.clone(), model.last_h.clone(), float(model.last_t), self.state, self.produced))
+
+    monkeypatch.setattr(RowConstraint, "step_keys", step_keys)
+    real_settle = sampler.settle_step
+
+    def settle(*args, **kw):
+        with NoHostReads():
+            return real_settle(*args, **kw)
+
+    monkeypatch.setattr(sampler, "settle_step", settle)
+    for greedy in (True, False):
+        settings = GenerationSettings(max_new_tokens=16, max_denoising_steps=3, greedy=greedy, eos_token_ids=(END,),
+                                      pad_token_id=PAD)
+        row = auto.row(16, [END], PAD, device_search=True)
+        done = list(generate_events(model, torch.tensor([[5, 6, 7]]), settings, constraints=[row]))[-1]
+        assert isinstance(done, Done) and done.satisfied[0]
+        ids = done.token_ids[0]
+        assert auto.advance(0, [t for t in ids if t != PAD]) is not None
+    assert len(steps) >= 4
+    for argmax, h, t, state, produced in steps:
+        logits = torch.tanh(h.float() @ model.emb.float().t() / 30.0) * 30.0
+        logp = torch.log_softmax(logits / t, dim=-1)
+        room = min(8, 16 - produced)
+        want, _ = best_path(auto, logp, state, room, 16 - produced - room, [END], PAD)
+        assert torch.equal(argmax, want)
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

@@ -464,6 +464,31 @@ class RowConstraint:
                              noise=self.gen if self.gen is not None else True, hint=free_draw, cache=cache)
         sample.copy_(drawn)
 
+    def step_keys(self, keys: torch.Tensor, sample: torch.Tensor, argmax: torch.Tensor, greedy: bool) -> None:
+        """As `step`, from the class keys the fused head made for this row's positions (keys [2, C, width]: its
+        `HeldRows`; `on_device` must hold): the programme alone, on the device."""
+        C = keys.shape[1]
+        room = _room(self.limit, self.produced, C)
+        searcher = self._searcher(keys.device, C)
+        if room <= 0:  # past max_new_tokens: pad, nothing searched (the keys set back for the next step)
+            keys.fill_(-(1 << 63))
+            argmax.fill_(self.pad_id)
+            sample.fill_(self.pad_id)
+            self._device_ok = None
+            self.ok = bool(self.auto.final[self.state])
+            return
+        searcher.set_canvas(self.state, room, self.limit - self.produced - room)
+        searcher.search_keys(keys, sample, argmax, greedy)
+        self._device_ok = searcher
+
+    def class_map(self, device, canvas: int) -> torch.Tensor:
+        """int32 [V]: each token's class for the fused head's class pass (`on_device` must hold)."""
+        return self._searcher(torch.device(device), canvas).on["class_of"]
+
+    @property
+    def classes(self) -> int:
+        return next(s for s in self._device.values() if s is not None).t.classes
+
     def end_canvas(self, tokens) -> None:
         """The canvas kept (its ids, pad after an end id): move the automaton through it."""
         if self._device_ok is not None:  # the last step's search ran on the device: whether it kept within the limit

@@ -70,6 +70,7 @@ class DeviceTables:
         self.classes = int(cls.max()) + 1 if cls.size else 0
         class_of = np.full(V, -1, dtype=np.int64)
         class_of[tokens] = cls
+        self.class_of = class_of.astype(np.int32)  # [V]: each token's class, -1 where no set holds it (the head's)
         size = np.bincount(cls, minlength=self.classes)
         pair_set, pair_blk = [], []
         for k, toks in enumerate(sets):
@@ -103,7 +104,8 @@ class DeviceTables:
         device = torch.device(device)
         if device not in self._on:
             self._on[device] = {k: torch.from_numpy(getattr(self, k)).to(device)
-                                for k in ("perm", "blk", "pair_set", "pair_blk", "e_src", "e_set", "e_dst", "dist")}
+                                for k in ("perm", "blk", "pair_set", "pair_blk", "e_src", "e_set", "e_dst", "dist",
+                                          "class_of")}
         return self._on[device]
 
 
@@ -156,6 +158,16 @@ class DeviceSearch:
         class_pass(rows, on["perm"], on["blk"], self.t.classes, seed, keys)
         automaton_dp(keys, on["pair_set"], on["pair_blk"], self.t.sets, on["e_src"], on["e_set"], on["e_dst"],
                      on["dist"], self.meta, self.scratch, argmax, sample, self.ok, self.pad_id, 1 if greedy else 2)
+        if greedy:
+            sample.copy_(argmax)
+
+    def search_keys(self, keys: torch.Tensor, sample: torch.Tensor, argmax: torch.Tensor, greedy: bool) -> None:
+        """The step's paths from class keys the fused head made (quant/kernels/head.py `HeldRows`: keys [2, C,
+        width] of this row's positions), which the programme sets back to KEY_MIN as it goes: one kernel."""
+        on = self.on
+        automaton_dp(keys, on["pair_set"], on["pair_blk"], self.t.sets, on["e_src"], on["e_set"], on["e_dst"],
+                     on["dist"], self.meta, self.scratch, argmax, sample, self.ok, self.pad_id, 1 if greedy else 2,
+                     reset=True)
         if greedy:
             sample.copy_(argmax)
 

@@ -45,7 +45,8 @@ def _last_of(seg, key, lanes, n):
 @triton.jit
 def automaton_dp_kernel(key_ptr, pair_set_ptr, pair_blk_ptr, e_src_ptr, e_set_ptr, e_dst_ptr, dist_ptr, meta_ptr,
                         setk_ptr, val_ptr, back_ptr, out0_ptr, out1_ptr, ok_ptr,
-                        P, NB, KP, NS, NSB, E, S, C, pad_id, BLOCK: tl.constexpr):
+                        P, NB, KP, KROW, NS, NSB, E, S, C, pad_id, SEARCHES, RESET: tl.constexpr,
+                        BLOCK: tl.constexpr):
     which = tl.program_id(0)
     state = tl.load(meta_ptr)
     room = tl.load(meta_ptr + 1)
@@ -67,7 +68,7 @@ def automaton_dp_kernel(key_ptr, pair_set_ptr, pair_blk_ptr, e_src_ptr, e_set_pt
     for p in range(0, room):
         cur = val_ptr + tl.where(p == 0, 0, 1 + (p - 1) % 2) * S
         nxt = val_ptr + (1 + p % 2) * S
-        kp = key_ptr + p * NB
+        kp = key_ptr + p * KROW
         sk = setk_ptr + p * NS
         # the sets' keys at p: max over each set's classes
         c_seg = -1
@@ -126,17 +127,25 @@ def automaton_dp_kernel(key_ptr, pair_set_ptr, pair_blk_ptr, e_src_ptr, e_set_pt
         c = c0 + lanes
         tl.store(out_ptr + c, tl.full([BLOCK], pad_id, tl.int64), mask=(c < C) & (c >= room))
     tl.store(ok_ptr + which, ok.to(tl.int32))
+    if RESET:  # the keys back to KEY_MIN for the next step's head (both planes where only the argmax is searched)
+        for q in range(which, 2 - SEARCHES + 1 + which):
+            plane = key_ptr + (q - which).to(tl.int64) * KP
+            for i0 in range(0, C * NB, BLOCK):
+                i = i0 + lanes
+                tl.store(plane + (i // NB) * KROW + i % NB, tl.full([BLOCK], KMIN, tl.int64), mask=i < C * NB)
 
 
 def automaton_dp(keys: torch.Tensor, pair_set: torch.Tensor, pair_blk: torch.Tensor, sets: int, e_src: torch.Tensor,
                  e_set: torch.Tensor, e_dst: torch.Tensor, dist: torch.Tensor, meta: torch.Tensor,
                  scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out0: torch.Tensor, out1: torch.Tensor,
-                 ok: torch.Tensor, pad_id: int, searches: int) -> None:
-    """One kernel: searches 1 (the argmax path into out0) or 2 (and the drawn path into out1)."""
+                 ok: torch.Tensor, pad_id: int, searches: int, reset: bool = False) -> None:
+    """One kernel: searches 1 (the argmax path into out0) or 2 (and the drawn path into out1). keys [2, C, >= NB]
+    (rows KROW apart, planes KP); reset: set them back to KEY_MIN after reading (the fused head's keys, which it
+    maxes into)."""
     NB = keys.shape[2]
     setk, vals, back = scratch
     P = setk.shape[1]
     automaton_dp_kernel[(searches,)](
         keys, pair_set, pair_blk, e_src, e_set, e_dst, dist, meta, setk, vals, back, out0, out1, ok,
-        P, NB, keys.stride(0), sets, pair_set.numel(), e_src.numel(), dist.numel(), out0.numel(), pad_id,
-        64 if interpreting() else 1024, num_warps=8)  # the interpreter's scan calls its combine once a lane
+        P, NB, keys.stride(0), keys.stride(1), sets, pair_set.numel(), e_src.numel(), dist.numel(), out0.numel(),
+        pad_id, searches, reset, 64 if interpreting() else 1024, num_warps=8)  # the interpreter's scan calls its combine once a lane
