@@ -251,11 +251,19 @@ def test_a_head_stopped_midway_is_reset():
     assert ((buf.soft.cpu().float() - soft).abs().max() / soft.abs().max()) < 8e-3
 
 
-def test_structured_rows_through_the_fused_head(fused_head_on):
+@pytest.mark.parametrize("on_device", [pytest.param(False, id="host-search"),
+                                       pytest.param(True, id="device-search", marks=pytest.mark.slow)])
+def test_structured_rows_through_the_fused_head(fused_head_on, on_device, monkeypatch):
     """The server's batch loop with the fused head (no log-probabilities in its buffers): a row held to a regular
-    expression gets its own from the step's hidden states, answers within the expression for every seed, and
-    greedily answers as the torch path's loop does; a free row beside it keeps the fused head's answer."""
+    expression gets its own from the step's hidden states (host-search) or its class pass runs in the head and its
+    programme on the device (device-search: the interpreter stands in for a GPU), answers within the expression for
+    every seed, and greedily answers as the torch path's loop does; a free row beside it keeps the fused head's
+    answer."""
     import threading
+
+    from dgemma_cli.structured import constrain
+
+    monkeypatch.setattr(constrain, "device_search_default", lambda device: on_device)
 
     import dgemma_cli.server.batching as batching
     from dgemma_cli.server.batching import BatchLoop, Job, RowDone
@@ -286,6 +294,7 @@ def test_structured_rows_through_the_fused_head(fused_head_on):
             assert done.wait(300)
         finally:
             fused = loop.buf.fused is not None
+            assert (loop._held_keys is not None) == (fused and on_device)  # the head made class keys
             loop.close()
         return got, fused
 
@@ -336,6 +345,7 @@ def test_logprobs_through_the_fused_head_are_the_torch_paths(fused_head_on):
             assert done.wait(300)
         finally:
             fused = loop.buf.fused is not None
+            assert (loop._held_keys is not None) == (fused and on_device)  # the head made class keys
             loop.close()
         return got, fused
 

@@ -265,7 +265,7 @@ class _Row:
         return self.settle(sample, argmax, entropy)
 
     def search(self, sample: torch.Tensor, argmax: torch.Tensor, entropy: torch.Tensor,
-               logp: torch.Tensor | None = None) -> None:
+               logp: torch.Tensor | None = None, keys: torch.Tensor | None = None) -> None:
         """The part of after_step that a held answer's search makes long: held ids written in, and the automaton's
         best paths in place of the draws and the argmax. Touches only this row's own tensors and generator, so the
         loop may run it on a helper thread while the other rows step (BatchLoop._after)."""
@@ -274,7 +274,9 @@ class _Row:
             entropy[:, free:] = 0
             sample[:, free:] = self.held
             argmax[:, free:] = self.held
-        if self.constraint is not None:  # the best paths through the automaton replace the draws and the argmax
+        if self.constraint is not None and keys is not None:  # the head made its class keys: the programme alone
+            self.constraint.step_keys(keys, sample[0], argmax[0], s.greedy)
+        elif self.constraint is not None:  # the best paths through the automaton replace the draws and the argmax
             self.constraint.step(logp, sample[0], argmax[0], s.greedy, drawn=True)  # the step's own draws
 
     def settle(self, sample: torch.Tensor, argmax: torch.Tensor, entropy: torch.Tensor) -> bool:
@@ -393,9 +395,33 @@ class BatchLoop:
         self.failed = 0
         self.batch_errors: set[str] = set()  # batched forwards' failures already said (`_note_batch_error`)
         self.search_pool = None  # helper threads for held rows' searches (`_searcher`)
+        self._held_maps: tuple | None = None  # (the held rows, their class maps stacked) for the head (`_held_rows`)
+        self._held_keys: torch.Tensor | None = None  # their class keys, [2, rows, width]
         self.step_seconds = 0.0  # the last step's forward and sampling, wall time (`_settle_searched`)
         self.thread = threading.Thread(target=self._run, name="dgemma-batch-loop", daemon=True)
         self.thread.start()
+
+    def _held_rows(self, lo: int, rows: list[_Row]):
+        """What the fused head needs to run the class pass of the rows held to structures searched on the device
+        (quant/kernels/head.py `HeldRows`): each row's slot, their class maps (stacked when the held rows change), and
+        the batch's keys (KEY_MIN between steps: each row's programme sets back what it read)."""
+        from quant.kernels.class_pass import KEY_MIN
+        from quant.kernels.head import HeldRows
+
+        C, dev = self.C, self.model.device
+        held = [r for r in rows if r.on_device]
+        ids = tuple(id(r) for r in held)
+        if self._held_maps is None or self._held_maps[0] != ids:
+            self._held_maps = (ids, torch.stack([r.constraint.class_map(dev, C) for r in held]))
+        width = max(r.constraint.classes for r in held)
+        if self._held_keys is None or self._held_keys.shape[2] < width:
+            self._held_keys = torch.full((2, self.max_batch * C, width), KEY_MIN, dtype=torch.int64, device=dev)
+        slot, k = [], 0
+        for r in rows:
+            slot += [k if r.on_device else -1] * C
+            k += r.on_device
+        return HeldRows(torch.tensor(slot, dtype=torch.int32).to(dev, non_blocking=True), self._held_maps[1],
+                        self._held_keys[:, lo * C : (lo + len(rows)) * C])
 
     def _log_probs(self, hidden: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
         """One row's log-probabilities [C, V] of the step's temperature-scaled distribution, from its final hidden
@@ -528,6 +554,8 @@ class BatchLoop:
         returns (those buffers' view, the step's temperatures [n*C, 1], the fused head's hidden states or None)."""
         n, C = len(rows), self.C
         buf = self.buf.span(lo * C, n * C)
+        if buf.fused is not None and any(r.on_device for r in rows):
+            buf.fused.held = self._held_rows(lo, rows)
         canvas = torch.cat([r.canvas for r in rows])  # [n, C]
         temperature = torch.stack([r.temperature() for r in rows]).repeat_interleave(C)[:, None]  # [n*C, 1]
         prepare_step(buf, temperature, [r.gen for r in rows])
@@ -556,6 +584,12 @@ class BatchLoop:
             try:
                 drawn = argmax if r.job.settings.greedy else sample
                 logp = None
+                if hidden is not None and r.on_device:  # the head made its class keys: its search reads those
+                    step = (drawn[a : a + 1], argmax[a : a + 1], entropy[a : a + 1], None)
+                    r.search(*step, keys=buf.fused.held.keys[:, a * C : (a + 1) * C])
+                    self._settle(lo + a, r, step, gone, lambda a=a: self._log_probs(hidden[a : a + 1],
+                                                                                    temperature[a * C]))
+                    continue
                 if r.constraint is not None:  # the step's log-probabilities, which its search reads
                     logp = buf.logits[a * C : (a + 1) * C] if hidden is None else \
                         self._log_probs(hidden[a : a + 1], temperature[a * C])
@@ -573,6 +607,8 @@ class BatchLoop:
             except Exception as e:  # noqa: BLE001 (this row's own failure)
                 self._fail(r.ticket, e)
                 gone.add(lo + a)
+                if hidden is not None and r.on_device:  # class keys its programme may not have read
+                    self._held_keys[:, (lo + a) * C : (lo + a + 1) * C].fill_(-(1 << 63))
 
     def _settle(self, index: int, r: _Row, step: tuple, gone: set[int], log_probs: Callable[[], torch.Tensor]):
         """The rest of a row's step once its search has run (`_Row.settle`), and its canvas's end: adds `index` to
@@ -659,6 +695,8 @@ class BatchLoop:
     def _reset_head(self) -> None:
         if self.buf.fused is not None:  # a head stopped midway leaves its chunk maxima set
             self.buf.fused.reset()
+        if self._held_keys is not None:  # and held rows' class keys that no programme read
+            self._held_keys.fill_(-(1 << 63))
 
 
 def token_logprobs(logp: torch.Tensor, tokens: torch.Tensor, k: int) -> list[tuple[float, list[tuple[int, float]]]]:

@@ -391,6 +391,14 @@ def _room(limit: int, produced: int, length: int) -> int:
     return max(0, min(length, limit - produced))
 
 
+def device_search_default(device: torch.device) -> bool:
+    """Where a held row searches on the device unless told (RowConstraint's device_search): a CUDA device where the
+    Triton kernels run (quant.kernels.use_triton)."""
+    from quant.kernels import use_triton
+
+    return device.type == "cuda" and use_triton(device)
+
+
 class RowConstraint:
     """One answer's constraint as its canvases are denoised: where the automaton is at the current canvas's start,
     how many tokens the answer has, and whether it could be kept."""
@@ -421,9 +429,7 @@ class RowConstraint:
         if key not in self._device:
             use = self.device_search
             if use is None:
-                from quant.kernels import use_triton
-
-                use = device.type == "cuda" and use_triton(device)
+                use = device_search_default(device)
             searcher = None
             if use:
                 from .device_search import DeviceSearch, NotOnDevice, device_tables
