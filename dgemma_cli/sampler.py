@@ -247,20 +247,21 @@ def new_buffers(rows: int, denoiser: Denoiser, device: torch.device, logits: boo
 
 def hold_rows(buf: SamplerBuffers, constraints: list, canvas: int) -> None:
     """The fused head runs the class pass of the rows held to structures (quant/kernels/head.py `HeldRows`): each
-    canvas's rows take their constraint's class map (a free row's: none), and the keys start at KEY_MIN."""
+    canvas's rows take their constraint's tile tables (a free row's: none), and the keys start at KEY_MIN."""
     from quant.kernels.class_pass import KEY_MIN
     from quant.kernels.head import HeldRows
 
-    dev = buf.fused.soft.device
-    maps, slot = [], []
+    dev, tile = buf.fused.soft.device, buf.fused.tile
+    tables, slot = [], []
     for rc in constraints:
-        slot += [len(maps) if rc is not None else -1] * canvas
+        slot += [len(tables) if rc is not None else -1] * canvas
         if rc is not None:
-            maps.append(rc.class_map(dev, canvas))
+            tables.append(rc.tile_runs(dev, canvas, tile))
     width = max(rc.classes for rc in constraints if rc is not None)
     rows = buf.fused.rows
     slot += [-1] * (rows - len(slot))
-    buf.fused.held = HeldRows(torch.tensor(slot, dtype=torch.int32, device=dev), torch.stack(maps),
+    buf.fused.held = HeldRows(torch.tensor(slot, dtype=torch.int32, device=dev), torch.stack([t[0] for t in tables]),
+                              torch.stack([t[1] for t in tables]),
                               torch.full((2, rows, width), KEY_MIN, dtype=torch.int64, device=dev))
 
 

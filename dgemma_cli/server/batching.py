@@ -395,7 +395,7 @@ class BatchLoop:
         self.failed = 0
         self.batch_errors: set[str] = set()  # batched forwards' failures already said (`_note_batch_error`)
         self.search_pool = None  # helper threads for held rows' searches (`_searcher`)
-        self._held_maps: tuple | None = None  # (the held rows, their class maps stacked) for the head (`_held_rows`)
+        self._held_maps: tuple | None = None  # (the held rows, their tile tables stacked) for the head (`_held_rows`)
         self._held_keys: torch.Tensor | None = None  # their class keys, [2, rows, width]
         self.step_seconds = 0.0  # the last step's forward and sampling, wall time (`_settle_searched`)
         self.thread = threading.Thread(target=self._run, name="dgemma-batch-loop", daemon=True)
@@ -403,7 +403,7 @@ class BatchLoop:
 
     def _held_rows(self, lo: int, rows: list[_Row]):
         """What the fused head needs to run the class pass of the rows held to structures searched on the device
-        (quant/kernels/head.py `HeldRows`): each row's slot, their class maps (stacked when the held rows change), and
+        (quant/kernels/head.py `HeldRows`): each row's slot, their tile tables (stacked when the held rows change), and
         the batch's keys (KEY_MIN between steps: each row's programme sets back what it read)."""
         from quant.kernels.class_pass import KEY_MIN
         from quant.kernels.head import HeldRows
@@ -412,7 +412,9 @@ class BatchLoop:
         held = [r for r in rows if r.on_device]
         ids = tuple(id(r) for r in held)
         if self._held_maps is None or self._held_maps[0] != ids:
-            self._held_maps = (ids, torch.stack([r.constraint.class_map(dev, C) for r in held]))
+            tile = self.buf.fused.tile
+            tables = [r.constraint.tile_runs(dev, C, tile) for r in held]
+            self._held_maps = (ids, torch.stack([t[0] for t in tables]), torch.stack([t[1] for t in tables]))
         width = max(r.constraint.classes for r in held)
         if self._held_keys is None or self._held_keys.shape[2] < width:
             self._held_keys = torch.full((2, self.max_batch * C, width), KEY_MIN, dtype=torch.int64, device=dev)
@@ -421,7 +423,7 @@ class BatchLoop:
             slot += [k if r.on_device else -1] * C
             k += r.on_device
         return HeldRows(torch.tensor(slot, dtype=torch.int32).to(dev, non_blocking=True), self._held_maps[1],
-                        self._held_keys[:, lo * C : (lo + len(rows)) * C])
+                        self._held_maps[2], self._held_keys[:, lo * C : (lo + len(rows)) * C])
 
     def _log_probs(self, hidden: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
         """One row's log-probabilities [C, V] of the step's temperature-scaled distribution, from its final hidden

@@ -487,9 +487,11 @@ class RowConstraint:
         searcher.search_keys(keys, sample, argmax, greedy)
         self._device_ok = searcher
 
-    def class_map(self, device, canvas: int) -> torch.Tensor:
-        """int32 [V]: each token's class for the fused head's class pass (`on_device` must hold)."""
-        return self._searcher(torch.device(device), canvas).on["class_of"]
+    def tile_runs(self, device, canvas: int, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused head's class tables for its tiles of `tile` tokens (device_search.DeviceTables.tile_runs), on
+        `device`, made once per automaton (`on_device` must hold)."""
+        searcher = self._searcher(torch.device(device), canvas)
+        return searcher.tile_runs(tile)
 
     @property
     def classes(self) -> int:

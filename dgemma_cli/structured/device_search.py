@@ -100,6 +100,9 @@ class DeviceTables:
         self.states = S + 1
         self._on: dict = {}
 
+    def tile_runs(self, tile: int) -> tuple[np.ndarray, np.ndarray]:
+        return tile_runs(self.class_of, tile)
+
     def to(self, device) -> dict:
         device = torch.device(device)
         if device not in self._on:
@@ -107,6 +110,24 @@ class DeviceTables:
                                 for k in ("perm", "blk", "pair_set", "pair_blk", "e_src", "e_set", "e_dst", "dist",
                                           "class_of")}
         return self._on[device]
+
+
+def tile_runs(class_of: np.ndarray, tile: int) -> tuple[np.ndarray, np.ndarray]:
+    """The fused head's tables for tiles of `tile` tokens (quant/kernels/head.py `_held_classes`) from each token's
+    class (-1: none), int32 [tiles x tile] each: order, each tile's lanes in class order (tokens no class holds
+    first); run, at each place of that order, class x 2, plus 1 where the class's run in the tile ends (-2: no
+    class)."""
+    V = class_of.size
+    n = -(-V // tile) * tile
+    cls = np.full(n, -1, dtype=np.int64)
+    cls[:V] = class_of
+    tiles = cls.reshape(-1, tile)
+    order = np.argsort(tiles, axis=1, kind="stable")
+    ordered = np.take_along_axis(tiles, order, axis=1)
+    ends = np.ones_like(ordered, dtype=bool)
+    ends[:, :-1] = ordered[:, :-1] != ordered[:, 1:]
+    run = np.where(ordered >= 0, ordered * 2 + ends, -2)
+    return order.astype(np.int32).ravel(), run.astype(np.int32).ravel()
 
 
 def device_tables(auto, end_ids, pad_id: int) -> DeviceTables:
@@ -137,6 +158,13 @@ class DeviceSearch:
         self.meta = torch.zeros(3, dtype=torch.int32, device=self.device)
         self.ok = torch.ones(2, dtype=torch.int32, device=self.device)
         self._meta: tuple | None = None
+
+    def tile_runs(self, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeviceTables.tile_runs on this search's device, made once per tile size."""
+        key = ("tile_runs", tile)
+        if key not in self.on:
+            self.on[key] = tuple(torch.from_numpy(a).to(self.device) for a in self.t.tile_runs(tile))
+        return self.on[key]
 
     def set_canvas(self, state: int, room: int, after: int) -> None:
         """Where the row stands at a canvas's start (host values, known then): copied to the device once."""

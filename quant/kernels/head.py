@@ -60,30 +60,24 @@ CHUNK = 32768  # vocab columns per chunk: the bfloat16 probabilities buffer is r
 
 
 @triton.jit
-def _held_classes(x, vocab, base, vmask, rows, rmask, u_ptr, slot_ptr, class_ptr, key_ptr, V, KR, KP,
-                  TILE: tl.constexpr, EMULATE: tl.constexpr):
+def _held_classes(x, base, rows, rmask, u_ptr, slot_ptr, order_ptr, run_ptr, key_ptr, KR, KP, NPAD,
+                  TILE: tl.constexpr):
     """The class pass of the rows held to a structure (quant/kernels/class_pass.py, fused here): for each held row of
-    the tile (slot >= 0: its structure's class map), each class's best x and best x + Gumbel noise (in x's base-2
-    units: the noise times log2 e), as keys, by atomic max into key_ptr [2, R, KR] (planes KP apart). The tile's
-    tokens are sorted by class (a bitonic sort of class x TILE + lane), a segmented max-scan runs along them, and a
-    run's last token writes: an atomic per class present in the tile. The noise: philox keyed by the row's two
-    uniforms (drawn from its own generator each step), at the token's id."""
+    the tile (slot >= 0: its structure's tables), each class's best x and best x + Gumbel noise (in x's base-2 units:
+    the noise times log2 e), as keys, by atomic max into key_ptr [2, R, KR] (planes KP apart). The structure's tables
+    (made once on the host: dgemma_cli/structured/device_search.py `DeviceTables.tile_runs`) list each tile's lanes
+    in class order (order) and, at each place of that order, the class and whether a class's run ends there (run:
+    class x 2 + 1 at a run's end, -2 for a token no class holds); the tile's x are gathered in that order, a segmented
+    max-scan runs along them, and each run's end writes: an atomic per class present in the tile. The noise: philox
+    keyed by the row's two uniforms (drawn from its own generator each step), at the token's id."""
     slot = tl.load(slot_ptr + rows, mask=rmask, other=-1)
     held = slot >= 0
     if tl.max(held.to(tl.int32)) > 0:
-        lane = tl.arange(0, TILE)
-        cls = tl.load(class_ptr + slot[:, None].to(tl.int64) * V + vocab[None, :], mask=held[:, None] & vmask[None, :],
-                      other=-1)
-        key = (cls + 1) * TILE + lane[None, :]  # distinct within a row
-        if EMULATE:  # the interpreter runs tl.sort's network lane by lane: the same order by ranks, all at once
-            rank = tl.sum((key[:, None, :] < key[:, :, None]).to(tl.int32), axis=2)  # [BLOCK_M, TILE]
-            order = tl.sum(tl.where(rank[:, :, None] == lane[None, None, :], key[:, :, None], 0), axis=1)
-        else:
-            order = tl.sort(key, dim=1)  # [BLOCK_M, TILE]: class-major, then lane
-        at = order % TILE
-        c = order // TILE - 1
-        nxt = tl.gather(order, tl.minimum(lane + 1, TILE - 1)[None, :] + 0 * at, 1) // TILE - 1
-        last = (c >= 0) & ((c != nxt) | (lane[None, :] == TILE - 1))
+        at_t = slot[:, None].to(tl.int64) * NPAD + base + tl.arange(0, TILE)[None, :]
+        at = tl.load(order_ptr + at_t, mask=held[:, None], other=0)  # [BLOCK_M, TILE]: lanes in class order
+        run = tl.load(run_ptr + at_t, mask=held[:, None], other=-2)
+        c = run >> 1  # the class (-1: none)
+        last = (run & 1) == 1
         tok = base + at  # the tile's vocabulary is consecutive
         xs = tl.gather(x, at, 1)
         dst = key_ptr + rows[:, None].to(tl.int64) * KR + c
@@ -99,7 +93,7 @@ def _held_classes(x, vocab, base, vmask, rows, rmask, u_ptr, slot_ptr, class_ptr
 
 @triton.jit
 def head_logits_kernel(h_ptr, w_ptr, temp_ptr, u_ptr, p_ptr, tmax_ptr, tsum_ptr, tw_ptr, targ_ptr, tsamp_ptr,
-                       m_ptr, slot_ptr, class_ptr, key_ptr, R, H, V, v0, VC, NT, NC, chunk, cap, KR, KP,
+                       m_ptr, slot_ptr, order_ptr, run_ptr, key_ptr, R, H, V, v0, VC, NT, NC, chunk, cap, KR, KP,
                        HAS_CAP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
                        BLOCK_K: tl.constexpr, EMULATE: tl.constexpr, HELD: tl.constexpr = False):
     pid_m = tl.program_id(0)  # row tiles vary fastest: the programs sharing a W tile run together (L2)
@@ -160,8 +154,8 @@ def head_logits_kernel(h_ptr, w_ptr, temp_ptr, u_ptr, p_ptr, tmax_ptr, tsum_ptr,
     tl.store(tsamp_ptr + s_at, (v0 + pid_n * TILE + pick).to(tl.int32), mask=rmask)
     tl.atomic_max(m_ptr + rows * NC + chunk, mt, mask=rmask)
     if HELD:
-        _held_classes(x, vocab, v0 + pid_n * TILE, vmask, rows, rmask, u_ptr, slot_ptr, class_ptr, key_ptr, V, KR, KP,
-                      TILE, EMULATE)
+        _held_classes(x, v0 + pid_n * TILE, rows, rmask, u_ptr, slot_ptr, order_ptr, run_ptr, key_ptr, KR, KP,
+                      NT * TILE, TILE)
 
 
 @triton.jit
@@ -323,15 +317,16 @@ class HeadBuffers:
 
 class HeldRows:
     """The rows of a step held to structures, whose class pass the logits kernel runs (`_held_classes`): slot int32
-    [rows] (-1: a free row; else its structure's row of class_of), class_of int32 [slots, V] (each structure's class
-    of each token, -1: none; dgemma_cli/structured/device_search.py), keys int64 [2, rows, width] (best and drawn
-    keys per row and class; KEY_MIN before the head runs: the search's programme sets back what it read)."""
+    [rows] (-1: a free row; else its structure's row of the tables), order and run int32 [slots, tiles x TILE] (each
+    structure's tile tables, dgemma_cli/structured/device_search.py `DeviceTables.tile_runs`, for this head's
+    TILE), keys int64 [2, rows, width] (best and drawn keys per row and class; KEY_MIN before the head runs: the
+    search's programme sets back what it read)."""
 
-    def __init__(self, slot: torch.Tensor, class_of: torch.Tensor, keys: torch.Tensor):
-        self.slot, self.class_of, self.keys = slot, class_of, keys
+    def __init__(self, slot: torch.Tensor, order: torch.Tensor, run: torch.Tensor, keys: torch.Tensor):
+        self.slot, self.order, self.run, self.keys = slot, order, run, keys
 
     def span(self, lo: int, n: int) -> HeldRows:
-        return HeldRows(self.slot[lo : lo + n], self.class_of, self.keys[:, lo : lo + n])
+        return HeldRows(self.slot[lo : lo + n], self.order, self.run, self.keys[:, lo : lo + n])
 
 
 def _settings(device: torch.device) -> dict:
@@ -383,9 +378,12 @@ def fused_head(h: torch.Tensor, weight: torch.Tensor, cap: float | None, scale: 
     running = torch.empty(S, R, H, dtype=torch.float32, device=dev)  # the soft embedding's running sums, per split
     held = buf.held
     if held is not None:
-        held_args, held_strides = (held.slot, held.class_of, held.keys), (held.keys.stride(1), held.keys.stride(0))
+        if held.order.shape[1] != NT * tile:
+            raise ValueError(f"held rows' tile tables span {held.order.shape[1]} tokens, the head's tiles {NT * tile}")
+        held_args = (held.slot, held.order, held.run, held.keys)
+        held_strides = (held.keys.stride(1), held.keys.stride(0))
     else:  # no held row: the pointers are not read
-        held_args, held_strides = (buf.chunk_max, buf.chunk_max, buf.chunk_max), (0, 0)
+        held_args, held_strides = (buf.chunk_max,) * 4, (0, 0)
     for c in range(NC):
         v0 = c * VC
         width = min(VC, V - v0)
