@@ -12,6 +12,7 @@ The unit is one pass: a `max` over the step's [256 x 262,144] float32 log-probab
     .venv/bin/python scripts/bench_held.py [--walk]   # --walk: the forced calls also as the grammar walk (before)
     .venv/bin/python scripts/bench_held.py --ops     # the held step in the kernel report's terms (no GPU needed)
     .venv/bin/python scripts/bench_held.py --device  # the same, searched on the device (a GPU's launches recorded)
+    .venv/bin/python scripts/bench_held.py --in-head # the same with the class pass in the fused head
 """
 
 from __future__ import annotations
@@ -146,8 +147,9 @@ def launch_bytes(launch) -> int:
 
 def held_device_ops(auto, max_tokens: int, repeats: int = 20) -> dict:
     """One held step searched on the device (structured/device_search.py), recorded as a GPU of compute capability
-    9.0 would launch it (quant.kernels.aot's recorder: Triton launches kept, not run) with every torch op metered:
-    kernels, host round trips, bytes (`launch_bytes`), and the host's own time for the step (median of `repeats`:
+    9.0 would launch it (quant.kernels.aot's recorder: Triton launches kept, not run) with every torch op metered, a
+    canvas's second step (its first also copies where the row stands to the device: one more kernel): kernels, host
+    round trips, bytes (`launch_bytes`), and the host's own time for the step (median of `repeats`:
     the launches' Python, the fill's and the seed's ops on this CPU's small tensors). The tables are made before
     (once per automaton and end ids, at the request's first step)."""
     from bench_structured import SYNCS
@@ -166,7 +168,9 @@ def held_device_ops(auto, max_tokens: int, repeats: int = 20) -> dict:
         return dict(on_device=False)
     events: list = []
     ops: list = []
-    with aot._recording(events, 90), _Meter(ops, persistent=set()):
+    with aot._recording([], 90):  # a canvas's first step: where the row stands is copied to the device
+        row.step(logp, sample, argmax, greedy=False)
+    with aot._recording(events, 90), _Meter(ops, persistent=set()):  # a step after it
         row.step(logp, sample, argmax, greedy=False)
     launches = [e for e in events if isinstance(e, aot.Launch)]
     torch_ops = [o for o in ops if o.name not in SYNCS]
@@ -182,6 +186,42 @@ def held_device_ops(auto, max_tokens: int, repeats: int = 20) -> dict:
                 syncs=sum(o.name in SYNCS for o in ops),
                 bytes=sum(launch_bytes(x) for x in launches) + sum(o.bytes for o in torch_ops),
                 host_ms=1e3 * statistics.median(times), tables_s=tables_s)
+
+
+def held_in_head_ops(auto, max_tokens: int, tile: int = 128) -> dict:
+    """One held step where the fused head makes the row's class keys (quant/kernels/head.py `_held_classes`) and the
+    programme reads them (`RowConstraint.step_keys`), in the same terms, as what holding adds to the row's step:
+    the programme's launch and torch ops (recorded for a GPU of compute capability 9.0, metered; a canvas's second
+    step, its first also copies where the row stands to the device), and in the head's
+    logits kernel the structure's tile tables (each read once) and the keys' atomics (an atomic max at each class run's
+    end in each tile, per position and plane: 8 bytes read and 8 written)."""
+    from bench_structured import SYNCS
+
+    from dgemma_cli.step_trace import _Meter
+    from quant.kernels import aot
+    from quant.kernels.class_pass import KEY_MIN
+
+    row = auto.row(max_tokens, [1], 0, generator=torch.Generator().manual_seed(0), device_search=True)
+    searcher = row._searcher(torch.device("cpu"), CANVAS)
+    if searcher is None:
+        return dict(on_device=False)
+    order, run = searcher.t.tile_runs(tile)
+    P = min(CANVAS, max_tokens)
+    keys = torch.full((2, CANVAS, searcher.t.classes), KEY_MIN, dtype=torch.int64)
+    sample, argmax = torch.zeros(CANVAS, dtype=torch.long), torch.zeros(CANVAS, dtype=torch.long)
+    events: list = []
+    ops: list = []
+    with aot._recording([], 90):  # a canvas's first step: where the row stands is copied to the device
+        row.step_keys(keys, sample, argmax, greedy=False)
+    with aot._recording(events, 90), _Meter(ops, persistent=set()):  # a step after it
+        row.step_keys(keys, sample, argmax, greedy=False)
+    launches = [e for e in events if isinstance(e, aot.Launch)]
+    torch_ops = [o for o in ops if o.name not in SYNCS]
+    ends = int((run & 1).sum())
+    head = order.nbytes + run.nbytes + P * ends * 2 * 16
+    return dict(on_device=True, kernels=len(launches) + len(torch_ops), syncs=sum(o.name in SYNCS for o in ops),
+                head_bytes=head, bytes=head + sum(launch_bytes(x) for x in launches) + sum(o.bytes for o in torch_ops),
+                runs_per_tile=ends / (order.size // tile), logits=P * V * 4)
 
 
 def one_pass() -> float:
@@ -203,6 +243,8 @@ def main() -> None:
     ap.add_argument("--ops", action="store_true", help="the held step in the kernel report's terms instead of timed")
     ap.add_argument("--device", action="store_true",
                     help="the held step searched on the device (a GPU's launches recorded, not run), in those terms")
+    ap.add_argument("--in-head", action="store_true",
+                    help="the same with the class pass in the fused head: what holding adds to the row's step")
     args = ap.parse_args()
     words = SyntheticVocab(V).words
     for i in (CALL_START, CALL_END, QUOTE):
@@ -218,7 +260,11 @@ def main() -> None:
     if args.walk:
         rows += [("walk: " + rows[0][0], walked([WEATHER], 64), 64), ("walk: " + rows[1][0], walked([WEATHER], 256), 256),
                  ("walk: " + rows[2][0], walked([SEARCH], 4096), 4096)]
-    if args.device:
+    if args.in_head:
+        print("| structure | kernels added | host round trips | MB read + written added | x one read of the logits "
+              "| class runs per 128-token tile |")
+        print("|---|---:|---:|---:|---:|---:|")
+    elif args.device:
         print("| structure | classes | edges | states | kernels | host round trips | GB read + written | "
               "x one read of the logits | host ms a step | tables (once) s |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -242,6 +288,17 @@ def main() -> None:
             auto, how = constrain.TokenAutomaton(result), f"automaton ({result['edges'] / 1e6:.1f} M edges)"
         else:
             auto, how = constrain.LarkGrammar(result, _LLWords(words), V), "grammar walk"
+        if args.in_head:
+            if kind != "tables":
+                print(f"| {name} | (grammar walk: on the host) | | | | |", flush=True)
+                continue
+            m = held_in_head_ops(auto, max_tokens)
+            if not m["on_device"]:
+                print(f"| {name} | (searched on the host: too many states) | | | | |", flush=True)
+                continue
+            print(f"| {name} | {m['kernels']} | {m['syncs']} | {m['bytes'] / 1e6:.1f} | "
+                  f"{m['bytes'] / m['logits']:.3f} | {m['runs_per_tile']:.2f} |", flush=True)
+            continue
         if args.device:
             if kind != "tables":
                 print(f"| {name} | (grammar walk: on the host) | | | | | | | | |", flush=True)
