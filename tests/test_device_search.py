@@ -281,3 +281,29 @@ class _Nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+@pytest.mark.slow
+def test_the_held_kernels_compile_for_real_targets():
+    """The class pass, the programme and the head's held-rows epilogue compile for sm_89, sm_90 and sm_120 at the
+    real sizes (scripts/compile_held.py: Triton's bundled ptxas, in a process without the interpreter)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from quant.kernels.aot import missing_tools
+
+    why = missing_tools()
+    if why:
+        pytest.skip(why)
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, str(root / "scripts" / "compile_held.py")], capture_output=True, text=True,
+                         env=env, cwd=root, timeout=900)
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    kernels = {(r["kernel"], r["cc"]) for r in rows if r["ok"]}
+    for cc in (89, 90, 120):
+        for k in ("class_pass_kernel", "automaton_dp_kernel", "head_logits_kernel"):
+            assert (k, cc) in kernels
