@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dgemma_cli.structured.classes import class_tables
 from dgemma_cli.structured.constrain import TokenAutomaton, best_path
-from dgemma_cli.structured.device_search import DeviceSearch, device_tables, reference_step
+from dgemma_cli.structured.device_search import DeviceSearch, device_tables
 from dgemma_cli.structured.structure import SPECIAL_BASE, Structure
 from quant.kernels.class_pass import KEY_MIN, class_pass, class_pass_reference, indices_of, values_of
 from test_token_classes import SCHEMAS, WORDS, V
@@ -42,6 +42,37 @@ class NoHostReads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         assert func._schema.name not in self.READS, f"{func._schema.name}: a host round trip in the step"
         return func(*args, **(kwargs or {}))
+
+
+def reference_step(tables, score: torch.Tensor, state: int, room: int, after: int, pad_id: int,
+                   seed: int | None) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """The device search's two kernels in torch and numpy, for the checks: the class pass's reference
+    (class_pass.class_pass_reference: the same noise from the same seed), each set's best over its classes, and the
+    host's dynamic programme (constrain.host_path) over the edges. Returns (argmax path [C], drawn path [C] or None
+    without a seed, ok)."""
+    from quant.kernels.class_pass import class_pass_reference, indices_of, values_of
+
+    from dgemma_cli.structured.constrain import host_path
+
+    C = score.shape[0]
+    keys = class_pass_reference(score[:room], torch.from_numpy(tables.perm), torch.from_numpy(tables.blk),
+                                tables.classes, seed)  # [2, room, classes]
+    sets = torch.full((2, room, tables.sets), -(1 << 63), dtype=torch.int64)
+    pair_set = torch.from_numpy(tables.pair_set).long()
+    sets.scatter_reduce_(2, pair_set.expand(2, room, -1), keys[:, :, torch.from_numpy(tables.pair_blk).long()], "amax")
+    e_set = torch.from_numpy(tables.e_set).long()
+    src, dst = torch.from_numpy(tables.e_src).long(), torch.from_numpy(tables.e_dst).long()
+    dist = torch.from_numpy(tables.dist).long()
+    paths, ok = [], False
+    for which in range(1 if seed is None else 2):
+        k = sets[which][:, e_set]  # [room, E]
+        path, found = host_path(values_of(k), indices_of(k), src, dst, dist, state, after)
+        out = torch.full((C,), pad_id, dtype=torch.long)
+        if path is not None:
+            out[:room] = path
+        paths.append(out)
+        ok = found if which == 0 else ok
+    return paths[0], paths[1] if seed is not None else None, ok
 
 
 def test_the_class_pass_is_its_torch_path():
