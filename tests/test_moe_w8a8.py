@@ -96,7 +96,8 @@ def run_stages(kind: str, x, gu, dn, index, weights, cfg):
     return h_tk.cpu(), ys.cpu(), y.cpu()
 
 
-CASES = [(1, "uniform"), (17, "uniform"), (33, "many_to_one"), (33, "empty_experts")]
+CASES = [(1, "uniform"), pytest.param(17, "uniform", marks=pytest.mark.slow), (33, "many_to_one"),
+         pytest.param(33, "empty_experts", marks=pytest.mark.slow)]  # (make test's time: the variants in test-slow)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -795,6 +795,7 @@ def test_streamed_layers_compute_on_weights_aligned_as_the_resident_ones():
     assert streamed.generate(prompt, seed=0).token_ids == resident.generate(prompt, seed=0).token_ids
 
 
+@pytest.mark.slow
 def test_tuning_the_default_targets_with_every_layer_streamed_makes_the_resident_runs_adapter(tmp_path):
     """No adapter on the experts: they compute on their weights as stored (not on a fold, a new tensor), and the
     adapter is bit for bit the resident run's all the same, also with MKL's SSE4.2 kernels, whose sums depend on

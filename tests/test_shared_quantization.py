@@ -243,7 +243,7 @@ class Launches:
 
 
 @pytest.mark.parametrize("w4a4", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)])
 def test_q_k_v_in_one_launch(dtype, w4a4, monkeypatch, counted_act):
     """NVFP4 q, k and v (widths 96, 64, 40: the last tiles partial) through `project`: one launch (16-bit
     activations: nvfp4_linear; W4A4 on an RTX 50 stand-in: one quantization and one launch), each output equal to
