@@ -363,6 +363,16 @@ MUTATIONS: list[Mutation] = [
         "        g = -tl.log(-tl.log(tl.maximum(u, 1e-20)))\n",
         "        g = 0.0 * u\n",
         "tests/test_device_search.py::test_the_class_pass_is_its_torch_path"),
+    mutation(  # the head's held keys left for the next step: its atomic max meets the last step's keys
+        "device/head-keys-not-reset", "quant/kernels/automaton_dp.py",
+        "    if RESET:  # the keys back to KEY_MIN",
+        "    if RESET and False:  # the keys back to KEY_MIN",
+        "tests/test_device_search.py -m slow -k heads_class_keys"),
+    mutation(  # the head's noise in natural units beside base-2 scores: the draws from a sharper distribution
+        "device/head-noise-in-nats", "quant/kernels/head.py",
+        "        g = -tl.log(-tl.log(tl.maximum(r, 1e-20))) * LOG2E\n",
+        "        g = -tl.log(-tl.log(tl.maximum(r, 1e-20)))\n",
+        "tests/test_fused_head.py -k class_pass_of_held_rows"),
     mutation(  # a path past the length limit taken as one within it
         "device/cut-short-taken-as-ok", "quant/kernels/automaton_dp.py",
         "    ok = unpack_value(best_ok) > NEG\n",
