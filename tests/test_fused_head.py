@@ -423,7 +423,7 @@ def _held_reference(h, w, cap, t, u, class_of, slot, width):
     return keys
 
 
-@pytest.mark.parametrize("size", [pytest.param((13, 300, 128, 256), id="small"),
+@pytest.mark.parametrize("size", [pytest.param((13, 300, 128, 256), id="small", marks=pytest.mark.slow),
                                   pytest.param((37, 1000, 256, 512), id="two-chunks", marks=pytest.mark.slow)])
 def test_the_head_runs_the_class_pass_of_held_rows(size):
     """Rows held to structures (two class maps, free rows between them): the logits kernel's class pass equals the

@@ -425,6 +425,8 @@ class RowConstraint:
         return self._searcher(torch.device(device), canvas) is not None
 
     def _searcher(self, device: torch.device, canvas: int):
+        if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one device: one search
+            device = torch.device("cuda", torch.cuda.current_device())
         key = (device, canvas)
         if key not in self._device:
             use = self.device_search
