@@ -13,14 +13,17 @@ answer cut short); it is traced back through the edge each state took at each po
 One program per search (0: the argmax path on the class pass's best keys, 1: the drawn path on its noisy ones), of
 BLOCK lanes, positions in order: per position the sets' keys (a segmented max-scan over set -> class pairs sorted by
 set), a barrier, the targets' values (a segmented max-scan over edges sorted by target, each run carried across the
-lanes' chunks, each target written once, by the lane of its last edge), a barrier. A search is a few hundred to a
-few hundred thousand (position, edge) pairs: one SM's work, not worth a grid's synchronisation.
+lanes' chunks, each target written once, by the lane of its last edge), a barrier. A search is a few thousand to a
+few million (position, edge) pairs (the 50-property form of BENCHMARKS: 256 x 15,322): one SM's work, not worth a
+grid's synchronisation; its time on a GPU is not measured. With `reset` (the fused head's keys, which the head maxes
+into) each program sets its plane of the keys back to KEY_MIN at its end (both planes where only the argmax is
+searched).
 
 Operands: keys int64 [2, P, NB] (class_pass's out); pair_set, pair_blk int32 [NSB] (set -> class pairs, by set);
 e_src, e_set, e_dst int32 [E] (by target); dist int32 [S] (tokens to acceptance); meta int32 [3] = (state, room,
 after) on the device (written at a canvas's start); scratch: setk int64 [2, P, NS], vals float32 [2, 3, S], back
-int32 [2, P, S] (P: the canvas), keys' planes KP elements apart; outputs: out0, out1 int64 [C] (the argmax path, the drawn path: pad past room, and everywhere when
-no path exists), ok int32 [2].
+int32 [2, P, S] (P: the canvas); keys' planes KP and rows KROW elements apart; outputs: out0, out1 int64 [C] (the
+argmax path, the drawn path: pad past room, and everywhere when no path exists), ok int32 [2].
 """
 
 from __future__ import annotations
