@@ -245,23 +245,29 @@ def new_buffers(rows: int, denoiser: Denoiser, device: torch.device, logits: boo
     return SamplerBuffers(rows, denoiser.vocab_size, device, head)
 
 
-def hold_rows(buf: SamplerBuffers, constraints: list, canvas: int) -> None:
-    """The fused head runs the class pass of the rows held to structures (quant/kernels/head.py `HeldRows`): each
-    canvas's rows take their constraint's tile tables (a free row's: none), and the keys start at KEY_MIN."""
-    from quant.kernels.class_pass import KEY_MIN
-    from quant.kernels.head import HeldRows
-
-    dev, tile = buf.fused.soft.device, buf.fused.tile
-    tables, slot = [], []
+def held_tables(constraints: list, canvas: int, tile: int, device) -> tuple[list[int], torch.Tensor, torch.Tensor, int]:
+    """What the fused head's class pass reads of rows held to structures (quant/kernels/head.py `HeldRows`), for
+    canvases of `canvas` rows each held to constraints[b] (None: a free canvas): each row's slot (-1: free), the held
+    canvases' tile tables stacked by slot (order, run), and the widest class count among them."""
+    slot, tables = [], []
     for rc in constraints:
         slot += [len(tables) if rc is not None else -1] * canvas
         if rc is not None:
-            tables.append(rc.tile_runs(dev, canvas, tile))
+            tables.append(rc.tile_runs(device, canvas, tile))
     width = max(rc.classes for rc in constraints if rc is not None)
-    rows = buf.fused.rows
+    return slot, torch.stack([t[0] for t in tables]), torch.stack([t[1] for t in tables]), width
+
+
+def hold_rows(buf: SamplerBuffers, constraints: list, canvas: int) -> None:
+    """The fused head runs the class pass of the rows held to structures (`held_tables`); the keys start at
+    KEY_MIN."""
+    from quant.kernels.class_pass import KEY_MIN
+    from quant.kernels.head import HeldRows
+
+    dev, rows = buf.fused.soft.device, buf.fused.rows
+    slot, order, run, width = held_tables(constraints, canvas, buf.fused.tile, dev)
     slot += [-1] * (rows - len(slot))
-    buf.fused.held = HeldRows(torch.tensor(slot, dtype=torch.int32, device=dev), torch.stack([t[0] for t in tables]),
-                              torch.stack([t[1] for t in tables]),
+    buf.fused.held = HeldRows(torch.tensor(slot, dtype=torch.int32, device=dev), order, run,
                               torch.full((2, rows, width), KEY_MIN, dtype=torch.int64, device=dev))
 
 

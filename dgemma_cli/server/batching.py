@@ -57,6 +57,7 @@ fault of mixing rows) writes one line the first time it is seen, not at every st
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sys
 import threading
 import time
@@ -69,8 +70,8 @@ import torch
 from ..config import GenerationSettings
 from ..model import DiffusionGemma, host_index
 from .prefix_cache import PrefixCache
-from ..sampler import (LaggedStop, SamplerBuffers, _stable, entropy_bound_accept, prepare_step, sample_step,
-                      step_temperature, use_fused_head)
+from ..sampler import (LaggedStop, SamplerBuffers, _stable, entropy_bound_accept, held_tables, prepare_step,
+                      sample_step, step_temperature, use_fused_head)
 
 
 # ----------------------------------------------------------------------------- what goes in and comes out
@@ -185,6 +186,9 @@ def rows_choose_adapters(model: DiffusionGemma, slots: list[int]):
 # ----------------------------------------------------------------------------- one request's state
 
 
+_ROW_SERIALS = itertools.count()
+
+
 class _Row:
     """A request being generated: its cache, its generator and where it is in its current canvas. The per-step
     bookkeeping is `sampler.generate_events`' for a batch of one."""
@@ -210,6 +214,7 @@ class _Row:
         # the stop test read a step late (module docstring), where the host does not read the step anyway (a held
         # row's search on the device reads nothing there)
         self.on_device = self.constraint is not None and self.constraint.on_device(dev, self.C)
+        self.serial = next(_ROW_SERIALS)  # names this row for as long as the process runs (an id() may be reused)
         self.lagged = lagged and (self.constraint is None or self.on_device) and not job.want_steps and \
             job.logprobs is None
         self.before_step = None  # the generator's state before this step's draws (BatchLoop._step)
@@ -395,7 +400,7 @@ class BatchLoop:
         self.failed = 0
         self.batch_errors: set[str] = set()  # batched forwards' failures already said (`_note_batch_error`)
         self.search_pool = None  # helper threads for held rows' searches (`_searcher`)
-        self._held_maps: tuple | None = None  # (the held rows, their tile tables stacked) for the head (`_held_rows`)
+        self._held_maps: tuple | None = None  # (the step's rows, their slots, tile tables, width): `_held_rows`
         self._held_keys: torch.Tensor | None = None  # their class keys, [2, rows, width]
         self.step_seconds = 0.0  # the last step's forward and sampling, wall time (`_settle_searched`)
         self.thread = threading.Thread(target=self._run, name="dgemma-batch-loop", daemon=True)
@@ -403,27 +408,21 @@ class BatchLoop:
 
     def _held_rows(self, lo: int, rows: list[_Row]):
         """What the fused head needs to run the class pass of the rows held to structures searched on the device
-        (quant/kernels/head.py `HeldRows`): each row's slot, their tile tables (stacked when the held rows change), and
-        the batch's keys (KEY_MIN between steps: each row's programme sets back what it read)."""
+        (sampler.held_tables: slots and tile tables, made again only when the step's rows change), and the batch's
+        keys (KEY_MIN between steps: each row's programme sets back what it read)."""
         from quant.kernels.class_pass import KEY_MIN
         from quant.kernels.head import HeldRows
 
         C, dev = self.C, self.model.device
-        held = [r for r in rows if r.on_device]
-        ids = tuple(id(r) for r in held)
+        ids = tuple((r.serial, r.on_device) for r in rows)
         if self._held_maps is None or self._held_maps[0] != ids:
-            tile = self.buf.fused.tile
-            tables = [r.constraint.tile_runs(dev, C, tile) for r in held]
-            self._held_maps = (ids, torch.stack([t[0] for t in tables]), torch.stack([t[1] for t in tables]))
-        width = max(r.constraint.classes for r in held)
+            slot, order, run, width = held_tables([r.constraint if r.on_device else None for r in rows], C,
+                                                  self.buf.fused.tile, dev)
+            self._held_maps = (ids, torch.tensor(slot, dtype=torch.int32, device=dev), order, run, width)
+        _, slot, order, run, width = self._held_maps
         if self._held_keys is None or self._held_keys.shape[2] < width:
             self._held_keys = torch.full((2, self.max_batch * C, width), KEY_MIN, dtype=torch.int64, device=dev)
-        slot, k = [], 0
-        for r in rows:
-            slot += [k if r.on_device else -1] * C
-            k += r.on_device
-        return HeldRows(torch.tensor(slot, dtype=torch.int32).to(dev, non_blocking=True), self._held_maps[1],
-                        self._held_maps[2], self._held_keys[:, lo * C : (lo + len(rows)) * C])
+        return HeldRows(slot, order, run, self._held_keys[:, lo * C : (lo + len(rows)) * C])
 
     def _log_probs(self, hidden: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
         """One row's log-probabilities [C, V] of the step's temperature-scaled distribution, from its final hidden
@@ -610,7 +609,7 @@ class BatchLoop:
                 self._fail(r.ticket, e)
                 gone.add(lo + a)
                 if hidden is not None and r.on_device:  # class keys its programme may not have read
-                    self._held_keys[:, (lo + a) * C : (lo + a + 1) * C].fill_(-(1 << 63))
+                    self._clear_held_keys(lo + a)
 
     def _settle(self, index: int, r: _Row, step: tuple, gone: set[int], log_probs: Callable[[], torch.Tensor]):
         """The rest of a row's step once its search has run (`_Row.settle`), and its canvas's end: adds `index` to
@@ -697,8 +696,16 @@ class BatchLoop:
     def _reset_head(self) -> None:
         if self.buf.fused is not None:  # a head stopped midway leaves its chunk maxima set
             self.buf.fused.reset()
-        if self._held_keys is not None:  # and held rows' class keys that no programme read
-            self._held_keys.fill_(-(1 << 63))
+        self._clear_held_keys()  # and held rows' class keys that no programme read
+
+    def _clear_held_keys(self, row: int | None = None) -> None:
+        """The held rows' class keys back to KEY_MIN (all, or batch row `row`'s), where no programme read them."""
+        if self._held_keys is None:
+            return
+        from quant.kernels.class_pass import KEY_MIN
+
+        keys = self._held_keys if row is None else self._held_keys[:, row * self.C : (row + 1) * self.C]
+        keys.fill_(KEY_MIN)
 
 
 def token_logprobs(logp: torch.Tensor, tokens: torch.Tensor, k: int) -> list[tuple[float, list[tuple[int, float]]]]:

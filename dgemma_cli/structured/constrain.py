@@ -479,7 +479,9 @@ class RowConstraint:
         room = _room(self.limit, self.produced, C)
         searcher = self._searcher(keys.device, C)
         if room <= 0:  # past max_new_tokens: pad, nothing searched (the keys set back for the next step)
-            keys.fill_(-(1 << 63))
+            from quant.kernels.class_pass import KEY_MIN
+
+            keys.fill_(KEY_MIN)
             argmax.fill_(self.pad_id)
             sample.fill_(self.pad_id)
             self._device_ok = None

@@ -181,21 +181,23 @@ class DeviceSearch:
         seed = None
         if not greedy:
             seed = torch.randint(0, 1 << 62, (1,), generator=self.gen, device=self.device)
-        on = self.on
         keys = self.keys[:, : rows.shape[0]]
-        class_pass(rows, on["perm"], on["blk"], self.t.classes, seed, keys)
-        automaton_dp(keys, on["pair_set"], on["pair_blk"], self.t.sets, on["e_src"], on["e_set"], on["e_dst"],
-                     on["dist"], self.meta, self.scratch, argmax, sample, self.ok, self.pad_id, 1 if greedy else 2)
-        if greedy:
-            sample.copy_(argmax)
+        class_pass(rows, self.on["perm"], self.on["blk"], self.t.classes, seed, keys)
+        self._programme(keys, sample, argmax, greedy, reset=False)
 
     def search_keys(self, keys: torch.Tensor, sample: torch.Tensor, argmax: torch.Tensor, greedy: bool) -> None:
         """The step's paths from class keys the fused head made (quant/kernels/head.py `HeldRows`: keys [2, C,
         width] of this row's positions), which the programme sets back to KEY_MIN as it goes: one kernel."""
+        self._programme(keys, sample, argmax, greedy, reset=True)
+
+    def _programme(self, keys: torch.Tensor, sample: torch.Tensor, argmax: torch.Tensor, greedy: bool,
+                   reset: bool) -> None:
+        """quant/kernels/automaton_dp.py on this row's tables: the argmax path, and the drawn one unless greedy
+        (then the sample is the argmax path)."""
         on = self.on
         automaton_dp(keys, on["pair_set"], on["pair_blk"], self.t.sets, on["e_src"], on["e_set"], on["e_dst"],
                      on["dist"], self.meta, self.scratch, argmax, sample, self.ok, self.pad_id, 1 if greedy else 2,
-                     reset=True)
+                     reset=reset)
         if greedy:
             sample.copy_(argmax)
 
