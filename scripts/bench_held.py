@@ -92,7 +92,9 @@ def held_step(auto, max_tokens: int, steps: int = 3) -> dict:
         sample = (logp.exp() / torch.empty_like(logp).exponential_(generator=g)).argmax(dim=1)
         argmax = logp.argmax(dim=1)
         spent = [0.0]
-        real = constrain._edge_weights
+        from dgemma_cli.structured import host_search
+
+        real = host_search.values
 
         def timed(*args, **kw):
             t0 = time.perf_counter()
@@ -100,7 +102,7 @@ def held_step(auto, max_tokens: int, steps: int = 3) -> dict:
             spent[0] += time.perf_counter() - t0
             return out
 
-        constrain._edge_weights = timed
+        host_search.values = timed
         try:
             t0 = time.perf_counter()
             try:
@@ -109,7 +111,7 @@ def held_step(auto, max_tokens: int, steps: int = 3) -> dict:
                 row.step(logp, sample, argmax, greedy=False)
             totals.append(time.perf_counter() - t0)
         finally:
-            constrain._edge_weights = real
+            host_search.values = real
         passes.append(spent[0])
     return dict(step=statistics.median(totals), vocab=statistics.median(passes))
 

@@ -313,11 +313,26 @@ MUTATIONS: list[Mutation] = [
         "        if b and i < vocab_size and not (specials and _PLANE_16 in b):\n",
         "        if b and i < vocab_size:\n",
         f"{TOOLS_T} -k special_tokens_of_a_call"),
-    mutation(  # the sampler's draw taken for a group it is not in
-        "search/hint-taken-outside-its-group", "dgemma_cli/structured/constrain.py",
-        "        miss = torch.nonzero(~hit).flatten()\n",
-        "        miss = torch.nonzero(hit & ~hit).flatten()\n",
-        f"{STRUCT_T} -k big_groups_search_as_token_by_token"),
+    mutation(  # the sampler's draw taken for the biggest class where it is not in it
+        "search/hint-taken-outside-its-class", "dgemma_cli/structured/host_search.py",
+        "            if hint is not None and h.class_of[hint[p]] == c:\n",
+        "            if hint is not None:\n",
+        "tests/test_host_search.py -k law_of_what_the_structure_allows"),
+    mutation(  # the biggest class's log-mass always from what the others leave: lost where they hold nearly all
+        "search/big-mass-cancelled", "dgemma_cli/structured/host_search.py",
+        "            close = np.flatnonzero(outside > -1e-4)",
+        "            close = np.flatnonzero(outside > 1e9)",
+        "tests/test_host_search.py -k each_class_value"),
+    mutation(  # the biggest class's best left unread where a set holding it lacks the position's best token
+        "search/big-best-not-read", "dgemma_cli/structured/host_search.py",
+        "        need = np.flatnonzero(~inside & h.unsure[hint_cls])\n",
+        "        need = np.flatnonzero(~inside & ~h.unsure[hint_cls])\n",
+        "tests/test_host_search.py -k each_class_value"),
+    mutation(  # the draw's second level without the chunks before it taken off
+        "search/chunk-offset-dropped", "dgemma_cli/structured/host_search.py",
+        "    k = torch.searchsorted(inner, (want - before)[:, None], right=True)",
+        "    k = torch.searchsorted(inner, want[:, None], right=True)",
+        "tests/test_host_search.py -k two_level"),
     mutation(  # groups of the same tokens searched once: each group must read its own set's best
         "search/small-sets-mixed-up", "dgemma_cli/structured/constrain.py",
         "                self.set_of[g] = sets[key]\n",

@@ -54,8 +54,8 @@ class TokenAutomaton:
         self.G = self.src.numel()
         offsets = tables["offsets"]
         self.offsets = offsets
-        # Small groups are searched token by token (their distinct token lists gathered, below); a big one (a
-        # string's characters: most of the vocabulary) through its membership mask (_big_edge_weights), once per mask.
+        # A small group keeps its token list; a big one (a string's characters: most of the vocabulary) its
+        # membership mask. The search reads both as token classes (host_search.py, device_search.py).
         self.tokens = torch.tensor(tables["tokens"], dtype=torch.long)
         self.big: list[tuple[int, int]] = [tuple(x) for x in tables["big"]]  # (group, index into self.masks)
         member_lists = list(tables["masks"])
@@ -69,16 +69,10 @@ class TokenAutomaton:
                 member_lists.append(np.flatnonzero(np.isin(tc, classes)))
             self.big += [(g, first + k) for g, k in tables["classes"]]
         self.masks: list[torch.Tensor] = []  # bool [V]: the group's tokens
-        self.complements: list[torch.Tensor | None] = []  # the tokens not in it, where they are the smaller side
-        self.members: list[torch.Tensor | None] = []  # its tokens where they are at most half the vocabulary
         for members in member_lists:
             mask = torch.zeros(self.vocab_size, dtype=torch.bool)
             mask[torch.as_tensor(np.asarray(members), dtype=torch.long)] = True
             self.masks.append(mask)
-            small = 2 * len(members) <= self.vocab_size
-            self.complements.append(None if small else torch.nonzero(~mask).flatten())
-            self.members.append(torch.nonzero(mask).flatten() if small else None)
-        self.groups_of_mask = [[g for g, k in self.big if k == m] for m in range(len(self.masks))]
         # Small groups of the same tokens (an integer's digits in every integer field, a key's first token in each
         # state it may follow) are searched once: `sets` of distinct token lists, set_tokens flat with set_of_token
         # [T'] naming each one's set, and set_of [G] each group's (-1: a big group's, or no token).
@@ -96,7 +90,6 @@ class TokenAutomaton:
         self.set_tokens = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
         self.set_of_token = torch.repeat_interleave(torch.arange(len(pieces)),
                                                     torch.tensor([x.numel() for x in pieces], dtype=torch.long))
-        self.small_groups = torch.nonzero(self.set_of >= 0).flatten()
         self._mask_of = dict(self.big)
         self._out: dict[int, list[int]] = {}  # state -> its groups, made when an answer first passes there
         self._small: dict[int, dict[int, int]] = {}  # state -> {token: next state} of its small groups
@@ -172,8 +165,7 @@ def compile_structure(structure: Structure, tokenizer, vocab_size: int):
 
 # ---------------------------------------------------------------------------------------------------- the search
 
-_GATHER = 1 << 23  # score elements gathered at once (positions x tokens): 32 MB of float32
-BIG_GROUP = 4096  # tokens above which a group is searched by its mask and complement, not token by token
+BIG_GROUP = 4096  # tokens above which a group is kept as a membership mask, not a token list
 
 
 def gumbel(shape, generator: torch.Generator | None, device) -> torch.Tensor:
@@ -182,208 +174,52 @@ def gumbel(shape, generator: torch.Generator | None, device) -> torch.Tensor:
     return -torch.log(-torch.log(u.clamp_(min=1e-20)))
 
 
-def _gathered(score: torch.Tensor, tokens: torch.Tensor, cache: dict | None, key) -> torch.Tensor:
-    """score[:, tokens], gathered once per step: the argmax and the draw search read the same columns (a gather
-    over the vocabulary costs about what a pass over it does)."""
-    if cache is None:
-        return score[:, tokens]
-    if key not in cache:
-        cache[key] = score[:, tokens]
-    return cache[key]
-
-
-def _edge_weights(auto: TokenAutomaton, score: torch.Tensor, noise: torch.Generator | bool | None,
-                  hint: torch.Tensor | None = None, cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """score [P, V] -> (w [P, G]: the best score among each group's tokens, tok [P, G]: that token). noise: add
-    Gumbel noise to the scores (from this generator; True: torch's global one), one draw per position and token
-    (groups of the same tokens get the same best). hint [P]: each position's best token over the whole vocabulary
-    (without noise) or a draw from its distribution (with noise), which the sampler has already made; None: made
-    here (a pass or three over `score`). cache: a dict kept for one step's searches of the same `score` (its gathers
-    are made once)."""
-    P, T, G = score.shape[0], auto.set_tokens.numel(), auto.G
-    dev = score.device
-    w = torch.full((P, G), -math.inf, dtype=score.dtype, device=dev)
-    tok = torch.zeros((P, G), dtype=torch.long, device=dev)
-    if T:
-        tokens, set_of_token = auto.set_tokens.to(dev), auto.set_of_token.to(dev)
-        D = int(auto.set_of_token[-1]) + 1
-        wd = torch.empty((P, D), dtype=score.dtype, device=dev)
-        td = torch.empty((P, D), dtype=torch.long, device=dev)
-        step = max(1, _GATHER // T)
-        whole = _gathered(score, tokens, cache, "tokens") if step >= P else None  # [P, T'] when it fits
-        for p0 in range(0, P, step):
-            s = whole if whole is not None else score[p0 : p0 + step, tokens]  # [p, T']
-            if noise is not None and noise is not False:
-                s = s + gumbel(s.shape, None if noise is True else noise, dev)
-            idx = set_of_token.expand_as(s)
-            wp = torch.full((s.shape[0], D), -math.inf, dtype=s.dtype, device=dev).scatter_reduce(1, idx, s, "amax")
-            pos = torch.where(s == wp.gather(1, idx), torch.arange(T, device=dev).expand_as(s), T)
-            first = torch.full((s.shape[0], D), T, dtype=torch.long, device=dev).scatter_reduce(1, idx, pos, "amin")
-            wd[p0 : p0 + s.shape[0]] = wp
-            td[p0 : p0 + s.shape[0]] = tokens[first.clamp(max=T - 1)]
-        small, sets = auto.small_groups.to(dev), auto.set_of[auto.small_groups].to(dev)
-        w[:, small], tok[:, small] = wd[:, sets], td[:, sets]
-    if auto.big:
-        _big_edge_weights(auto, score, noise, w, tok, hint, cache)
-    return w, tok
-
-
-def _big_edge_weights(auto: TokenAutomaton, score: torch.Tensor, noise, w: torch.Tensor, tok: torch.Tensor,
-                      hint: torch.Tensor | None, cache: dict | None = None) -> None:
-    """The big groups' columns of w and tok, without gathering their tokens, once per mask (groups of the same
-    tokens share their best token). Argmax: the position's best token (`hint`) where it is in the group, else the
-    best of the group's (searched at those positions only). With noise (a draw): the max over a group of
-    log-probability plus Gumbel noise is distributed as the group's log-mass plus one Gumbel draw, and its token,
-    independent of it, as a draw from the distribution restricted to the group; the log-mass is taken through the
-    smaller of the group and its complement (log(1 - the mass outside)), the token is the position's draw from the
-    whole distribution (`hint`) where that landed in the group (so restricted to it), else a draw restricted to the
-    group at those positions. Exact in distribution, as the token-by-token search is; groups of the same mask get
-    the same value and token at a position, as they would under one noise draw per position and token."""
-    P, dev = score.shape[0], score.device
-    gen = None if noise is True or noise is False else noise
-    drawing = noise is not None and noise is not False
-    if hint is None:
-        hint = _draws(score, 1, gen).squeeze(1) if drawing else score.argmax(dim=1)
-    hint = hint.to(dev)
-    best = None if drawing else score.gather(1, hint[:, None]).squeeze(1)
-    for k, groups in enumerate(auto.groups_of_mask):
-        if not groups:
-            continue
-        mask, members, cols = auto.masks[k].to(dev), auto.members[k], torch.tensor(groups, device=dev)
-        members = None if members is None else members.to(dev)
-        hit = mask[hint]
-        t = hint.clone()
-        miss = torch.nonzero(~hit).flatten()
-        own = _gathered(score, members, cache, ("mask", k)) if members is not None and (drawing or miss.numel()) \
-            else None  # [P, members]: the draw's log-mass reads it, the argmax only where its hint missed
-        sub = None
-        if miss.numel():  # the positions whose best token (draw) is not in the group: its own tokens there
-            sub = own[miss] if own is not None else score[miss].masked_fill(~mask, -math.inf)
-        if not drawing:
-            v = torch.where(hit, best, -math.inf)
-            if sub is not None:
-                mv, mi = sub.max(dim=1)
-                v[miss], t[miss] = mv, (members[mi] if members is not None else mi)
-            w[:, cols], tok[:, cols] = v[:, None], t[:, None]
-            continue
-        if members is not None:  # the group is the smaller side: sum it
-            lse = torch.logsumexp(own, dim=1)
-        else:
-            comp = auto.complements[k].to(dev)
-            out_mass = torch.logsumexp(score[:, comp], dim=1) if comp.numel() else \
-                torch.full((P,), -math.inf, device=dev)
-            lse = torch.log(-torch.expm1(out_mass))  # log(1 - mass outside)
-            close = out_mass > -1e-4  # nearly all the mass outside: take the group's own sum
-            if bool(close.any()):
-                lse[close] = torch.logsumexp(score[close].masked_fill(~mask, -math.inf), dim=1)
-        if sub is not None:
-            i = _draws(sub, 1, gen).squeeze(1)
-            t[miss] = members[i] if members is not None else i
-        w[:, cols] = (lse + gumbel((P,), gen, dev))[:, None]
-        tok[:, cols] = t[:, None]
-
-
-def _draws(score: torch.Tensor, k: int, gen: torch.Generator | None) -> torch.Tensor:
-    """k independent draws per row of softmax(score) [P, V] -> [P, k], by inverse CDF (a cumulative sum and a
-    search per draw), 32 rows at a time (a cumulative sum of the whole canvas would be canvas x vocab floats)."""
-    P, V = score.shape
-    out = torch.empty(P, k, dtype=torch.long, device=score.device)
-    for p0 in range(0, P, 32):
-        sc = score[p0 : p0 + 32]
-        cdf = (sc - sc.max(dim=1, keepdim=True).values).exp_().cumsum_(dim=1)
-        u = torch.rand(sc.shape[0], k, generator=gen, device=score.device) * cdf[:, -1:]
-        out[p0 : p0 + 32] = torch.searchsorted(cdf, u).clamp_(max=V - 1)
-    return out
-
-
 def best_path(auto: TokenAutomaton, score: torch.Tensor, state: int, room: int, after: int, end_ids: list[int],
-              pad_id: int, noise: torch.Generator | bool | None = None, hint: torch.Tensor | None = None,
-              cache: dict | None = None) -> tuple[torch.Tensor, bool]:
-    """The best-scoring canvas that the automaton accepts a prefix of, from `state`.
+              pad_id: int, noise: torch.Generator | bool | None = None, hint: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, bool]:
+    """The best-scoring canvas that the automaton accepts a prefix of, from `state` (searched on the host over token
+    classes: host_search.py).
 
     score [C, V]: per-position log-probabilities; noise: search on them plus Gumbel noise (a draw, not the argmax;
     a generator, or True for torch's global one). room: positions of this canvas within max_new_tokens (the rest
     are pad); after: tokens allowed after this canvas. A path either ends (an id of end_ids from an accepting state;
     later positions score as their best end or pad id and hold it) or reaches the canvas's end in a state at most
     `after` tokens from acceptance. hint [C]: each position's argmax (noise None) or free draw (with noise), where
-    the sampler made them (_edge_weights). Returns (tokens [C], ok): ok False when no such path exists, the tokens
-    then the best path that ignores the length limit (an answer cut short)."""
-    C = score.shape[0]
-    dev = score.device
-    END = auto.S
-    out = torch.full((C,), pad_id, dtype=torch.long, device=dev)
+    the sampler made them. Returns (tokens [C], ok): ok False when no such path exists, the tokens then the best path
+    that ignores the length limit (an answer cut short)."""
+    from .host_search import host_tables, search
+
+    drawing = noise is not None and noise is not False
+    gen = None if noise is True or not drawing else noise
+    out = torch.full((score.shape[0],), pad_id, dtype=torch.long, device=score.device)
     if room <= 0:
         return out, bool(auto.final[state])
-    sc = score[:room]
-    w, wtok = _edge_weights(auto, sc, noise, None if hint is None else hint[:room], cache)
-    finals = torch.nonzero(auto.final).flatten()
-    ends = torch.tensor(sorted(set(end_ids)), dtype=torch.long, device=dev)
-    stop = torch.tensor(sorted(set(end_ids) | {pad_id}), dtype=torch.long, device=dev)
-    end_sc, stop_sc = sc[:, ends], sc[:, stop]
-    if noise is not None and noise is not False:
-        g = None if noise is True else noise
-        end_sc, stop_sc = end_sc + gumbel(end_sc.shape, g, dev), stop_sc + gumbel(stop_sc.shape, g, dev)
-    eos_w, eos_i = end_sc.max(dim=1)
-    stop_w, stop_i = stop_sc.max(dim=1)
-    # The dynamic programme runs on the host over [room, edges] tables (edges: the automaton's groups, a few
-    # hundred to a few thousand): on a GPU its per-position loop would be hundreds of tiny kernels and a host
-    # round trip per position of the back-trace; the device's work is the vocabulary-wide gathers above.
-    nf = finals.numel()
-    cpu = torch.device("cpu")
-    src = torch.cat([auto.src, finals, torch.tensor([END])])
-    dst = torch.cat([auto.dst, torch.full((nf,), END), torch.tensor([END])])
-    W = torch.cat([w, eos_w[:, None].expand(room, nf), stop_w[:, None]], dim=1).to(cpu)  # [room, E]
-    tok = torch.cat([wtok, ends[eos_i][:, None].expand(room, nf), stop[stop_i][:, None]], dim=1).to(cpu)
-    dist = torch.cat([auto.dist, torch.tensor([0])])
-    path, ok = host_path(W, tok, src, dst, dist, state, after)
+    h = host_tables(auto, end_ids, pad_id)
+    argmax = None if drawing or hint is None else hint[:room]
+    draw = hint[:room] if drawing and hint is not None else None
+    paths = search(h, score[:room], state, after, argmax, draw, drawing, gen)
+    path, ok = paths[-1]
     if path is None:
         return out, False
-    out[:room] = path.to(dev)
+    out[:room] = torch.from_numpy(path).to(score.device)
     return out, ok
 
 
 def host_path(W: torch.Tensor, tok: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, dist: torch.Tensor,
               state: int, after: int) -> tuple[torch.Tensor | None, bool]:
-    """best_path's dynamic programme, on the host. W, tok [room, E]: each edge's score and token per position; src,
-    dst [E]: its states (the last one, END, absorbs); dist [S + 1]: tokens to acceptance. Returns (tokens [room],
-    ok), or (None, False) when no path exists at all.
+    """The dynamic programme (host_search.programme) over per-edge scores: W, tok [room, E] each edge's score and
+    token per position; src, dst [E] its states (the last one, END, absorbs); dist [S + 1]: tokens to acceptance.
+    Returns (tokens [room], ok), or (None, False) when no path exists at all. (The device programme's reference in
+    its tests.)"""
+    from .host_search import programme
 
-    numpy, with the edges sorted by target once: a position is a gather, an add and one segmented max
-    (`maximum.reduceat`) over the edges. No back-pointers are kept: the back-trace takes, at each position, the
-    best edge into the state it is in from the kept best scores (its in-edges only)."""
-    room, E = W.shape
-    S1 = dist.numel()
-    Wn = W.numpy()
     order = np.argsort(dst.numpy(), kind="stable")
-    ds, ss = dst.numpy()[order], src.numpy()[order]
-    starts = np.flatnonzero(np.concatenate(([True], ds[1:] != ds[:-1]))) if E else np.zeros(0, dtype=np.int64)
-    targets = ds[starts]
-    ends = np.append(starts[1:], E)
-    first = np.full(S1, -1, dtype=np.int64)
-    last_in = np.full(S1, -1, dtype=np.int64)
-    first[targets], last_in[targets] = starts, ends
-    Wo = Wn[:, order]  # [room, E], in target order
-    best = np.empty((room + 1, S1), dtype=Wn.dtype)  # best[p, s]: the best score of positions < p ending in s
-    v = np.full(S1, -np.inf, dtype=Wn.dtype)
-    v[state] = 0.0
-    best[0] = v
-    for p in range(room):
-        v = np.full(S1, -np.inf, dtype=Wn.dtype)
-        if E:
-            v[targets] = np.maximum.reduceat(best[p][ss] + Wo[p], starts)
-        best[p + 1] = v
-    feasible = np.where(dist.numpy() <= after, v, -np.inf)
-    ok = bool(np.isfinite(feasible).any())
-    at = int(np.argmax(feasible if ok else v))
-    if not np.isfinite(v[at]):
+    edges, ok, found = programme(src.numpy()[order], order, dst.numpy()[order], dist.numpy(),
+                                 W.numpy()[None], state, after)
+    if not found[0]:
         return None, False
-    edges = np.empty(room, dtype=np.int64)
-    for p in range(room - 1, -1, -1):
-        lo, hi = first[at], last_in[at]
-        j = lo + int(np.argmax(best[p][ss[lo:hi]] + Wo[p, lo:hi]))
-        edges[p] = order[j]
-        at = int(ss[j])
-    return tok[torch.arange(room), torch.from_numpy(edges)], ok
+    room = W.shape[0]
+    return tok[torch.arange(room), torch.from_numpy(order[edges[0]])], bool(ok[0])
 
 
 def _room(limit: int, produced: int, length: int) -> int:
@@ -459,18 +295,25 @@ class RowConstraint:
             self._device_ok = searcher
             return
         self._device_ok = None
-        free_draw = sample.clone() if drawn and not greedy else None
-        cache: dict = {}  # the two searches' shared gathers
-        best, ok = best_path(self.auto, logp, self.state, room, after, self.end_ids, self.pad_id,
-                             hint=argmax.clone() if drawn else None, cache=cache)
-        self.ok = ok
-        argmax.copy_(best)
-        if greedy:
-            sample.copy_(best)
+        if room <= 0:
+            argmax.fill_(self.pad_id)
+            sample.fill_(self.pad_id)
+            self.ok = bool(self.auto.final[self.state])
             return
-        drawn, _ = best_path(self.auto, logp, self.state, room, after, self.end_ids, self.pad_id,
-                             noise=self.gen if self.gen is not None else True, hint=free_draw, cache=cache)
-        sample.copy_(drawn)
+        from .host_search import host_tables, search
+
+        rows = logp[:room]
+        paths = search(host_tables(self.auto, self.end_ids, self.pad_id), rows, self.state, after,
+                       argmax[:room].clone() if drawn else None, sample[:room].clone() if drawn else None,
+                       not greedy, self.gen)
+        for i, (path, ok) in enumerate(paths):
+            target = argmax if i == 0 else sample
+            target.fill_(self.pad_id)
+            if path is not None:
+                target[:room] = torch.from_numpy(path).to(target.device)
+        self.ok = paths[0][1] if paths[0][0] is not None else False
+        if greedy:
+            sample.copy_(argmax)
 
     def step_keys(self, keys: torch.Tensor, sample: torch.Tensor, argmax: torch.Tensor, greedy: bool) -> None:
         """As `step`, from the class keys the fused head made for this row's positions (keys [2, C, width]: its

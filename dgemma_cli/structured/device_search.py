@@ -45,7 +45,7 @@ class DeviceTables:
         order = np.argsort(set_of_token, kind="stable")
         bounds = np.searchsorted(set_of_token[order], np.arange(n_small + 1))
         for k in range(n_small):
-            sets.append(set_tokens[order[bounds[k] : bounds[k + 1]]])
+            sets.append(np.unique(set_tokens[order[bounds[k] : bounds[k + 1]]]))
         first_mask = len(sets)
         for mask in auto.masks:
             sets.append(np.flatnonzero(mask.numpy()))
@@ -59,8 +59,8 @@ class DeviceTables:
         tag = rng.integers(1, 1 << 63, size=len(sets), dtype=np.uint64)
         sig = np.zeros(V, dtype=np.uint64)
         member = np.zeros(V, dtype=bool)
-        for k, toks in enumerate(sets):
-            np.add.at(sig, toks, tag[k])
+        for k, toks in enumerate(sets):  # each set's tokens are distinct (masks' by construction)
+            sig[toks] += tag[k]
             member[toks] = True
         tokens = np.flatnonzero(member)
         _, cls = np.unique(sig[tokens], return_inverse=True)
@@ -74,9 +74,10 @@ class DeviceTables:
         size = np.bincount(cls, minlength=self.classes)
         pair_set, pair_blk = [], []
         for k, toks in enumerate(sets):
-            blocks = np.unique(class_of[toks])
-            if int(size[blocks].sum()) != len(np.unique(toks)):
-                raise NotOnDevice("token classes do not partition the sets")  # a signature collision
+            count = np.bincount(class_of[toks], minlength=self.classes)
+            blocks = np.flatnonzero(count)
+            if not np.array_equal(count[blocks], size[blocks]):  # a class only partly in the set: a collision
+                raise NotOnDevice("token classes do not partition the sets")
             pair_set.append(np.full(blocks.size, k))
             pair_blk.append(blocks)
         self.sets = len(sets)
