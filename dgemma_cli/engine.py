@@ -401,6 +401,12 @@ class Engine:
         structure's shortest answer must fit (refused before compiling when it cannot)."""
         if self.tokenizer is None:
             raise ModelError(f"{self.path}: no tokenizer.json, so an answer's structure cannot be compiled")
+        compiler = self._structure_compiler()
+        if max_tokens is None:
+            return compiler.compile(structure, cancelled)
+        return compiler.compile(structure, cancelled, max_tokens=max_tokens)
+
+    def _structure_compiler(self):
         with self._compiler_lock:
             if self._compiler_stopped:
                 from .structured.worker import Stopped
@@ -411,10 +417,13 @@ class Engine:
 
                 self._compiler = StructureCompiler(self.tokenizer, self.config.text.vocab_size, *self.compile_budget,
                                                    workers=self.compile_workers)
-            compiler = self._compiler
-        if max_tokens is None:
-            return compiler.compile(structure, cancelled)
-        return compiler.compile(structure, cancelled, max_tokens=max_tokens)
+            return self._compiler
+
+    def start_compiler(self) -> None:
+        """Start the structure compile's first worker now, in the background (StructureCompiler.start): a server's
+        first structured request then finds the vocabulary read and walked. Nothing without a tokenizer."""
+        if self.tokenizer is not None and not self._compiler_stopped:
+            self._structure_compiler().start()
 
     def set_compile_budget(self, seconds: float | None = None, memory: int | None = None,
                            workers: int | None = None) -> None:

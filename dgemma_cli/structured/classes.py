@@ -205,6 +205,7 @@ class Spelled:
             offsets[1:] = np.cumsum(lens)
         self.flat, self.offsets, self.lens = flat, offsets[:-1], lens
         self.V = vocab_size
+        self.specials = len(specials)  # their symbols: 256 + k
 
 
 _SPELLED: dict = {}
@@ -256,7 +257,14 @@ class BodyTable:
 
 
 def body_table(body: str, voc: Spelled, n_symbols: int, symbols: dict[bytes, int]) -> BodyTable:
-    key = (body, id(voc), n_symbols)
+    """The body's table over `voc`, made once per (body, vocabulary): over the vocabulary's own symbols (its bytes and
+    special tokens) and the end mark only, so that structures with other markers (another count of bounded
+    strings) share it. Its walks read no other symbol."""
+    own = {b: i for b, i in symbols.items() if i < 256 + voc.specials}
+    n_symbols = 256 + voc.specials + 1
+    own[chr(END_MARK).encode()] = n_symbols - 1
+    symbols = own
+    key = (body, id(voc))
     with _LOCK:
         held = _BODY.get(key)
     if held is not None and held[0] is voc:
@@ -602,6 +610,6 @@ def _tables(keys: list, ids: dict, edges: list, accepting, vocab_size: int, big_
             edge_count += int(what.size)
         offsets.append(size)
     return {"S": int(kept.size), "vocab_size": vocab_size, "dist": dist[kept].tolist(), "src": src_l, "dst": dst_l,
-            "tokens": np.concatenate(tokens) if tokens else np.zeros(0, dtype=np.int64), "offsets": offsets,
-            "big": big, "masks": masks, "edges": edge_count, "classes": classes, "class_sets": class_sets,
+            "tokens": (np.concatenate(tokens) if tokens else np.zeros(0)).astype(np.int32), "offsets": offsets,
+            "big": big, "masks": [m.astype(np.int32) for m in masks], "edges": edge_count, "classes": classes, "class_sets": class_sets,
             "token_class": bt.token_class if bt is not None and classes else None}

@@ -65,8 +65,11 @@ class TokenAutomaton:
         if tables.get("classes"):
             tc = np.asarray(token_class)
             first = len(member_lists)
+            width = int(tc.max()) + 2  # class ids, and -1 (no class) read as the last, never chosen
             for classes in tables["class_sets"]:
-                member_lists.append(np.flatnonzero(np.isin(tc, classes)))
+                chosen = np.zeros(width, dtype=bool)
+                chosen[np.asarray(classes, dtype=np.int64)] = True
+                member_lists.append(np.flatnonzero(chosen[tc]))
             self.big += [(g, first + k) for g, k in tables["classes"]]
         self.masks: list[torch.Tensor] = []  # bool [V]: the group's tokens
         for members in member_lists:
@@ -77,19 +80,21 @@ class TokenAutomaton:
         # state it may follow) are searched once: `sets` of distinct token lists, set_tokens flat with set_of_token
         # [T'] naming each one's set, and set_of [G] each group's (-1: a big group's, or no token).
         sets: dict[bytes, int] = {}
-        self.set_of = torch.full((self.G,), -1, dtype=torch.long)
-        pieces: list[torch.Tensor] = []
+        set_of = np.full(self.G, -1, dtype=np.int64)
+        pieces: list[np.ndarray] = []
+        flat = self.tokens.numpy()
         for g in range(self.G):
-            piece = self.tokens[offsets[g] : offsets[g + 1]]
-            if piece.numel():
-                key = piece.numpy().tobytes()
+            lo, hi = offsets[g], offsets[g + 1]
+            if hi > lo:
+                key = flat[lo:hi].tobytes()
                 if key not in sets:
                     sets[key] = len(pieces)
-                    pieces.append(piece)
-                self.set_of[g] = sets[key]
-        self.set_tokens = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+                    pieces.append(flat[lo:hi])
+                set_of[g] = sets[key]
+        self.set_of = torch.from_numpy(set_of)
+        self.set_tokens = torch.from_numpy(np.concatenate(pieces)) if pieces else torch.zeros(0, dtype=torch.long)
         self.set_of_token = torch.repeat_interleave(torch.arange(len(pieces)),
-                                                    torch.tensor([x.numel() for x in pieces], dtype=torch.long))
+                                                    torch.tensor([x.size for x in pieces], dtype=torch.long))
         self._mask_of = dict(self.big)
         self._out: dict[int, list[int]] = {}  # state -> its groups, made when an answer first passes there
         self._small: dict[int, dict[int, int]] = {}  # state -> {token: next state} of its small groups

@@ -1,8 +1,8 @@
 """A held row's search on the device: one class pass over the row's log-probabilities and the dynamic programme, two
 Triton kernels and a fill, no host round trip (docs/design.md, Constrained canvases: the search on the device).
 
-`DeviceTables` (once per automaton, end ids and pad id; cached on the automaton) partitions the vocabulary into
-classes: the tokens that belong to the same token sets of the automaton (each small group's token list, each big
+`DeviceTables` (once per automaton, end ids and pad id; cached on the automaton; the host's search reads it too)
+partitions the vocabulary into classes: the tokens that belong to the same token sets of the automaton (each small group's token list, each big
 group's mask, the end ids, the end ids and pad) share a class; tokens no edge takes belong to none and are not read.
 Every set is then a union of classes (`pair_set`, `pair_blk`), and an edge's best token at a position is the best
 of its set's classes' bests. The real vocabulary falls into a few hundred classes for the structures agents send
@@ -14,8 +14,8 @@ the sampler's argmax and sample rows). The noise's seed is drawn on the device f
 state, room and `after` are written to the device at a canvas's start; whether a path was found within the length
 limit (`ok`) stays on the device until the canvas ends, when the host reads the kept tokens anyway.
 
-The argmax path is the host search's (constrain.best_path: the same optimum over the same scores); the drawn path is
-exact in distribution as the host's is (per-token Gumbel noise here, a set's log-mass plus one Gumbel draw there).
+The argmax path is the host search's (host_search.py: the same optimum over the same scores); the drawn path is
+exact in distribution as the host's is (per-token Gumbel noise here, a class's log-mass plus one Gumbel draw there).
 """
 
 from __future__ import annotations

@@ -115,6 +115,7 @@ def _worker_main() -> None:
             return
         if msg[0] == "vocab":
             compiler = Compile(*msg[1:])
+            compiler.warm()
             continue
         _, kind, source, max_tokens = msg
         try:
@@ -165,6 +166,16 @@ class Compile:
         if specials not in self.vocabularies:  # the plain one, and one per set of special tokens a call names
             self.vocabularies[specials] = outlines_vocabulary(self.words, self.vocab_size, specials)
         return "tables", regex_tables(regex, self.vocabularies[specials], self.vocab_size), shortest
+
+    def warm(self) -> None:
+        """The vocabulary's own work, done once when it arrives (classes.py caches it per vocabulary): its spellings
+        with and without plane 16's byte, and every token's walk through a JSON string's body, so that a structure's
+        first compile pays only for itself."""
+        for kind, source in (("regex", "a"), ("json_schema", '{"type": "string"}')):
+            try:
+                self(kind, source)
+            except Exception:  # noqa: BLE001 (a vocabulary that spells neither: the first structure will say so)
+                pass
 
     def _probed(self, grammar: str) -> str:
         if self.ll_tokenizer is None:
@@ -350,6 +361,36 @@ class StructureCompiler:
                 self._done.popitem(last=False)
         return compiled
 
+    def start(self) -> None:
+        """Start the first worker now (it reads the vocabulary and walks it, `Compile.warm`), so that the first
+        structure a client sends waits for neither (`dgemma serve` calls this at its start). The process is made on
+        this thread, since a worker dies with the thread that made it (`_die_with_parent`): the caller's must
+        outlive it; the vocabulary goes to it from a helper thread."""
+        with self._free:
+            worker = self._workers[0]
+            if self.closed or worker.busy or (worker.proc is not None and worker.proc.poll() is None):
+                return
+            worker.busy = True
+        try:
+            worker.kill()
+            worker.proc = self._spawn()
+        except OSError:
+            worker.kill()
+            self._give_back(worker)
+            return
+
+        def send():
+            try:
+                self._send_vocabulary(worker.proc)
+            except (BrokenPipeError, OSError):
+                worker.kill()
+            finally:
+                if self.closed:  # closed meanwhile: close() may have looked before it was there
+                    worker.kill()
+                self._give_back(worker)
+
+        threading.Thread(target=send, name="dgemma-compile-start", daemon=True).start()
+
     def _check_fits(self, shortest: int, max_tokens: int) -> None:
         if not fits(shortest, max_tokens, self.token_chars()):
             raise TooLong(too_long(shortest, max_tokens, self.token_chars()))
@@ -362,16 +403,22 @@ class StructureCompiler:
         return LarkGrammar(result, self.tokenizer, self.vocab_size)
 
     def _start(self) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-c", "from dgemma_cli.structured.worker import _worker_main; "
+        proc = self._spawn()
+        self._send_vocabulary(proc)
+        return proc
+
+    def _spawn(self) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", "from dgemma_cli.structured.worker import _worker_main; "
                                  "_worker_main()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, start_new_session=True,
                                 env={**os.environ, "DGEMMA_COMPILE_PARENT": str(os.getpid()),
                                      "PYTHONPATH": os.pathsep.join(filter(None, [_PROJECT_ROOT,
                                                                                  os.environ.get("PYTHONPATH")]))})
+
+    def _send_vocabulary(self, proc: subprocess.Popen) -> None:
         hf = getattr(self.tokenizer, "_tokenizer", None)  # a dgemma Tokenizer's tokenizers.Tokenizer
         _send(proc.stdin, ("vocab", list(self.tokenizer.token_bytes()), self.vocab_size,
                            hf.to_str() if hasattr(hf, "to_str") else None))
-        return proc
 
     def _take_worker(self, cancelled) -> _Worker:
         """A free worker, in the order callers asked; polls `cancelled` (and the compiler's closing) meanwhile."""
