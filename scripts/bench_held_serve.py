@@ -7,11 +7,15 @@ byte fallback, a BPE trained on a few lines), its placeholder ids made text toke
 scripts/bench_structured.py's synthetic vocabulary), so a structure's search meets a vocabulary of real size. One
 server, `--max-batch 2`; a free chat request (A: one canvas, a fixed seed and step count, which a random model's
 canvas always runs to) is timed alone, beside another free request, beside a required tool call and beside a JSON
-schema, of the same parameters and the 50-property form with bounded strings (one canvas each, a step more than A's, started just before it, so that they are beside A at every step). A's time per step beside each, less
-alone, is what the other row adds to every step of A; the difference between the two is the stall a held row adds,
-in passes: a `max` over [256 x 262,144] float32 values, timed in this process on the same machine.
+schema, of the same parameters and the 50-property form with bounded strings (one canvas each, a step more than A's,
+started just before it, so that they are beside A at every step). A's time per step (the server's own, from A's
+admission into the batch to its last step: `"dgemma": {"seconds"}`) beside each, less alone, is what the other row
+adds to every step of A; the difference between the two is the stall a held row adds,
+in passes: a `max` over [256 x 262,144] float32 values, timed in this process on the same machine. The conditions
+run in interleaved rounds and each one's median is taken (a step of two rows here is seconds long, and its spread
+from run to run is hundreds of milliseconds: each round's figure is printed beside it).
 
-    .venv/bin/python scripts/bench_held_serve.py [--steps 6]
+    .venv/bin/python scripts/bench_held_serve.py [--steps 6] [--rounds 4]
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -74,6 +79,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6, help="denoising steps of each request's canvas")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds of the conditions, interleaved (medians taken)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
@@ -93,7 +99,7 @@ def main() -> None:
                     except httpx.HTTPError:
                         pass
                     time.sleep(0.5)
-                run(http, url, args.steps)
+                run(http, url, args.steps, args.rounds)
         finally:
             server.terminate()
             out, _ = server.communicate(timeout=60)
@@ -102,7 +108,7 @@ def main() -> None:
                 print("server said:", *errors[:5], sep="\n  ")
 
 
-def run(http, url: str, steps: int) -> None:
+def run(http, url: str, steps: int, rounds: int) -> None:
     model = http.get(url + "/v1/models").json()["data"][0]["id"]
     free = {"model": model, "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": CANVAS,
             "seed": 1, "steps": steps}
@@ -120,7 +126,11 @@ def run(http, url: str, steps: int) -> None:
         if r.status_code != 200:
             raise SystemExit(f"{r.status_code}: {r.text[:300]}")
         j = r.json()
-        return time.perf_counter() - t0, sum(j.get("steps_per_canvas", [steps])), j
+        extra = j.get("dgemma", {})
+        # the server's own time for the answer, from its admission into the batch (not its wait for the step under
+        # way when it came, which the sub-second order of two requests' arrival would make part of it)
+        seconds = extra.get("seconds", time.perf_counter() - t0)
+        return seconds, sum(extra.get("steps_per_canvas", [steps])), j
 
     ask(free)  # warm: the first step's allocations, the compile worker
     ask(call)
@@ -129,13 +139,13 @@ def run(http, url: str, steps: int) -> None:
     from bench_held import one_pass  # the unit: a max over [256 x 262,144] float32 log-probabilities
 
     unit = one_pass()
-    print(f"one pass: {unit * 1e3:.1f} ms", flush=True)
-    rows = []
-    for name, beside in (("alone", None), ("beside a free request", other), ("beside a required tool call", call),
-                         ("beside a JSON schema (the same parameters)", schema),
-                         ("beside a 50-property form, strings of at most 32", bounded)):
-        per_step = []
-        for _ in range(2):
+    print(f"one pass, the server idle beside it: {unit * 1e3:.1f} ms", flush=True)
+    conditions = (("alone", None), ("beside a free request", other), ("beside a required tool call", call),
+                  ("beside a JSON schema (the same parameters)", schema),
+                  ("beside a 50-property form, strings of at most 32", bounded))
+    per_step: dict[str, list[float]] = {name: [] for name, _ in conditions}
+    for _ in range(rounds):  # the conditions interleaved, so that the machine's drift falls on each alike
+        for name, beside in conditions:
             out: dict = {}
             thread = None
             if beside is not None:
@@ -146,12 +156,15 @@ def run(http, url: str, steps: int) -> None:
             if thread is not None:
                 thread.join()
                 assert out["b"][2]["choices"], out
-            per_step.append(seconds / n)
-        rows.append((name, min(per_step)))
-        print(f"| {name} | {min(per_step) * 1e3:.0f} ms |", flush=True)
-    base = dict(rows)["beside a free request"]
-    for name, s in rows[2:]:
-        print(f"{name}: +{(s - base) * 1e3:.0f} ms a step over beside a free request = {(s - base) / unit:.1f} passes")
+            per_step[name].append(seconds / n)
+    print("| the free request's step | median ms | each round, ms |")
+    print("|---|---:|---|")
+    for name, times in per_step.items():
+        print(f"| {name} | {statistics.median(times) * 1e3:,.0f} | {', '.join(f'{t * 1e3:,.0f}' for t in times)} |")
+    base = statistics.median(per_step["beside a free request"])
+    for name, _ in conditions[2:]:
+        s = statistics.median(per_step[name])
+        print(f"{name}: {s - base:+.3f} s a step over beside a free request = {(s - base) / unit:+.1f} passes")
 
 
 if __name__ == "__main__":

@@ -85,24 +85,13 @@ SYNCS = ("aten::_local_scalar_dense", "aten::is_nonzero", "aten::item", "aten::n
 
 def metered(step) -> dict:
     """`step()` (a row's search) with every torch op on the device metered: kernels launched, bytes read and
-    written, host round trips (a nonzero's size, an int() or bool()). The dynamic programme runs on the host: its
-    ops are not kernels."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    from dgemma_cli.structured import constrain
+    written, host round trips (a nonzero's size, an int() or bool()). The dynamic programme and the classes'
+    reductions run on the host (numpy, structured/host_search.py): they are no kernels."""
     from dgemma_cli.step_trace import _Meter
 
-    def unmetered(*args, host=constrain.host_path):
-        with _disable_current_modes():
-            return host(*args)
-
     ops: list = []
-    constrain.host_path = unmetered
-    try:
-        with _Meter(ops, persistent=set()):
-            step()
-    finally:
-        constrain.host_path = unmetered.__kwdefaults__["host"]
+    with _Meter(ops, persistent=set()):
+        step()
     syncs = sum(o.name in SYNCS for o in ops)
     kernels = [o for o in ops if o.name not in SYNCS]
     return dict(kernels=len(kernels), syncs=syncs, bytes=sum(o.bytes for o in kernels))

@@ -111,3 +111,35 @@ def test_the_argmax_path_is_the_references(name):
                                             torch.Generator().manual_seed(seed))
         assert torch.equal(torch.from_numpy(path), want[:room]) and got_ok == ok, (room, after, state)
         assert auto.advance(state, [x for x in drawn.tolist() if x not in (END, PAD)]) is not None
+
+
+@pytest.mark.slow  # make test's time: the slow suite (CI) runs it
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_two_hundred_seeds_keep_prefixes_and_end_valid(name):
+    """200 seeds of random log-probabilities, canvases kept as the search writes them from the sampler's own draw
+    and argmax (RowConstraint.step(drawn=True), as the sampler's step hands them): every kept canvas is a prefix of
+    a word of the language, and every answer that ends validates against the schema."""
+    import jsonschema
+
+    schema = SCHEMAS[name]
+    auto = automaton(json.dumps(schema))
+    ended = 0
+    for seed in range(200):
+        g = torch.Generator().manual_seed(seed)
+        row = auto.row(60, [END], PAD, generator=g)
+        ids: list[int] = []
+        while row.produced < 60 and not row.ended:
+            logp = torch.log_softmax(torch.randn(12, V, generator=g) * 2, dim=1)
+            sample = (logp.exp() / torch.empty_like(logp).exponential_(generator=g)).argmax(dim=1)
+            argmax = logp.argmax(dim=1)
+            row.step(logp, sample, argmax, greedy=False, drawn=True)
+            kept = sample.tolist()
+            text = [t for t in kept[: kept.index(END)] if t != PAD] if END in kept else kept[: 60 - row.produced]
+            assert auto.advance(row.state, text) is not None, (seed, kept)
+            row.end_canvas(kept)
+            ids += kept
+        if row.satisfied:
+            body = ids[: ids.index(END)] if END in ids else [t for t in ids if t != PAD]
+            jsonschema.validate(json.loads(b"".join(WORDS[t] for t in body).decode()), schema)
+            ended += 1
+    assert ended >= 150, ended

@@ -127,7 +127,9 @@ def test_chat_answers_as_the_request_run_alone(server, engine):
         assert r.choices[0].finish_reason == "stop"
         assert r.usage.completion_tokens == len(alone.token_ids[0])
         assert r.usage.prompt_tokens == len(alone.prompt_token_ids[0])
-        assert r.model_extra["dgemma"] == {"seed": seed, "steps_per_canvas": alone.steps_per_canvas[0]}
+        extra = dict(r.model_extra["dgemma"])
+        assert 0 < extra.pop("seconds") < 60  # from its admission to its last step
+        assert extra == {"seed": seed, "steps_per_canvas": alone.steps_per_canvas[0]}
     assert r.choices[0].message.content == "ABC DEF 12 GHIJK"
 
 

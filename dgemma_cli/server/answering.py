@@ -139,6 +139,8 @@ async def whole(server: Server, request: Request, prep: Prepared) -> dict | None
     calls = text.tool_calls(ids) if done is not None else []
     completion = text.returned_tokens()
     extra = {"seed": prep.job.seed, "steps_per_canvas": done.steps_per_canvas if done else []}
+    if done is not None:  # from its admission into the batch to its last step: not its wait in the queue
+        extra["seconds"] = round(done.seconds, 4)
     base = {"id": new_id(prep), "created": int(time.time()), "model": prep.model or server.model_id}
     if prep.kind == "chat":
         message = {"role": "assistant", "content": answer, "refusal": None}

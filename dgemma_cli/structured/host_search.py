@@ -66,6 +66,7 @@ class HostTables:
         self.seg_of_class = np.full(K + 1, -1, dtype=np.int64)
         self.seg_of_class[self.seg_class] = np.arange(self.seg_class.size)
         self.big_mask = torch.from_numpy(cls == self.big)
+        self._copies: dict = {}  # (name, device) -> a table copied there
         # sets as runs of (set, class) pairs (DeviceTables makes them set by set, in order)
         ps, pb = t.pair_set.astype(np.int64), t.pair_blk.astype(np.int64)
         self.pair_set, self.pair_blk = ps, pb
@@ -81,6 +82,21 @@ class HostTables:
         # the programme's edges, sorted by target as the device's
         self.e_src, self.e_set, self.e_dst = (a.astype(np.int64) for a in (t.e_src, t.e_set, t.e_dst))
         self.dist = t.dist.astype(np.int64)
+
+
+    def outside(self, device) -> torch.Tensor:
+        """bool [V] on `device`: the tokens outside the biggest class (copied there once)."""
+        return self._on("outside", device, lambda: ~self.big_mask)
+
+    def cols_on(self, device) -> torch.Tensor:
+        """`cols` on `device` (copied there once)."""
+        return self._on("cols", device, lambda: self.cols)
+
+    def _on(self, name: str, device, make) -> torch.Tensor:
+        key = (name, torch.device(device))
+        if key not in self._copies:
+            self._copies[key] = make().to(key[1])
+        return self._copies[key]
 
 
 @dataclass
@@ -99,7 +115,7 @@ def values(h: HostTables, score: torch.Tensor, argmax: torch.Tensor, drawing: bo
            gen: torch.Generator | None) -> ClassValues:
     """score [P, V] log-probabilities; argmax [P]: each position's best token (the sampler's)."""
     P, K = score.shape[0], h.t.classes
-    Xt = score.gather(1, h.cols.to(score.device).expand(P, -1)).cpu() if h.cols.numel() else \
+    Xt = score.gather(1, h.cols_on(score.device).expand(P, -1)).cpu() if h.cols.numel() else \
         torch.zeros((P, 0), dtype=torch.float32)
     X = Xt.numpy()
     best = np.full((P, K + 1), -np.inf, dtype=np.float32)
@@ -115,7 +131,7 @@ def values(h: HostTables, score: torch.Tensor, argmax: torch.Tensor, drawing: bo
         need = np.flatnonzero(~inside & h.unsure[hint_cls])
         if need.size:  # a set holding the big class lacks these positions' best token: its own best, from the rows
             rows = torch.from_numpy(need).to(score.device)
-            v, i = score.index_select(0, rows).masked_fill_(~h.big_mask.to(score.device), -math.inf).max(dim=1)
+            v, i = score.index_select(0, rows).masked_fill_(h.outside(score.device), -math.inf).max(dim=1)
             best[need, h.big] = v.cpu().numpy()
             big_token = dict(zip(need.tolist(), i.cpu().tolist()))
     drawn = mass = None
@@ -135,7 +151,7 @@ def values(h: HostTables, score: torch.Tensor, argmax: torch.Tensor, drawing: bo
             close = np.flatnonzero(outside > -1e-4)  # nearly all the mass outside: the class's own sum
             if close.size:
                 rows = torch.from_numpy(close).to(score.device)
-                own = score[rows].masked_fill(~h.big_mask.to(score.device), -math.inf)
+                own = score[rows].masked_fill(h.outside(score.device), -math.inf)
                 mass[close, h.big] = torch.logsumexp(own, dim=1).cpu().numpy()
         noise = torch.empty((P, K + 1), device=gen.device if gen is not None else "cpu").uniform_(generator=gen)
         noise = -torch.log(-torch.log(noise.clamp_(min=1e-20)))
@@ -194,7 +210,7 @@ def _tokens(h: HostTables, score: torch.Tensor, cv: ClassValues, v: np.ndarray, 
     if rows:  # all at once, from the rows' scores with the tokens outside the class masked
         at = torch.tensor(rows, device=score.device)
         own = score.index_select(0, at)
-        outside = ~h.big_mask.to(score.device)
+        outside = h.outside(score.device)
         if drawn:  # probabilities within the class: exp(score - its log-mass), at most 1
             shift = torch.from_numpy(cv.mass[rows, h.big]).to(score.device)[:, None]
             p = own.sub_(shift).exp_().masked_fill_(outside, 0.0)
