@@ -1,0 +1,163 @@
+"""A DiffusionGemma GGUF file (llama.cpp's format, as the `diffusion-gemma` converter writes it), read with the
+llama.cpp project's own `gguf` library: its metadata, its tensors' types and shapes, and its blocks where they lie
+(a memory map; quant/ggml.py decodes them).
+
+Everything that can refuse a file does so here, in one line and before any weight is read: not a GGUF, a file cut
+short, another architecture, a tensor of a type dgemma does not read (quant/ggml.py SUPPORTED). A split file
+(`NAME-00001-of-00003.gguf`) is read from its first part, its other parts found beside it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ModelError
+
+ARCH = "diffusion-gemma"
+_SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor: its GGUF name, type (quant/ggml.py's names), torch-order shape (the ggml order reversed: rows,
+    then the columns its blocks run along), and its bytes (a read-only memory map)."""
+
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    data: np.ndarray  # uint8, the raw blocks (float arrays for F32 / F16)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+
+class GGUFFile:
+    """A GGUF checkpoint of DiffusionGemma: `metadata` (key -> value) and `tensors` (name -> GGUFTensor), over every
+    part of a split file."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        parts = split_parts(self.path)
+        self.metadata: dict = {}
+        self.tensors: dict[str, GGUFTensor] = {}
+        for k, part in enumerate(parts):
+            reader = _open(part)
+            if k == 0:
+                self.metadata = {name: _value(field) for name, field in reader.fields.items()
+                                 if not name.startswith("GGUF.")}
+            for t in reader.tensors:
+                self.tensors[t.name] = _tensor(part, t)
+        arch = self.metadata.get("general.architecture")
+        if arch != ARCH:
+            raise ModelError(f"{self.path.name}: a GGUF of architecture {arch!r}, not DiffusionGemma ({ARCH!r})")
+
+    def get(self, key: str, default=None):
+        """A metadata value by its key without the architecture's prefix (`block_count` for
+        `diffusion-gemma.block_count`), or by its whole key."""
+        return self.metadata.get(f"{ARCH}.{key}", self.metadata.get(key, default))
+
+
+    def config_dict(self) -> dict:
+        """The model's config in config.json's layout (config.ModelConfig.from_dict reads it), from the file's
+        `diffusion-gemma.*` keys: per-layer kv heads and the sliding pattern give the layer types and the full
+        layers' geometry; the vocabulary is the tied embedding's rows. A key the file lacks is one line."""
+        def need(key: str):
+            value = self.get(key)
+            if value is None:
+                raise ModelError(f"{self.path.name}: a DiffusionGemma GGUF without {ARCH}.{key}")
+            return value
+
+        layers = int(need("block_count"))
+        pattern = self.get("attention.sliding_window_pattern")
+        sliding = [bool(x) for x in pattern] if isinstance(pattern, list) and len(pattern) == layers else \
+            [(i + 1) % 6 != 0 for i in range(layers)]
+        kv = need("attention.head_count_kv")
+        kv = [int(x) for x in kv] if isinstance(kv, list) else [int(kv)] * layers
+        embd = self.tensors.get("token_embd.weight")
+        vocab = embd.shape[0] if embd is not None else len(self.get("tokenizer.ggml.tokens") or [])
+        text = {
+            "vocab_size": int(vocab), "hidden_size": int(need("embedding_length")),
+            "intermediate_size": int(need("feed_forward_length")), "num_hidden_layers": layers,
+            "num_attention_heads": int(need("attention.head_count")),
+            "num_key_value_heads": next((k for k, s in zip(kv, sliding) if s), kv[0]),
+            "num_global_key_value_heads": next((k for k, s in zip(kv, sliding) if not s), kv[-1]),
+            "head_dim": int(self.get("attention.key_length_swa") or need("attention.key_length")),
+            "global_head_dim": int(need("attention.key_length")),
+            "num_experts": int(need("expert_count")), "top_k_experts": int(need("expert_used_count")),
+            "moe_intermediate_size": int(need("expert_feed_forward_length")),
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        }
+        for key, ours in (("attention.sliding_window", "sliding_window"),
+                          ("final_logit_softcapping", "final_logit_softcapping"),
+                          ("attention.layer_norm_rms_epsilon", "rms_norm_eps"),
+                          ("context_length", "max_position_embeddings")):
+            if self.get(key) is not None:
+                text[ours] = self.get(key)
+        for key, ours in (("tokenizer.ggml.bos_token_id", "bos_token_id"),
+                          ("tokenizer.ggml.eos_token_id", "eos_token_id"),
+                          ("tokenizer.ggml.padding_token_id", "pad_token_id")):
+            if self.get(key) is not None:
+                text[ours] = int(self.get(key))
+        return {"model_type": "diffusion_gemma", "canvas_length": int(self.get("diffusion.canvas_length") or 256),
+                "text_config": text}
+
+
+def split_parts(path: Path) -> list[Path]:
+    """The parts of a split GGUF from its first (or any) part, in order; [path] for a whole file. A part missing
+    beside it is one line."""
+    m = _SPLIT.match(path.name)
+    if not m:
+        return [path]
+    count = int(m["count"])
+    parts = [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise ModelError(f"{path.name}: a split GGUF whose part {missing[0]} is not beside it")
+    return parts
+
+
+def _open(path: Path):
+    try:
+        from gguf import GGUFReader
+    except ImportError:  # pragma: no cover - a dependency of dgemma
+        raise ModelError("reading a GGUF file needs the `gguf` package (pip install gguf)") from None
+    if not path.is_file():
+        raise ModelError(f"{path}: no such file")
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ModelError(f"{path.name}: not a GGUF file (it does not start with 'GGUF')")
+        return GGUFReader(path)
+    except ModelError:
+        raise
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as e:
+        raise ModelError(f"{path.name}: not a whole GGUF file (cut short or damaged: {str(e).splitlines()[0]})") \
+            from None
+
+
+def _value(field):
+    """A metadata field's value: a number, a string, a bool, or a list of them."""
+    try:
+        return field.contents()
+    except (ValueError, IndexError, AttributeError):  # a type the library reads only as parts
+        return None
+
+
+def _tensor(part: Path, t) -> GGUFTensor:
+    from quant import ggml
+
+    kind = t.tensor_type.name
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    if kind not in ggml.SUPPORTED:
+        raise ModelError(f"{part.name}: tensor {t.name} is {kind}, a type dgemma does not read "
+                         f"(it reads {', '.join(ggml.SUPPORTED)})")
+    want = int(np.prod(shape[:-1], dtype=np.int64)) * ggml.row_bytes(kind, shape[-1]) if shape else 0
+    if t.data.nbytes != want:  # the reader maps what the file has: a tensor past its end is shorter
+        raise ModelError(f"{part.name}: not a whole GGUF file (tensor {t.name} has {t.data.nbytes:,} of its "
+                         f"{want:,} bytes)")
+    return GGUFTensor(t.name, kind, shape, t.data)

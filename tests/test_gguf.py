@@ -1,0 +1,172 @@
+"""GGUF files (dgemma_cli/checkpoint/gguf_file.py) and their block types (quant/ggml.py), against the llama.cpp
+project's own `gguf` library: its writer makes the fixtures, its `dequantize` is the reference for every type (its
+quantizer writes the types it has one for; random blocks with sane scales stand for the K and IQ types, which it
+only reads)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from dgemma_cli.checkpoint.gguf_file import ARCH, GGUFFile  # noqa: E402
+from dgemma_cli.errors import ModelError  # noqa: E402
+from quant import ggml  # noqa: E402
+
+T = gguf.GGMLQuantizationType
+# where each type keeps its f16 scales (byte offsets in a block): random bytes there would be NaN or huge
+HALVES = {"Q8_0": [0], "Q5_0": [0], "Q5_1": [0, 2], "IQ4_NL": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+          "Q3_K": [108], "IQ4_XS": [0]}
+
+
+def blocks(kind: str, rows: int, columns: int, seed: int = 0) -> np.ndarray:
+    """uint8 [rows, row bytes]: random blocks of `kind` whose halves are scales in [-1, 1]."""
+    rng = np.random.default_rng(seed)
+    n = rows * columns // ggml.ELEMENTS[kind]
+    raw = rng.integers(0, 256, size=(n, ggml.BYTES[kind]), dtype=np.uint8)
+    for at in HALVES[kind]:
+        raw[:, at : at + 2] = rng.uniform(-1, 1, size=n).astype(np.float16).view(np.uint8).reshape(n, 2)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", sorted(HALVES))
+def test_each_block_type_decodes_as_the_gguf_library_does(kind):
+    """Bit for bit: quant/ggml.py's torch decode against gguf.dequantize, on random blocks."""
+    raw = blocks(kind, 3, 2 * ggml.ELEMENTS[kind] if ggml.ELEMENTS[kind] == 256 else 256)
+    want = gguf.dequantize(raw, getattr(T, kind))
+    got = ggml.decode(torch.from_numpy(raw), kind, want.shape)
+    assert got.shape == want.shape and np.array_equal(got.numpy(), want.astype(np.float32))
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q5_1"])
+def test_the_librarys_own_quantization_reads_back(kind):
+    """Weights quantized by gguf.quantize decode to what gguf.dequantize gives, near the weights themselves."""
+    w = np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)
+    raw = gguf.quantize(w, getattr(T, kind))
+    got = ggml.decode(torch.from_numpy(raw), kind, w.shape).numpy()
+    assert np.array_equal(got, gguf.dequantize(raw, getattr(T, kind)).astype(np.float32))
+    assert np.abs(got - w).max() < 0.1
+
+
+def write(path, arch: str = ARCH, tensors=None, extra=None):
+    """A GGUF file by the library's writer: `tensors` name -> (kind, array: floats for F32, blocks otherwise)."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(2)
+    w.add_uint32("diffusion.canvas_length", 256)
+    for key, value in (extra or {}).items():
+        w.add_string(key, value)
+    for name, (kind, array) in (tensors or {}).items():
+        if kind == "F32":
+            w.add_tensor(name, array)
+        else:
+            w.add_tensor(name, array, raw_dtype=getattr(T, kind))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def mixed() -> dict:
+    """One tensor of each type dgemma reads, as a real file mixes them, and an F32 norm."""
+    out = {f"blk.0.t_{k.lower()}": (k, blocks(k, 2, 256, seed=i)) for i, k in enumerate(sorted(HALVES))}
+    out["output_norm.weight"] = ("F32", np.linspace(0.5, 1.5, 256, dtype=np.float32))
+    return out
+
+
+def test_a_file_reads_back_its_metadata_shapes_and_blocks(tmp_path):
+    tensors = mixed()
+    f = GGUFFile(write(tmp_path / "m.gguf", tensors=tensors))
+    assert f.get("block_count") == 2 and f.get("diffusion.canvas_length") == 256
+    assert set(f.tensors) == set(tensors)
+    reader = gguf.GGUFReader(str(tmp_path / "m.gguf"))
+    for t in reader.tensors:
+        ours = f.tensors[t.name]
+        assert ours.kind == t.tensor_type.name and ours.shape == tuple(reversed(t.shape.tolist()))
+        want = gguf.dequantize(t.data, t.tensor_type).reshape(ours.shape)
+        got = ggml.decode(torch.from_numpy(np.array(ours.data)), ours.kind, ours.shape)
+        assert np.array_equal(got.numpy(), want.astype(np.float32)), t.name
+
+
+def test_a_split_file_is_read_from_its_first_part(tmp_path):
+    tensors = list(mixed().items())
+    write(tmp_path / "m-00001-of-00002.gguf", tensors=dict(tensors[:4]))
+    write(tmp_path / "m-00002-of-00002.gguf", tensors=dict(tensors[4:]))
+    f = GGUFFile(tmp_path / "m-00001-of-00002.gguf")
+    assert set(f.tensors) == {n for n, _ in tensors}
+    (tmp_path / "m-00002-of-00002.gguf").unlink()
+    with pytest.raises(ModelError, match="m-00002-of-00002.gguf is not beside it"):
+        GGUFFile(tmp_path / "m-00001-of-00002.gguf")
+
+
+def test_what_cannot_run_is_refused_in_one_line(tmp_path):
+    """Another architecture, a file cut short, a tensor of a type dgemma does not read, a file that is no GGUF:
+    each a ModelError of one line, naming what is wrong."""
+    tensors = mixed()
+    with pytest.raises(ModelError, match="architecture 'llama', not DiffusionGemma") as e:
+        GGUFFile(write(tmp_path / "llama.gguf", arch="llama", tensors=tensors))
+    lines = [str(e.value)]
+    whole = write(tmp_path / "whole.gguf", tensors=tensors).read_bytes()
+    for cut in (len(whole) - 100, 40):
+        (tmp_path / "cut.gguf").write_bytes(whole[:cut])
+        with pytest.raises(ModelError, match="not a whole GGUF file") as e:
+            GGUFFile(tmp_path / "cut.gguf")
+        lines.append(str(e.value))
+    q2 = np.random.default_rng(0).integers(0, 256, size=(2, 84), dtype=np.uint8)  # Q2_K: 84 bytes a block
+    with pytest.raises(ModelError, match="tensor blk.0.ffn_down_exps.weight is Q2_K, a type dgemma does not read") \
+            as e:
+        GGUFFile(write(tmp_path / "q2.gguf", tensors={"blk.0.ffn_down_exps.weight": ("Q2_K", q2)}))
+    lines.append(str(e.value))
+    (tmp_path / "text.gguf").write_text("not a model")
+    with pytest.raises(ModelError, match="not a GGUF file") as e:
+        GGUFFile(tmp_path / "text.gguf")
+    lines.append(str(e.value))
+    assert all("\n" not in line for line in lines)
+
+
+def test_the_real_models_keys_give_its_config(tmp_path):
+    """A file with the real model's `diffusion-gemma.*` keys (as llama.cpp's converter writes them: per-layer kv
+    heads, a sliding pattern a bool per layer) reads as the published config.json: the same layers, heads, experts
+    and sizes."""
+    from dgemma_cli.config import DIFFUSIONGEMMA_26B_A4B, ModelConfig
+
+    sliding = [(i + 1) % 6 != 0 for i in range(30)]
+    w = gguf.GGUFWriter(str(tmp_path / "real.gguf"), ARCH)
+    w.add_block_count(30)
+    w.add_embedding_length(2816)
+    w.add_feed_forward_length(2112)
+    w.add_head_count(16)
+    w.add_head_count_kv([8 if s else 2 for s in sliding])
+    w.add_key_length(512)
+    w.add_uint32(f"{ARCH}.attention.key_length_swa", 256)
+    w.add_expert_count(128)
+    w.add_expert_used_count(8)
+    w.add_expert_feed_forward_length(704)
+    w.add_sliding_window(1024)
+    w.add_array(f"{ARCH}.attention.sliding_window_pattern", sliding)
+    w.add_float32(f"{ARCH}.final_logit_softcapping", 30.0)
+    w.add_context_length(262144)
+    w.add_uint32("diffusion.canvas_length", 256)
+    w.add_token_list([f"t{i}" for i in range(262144)])
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_pad_token_id(0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours = ModelConfig.from_dict(GGUFFile(tmp_path / "real.gguf").config_dict(), source="real.gguf")
+    want = ModelConfig.from_dict(DIFFUSIONGEMMA_26B_A4B)
+    assert ours.text.layers == want.text.layers and ours.canvas_length == want.canvas_length
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_experts",
+                "top_k_experts", "num_hidden_layers", "num_attention_heads", "sliding_window",
+                "final_logit_softcapping", "layer_types", "bos_token_id", "eos_token_id", "pad_token_id"):
+        assert getattr(ours.text, key) == getattr(want.text, key), key
+
+
+def test_a_key_the_config_needs_is_named_when_missing(tmp_path):
+    f = GGUFFile(write(tmp_path / "m.gguf", tensors=mixed()))
+    with pytest.raises(ModelError, match=f"without {ARCH}.attention.head_count_kv"):
+        f.config_dict()
