@@ -83,7 +83,6 @@ class HostTables:
         self.e_src, self.e_set, self.e_dst = (a.astype(np.int64) for a in (t.e_src, t.e_set, t.e_dst))
         self.dist = t.dist.astype(np.int64)
 
-
     def outside(self, device) -> torch.Tensor:
         """bool [V] on `device`: the tokens outside the biggest class (copied there once)."""
         return self._on("outside", device, lambda: ~self.big_mask)
