@@ -421,8 +421,12 @@ class Engine:
 
     def start_compiler(self) -> None:
         """Start the structure compile's first worker now, in the background (StructureCompiler.start): a server's
-        first structured request then finds the vocabulary read and walked. Nothing without a tokenizer."""
-        if self.tokenizer is not None and not self._compiler_stopped:
+        first structured request then finds the vocabulary read and walked. Nothing without a tokenizer, or for a
+        vocabulary under EARLY_COMPILER_TOKENS, whose reading costs a first structure nothing worth a process."""
+        from .structured.worker import EARLY_COMPILER_TOKENS
+
+        if self.tokenizer is not None and not self._compiler_stopped and \
+                self.config.text.vocab_size >= EARLY_COMPILER_TOKENS:
             self._structure_compiler().start()
 
     def set_compile_budget(self, seconds: float | None = None, memory: int | None = None,

@@ -251,8 +251,8 @@ def test_a_head_stopped_midway_is_reset():
     assert ((buf.soft.cpu().float() - soft).abs().max() / soft.abs().max()) < 8e-3
 
 
-@pytest.mark.parametrize("on_device", [pytest.param(False, id="host-search"),
-                                       pytest.param(True, id="device-search", marks=pytest.mark.slow)])
+@pytest.mark.slow  # make test's time (the held rows' host search through the loop: tests/test_held_rows.py)
+@pytest.mark.parametrize("on_device", [pytest.param(False, id="host-search"), pytest.param(True, id="device-search")])
 def test_structured_rows_through_the_fused_head(fused_head_on, on_device, monkeypatch):
     """The server's batch loop with the fused head (no log-probabilities in its buffers): a row held to a regular
     expression gets its own from the step's hidden states (host-search) or its class pass runs in the head and its

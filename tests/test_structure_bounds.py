@@ -414,3 +414,32 @@ def test_a_pattern_is_held_inside_the_json_string(pattern, inside, outside):
         assert re.fullmatch(pattern, json.loads(text)["s"]), (pattern, text)
     for body in outside:
         assert not rx.fullmatch('{"s":"' + body + '"}'), (pattern, body)
+
+
+def test_a_started_compiler_compiles_in_the_worker_it_started():
+    """StructureCompiler.start (what `dgemma serve` does for a large vocabulary): the worker runs before any
+    structure comes, and the first structure compiles in it, not in a new one; starting again starts nothing, and
+    closing stops it."""
+    from pathlib import Path
+
+    import dgemma_cli
+    from dgemma_cli.structured.structure import Structure
+    from dgemma_cli.structured.worker import StructureCompiler
+    from dgemma_cli.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(Path(dgemma_cli.__file__).parent / "demo_model")
+    c = StructureCompiler(tok, tok.vocab_size, 30, 4 << 30, workers=1)
+    try:
+        c.start()
+        assert len(c.pids) == 1
+        pid = c.pids[0]
+        auto = c.compile(Structure("json_schema", '{"type": "string", "maxLength": 3}'))
+        assert auto.S > 1 and c.pids == [pid]
+        c.start()
+        assert c.pids == [pid]
+    finally:
+        c.close()
+    deadline = time.monotonic() + 5
+    while c.pids and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert c.pids == []

@@ -478,6 +478,7 @@ def test_sample_step_leaves_the_log_probabilities():
     assert torch.allclose(entropy, -(want.exp() * want).sum(-1), atol=1e-5)
 
 
+@pytest.mark.slow  # make test's time (a drawn token's law over classes: tests/test_host_search.py)
 def test_big_groups_search_as_token_by_token(checkpoints, monkeypatch):
     """Groups above BIG_GROUP tokens, and token classes (a string's characters), are searched through masks: the
     same argmax paths as token by token (outlines-core's automaton, every group a list of tokens), and draws

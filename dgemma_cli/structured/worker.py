@@ -40,6 +40,8 @@ DEFAULT_SECONDS = 30.0  # a structure's compile time budget (--compile-timeout)
 DEFAULT_MEMORY = 4 << 30  # each worker's resident memory budget, bytes (--compile-memory)
 DEFAULT_WORKERS = 2  # compile workers: one slow structure holds one, the others go on (--compile-workers)
 _POLL = 0.02  # seconds between looks at the worker (its memory, the caller's cancel)
+EARLY_COMPILER_TOKENS = 32_768  # vocabularies from which `dgemma serve` starts a worker at once (the real one's
+# reading and walk take about half a second; a small one's, milliseconds)
 _CACHED = 32  # compiled structures kept
 _REFUSED = 256  # refusals kept
 
