@@ -275,7 +275,7 @@ MUTATIONS: list[Mutation] = [
         f"{STRUCT_T}::test_repetitions_up_to_max_repeat_are_taken_and_one_more_is_refused"),
     mutation(
         "constrain/satisfied-always-false", "dgemma_cli/structured/constrain.py",
-        "        return self.ok and (self.ended or bool(self.auto.final[self.state]))",
+        "        return ok and (self.ended or bool(self.auto.final[self.state]))",
         "        return False",
         f"{STRUCT_T}::test_the_search_puts_nothing_past_max_new_tokens"),
     mutation(
@@ -335,8 +335,8 @@ MUTATIONS: list[Mutation] = [
         "tests/test_host_search.py -k two_level"),
     mutation(  # groups of the same tokens searched once: each group must read its own set's best
         "search/small-sets-mixed-up", "dgemma_cli/structured/constrain.py",
-        "                self.set_of[g] = sets[key]\n",
-        "                self.set_of[g] = sets[key] // 2\n",
+        "                set_of[g] = sets[key]\n",
+        "                set_of[g] = sets[key] // 2\n",
         f"{STRUCT_T} -k the_search_finds_the_most_probable_valid_canvas"),
     mutation(  # a required call walked as the grammar again (strings bounded to fit max_tokens)
         "calls/walked-not-searched", "dgemma_cli/server/constraints.py",
@@ -495,8 +495,8 @@ MUTATIONS: list[Mutation] = [
         "tests/test_serve.py::test_stop_tests_read_a_step_late_answer_as_at_once"),
     mutation(
         "step/temperature-copied-from-the-host", "dgemma_cli/sampler.py",
-        "    frac = torch.full((), n, dtype=torch.int32, device=device) / settings.max_denoising_steps\n",
-        "    frac = torch.tensor(n, dtype=torch.int32, device=device) / settings.max_denoising_steps\n",
+        "    return _temperature_left(torch.full((), n, dtype=torch.int32, device=device), settings)\n",
+        "    return _temperature_left(torch.tensor(n, dtype=torch.int32, device=device), settings)\n",
         "tests/test_model_units.py::test_a_steps_inputs_are_made_on_the_device_without_a_host_copy"),
 ]
 
