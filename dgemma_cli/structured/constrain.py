@@ -173,12 +173,6 @@ def compile_structure(structure: Structure, tokenizer, vocab_size: int):
 BIG_GROUP = 4096  # tokens above which a group is kept as a membership mask, not a token list
 
 
-def gumbel(shape, generator: torch.Generator | None, device) -> torch.Tensor:
-    """Standard Gumbel noise: adding it to log-probabilities and taking the max draws from the distribution."""
-    u = torch.empty(shape, device=device).uniform_(generator=generator)
-    return -torch.log(-torch.log(u.clamp_(min=1e-20)))
-
-
 def best_path(auto: TokenAutomaton, score: torch.Tensor, state: int, room: int, after: int, end_ids: list[int],
               pad_id: int, noise: torch.Generator | bool | None = None, hint: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, bool]:
