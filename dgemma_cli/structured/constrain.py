@@ -310,7 +310,7 @@ class RowConstraint:
             target.fill_(self.pad_id)
             if path is not None:
                 target[:room] = torch.from_numpy(path).to(target.device)
-        self.ok = paths[0][1] if paths[0][0] is not None else False
+        self.ok = paths[0][1]  # False where no path exists at all
         if greedy:
             sample.copy_(argmax)
 

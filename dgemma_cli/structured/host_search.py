@@ -29,18 +29,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .device_search import DeviceTables
+from .device_search import DeviceTables, device_tables
 
 
 def host_tables(auto, end_ids, pad_id: int) -> "HostTables":
-    """The automaton's host tables for these end ids and pad, made once (cached on the automaton)."""
-    from .device_search import device_tables
-
-    key = (tuple(sorted(set(int(i) for i in end_ids))), int(pad_id))
-    cache = auto.__dict__.setdefault("_host_tables", {})
-    if key not in cache:
-        cache[key] = HostTables(device_tables(auto, list(key[0]), key[1]))
-    return cache[key]
+    """The automaton's host tables for these end ids and pad, made once (kept with its DeviceTables, which
+    device_tables caches on the automaton)."""
+    t = device_tables(auto, end_ids, pad_id)
+    if "_host" not in t.__dict__:
+        t._host = HostTables(t)
+    return t._host
 
 
 class HostTables:
@@ -106,7 +104,6 @@ class ClassValues:
     drawn: np.ndarray | None  # [P, K + 1]: each class's log-mass plus a Gumbel draw (None: argmax only)
     mass: np.ndarray | None  # [P, K + 1]: each class's log-mass (None: argmax only)
     X: np.ndarray  # [P, N]: the gathered scores, class-major (HostTables.cols)
-    M: np.ndarray  # [P, segments]: each segment's max
     big_token: dict  # position -> the big class's best token where it was read from the row
 
 
@@ -155,7 +152,7 @@ def values(h: HostTables, score: torch.Tensor, argmax: torch.Tensor, drawing: bo
         noise = torch.empty((P, K + 1), device=gen.device if gen is not None else "cpu").uniform_(generator=gen)
         noise = -torch.log(-torch.log(noise.clamp_(min=1e-20)))
         drawn = mass + noise.cpu().numpy()
-    return ClassValues(best, drawn, mass, X, M, big_token)
+    return ClassValues(best, drawn, mass, X, big_token)
 
 
 def search(h: HostTables, score: torch.Tensor, state: int, after: int, argmax: torch.Tensor | None,
