@@ -197,19 +197,15 @@ def test_plan_with_named_cards_never_imports_torch():
 
 
 def streaming_memory(path: Path, resident: int = 1) -> int:
-    """The --gpu-memory at which `path` keeps `resident` layers' experts on the card and streams the rest (a stack of
-    three layers or fewer streams them all: two buffers and one resident layer would hold them all)."""
-    from dgemma_cli.checkpoint.weights import read_quant_format
-
+    """The --gpu-memory at which `path` keeps `resident` layers' experts on the card and streams the rest, planned as
+    the CPU runs it (the CPU's path unpacks a quantized layer at a time)."""
     from dgemma_cli.checkpoint.layout import stored_policy
+    from dgemma_cli.checkpoint.weights import read_quant_format
+    from dgemma_cli.placement.plan import streaming_memory as at
 
     cfg = ModelConfig.from_dir(path)
     fmt = read_quant_format(path, cfg.raw) or "bf16"
-    whole = plan(cfg, fmt, [Card("any", 10**15, 0.0, 4, 16)], context=planned_context(cfg),
-                 policy=stored_policy(path) if fmt != "bf16" else None,
-                 fused_experts=False)  # the CPU's path unpacks a quantized layer at a time
-    c = whole.cards[0]
-    return c.fixed_bytes + (2 + min(resident, len(c.layers) - 3)) * c.expert_bytes
+    return at(cfg, fmt, stored_policy(path) if fmt != "bf16" else None, resident)
 
 
 PROMPTS = [[2, 200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210, 211], [2, 300, 301, 302]]

@@ -26,6 +26,11 @@ def doctor(
                                         "first time they meet it."),
     devices: Optional[str] = typer.Option(None, "--devices", help="The cards to list and check, as for run "
                                           "(cuda:0,cuda:1); the first is checked."),
+    sizes: Optional[str] = typer.Option(None, "--sizes", metavar="CONFIG", help="Also run the kernels at this "
+                                        "config's sizes (real, mid, tiny, a model name or directory), timed against "
+                                        "their bounds on a card; 'none': small shapes only. Default: on a card the "
+                                        "model's (--model) or the real model's; on the CPU none (the interpreter "
+                                        "would take hours at the real sizes)."),
     reset: bool = typer.Option(False, "--reset", help="Forget every verdict kept for every card (families turned "
                                                       "off come back; each is checked again at its next use)."),
     quiet: bool = QUIET_OPTION,
@@ -59,7 +64,8 @@ def doctor(
     indices = _indices(names) if cuda else None
     device = torch.device("cuda", indices[0] if indices else 0) if cuda else torch.device("cpu")
     stream = sys.stderr if json_out == Path("-") else sys.stdout
-    report = _run(diagnose, device, fmt=fmt, devices=indices, quiet=quiet)
+    at, skipped = _sizes(sizes, model, quick, cuda)
+    report = _run(diagnose, device, quiet=quiet, fmt=fmt, devices=indices, sizes=at, sizes_skipped=skipped)
     if json_out is not None:
         text = json.dumps(report, indent=1)
         if json_out == Path("-"):
@@ -71,6 +77,26 @@ def doctor(
     note(summary(report))
     if not report["ok"]:
         raise typer.Exit(1)
+
+
+def _sizes(name: str | None, model: str | None, quick: bool, cuda: bool) -> tuple[tuple | None, str | None]:
+    """((label, Sizes) or None, why not) for --sizes, as the docstring of the option says."""
+    if name == "none":
+        return None, "--sizes none: small shapes only"
+    if name is None:
+        if quick:
+            return None, "--quick: small shapes only"
+        if not cuda:
+            return None, ("needs a CUDA card: the interpreter would take hours at the real sizes (`--sizes tiny` "
+                          "runs this check's logic here)")
+        name = model_arg(model, quiet=True) if model else "real"
+    from quant.probes import Sizes
+
+    from ..bench import config_for
+    from ..config import ModelConfig
+
+    label, raw = config_for(name)
+    return (Path(label).name if "/" in label else label, Sizes.of(ModelConfig.from_dict(raw))), None
 
 
 def _model_format(model: str) -> str:
@@ -92,18 +118,17 @@ def _indices(names) -> list[int] | None:
     return out
 
 
-def _run(diagnose, device, *, fmt, devices, quiet):
+def _run(diagnose, device, *, quiet, **kw):
     """diagnose with a progress line on a terminal (Rich), silently elsewhere."""
     if quiet or not sys.stderr.isatty():
-        return diagnose(device, fmt=fmt, devices=devices)
+        return diagnose(device, **kw)
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn
 
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), console=Console(stderr=True),
                   transient=True) as bar:
         task = bar.add_task("checking")
-        return diagnose(device, fmt=fmt, devices=devices,
-                        progress=lambda what: bar.update(task, description=f"checking {what}"))
+        return diagnose(device, progress=lambda what: bar.update(task, description=f"checking {what}"), **kw)
 
 
 def _table(report: dict, checks, stream) -> None:
@@ -124,10 +149,19 @@ def _table(report: dict, checks, stream) -> None:
     for col in ("check", "what", "result", "detail", "s"):
         table.add_column(col, justify="right" if col == "s" else "left")
     for c in checks:
-        style = {"pass": "green", "off": "red"}.get(c.status, "dim")
+        style = {"pass": "green", "off": "red", "fail": "red"}.get(c.status, "dim")
         table.add_row(c.name, c.what, f"[{style}]{c.status}[/]", c.detail,
                       "" if c.seconds is None else f"{c.seconds:.2f}")
     console.print(table)
+    timed = [t for c in checks for t in c.timings or () if t["ms"] is not None]
+    if timed:  # a card: each kernel call at the model's sizes against its bound
+        calls = Table(title=f"kernel calls at {report['sizes']}'s sizes against their bounds on {report['card']}")
+        for col in ("call", "ms", "bound ms", "bound by", "x bound"):
+            calls.add_column(col, justify="left" if col == "call" else "right")
+        for t in timed:
+            calls.add_row(t["call"], f"{t['ms']:.3f}", "-" if t["bound_ms"] is None else f"{t['bound_ms']:.3f}",
+                          t["bound_by"] or "-", "-" if t["x_bound"] is None else f"{t['x_bound']:.2f}")
+        console.print(calls)
     for line in report["not_done"]:
         console.print(f"[dim]not checked yet: {line}[/]")
 

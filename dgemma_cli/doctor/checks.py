@@ -39,6 +39,7 @@ class Check:
     detail: str = ""  # why it is off, or not run; a measured figure
     error: float | None = None  # the largest error as a fraction of its tolerance (kernel checks)
     seconds: float | None = None
+    timings: list[dict] | None = None  # at a model's sizes: each kernel call's time against its bound (sizes.py)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -133,6 +133,31 @@ def planned_context(cfg: ModelConfig) -> int:
     return min(DEFAULT_CONTEXT, cfg.text.max_position_embeddings)
 
 
+def streaming_memory(cfg: ModelConfig, fmt: str, policy: str | None = None, resident: int = 1,
+                     fused_experts: bool = False) -> int:
+    """The card memory at which `cfg` keeps `resident` layers' experts on the card and streams the rest (a stack of
+    three layers or fewer streams them all: two buffers and one resident layer would hold them all). The doctor's
+    copy-stream check and the tests plan with it."""
+    whole = plan(cfg, fmt, [Card("any", 10**15, 0.0, 4, 16)], context=planned_context(cfg), policy=policy,
+                 fused_experts=fused_experts)
+    c = whole.cards[0]
+    return c.fixed_bytes + (2 + min(resident, len(c.layers) - 3)) * c.expert_bytes
+
+
+def largest_memory(cfg: ModelConfig, fmt: str, wanted, *, context: int, cards: int = 1, batch: int = 1,
+                   policy: str | None = None, fused_experts: bool = False) -> int:
+    """The largest card memory (searched down from a card that holds everything, a quarter of a layer's experts at a
+    time) at which `cards` cards of it give a plan that fits and satisfies `wanted(plan)`; ValueError if none does."""
+    kw = dict(context=context, batch=batch, policy=policy, fused_experts=fused_experts)
+    size = plan(cfg, fmt, [Card("any", 10**15, 0.0, 4, 16)], **kw).resident_bytes
+    while size > 0:
+        p = plan(cfg, fmt, [Card("card", size, 0.0, 4, 16)] * cards, **kw)
+        if p.fits and wanted(p):
+            return size
+        size -= max(1, p.expert_bytes // 4)
+    raise ValueError("no card size gives such a plan")
+
+
 def _spread(n: int, among: list[int]) -> list[int]:
     """n of `among` (in order), evenly spaced: the layers that stream."""
     if n <= 0:

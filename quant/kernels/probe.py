@@ -23,6 +23,8 @@ run eagerly (dgemma_cli/engine.py, GraphedDenoiser), the fused head with them.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -34,6 +36,20 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 2e-3}  # max |k
 
 _ok: dict[tuple[str, int, torch.dtype], bool] = {}  # (family, device index, dtype) -> verdict, this process
 measured: list[float] = []  # each comparison's relative error over its tolerance, since `check` last began
+
+
+@dataclass
+class Timed:
+    """A kernel call a probe at a model's sizes leaves to be timed (`dgemma doctor`): `run()` repeats it; `nbytes` is
+    its least DRAM traffic, `flops` its useful FLOPs (FP4 x FP4 products where `fp4`)."""
+    name: str
+    run: Callable[[], object]
+    nbytes: float
+    flops: float
+    fp4: bool = False
+
+
+timed: list[Timed] = []  # the calls the last `check` at a model's sizes left to be timed
 
 
 def needs_probe(device: torch.device) -> bool:
@@ -105,17 +121,20 @@ def keep(device: torch.device, decided: dict[str, dict]) -> None:
             _ok[key] = v["ok"]
 
 
-def check(family: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str | None:
+def check(family: str, device: torch.device, dtype: torch.dtype = torch.bfloat16, sizes=None) -> str | None:
     """Run `family`'s probe on `device` now: None when the kernel agrees with the torch path, else what went wrong
     ("failed to compile (...)", "failed to run (...)", "disagrees with the torch path (...) on this GPU"). The
-    comparisons' errors, as fractions of their tolerances, are left in `measured`."""
+    comparisons' errors, as fractions of their tolerances, are left in `measured`. sizes: a model's (quant/probes.py
+    Sizes; the family must be in AT_SIZES), whose kernel calls are left in `timed`; None: the small problem."""
     measured.clear()
+    timed.clear()
+    args = (device, dtype) if sizes is None else (device, dtype, sizes)
     try:
         if device.type == "cuda":
             with torch.cuda.device(device):
-                err = PROBES[family](device, dtype)
+                err = PROBES[family](*args)
         else:
-            err = PROBES[family](device, dtype)
+            err = PROBES[family](*args)
     except Exception as e:
         what = "failed to compile" if type(e).__module__.startswith("triton") else "failed to run"
         first = (str(e).strip().splitlines() or [""])[0][:120]  # compile errors span many lines
@@ -132,11 +151,14 @@ def reset() -> None:
 # The problem each family is checked on: quant/probes.py (which builds them from the quantized modules) registers
 # them when the quant package is imported, so this module imports nothing above the kernels.
 PROBES: dict = {}
+AT_SIZES: set[str] = set()  # the families whose problem also runs at a model's sizes: f(device, dtype, sizes)
 
 
-def register(problems: dict) -> None:
-    """Add first-use problems: family -> f(device, dtype) returning None (agrees) or a short mismatch reason."""
-    unknown = set(problems) - set(FAMILIES)
+def register(problems: dict, at_sizes=()) -> None:
+    """Add first-use problems: family -> f(device, dtype) returning None (agrees) or a short mismatch reason;
+    at_sizes: those that also take a model's sizes as a third argument."""
+    unknown = (set(problems) | set(at_sizes)) - set(FAMILIES)
     if unknown:
         raise ValueError(f"unknown kernel families {sorted(unknown)}")
     PROBES.update(problems)
+    AT_SIZES.update(at_sizes)

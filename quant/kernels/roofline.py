@@ -401,6 +401,21 @@ def tensor_us(gpu: GPU, flops: float, fp4: bool = False) -> float:
     return flops / ((gpu.fp4_tflops if fp4 else gpu.tensor_tflops) * 1e6)
 
 
+def gpu_named(name: str, sms: int) -> GPU | None:
+    """The GPU above a card is, from its name as CUDA gives it ("NVIDIA GeForce RTX 4090", "NVIDIA H100 80GB HBM3")
+    and its SM count (which tells an H100 SXM from an H100 PCIe): None for a card not listed, whose bound is unknown."""
+    def key(text: str) -> str:
+        return text.lower().replace("nvidia", "").replace("geforce", "").replace(" ", "")
+
+    listed = [*GPUS.values(), *(g for _, g in CARD_GPUS.values()), *(g for gs in STEP_ALSO.values() for g in gs)]
+    for gpu in sorted(listed, key=lambda g: -len(g.name)):  # "RTX 4060 Ti 16GB" before "RTX 4060"
+        family = key(gpu.name.split(" SXM")[0].removesuffix("16GB").removesuffix("12GB"))
+        variant = any(v in key(name) for v in ("pcie", "nvl", "40gb"))  # other memory, other bandwidth
+        if family in key(name) and gpu.sms == sms and not variant:
+            return gpu
+    return None
+
+
 def issue_us(gpu: GPU, warp_instr: float) -> float:
     return warp_instr / (gpu.sms * ISSUE_PER_CLOCK * gpu.clock_ghz * 1e3)
 
