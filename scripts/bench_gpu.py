@@ -72,8 +72,10 @@ class Part:
 NVFP4_ALL = dict(fmt="nvfp4", policy="all", prompt=256)
 PARTS = [
     Part("setup", 15, "setup", "wheels installed from .whl when present; python, torch and the device"),
-    Part("doctor", 120, "doctor", "`dgemma doctor --json DIR/doctor.json`: every kernel family on this card"),
-    Part("nvfp4 (all) b1 p256", 90, "bench", "the first row at the real shapes: Triton compiles for them",
+    Part("doctor", 150, "doctor", "`dgemma doctor --json DIR/doctor.json`: every kernel family on this card, small "
+         "and at the real model's sizes (each call timed against its bound), the graph, copy stream and split"),
+    Part("nvfp4 (all) b1 p256", 75, "bench", "the first row at the real shapes: Triton compiles what the doctor "
+         "did not (its cache is shared)",
          dict(NVFP4_ALL, batch=1), ("nvfp4", 1)),
     Part("nvfp4 (all) b4 p256", 45, "bench", "batch 4", dict(NVFP4_ALL, batch=4), ("nvfp4", 4)),
     Part("nvfp4 (all) b1 p256 in 12 GB", 60, "bench", "planned for a 12 GB card: experts streamed from host memory",
@@ -307,11 +309,19 @@ def measured_rows(results: dict) -> list[tuple[Part, dict]]:
             and isinstance(parts[p.label].get("ms_per_step"), (int, float))]
 
 
+def doctor_calls(results: dict) -> list[tuple[str, dict]]:
+    """(family, timing) for each kernel call the doctor timed at a model's sizes (dgemma_cli/doctor/sizes.py)."""
+    report = (results.get("doctor") or {}).get("report") or {}
+    return [(k["name"], t) for k in report.get("at_sizes", []) for t in k.get("timings") or ()
+            if isinstance(t.get("ms"), (int, float))]
+
+
 def benchmarks_block(results: dict, text: str) -> str | None:
     """The dated table of a run's measured rows beside the kernel report's static bounds (read from `text`); None
     when nothing was measured."""
     rows = measured_rows(results)
-    if not rows:
+    calls = doctor_calls(results)
+    if not rows and not calls:
         return None
     dev = results.get("device", {})
     card = card_of(dev.get("name"))
@@ -358,6 +368,16 @@ def benchmarks_block(results: dict, text: str) -> str | None:
             missing.append(f"{p.label} ({r['error']})")
     if missing:
         lines += ["", *textwrap.wrap("Not measured in this run: " + "; ".join(missing) + ".", 118)]
+    if calls:
+        lines += ["", *textwrap.wrap("The doctor's kernel calls at the real model's sizes (a 256-token canvas), "
+                                     "each the median of 20 after 3 warm calls, against its bound on this card: "
+                                     "the call's least DRAM bytes at the card's peak bandwidth or its FLOPs at the "
+                                     "tensor peak, the longer (quant/kernels/roofline.py).", 118), "",
+                  "| family | call | ms | bound ms | bound by | x bound |", "|---|---|---:|---:|---|---:|"]
+        for family, t in calls:
+            bound = "-" if t["bound_ms"] is None else f"{t['bound_ms']:.4f}"
+            lines.append(f"| {family} | {t['call']} | {t['ms']:.4f} | {bound} | {t['bound_by'] or '-'} | "
+                         f"{'-' if t['x_bound'] is None else t['x_bound']} |")
     met = {True: [], False: [], None: []}
     for name, t in (results.get("targets") or {}).items():
         met[t.get("met")].append(name)

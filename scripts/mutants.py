@@ -404,6 +404,16 @@ MUTATIONS: list[Mutation] = [
         "    kept = kept_verdicts(device).get(verdict_name(family, dtype))\n",
         "    kept = None\n",
         "tests/test_doctor.py::test_a_wrong_kernel_is_caught_turned_off_kept_and_the_run_after_gives_the_torch_tokens"),
+    mutation(
+        "doctor/verdict-at-sizes-not-kept", "dgemma_cli/doctor/sizes.py",
+        "    if decided:\n        probe.keep(device, decided)\n",
+        "    if False:\n        probe.keep(device, decided)\n",
+        "tests/test_doctor.py::test_a_kernel_wrong_only_at_a_models_sizes_is_caught_there_and_turned_off"),
+    mutation(
+        "doctor/bound-without-the-tensor-peak", "dgemma_cli/doctor/sizes.py",
+        "        bound = max(dram, tensor)\n",
+        "        bound = dram\n",
+        "tests/test_doctor.py::test_each_kernel_call_at_a_models_sizes_is_timed_against_its_bound"),
     # ------------------------------------------------------------------ placement: streamed experts, split layers
     mutation(
         "placement/experts-run-before-their-copy-lands", STREAMING,

@@ -495,3 +495,27 @@ def test_bench_gpu_targets_say_what_was_not_measured():
     assert t[">= 5x transformers (bf16)"]["met"] is None
     results["doctor"] = {"status": "not available"}
     assert g.targets(results)["doctor: every kernel family passed or did not apply"]["met"] is None
+
+
+def test_bench_gpu_writes_the_doctors_timed_kernel_calls_and_only_those_measured(tmp_path):
+    from pathlib import Path
+
+    g = _bench_gpu()
+    copy = tmp_path / "BENCHMARKS.md"
+    copy.write_text((Path(__file__).resolve().parent.parent / "BENCHMARKS.md").read_text())
+    timed = {"call": "nvfp4_linear 256x2816->2112", "ms": 0.0412, "bound_ms": 0.0171, "bound_by": "DRAM",
+             "x_bound": 2.41}
+    unmeasured = dict(timed, call="head 256 rows, vocab 262144", ms=None, x_bound=None)
+    results = _fake_results(g)  # no step row measured
+    results["doctor"]["report"] = {"at_sizes": [
+        {"name": "nvfp4_linear", "status": "pass", "timings": [timed]},
+        {"name": "head", "status": "pass", "timings": [unmeasured]},
+        {"name": "moe_plan", "status": "off", "timings": None}]}
+    assert g.write_benchmarks(results, copy) is True
+    text = copy.read_text()
+    section = text[text.index(g.BENCH_BEGIN):text.index(g.BENCH_END)]
+    rows = [line for line in section.splitlines() if line.startswith("| nvfp4_linear") or "head 256" in line]
+    assert rows == ["| nvfp4_linear | nvfp4_linear 256x2816->2112 | 0.0412 | 0.0171 | DRAM | 2.41 |"]
+    results["doctor"]["report"]["at_sizes"] = results["doctor"]["report"]["at_sizes"][1:]  # nothing timed
+    copy.write_text((Path(__file__).resolve().parent.parent / "BENCHMARKS.md").read_text())
+    assert g.write_benchmarks(results, copy) is False

@@ -232,3 +232,11 @@ def test_a_kernel_wrong_only_at_a_models_sizes_is_caught_there_and_turned_off(fr
     assert kept["softcap float32"]["ok"] is False and "tiny's sizes" in kept["softcap float32"]["why"]
     probe.reset()
     assert probe.family_ok("softcap", torch.device("cpu"), torch.float32) is False  # a later process follows it
+
+
+def test_the_doctor_leaves_the_processs_kernel_setting_as_it_found_it(fresh, monkeypatch):
+    import os
+
+    monkeypatch.delenv("DGEMMA_KERNELS", raising=False)
+    assert run_main(["doctor", "--quick", "--sizes", "none", "-q"]) == 0
+    assert "DGEMMA_KERNELS" not in os.environ  # later work in this process takes its own path, not the interpreter's

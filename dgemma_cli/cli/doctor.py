@@ -51,7 +51,6 @@ def doctor(
     cuda = torch.cuda.is_available()
     if not cuda:  # the kernels in Triton's interpreter: set before Triton is imported (quant imports it)
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        os.environ["DGEMMA_KERNELS"] = "triton"
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -65,7 +64,12 @@ def doctor(
     device = torch.device("cuda", indices[0] if indices else 0) if cuda else torch.device("cpu")
     stream = sys.stderr if json_out == Path("-") else sys.stdout
     at, skipped = _sizes(sizes, model, quick, cuda)
-    report = _run(diagnose, device, quiet=quiet, fmt=fmt, devices=indices, sizes=at, sizes_skipped=skipped)
+    from ..bench import environment
+
+    # on the CPU the modules take the kernels (in the interpreter) while the doctor runs, and only then: a process
+    # that goes on (a test, a notebook) keeps its own setting
+    with environment({} if cuda else {"DGEMMA_KERNELS": "triton"}):
+        report = _run(diagnose, device, quiet=quiet, fmt=fmt, devices=indices, sizes=at, sizes_skipped=skipped)
     if json_out is not None:
         text = json.dumps(report, indent=1)
         if json_out == Path("-"):
