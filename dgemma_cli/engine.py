@@ -10,6 +10,8 @@ The engine joins the pieces (weights, network, tokenizer, sampler) and owns noth
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import threading
 from dataclasses import dataclass
@@ -290,6 +292,9 @@ class Engine:
         if not images:
             return []
         vision = self.config.vision
+        if vision is None and is_gguf(self.path):
+            raise ModelError(f"{self.path.name}: a GGUF holds no vision tower, so it cannot read images (the vision "
+                             "weights are the base repository's: `dgemma pull google/diffusiongemma-26B-A4B-it`)")
         if vision is None:
             raise ModelError(f"{self.path}: this model has no vision tower, so it cannot read images")
         from .image import Patches, load_patches, patchify
@@ -535,12 +540,13 @@ def _in_inference_mode(events: Iterator[Event], denoiser: ModelDenoiser | None =
 
 
 def plan_placement(path: Path, dev, gpu_memory: int | None, batch: int = 1, devices: list | None = None,
-                   batch_flag: str | None = None):
+                   batch_flag: str | None = None, stored: tuple | None = None):
     """The placement plan for a load (dgemma_cli/placement/plan.py), or None: everything resident as loaded. With
     --gpu-memory, cards of that size (on the CPU too, which then runs the same streamed path); on CUDA devices
     without it, each device's free memory, planned on one device only when the weights alone would not fit there.
     devices: the cards the layers may be split over, in order (--devices; default [dev]). ModelError (one line) when
-    the plan cannot hold, naming what would help: batch_flag is the flag that sets `batch` (--max-batch)."""
+    the plan cannot hold, naming what would help: batch_flag is the flag that sets `batch` (--max-batch). stored:
+    (ModelConfig, format, policy) where they are not read from the directory (a GGUF file)."""
     from .checkpoint.footprint import weight_bytes
     from .checkpoint.weights import stored_format
     from .placement.plan import planned_context
@@ -550,8 +556,11 @@ def plan_placement(path: Path, dev, gpu_memory: int | None, batch: int = 1, devi
         if len(devices) > 1:
             raise UsageError("--devices on the CPU runs the split of cards of --gpu-memory SIZE: give it")
         return None  # the CPU without --gpu-memory: everything resident, as ever
-    cfg = ModelConfig.from_dir(path)
-    fmt, policy = stored_format(path, cfg.raw)
+    if stored is not None:
+        cfg, fmt, policy = stored
+    else:
+        cfg = ModelConfig.from_dir(path)
+        fmt, policy = stored_format(path, cfg.raw)
     sizes = [gpu_memory] * len(devices)
     if gpu_memory is None:
         sizes = [torch.cuda.mem_get_info(d)[0] for d in devices]
@@ -598,10 +607,17 @@ def load(model: str | Path, device: str = "auto", dtype: str = "auto", adapters=
 
     read = [(read_adapter(d), float(s)) for d, s in adapters]
     path = resolve_model(model)
+    gguf = is_gguf(path)
     if not path.exists():
-        raise ModelError(f"{path}: no such model directory")
-    if not path.is_dir():
-        raise ModelError(f"{path}: not a directory")
+        raise ModelError(f"{path}: no such {'file' if gguf else 'model directory'}")
+    if not path.is_dir() and not gguf:
+        raise ModelError(f"{path}: not a directory (a model is a directory, or a .gguf file)")
+    stored = gfile = None
+    if gguf:  # refused here, in one line, before a weight is read: another architecture, a cut file, a type
+        from .checkpoint.gguf_load import read_gguf
+
+        gfile, gcfg = read_gguf(path)
+        stored = (gcfg, "bf16", None)  # decoded to the compute dtype at load: planned as 16-bit weights
     if isinstance(devices, str):
         devices = parse_devices(devices)
     devs = resolve_devices(devices) if devices is not None else None
@@ -613,7 +629,7 @@ def load(model: str | Path, device: str = "auto", dtype: str = "auto", adapters=
     for d in devs or [dev]:
         check_kernels(d)
     # refused here, in one line, before anything loads
-    placement = plan_placement(path, dev, gpu_memory, batch, devs, batch_flag)
+    placement = plan_placement(path, dev, gpu_memory, batch, devs, batch_flag, stored)
     streamed = placement.streamed if placement is not None else []
     layer_devices = None
     if placement is not None and len(placement.cards) > 1:
@@ -621,7 +637,14 @@ def load(model: str | Path, device: str = "auto", dtype: str = "auto", adapters=
             raise UsageError(f"adapters on a model split over {len(placement.cards)} cards are not supported yet "
                              "(a larger --gpu-memory, or one card streaming what does not fit: no --devices)")
         layer_devices = [devs[k] for k, c in enumerate(placement.cards) for _ in c.layers]
-    net, cfg = load_model(path, device=dev, dtype=dt, host_layers=frozenset(streamed), layer_devices=layer_devices)
+    if gguf:
+        from .checkpoint.gguf_load import load_gguf_model
+
+        net, cfg = load_gguf_model(gfile, device=dev, dtype=dt, host_layers=frozenset(streamed),
+                                   layer_devices=layer_devices)
+    else:
+        net, cfg = load_model(path, device=dev, dtype=dt, host_layers=frozenset(streamed),
+                              layer_devices=layer_devices)
     net.expert_streams = []
     if streamed:
         from .placement.streaming import ExpertStream
@@ -635,10 +658,21 @@ def load(model: str | Path, device: str = "auto", dtype: str = "auto", adapters=
     attach(net, read, adapter_slots)
     from .doctor.first_use import first_use
 
-    notes = [first_use(d, path, dt, adapters=bool(read)) for d in dict.fromkeys(devs or [dev])]
+    notes = [first_use(d, path, dt, adapters=bool(read), fmt="bf16" if gguf else None)
+             for d in dict.fromkeys(devs or [dev])]
     net.kernel_note = "; ".join(n for n in notes if n) or None  # said by the command that loaded it
     if dev.type == "cpu":  # no more threads than usable cores, one for a demo-size model (see device.py)
         fit_cpu_threads(small=cfg.canvas_length * cfg.text.vocab_size < SMALL_STEP)
-    tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
-    settings = GenerationSettings.from_checkpoint(path, cfg.text)
+    beside = path.parent if gguf else path  # a GGUF's tokenizer and sampler defaults: the files beside it
+    tokenizer = Tokenizer.from_dir(beside) if (beside / "tokenizer.json").is_file() else None
+    settings = GenerationSettings.from_checkpoint(beside, cfg.text)
+    if gguf:
+        from .checkpoint.gguf_load import sampler_defaults
+
+        settings = dataclasses.replace(settings, **sampler_defaults(gfile))
     return Engine(net, tokenizer, settings, path)
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether `path` names a GGUF file (llama.cpp's format; checkpoint/gguf_file.py reads it)."""
+    return Path(path).suffix.lower() == ".gguf"

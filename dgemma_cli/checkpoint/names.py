@@ -141,7 +141,7 @@ def find(ref: str) -> list[Entry]:
 
 
 def looks_like_path(ref: str) -> bool:
-    return ref.startswith(("/", ".", "~")) or Path(ref).expanduser().is_dir()
+    return ref.startswith(("/", ".", "~")) or Path(ref).expanduser().is_dir() or ref.lower().endswith(".gguf")
 
 
 def resolve(ref: str, demo: Path) -> Path:

@@ -1,0 +1,155 @@
+"""Tiny DiffusionGemma GGUFs in the `diffusion-gemma` converter's layout, written by the llama.cpp project's own `gguf`
+library from a checkpoint the reference wrote, and their twins: the same checkpoint with every weight replaced by
+what `gguf.dequantize` reads from the file (the reference runs the twin; dgemma runs the GGUF).
+
+Types are spread over the tensors as real files mix them: the embedding Q6_K, the matrices in turn each block type
+dgemma reads and F16 / BF16, norms, scalars and the router's scales F32. `gguf.quantize` writes the types it has a
+quantizer for (Q8_0, Q5_0, Q5_1, BF16); the K and IQ types get random blocks whose f16 scales are set so the
+weights have the tensor's own spread (every weight of those types is linear in its block's halves).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# A spec whose matrices' rows are whole K-type blocks (256 columns): every type dgemma reads fits somewhere.
+GGUF_SPEC = dict(
+    text=dict(vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=1, head_dim=128, global_head_dim=256, num_global_key_value_heads=1,
+              sliding_window=8, num_experts=4, top_k_experts=2, moe_intermediate_size=256,
+              layer_types=["sliding_attention", "full_attention"]),
+    canvas_length=16,
+)
+MATRIX_TYPES = ("Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_XS", "F16", "BF16")
+# where each block type keeps its f16 halves (byte offsets in a block)
+HALVES = {"Q8_0": [0], "Q5_0": [0], "Q5_1": [0, 2], "IQ4_NL": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+          "Q3_K": [108], "IQ4_XS": [0]}
+
+
+def random_blocks(kind: str, value: np.ndarray, seed: int) -> np.ndarray:
+    """uint8 [..., row bytes]: random blocks of `kind` for a tensor shaped like `value`, its weights scaled to
+    `value`'s standard deviation."""
+    import gguf
+    from quant import ggml
+
+    rng = np.random.default_rng(seed)
+    n = value.size // ggml.ELEMENTS[kind]
+    raw = rng.integers(0, 256, size=(n, ggml.BYTES[kind]), dtype=np.uint8)
+    halves = rng.uniform(-1, 1, size=(n, len(HALVES[kind])))
+
+    def put(h: np.ndarray) -> None:
+        for j, at in enumerate(HALVES[kind]):
+            raw[:, at : at + 2] = h[:, j].astype(np.float16).view(np.uint8).reshape(n, 2)
+
+    put(halves)
+    spread = float(gguf.dequantize(raw, getattr(gguf.GGMLQuantizationType, kind)).std())
+    put(halves * (float(value.std()) / max(spread, 1e-12)))
+    return raw.reshape(*value.shape[:-1], -1)
+
+
+def encode(kind: str, value: np.ndarray, seed: int) -> tuple[np.ndarray, object]:
+    """(array for GGUFWriter.add_tensor, raw_dtype or None) for float32 `value` in `kind`."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    if kind == "F32":
+        return value.astype(np.float32), None
+    if kind == "F16":
+        return value.astype(np.float16), None
+    if kind in ("Q8_0", "Q5_0", "Q5_1", "BF16"):
+        return gguf.quantize(value.astype(np.float32), getattr(T, kind)), getattr(T, kind)
+    return random_blocks(kind, value, seed), getattr(T, kind)
+
+
+def write_gguf(src: Path, out: Path, *, types: dict[str, str] | None = None, drop=(), metadata: bool = True,
+               arch: str = "diffusion-gemma") -> dict[str, np.ndarray]:
+    """`src` (a checkpoint directory) as a DiffusionGemma GGUF at `out`; returns our name -> the float32 weights the
+    file holds (gguf.dequantize of what was written). types: our name -> type, overriding the spread above; drop:
+    our names left out of the file."""
+    import gguf
+
+    from dgemma_cli.checkpoint.gguf_names import gguf_name
+    from dgemma_cli.checkpoint.weights import expected_tensors, load_model
+
+    model, cfg = load_model(src, dtype=torch.float32)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    for kind in ("encoder_layer_scalar", "decoder_layer_scalar"):
+        for i, v in enumerate(state.pop(kind)):
+            state[f"{kind}.{i}"] = v.reshape(1)
+    t = cfg.text
+    w = gguf.GGUFWriter(str(out), arch)
+    a = arch + "."
+    if metadata:
+        w.add_uint32(a + "block_count", t.num_hidden_layers)
+        w.add_uint32(a + "embedding_length", t.hidden_size)
+        w.add_uint32(a + "feed_forward_length", t.intermediate_size)
+        w.add_uint32(a + "attention.head_count", t.num_attention_heads)
+        sliding = [lt == "sliding_attention" for lt in t.layer_types]
+        w.add_array(a + "attention.head_count_kv", [spec.num_kv_heads for spec in t.layers])
+        w.add_array(a + "attention.sliding_window_pattern", sliding)
+        w.add_uint32(a + "attention.sliding_window", t.sliding_window)
+        w.add_uint32(a + "attention.key_length", next(sp.head_dim for sp, s in zip(t.layers, sliding) if not s))
+        w.add_uint32(a + "attention.key_length_swa", next(sp.head_dim for sp, s in zip(t.layers, sliding) if s))
+        w.add_uint32(a + "expert_count", t.num_experts)
+        w.add_uint32(a + "expert_used_count", t.top_k_experts)
+        w.add_uint32(a + "expert_feed_forward_length", t.moe_intermediate_size)
+        w.add_float32(a + "final_logit_softcapping", t.final_logit_softcapping)
+        w.add_float32(a + "attention.layer_norm_rms_epsilon", t.rms_norm_eps)
+        w.add_uint32(a + "context_length", t.max_position_embeddings)
+        w.add_uint32("diffusion.canvas_length", cfg.canvas_length)
+    held, turn = {}, 0
+    for name in expected_tensors(model):
+        if name in drop:
+            continue
+        value = state[name].float().numpy()
+        kind = (types or {}).get(name)
+        if kind is None:
+            if name == "embed_tokens.weight":
+                kind = "Q6_K"
+            elif value.ndim >= 2 and value.shape[-1] % 256 == 0 and "router" not in name:
+                kind, turn = MATRIX_TYPES[turn % len(MATRIX_TYPES)], turn + 1
+            else:
+                kind = "F32"
+        array, raw_dtype = encode(kind, value, seed=len(held))
+        if raw_dtype is None:
+            w.add_tensor(gguf_name(name), array)
+        else:
+            w.add_tensor(gguf_name(name), array, raw_dtype=raw_dtype)
+        back = (gguf.dequantize(array, raw_dtype) if raw_dtype is not None else array).astype(np.float32)
+        held[name] = back.reshape(value.shape)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return held
+
+
+def write_twin(src: Path, out: Path, held: dict[str, np.ndarray]) -> Path:
+    """`src` rewritten with the GGUF's weights (`held`, our names): every tensor of the text stack replaced by
+    what the file holds, in float32, the rest (the vision tower) as it was. The reference loads it."""
+    from safetensors.torch import load_file, save_file
+
+    from dgemma_cli.checkpoint.layout import checkpoint_name, text_prefix
+
+    tensors = {}
+    for f in sorted(Path(src).glob("model*.safetensors")):
+        tensors.update(load_file(f))
+    prefix = text_prefix(tensors)
+    for name, value in held.items():
+        ck = checkpoint_name(name, prefix)
+        assert ck in tensors, ck
+        tensors[ck] = torch.from_numpy(value).reshape(tensors[ck].shape).float()
+    out.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, out / "model.safetensors")
+    for extra in Path(src).iterdir():
+        if extra.suffix != ".safetensors" and extra.name != "model.safetensors.index.json" and extra.is_file():
+            shutil.copyfile(extra, out / extra.name)
+    config = json.loads((out / "config.json").read_text())
+    config.pop("dtype", None)
+    (out / "config.json").write_text(json.dumps(config))
+    return out

@@ -1,0 +1,133 @@
+"""A DiffusionGemma GGUF run by dgemma: a tiny model in the `diffusion-gemma` converter's layout, written by the
+`gguf` library with every block type dgemma reads (tests/gguf_fixture.py), gives on the CPU exactly the tokens the
+reference (transformers) gives on its twin, the same checkpoint holding what `gguf.dequantize` reads from the file.
+And what a GGUF cannot do is said in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from checkpoints import build_checkpoint  # noqa: E402
+from cli_helpers import run_main  # noqa: E402
+from gguf_fixture import GGUF_SPEC, write_gguf, write_twin  # noqa: E402
+from test_exactness import random_prompt, ref_generate  # noqa: E402
+
+from dgemma_cli.engine import load  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """(the GGUF, its twin, the checkpoint it was made from). The GGUF's directory holds the tokenizer and the
+    generation config beside it, as GGUF repositories often do."""
+    root = tmp_path_factory.mktemp("gguf_model")
+    src = build_checkpoint(root / "hf", GGUF_SPEC, seed=0)
+    (root / "gguf").mkdir()
+    path = root / "gguf" / "tiny-Q4_K_M.gguf"
+    held = write_gguf(src, path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copyfile(src / name, root / "gguf" / name)
+    return path, write_twin(src, root / "twin", held), src
+
+
+def test_the_fixture_mixes_every_type_dgemma_reads(files):
+    from dgemma_cli.checkpoint.gguf_file import GGUFFile
+    from quant import ggml
+
+    f = GGUFFile(files[0])
+    assert {t.kind for t in f.tensors.values()} == set(ggml.SUPPORTED)
+    assert f.tensors["token_embd.weight"].kind == "Q6_K" and "blk.1.attn_v.weight" not in f.tensors  # K as V
+
+
+def test_a_gguf_gives_the_references_tokens_on_its_twin(files, reference):
+    path, twin, _ = files
+    engine = load(path, device="cpu", dtype="float32")
+    ref = reference(twin)
+    C, V = engine.config.canvas_length, engine.config.text.vocab_size
+    kw = dict(max_new_tokens=3 * C, max_denoising_steps=8)
+    lengths = set()
+    for seed in range(2):
+        prompt = random_prompt(2 * engine.config.text.sliding_window + 3 + seed, V, seed)
+        expected, _ = ref_generate(ref, [prompt], seed, **kw)
+        ours = engine.generate([prompt], seed=seed, **kw)
+        assert ours.token_ids == expected
+        lengths.add(len(ours.token_ids[0]))
+    assert max(lengths) > C  # past the first canvas
+    # the weights are exactly the file's: a quantized matrix and the tied embedding against gguf.dequantize
+    from dgemma_cli.checkpoint.gguf_file import GGUFFile
+
+    f = GGUFFile(path)
+    for ours, name in (("embed_tokens.weight", "token_embd.weight"), ("layers.1.experts.down_proj",
+                                                                       "blk.1.ffn_down_exps.weight")):
+        t = f.tensors[name]
+        want = gguf.dequantize(np.asarray(t.data), getattr(gguf.GGMLQuantizationType, t.kind))
+        got = engine.model.get_parameter(ours) if "." in ours else None
+        assert np.array_equal(got.numpy(), want.reshape(got.shape).astype(np.float32))
+
+
+def test_a_gguf_runs_from_the_command_line_with_the_tokenizer_beside_it(files, capsys):
+    path = files[0]
+    assert run_main(["run", "--model", str(path), "--seed", "0", "--max-new-tokens", "16", "--view", "none",
+                     "--json", "-q", "hello"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["token_ids"] and isinstance(out["text"], str)
+
+
+def test_what_a_gguf_cannot_do_is_one_line(files, tmp_path, capsys):
+    path, _, src = files
+    # an image: a GGUF holds no vision tower, and says where the vision weights come from
+    image = tmp_path / "i.png"
+    from PIL import Image
+
+    Image.new("RGB", (32, 32)).save(image)
+    rc = run_main(["run", "--model", str(path), "--image", str(image), "-q", "what is this"])
+    err = capsys.readouterr().err
+    assert rc != 0 and err.count("\n") == 1 and "no vision tower" in err and "dgemma pull" in err, err
+    # a tensor the file lacks: named, before any weight is decoded
+    short = tmp_path / "short.gguf"
+    write_gguf(src, short, drop=("layers.1.mlp.up_proj.weight",))
+    rc = run_main(["run", "--model", str(short), "-q", "hello"])
+    err = capsys.readouterr().err
+    assert rc != 0 and err.count("\n") == 1 and "blk.1.ffn_up.weight" in err and "Traceback" not in err, err
+    # another architecture, and a file cut short
+    other = tmp_path / "other.gguf"
+    write_gguf(src, other, arch="llama", metadata=False)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    for bad, says in ((other, "not DiffusionGemma"), (cut, "not a whole GGUF file")):
+        rc = run_main(["run", "--model", str(bad), "-q", "hello"])
+        err = capsys.readouterr().err
+        assert rc != 0 and err.count("\n") == 1 and says in err, err
+    # no tokenizer beside the file: said, naming the file
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copyfile(path, alone / "m.gguf")
+    rc = run_main(["run", "--model", str(alone / "m.gguf"), "-q", "hello"])
+    err = capsys.readouterr().err
+    assert rc != 0 and err.count("\n") == 1 and "tokenizer" in err, err
+
+
+def test_sampler_hints_in_the_file_are_its_defaults(files, tmp_path):
+    from dgemma_cli.checkpoint.gguf_file import GGUFFile
+    from dgemma_cli.checkpoint.gguf_load import sampler_defaults
+
+    path = files[0]
+    assert sampler_defaults(GGUFFile(path)) == {}  # Unsloth's files carry none: the model's defaults stand
+    hinted = tmp_path / "hinted.gguf"
+    w = gguf.GGUFWriter(str(hinted), "diffusion-gemma")
+    w.add_uint32("diffusion.eb_max_steps", 20)
+    w.add_float32("diffusion.eb_entropy_bound", 0.25)
+    w.add_float32("diffusion.eb_t_min", 0.5)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    got = sampler_defaults(GGUFFile(hinted))
+    assert got == {"max_denoising_steps": 20, "entropy_bound": pytest.approx(0.25), "t_min": pytest.approx(0.5)}
+    assert torch.is_tensor(torch.tensor(0))  # (torch imported for the fixture's checkpoint)
