@@ -131,3 +131,31 @@ def test_sampler_hints_in_the_file_are_its_defaults(files, tmp_path):
     got = sampler_defaults(GGUFFile(hinted))
     assert got == {"max_denoising_steps": 20, "entropy_bound": pytest.approx(0.25), "t_min": pytest.approx(0.5)}
     assert torch.is_tensor(torch.tensor(0))  # (torch imported for the fixture's checkpoint)
+
+
+def test_plan_info_and_show_read_a_real_shaped_gguf_from_its_header(tmp_path, capsys):
+    """A file shaped like the published Q4_K_M (the real keys, names, shapes and a llama.cpp mix of types; its data a
+    sparse file of zeros, scripts/make_gguf_shaped.py): plan, info and show read its header alone, and say that its
+    weights are decoded to 16 bits at load, as they are today."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "make_gguf_shaped.py"
+    spec = importlib.util.spec_from_file_location("make_gguf_shaped", script)
+    shaped = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shaped)
+    path = tmp_path / "diffusiongemma-26B-A4B-it-Q4_K_M.gguf"
+    size = shaped.write(path, "q4_k_m")
+    assert 16.0e9 < size < 17.6e9  # the published file: 16.8 GB
+    rc = run_main(["plan", "--model", str(path), "--gpu", "RTX 4080", "--json"])
+    plan = json.loads(capsys.readouterr().out)
+    assert rc in (0, 1) and plan["layers"] == 30 and plan["format"] == "bf16"
+    assert plan["gguf"]["decoded_at_load"] == "bf16" and 16.0e9 < plan["gguf"]["weights_on_disk"] < 17.6e9
+    assert set(plan["gguf"]["bytes_by_type"]) >= {"Q4_K", "Q6_K", "F32"}
+    assert run_main(["info", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["format"], info["layers"], info["experts"], info["vocab"]) == ("gguf", 30, 128, 262144)
+    assert info["images"] is False and info["weights_in_memory"] > 50e9  # decoded to 16 bits
+    assert run_main(["plan", "--model", str(path), "--gpu", "RTX 4080", "--quant", "nvfp4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "runs as it is" in err

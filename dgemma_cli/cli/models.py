@@ -96,7 +96,12 @@ def info(
     if _is_adapter(model):
         return _adapter_info(model, as_json)
     path = resolve_model(model_arg(model))
-    d = describe(path)
+    if path.suffix.lower() == ".gguf":
+        from ..store.models import describe_gguf
+
+        d = describe_gguf(path)
+    else:
+        d = describe(path)
     placement = _local_placement(path, d)
     if as_json:
         sys.stdout.write(json.dumps({**d, "placement": placement}) + "\n")
@@ -116,7 +121,9 @@ def _local_placement(path, described: dict) -> dict | None:
     cards = local_cards()
     if not cards:
         return None
-    cfg = ModelConfig.from_dir(path)
+    from ..checkpoint.weights import model_config
+
+    cfg = model_config(path)
     fmt = described["format"] if described["format"] in ("nvfp4", "int8", "fp8") else "bf16"
     p = plan(cfg, fmt, cards[:1], context=planned_context(cfg),
              policy=described["policy"] if fmt != "bf16" else None)
@@ -206,13 +213,24 @@ def show(
 
     if template and parameters:
         raise UsageError("--template and --parameters exclude each other (neither: both, and the rest)")
+    from ..checkpoint.weights import model_config
+
     path = resolve_model(model_arg(model))
-    cfg = ModelConfig.from_dir(path)
-    settings = GenerationSettings.from_checkpoint(path, cfg.text)
+    cfg = model_config(path)
+    gguf = path.suffix.lower() == ".gguf"
+    beside = path.parent if gguf else path  # a GGUF's tokenizer and generation config lie beside it
+    settings = GenerationSettings.from_checkpoint(beside, cfg.text)
+    if gguf:  # its own sampler hints, as run reads them
+        import dataclasses
+
+        from ..checkpoint.gguf_file import GGUFFile
+        from ..checkpoint.gguf_load import sampler_defaults
+
+        settings = dataclasses.replace(settings, **sampler_defaults(GGUFFile(path)))
     params = {flag: getattr(settings, name) for flag, (name, _, _) in SAMPLER_FLAGS.items()}
     params.update({"canvas-length": cfg.canvas_length, "context": cfg.text.max_position_embeddings,
                    "eos-token-ids": list(settings.eos_token_ids)})
-    tok = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
+    tok = Tokenizer.from_dir(beside) if (beside / "tokenizer.json").is_file() else None
     chat_template = tok.chat_template if tok is not None else None
     if template:
         if chat_template is None:
@@ -223,7 +241,12 @@ def show(
         for k, v in params.items():
             sys.stdout.write(f"{k:<24}{' '.join(map(str, v)) if isinstance(v, list) else v}\n")
         return
-    d = describe(path)
+    if gguf:
+        from ..store.models import describe_gguf
+
+        d = describe_gguf(path)
+    else:
+        d = describe(path)
     if as_json:
         sys.stdout.write(json.dumps({**d, "parameters": params, "template": chat_template,
                                      "template_from": tok.template_origin if tok else None}) + "\n")

@@ -49,15 +49,24 @@ def plan(
         raise UsageError("--context and --batch must be at least 1")
     cards = [card(g) for g in gpu or []]
     stored = stored_policy = None  # a --model's own format and policy: what `dgemma run` runs (engine.load's plan)
+    gguf = None  # a GGUF --model: its blocks' bytes by type, said beside the plan
     if model is None:
         cfg = ModelConfig.from_dict(DIFFUSIONGEMMA_26B_A4B)
     else:
         from ..checkpoint.names import resolve_model
-        from ..checkpoint.weights import stored_format
+        from ..checkpoint.weights import stored_model
 
         path = resolve_model(model_arg(model))
-        cfg = ModelConfig.from_dir(path)
-        stored, stored_policy = stored_format(path, cfg.raw)
+        cfg, stored, stored_policy = stored_model(path)
+        if path.suffix.lower() == ".gguf":
+            if quant != "auto" or policy is not None:
+                raise UsageError(f"{path.name} runs as it is (its blocks decoded to 16 bits at load): plan it with "
+                                 "no --quant or --policy")
+            from ..store.models import describe_gguf
+
+            d = describe_gguf(path)
+            gguf = {"file": path.name, "bytes_by_type": d["bytes_by_type"], "weights_on_disk": d["weights_on_disk"],
+                    "decoded_at_load": "bf16", "note": GGUF_NOTE}
     published = stored if stored != "bf16" else None
     if published is not None and quant not in ("auto", published):
         raise UsageError(f"{model} is stored in {published}; plan it as it is (--quant auto or {published})")
@@ -92,13 +101,19 @@ def plan(
     # the tables hold the published 26B-A4B's layers: another model's shapes get no bound
     bounds = step_bounds(p) if model is None else no_bound("the step tables are for the published 26B-A4B")
     if as_json:
-        sys.stdout.write(json.dumps({**p.as_dict(), **bounds}) + "\n")
+        sys.stdout.write(json.dumps({**p.as_dict(), **bounds, **({"gguf": gguf} if gguf else {})}) + "\n")
     else:
+        if gguf:
+            sys.stdout.write(f"{gguf['file']}: {gb(gguf['weights_on_disk'])} of GGUF blocks; {GGUF_NOTE}\n")
         _table(p, bounds)
     if not p.fits:
         if as_json:
             raise typer.Exit(1)
         raise ModelError(p.refusal)
+
+
+GGUF_NOTE = ("no kernel reads GGUF blocks in place yet: every weight is decoded to 16 bits at load, and planned as "
+             "such")
 
 
 def _local_card():

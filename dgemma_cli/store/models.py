@@ -101,6 +101,33 @@ def describe(path: Path) -> dict:
             "layers": cfg.text.num_hidden_layers, "experts": cfg.text.num_experts, "vocab": cfg.text.vocab_size}
 
 
+def describe_gguf(path: Path) -> dict:
+    """`describe` for a GGUF file (checkpoint/gguf_file.py): its block types by share of the bytes, the sizes, and
+    what it holds in memory as loaded today: every weight decoded to 16 bits (no kernel reads the blocks in place
+    yet), which the GPU estimate counts."""
+    from ..checkpoint.footprint import runtime_bytes, weight_bytes
+    from ..checkpoint.gguf_file import split_parts
+    from ..checkpoint.gguf_load import read_gguf
+    from ..placement.plan import planned_context
+
+    f, cfg = read_gguf(path)
+    context = planned_context(cfg)
+    by_type: dict[str, int] = {}
+    for t in f.tensors.values():
+        by_type[t.kind] = by_type.get(t.kind, 0) + t.nbytes
+    total = sum(by_type.values())
+    kinds = sorted(by_type, key=lambda k: -by_type[k])
+    return {"path": str(path), "format": "gguf", "scheme": ", ".join(f"{k} {by_type[k] / total:.0%}" for k in kinds),
+            "quantized": [k for k in kinds if k not in ("F32", "F16", "BF16")], "dtype_on_disk": "gguf blocks",
+            "policy": None, "size_on_disk": sum(p.stat().st_size for p in split_parts(path)),
+            "weights_on_disk": total, "bytes_by_type": by_type, "vision_tower_on_disk": 0, "images": False,
+            "no_images_because": "a GGUF holds no vision tower", "decoded_at_load": "bf16",
+            "weights_in_memory": sum(weight_bytes(cfg, "bf16").values()),
+            "gpu_memory_estimate": runtime_bytes(cfg, "bf16", context=context), "gpu_memory_context": context,
+            "source": {}, "layers": cfg.text.num_hidden_layers, "experts": cfg.text.num_experts,
+            "vocab": cfg.text.vocab_size}
+
+
 def size_on_disk(path: Path) -> int:
     """Bytes of a model directory's files, every one (the manifest included): what `info` and `quantize` say."""
     return sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
