@@ -45,7 +45,7 @@ TINY = {"model_type": "diffusion_gemma", "canvas_length": 32, "text_config": dic
     num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, sliding_window=16,
     num_experts=8, top_k_experts=2, moe_intermediate_size=32)}
 CONFIGS = {"real": DIFFUSIONGEMMA_26B_A4B, "mid": MID, "tiny": TINY}
-FORMATS = ("bf16", "int8", "nvfp4")
+FORMATS = ("bf16", "int8", "nvfp4", "fp8")  # fp8: W8A8 (FP8 weights and activations, sm_89+; elsewhere emulated)
 COMPARE = ("transformers", "transformers-eager")
 
 

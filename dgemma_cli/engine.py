@@ -20,6 +20,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from .checkpoint.stored import is_gguf
 from .config import GenerationSettings, ModelConfig
 from .structured.constrain import Structure
 from .structured.worker import DEFAULT_MEMORY, DEFAULT_SECONDS, DEFAULT_WORKERS
@@ -614,7 +615,7 @@ def load(model: str | Path, device: str = "auto", dtype: str = "auto", adapters=
         raise ModelError(f"{path}: not a directory (a model is a directory, or a .gguf file)")
     stored = gfile = None
     if gguf:  # refused here, in one line, before a weight is read: another architecture, a cut file, a type
-        from .checkpoint.gguf_load import read_gguf
+        from .checkpoint.gguf_file import read_gguf
 
         gfile, gcfg = read_gguf(path)
         stored = (gcfg, "bf16", None)  # decoded to the compute dtype at load: planned as 16-bit weights
@@ -667,12 +668,8 @@ def load(model: str | Path, device: str = "auto", dtype: str = "auto", adapters=
     tokenizer = Tokenizer.from_dir(beside) if (beside / "tokenizer.json").is_file() else None
     settings = GenerationSettings.from_checkpoint(beside, cfg.text)
     if gguf:
-        from .checkpoint.gguf_load import sampler_defaults
+        from .checkpoint.gguf_file import sampler_defaults
 
         settings = dataclasses.replace(settings, **sampler_defaults(gfile))
     return Engine(net, tokenizer, settings, path)
 
-
-def is_gguf(path: Path) -> bool:
-    """Whether `path` names a GGUF file (llama.cpp's format; checkpoint/gguf_file.py reads it)."""
-    return Path(path).suffix.lower() == ".gguf"

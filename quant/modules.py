@@ -668,10 +668,16 @@ LINEAR = {"nvfp4": NVFP4Linear, "int8": Int8Linear}
 
 
 def make_linear(fmt: str, in_features: int, out_features: int, device=None) -> nn.Module:
+    """An empty quantized linear of `fmt` (nvfp4, int8: dgemma's weight-only; fp8: compressed-tensors' W8A8)."""
+    if fmt == "fp8":
+        return W8A8Linear(in_features, out_features, "fp8", device=device)
     return LINEAR[fmt](in_features, out_features, device=device)
 
 
 def make_stack(fmt: str, num: int, out_features: int, in_features: int, segments: int = 1, device=None) -> nn.Module:
+    """An empty expert stack of `fmt`, as make_linear."""
     if fmt == "nvfp4":
         return NVFP4Stack(num, out_features, in_features, segments, device=device)
+    if fmt == "fp8":
+        return W8A8Stack(num, out_features, in_features, "fp8", device=device)
     return Int8Stack(num, out_features, in_features, device=device)

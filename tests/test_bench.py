@@ -351,6 +351,8 @@ def _bench_gpu():
 
 
 def test_bench_gpu_plan_fits_eight_minutes_and_lists_every_part():
+    from pathlib import Path
+
     g = _bench_gpu()
     assert g.TOTAL_S == 480 and g.planned_seconds() <= 480
     text = g.plan_text()
@@ -359,11 +361,15 @@ def test_bench_gpu_plan_fits_eight_minutes_and_lists_every_part():
     assert f"{g.planned_seconds()}  of 480 s" in text
     kinds = [p.kind for p in g.PARTS]
     assert kinds[:2] == ["setup", "doctor"] and kinds[-1] == "report"
-    # the steps: NVFP4 at batch 1 and 4 and streamed at 12 GB timed; FP8 W8A8 not (bench has no such format)
+    # the steps: NVFP4 and FP8 W8A8 at batch 1 and 4, NVFP4 streamed at 12 GB, each beside its bound
     benches = {(p.bench["fmt"], p.bench["batch"], p.bench.get("gpu_memory")) for p in g.PARTS if p.kind == "bench"}
-    assert {("nvfp4", 1, None), ("nvfp4", 4, None), ("nvfp4", 1, 12 * 10**9)} <= benches
+    assert {("nvfp4", 1, None), ("nvfp4", 4, None), ("nvfp4", 1, 12 * 10**9), ("fp8", 1, None),
+            ("fp8", 4, None)} <= benches
     assert all(p.bench["fmt"] in bench.FORMATS for p in g.PARTS if p.kind == "bench")
-    assert "fp8" not in bench.FORMATS and any("fp8" in p.label and p.budget is None for p in g.PARTS)
+    assert {p.bound for p in g.PARTS if p.kind == "bench" and p.bench["fmt"] == "fp8"} == {("w8a8-fp8", 1),
+                                                                                       ("w8a8-fp8", 4)}
+    bounds = g.static_bounds((Path(__file__).resolve().parent.parent / "BENCHMARKS.md").read_text())
+    assert ("H100 SXM", "w8a8-fp8", 1) in bounds and ("H100 SXM", "nvfp4", 4) in bounds  # the report has them
 
 
 def test_bench_gpu_plan_touches_no_gpu():
@@ -468,7 +474,7 @@ def test_bench_gpu_writes_only_the_measured_rows_into_benchmarks(tmp_path):
     assert "#### 2030-01-02, NVIDIA H100 80GB HBM3, commit abc1234" in section and g.NOT_YET not in section
     said = " ".join(section.split())  # the paragraphs are wrapped
     assert "Not measured in this run: nvfp4 (all) b4 p256 (timed out after 45 s (its budget));" in said
-    assert "int8 (all) b1 p256 (skipped: budget)" in said and "fp8 w8a8 b1 p256, b4 p256 (not timed:" in said
+    assert "fp8 w8a8 (all) b1 p256 (skipped: budget)" in said and "int8 (all) b1 p256 (not timed:" in said
     # everything outside the section is as it was
     begin, end = before_real.index(g.BENCH_BEGIN), before_real.index(g.BENCH_END)
     assert text[:text.index(g.BENCH_BEGIN)] == before_real[:begin]

@@ -115,7 +115,7 @@ def test_what_a_gguf_cannot_do_is_one_line(files, tmp_path, capsys):
 
 def test_sampler_hints_in_the_file_are_its_defaults(files, tmp_path):
     from dgemma_cli.checkpoint.gguf_file import GGUFFile
-    from dgemma_cli.checkpoint.gguf_load import sampler_defaults
+    from dgemma_cli.checkpoint.gguf_file import sampler_defaults
 
     path = files[0]
     assert sampler_defaults(GGUFFile(path)) == {}  # Unsloth's files carry none: the model's defaults stand

@@ -107,6 +107,28 @@ class GGUFFile:
                 "text_config": text}
 
 
+def read_gguf(path: Path):
+    """(the file, its ModelConfig): the metadata and tensors' places read, nothing decoded; every refusal one line."""
+    from ..config import ModelConfig
+
+    f = GGUFFile(Path(path))
+    return f, ModelConfig.from_dict(f.config_dict())
+
+
+# The sampler's hints a file may carry (`diffusion.eb_*`, the entropy-bound sampler's settings) -> GenerationSettings'
+# fields. A file without them (Unsloth's) keeps the model's defaults.
+SAMPLER_KEYS = {"diffusion.eb_max_steps": ("max_denoising_steps", int), "diffusion.eb_t_min": ("t_min", float),
+                "diffusion.eb_t_max": ("t_max", float), "diffusion.eb_entropy_bound": ("entropy_bound", float),
+                "diffusion.eb_stability_threshold": ("stability_threshold", int),
+                "diffusion.eb_confidence_threshold": ("confidence_threshold", float)}
+
+
+def sampler_defaults(f: GGUFFile) -> dict:
+    """GenerationSettings fields from the file's `diffusion.eb_*` keys, where it has them."""
+    return {field: kind(f.metadata[key]) for key, (field, kind) in SAMPLER_KEYS.items()
+            if f.metadata.get(key) is not None}
+
+
 def split_parts(path: Path) -> list[Path]:
     """The parts of a split GGUF from its first (or any) part, in order; [path] for a whole file. A part missing
     beside it is one line."""

@@ -18,12 +18,6 @@ from .gguf_names import find, gguf_name
 from .weights import expected_tensors
 
 
-def read_gguf(path: Path) -> tuple[GGUFFile, ModelConfig]:
-    """The file (its metadata and tensors, nothing decoded) and its ModelConfig; every refusal is one line."""
-    f = GGUFFile(Path(path))
-    return f, ModelConfig.from_dict(f.config_dict())
-
-
 def load_gguf_model(path: Path | GGUFFile, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                     host_layers=frozenset(), layer_devices: list | None = None):
     """Build the network on the meta device and fill it from a GGUF file (or a split file's first part; or the file
@@ -77,16 +71,3 @@ def load_gguf_model(path: Path | GGUFFile, device: str | torch.device = "cpu", d
     model.eval().requires_grad_(False)
     return model, cfg
 
-
-# The sampler's hints a file may carry (`diffusion.eb_*`, the entropy-bound sampler's settings) -> GenerationSettings'
-# fields. A file without them (Unsloth's) keeps the model's defaults.
-SAMPLER_KEYS = {"diffusion.eb_max_steps": ("max_denoising_steps", int), "diffusion.eb_t_min": ("t_min", float),
-                "diffusion.eb_t_max": ("t_max", float), "diffusion.eb_entropy_bound": ("entropy_bound", float),
-                "diffusion.eb_stability_threshold": ("stability_threshold", int),
-                "diffusion.eb_confidence_threshold": ("confidence_threshold", float)}
-
-
-def sampler_defaults(f: GGUFFile) -> dict:
-    """GenerationSettings fields from the file's `diffusion.eb_*` keys, where it has them."""
-    return {field: kind(f.metadata[key]) for key, (field, kind) in SAMPLER_KEYS.items()
-            if f.metadata.get(key) is not None}

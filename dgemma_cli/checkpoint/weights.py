@@ -174,19 +174,12 @@ def stored_format(directory: Path, raw_config: dict) -> tuple[str, str | None]:
     return fmt, stored_policy(directory) if fmt != "bf16" else None
 
 
-def model_config(path: Path) -> ModelConfig:
-    """A model's config: its directory's config.json, or a GGUF file's keys (gguf_file.py)."""
-    if Path(path).suffix.lower() == ".gguf":
-        from .gguf_load import read_gguf
-
-        return read_gguf(path)[1]
-    return ModelConfig.from_dir(path)
-
-
 def stored_model(path: Path) -> tuple[ModelConfig, str, str | None]:
     """(config, format, policy) of a model as `dgemma run` runs it: a GGUF's weights are decoded to 16 bits at load
     (no kernel reads its blocks in place yet), so it runs, and is planned, as bf16."""
-    if Path(path).suffix.lower() == ".gguf":
+    from .stored import is_gguf, model_config
+
+    if is_gguf(path):
         return model_config(path), "bf16", None
     cfg = ModelConfig.from_dir(path)
     return (cfg, *stored_format(path, cfg.raw))

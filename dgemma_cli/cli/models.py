@@ -96,7 +96,9 @@ def info(
     if _is_adapter(model):
         return _adapter_info(model, as_json)
     path = resolve_model(model_arg(model))
-    if path.suffix.lower() == ".gguf":
+    from ..checkpoint.stored import is_gguf
+
+    if is_gguf(path):
         from ..store.models import describe_gguf
 
         d = describe_gguf(path)
@@ -121,7 +123,7 @@ def _local_placement(path, described: dict) -> dict | None:
     cards = local_cards()
     if not cards:
         return None
-    from ..checkpoint.weights import model_config
+    from ..checkpoint.stored import model_config
 
     cfg = model_config(path)
     fmt = described["format"] if described["format"] in ("nvfp4", "int8", "fp8") else "bf16"
@@ -213,18 +215,20 @@ def show(
 
     if template and parameters:
         raise UsageError("--template and --parameters exclude each other (neither: both, and the rest)")
-    from ..checkpoint.weights import model_config
+    from ..checkpoint.stored import model_config
 
     path = resolve_model(model_arg(model))
     cfg = model_config(path)
-    gguf = path.suffix.lower() == ".gguf"
+    from ..checkpoint.stored import is_gguf
+
+    gguf = is_gguf(path)
     beside = path.parent if gguf else path  # a GGUF's tokenizer and generation config lie beside it
     settings = GenerationSettings.from_checkpoint(beside, cfg.text)
     if gguf:  # its own sampler hints, as run reads them
         import dataclasses
 
         from ..checkpoint.gguf_file import GGUFFile
-        from ..checkpoint.gguf_load import sampler_defaults
+        from ..checkpoint.gguf_file import sampler_defaults
 
         settings = dataclasses.replace(settings, **sampler_defaults(GGUFFile(path)))
     params = {flag: getattr(settings, name) for flag, (name, _, _) in SAMPLER_FLAGS.items()}

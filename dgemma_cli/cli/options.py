@@ -142,7 +142,9 @@ def model_arg(model: Optional[str], quiet: bool = False) -> str:
         path = resolve_model(model)
     except DgemmaError as e:
         raise type(e)(f"{where}{e}") from None
-    gguf = path.suffix.lower() == ".gguf"  # llama.cpp's format, one file (or a split file's first part)
+    from ..checkpoint.stored import is_gguf
+
+    gguf = is_gguf(path)  # llama.cpp's format, one file (or a split file's first part)
     if not path.exists():
         raise ModelError(f"{where}{path}: no such {'file' if gguf else 'model directory'}")
     if not path.is_dir() and not gguf:

@@ -58,7 +58,9 @@ def plan(
 
         path = resolve_model(model_arg(model))
         cfg, stored, stored_policy = stored_model(path)
-        if path.suffix.lower() == ".gguf":
+        from ..checkpoint.stored import is_gguf
+
+        if is_gguf(path):
             if quant != "auto" or policy is not None:
                 raise UsageError(f"{path.name} runs as it is (its blocks decoded to 16 bits at load): plan it with "
                                  "no --quant or --policy")

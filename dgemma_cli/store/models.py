@@ -106,8 +106,7 @@ def describe_gguf(path: Path) -> dict:
     what it holds in memory as loaded today: every weight decoded to 16 bits (no kernel reads the blocks in place
     yet), which the GPU estimate counts."""
     from ..checkpoint.footprint import runtime_bytes, weight_bytes
-    from ..checkpoint.gguf_file import split_parts
-    from ..checkpoint.gguf_load import read_gguf
+    from ..checkpoint.gguf_file import read_gguf, split_parts
     from ..placement.plan import planned_context
 
     f, cfg = read_gguf(path)
