@@ -148,7 +148,8 @@ def _table(report: dict, checks, stream) -> None:
         console.print(f"cuda:{card['index']} {card['name']}: {_gib(card['memory_bytes'])}, compute "
                       f"{card['compute_capability']}, PCIe {card['pcie_link'] or 'unknown'}: {card['support']}")
     if not m["cards"]:
-        console.print("no CUDA card: the kernels checked in Triton's interpreter, at small shapes")
+        console.print("no CUDA card: the kernels checked in Triton's interpreter, at small shapes"
+                      + (f" and at {report['sizes']}'s sizes" if report["sizes"] else ""))
     table = Table(title=f"{report['card']}: {report['mode']}, {report['compute_dtype']}")
     for col in ("check", "what", "result", "detail", "s"):
         table.add_column(col, justify="right" if col == "s" else "left")
