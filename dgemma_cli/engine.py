@@ -547,7 +547,7 @@ def plan_placement(path: Path, dev, gpu_memory: int | None, batch: int = 1, devi
     without it, each device's free memory, planned on one device only when the weights alone would not fit there.
     devices: the cards the layers may be split over, in order (--devices; default [dev]). ModelError (one line) when
     the plan cannot hold, naming what would help: batch_flag is the flag that sets `batch` (--max-batch). stored:
-    (ModelConfig, format, policy) where they are not read from the directory (a GGUF file)."""
+    (ModelConfig, format, policy, footprint) where they are not read from a directory (a GGUF file: its footprint)."""
     from .checkpoint.footprint import weight_bytes
     from .checkpoint.weights import stored_format
     from .placement.plan import planned_context
@@ -557,30 +557,32 @@ def plan_placement(path: Path, dev, gpu_memory: int | None, batch: int = 1, devi
         if len(devices) > 1:
             raise UsageError("--devices on the CPU runs the split of cards of --gpu-memory SIZE: give it")
         return None  # the CPU without --gpu-memory: everything resident, as ever
+    footprint = None
     if stored is not None:
-        cfg, fmt, policy = stored
+        cfg, fmt, policy, footprint = stored
     else:
         cfg = ModelConfig.from_dir(path)
         fmt, policy = stored_format(path, cfg.raw)
     sizes = [gpu_memory] * len(devices)
     if gpu_memory is None:
         sizes = [torch.cuda.mem_get_info(d)[0] for d in devices]
-        if len(devices) == 1 and sum(weight_bytes(cfg, fmt, policy).values()) <= sizes[0]:
+        weights = footprint["totals"] if footprint else weight_bytes(cfg, fmt, policy)
+        if len(devices) == 1 and sum(weights.values()) <= sizes[0]:
             return None
     # what the command can change: its batch, the memory planned for, the model's format (no context: the plan's is
     # the model's own, up to 8k, whatever the command)
     remedies = [f"a smaller {batch_flag or 'batch'}"] if batch > 1 else []
     remedies.append("a larger --gpu-memory" if gpu_memory is not None else "more free memory on the card")
-    if fmt != "nvfp4" or policy == "experts":
+    if footprint is None and (fmt != "nvfp4" or policy == "experts"):
         remedies.append("a --model quantized smaller with `dgemma quantize`")
-    p = plan_on(cfg, fmt, policy, devices, sizes, planned_context(cfg), batch, remedies)
+    p = plan_on(cfg, fmt, policy, devices, sizes, planned_context(cfg), batch, remedies, footprint)
     if not p.fits:
         raise ModelError(p.refusal)
     return p
 
 
 def plan_on(cfg: ModelConfig, fmt: str, policy: str | None, devices: list, sizes: list[int], context: int,
-            batch: int, remedies=()):
+            batch: int, remedies=(), footprint: dict | None = None):
     """The placement plan (placement/plan.py) of `cfg` in `fmt` on `devices`, each with the memory in `sizes`, with
     this machine's available host memory and the first device's MoE path (fused kernels read packed experts on
     CUDA). Not checked: `fits` and `refusal` say whether it holds (naming `remedies` when a card is too small)."""
@@ -590,7 +592,7 @@ def plan_on(cfg: ModelConfig, fmt: str, policy: str | None, devices: list, sizes
 
     return plan(cfg, fmt, [card_for(d, size) for d, size in zip(devices, sizes)], context=context, batch=batch,
                 policy=policy, host_free=system_free() or None, fused_experts=devices[0].type == "cuda",
-                remedies=remedies)
+                remedies=remedies, footprint=footprint)
 
 
 def load(model: str | Path, device: str = "auto", dtype: str = "auto", adapters=(), adapter_slots=None,
@@ -618,7 +620,7 @@ def load(model: str | Path, device: str = "auto", dtype: str = "auto", adapters=
         from .checkpoint.gguf_file import read_gguf
 
         gfile, gcfg = read_gguf(path)
-        stored = (gcfg, "bf16", None)  # decoded to the compute dtype at load: planned as 16-bit weights
+        stored = (gcfg, "gguf", None, gfile.footprint(gcfg.text.num_hidden_layers))  # its tensors' own bytes
     if isinstance(devices, str):
         devices = parse_devices(devices)
     devs = resolve_devices(devices) if devices is not None else None

@@ -17,12 +17,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-# A spec whose matrices' rows are whole K-type blocks (256 columns): every type dgemma reads fits somewhere.
+# A spec whose matrices' rows are whole K-type blocks (256 columns): every type dgemma reads fits somewhere; four
+# layers, so that experts can stream (two buffers and a resident layer).
 GGUF_SPEC = dict(
-    text=dict(vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+    text=dict(vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
               num_key_value_heads=1, head_dim=128, global_head_dim=256, num_global_key_value_heads=1,
               sliding_window=8, num_experts=4, top_k_experts=2, moe_intermediate_size=256,
-              layer_types=["sliding_attention", "full_attention"]),
+              layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]),
     canvas_length=16,
 )
 MATRIX_TYPES = ("Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_XS", "F16", "BF16")

@@ -139,7 +139,7 @@ def test_random_model_keeps_packed_dtypes():
 
 
 def test_bench_usage_errors(capsys, monkeypatch):
-    for args in (["--format", "fp8"], ["--steps", "2"], ["--config", "nowhere"], ["--compare", "something-else"]):
+    for args in (["--format", "fp4"], ["--steps", "2"], ["--config", "nowhere"], ["--compare", "something-else"]):
         assert run_main(["bench", "--device", "cpu", *args]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("dgemma: error:")

@@ -62,6 +62,38 @@ class GGUFFile:
         return self.metadata.get(f"{ARCH}.{key}", self.metadata.get(key, default))
 
 
+    def footprint(self, layers: int, dtype_bytes: int = 2) -> dict:
+        """What the model holds in memory as loaded (checkpoint/gguf_load.py): {"layers": per layer {"experts",
+        "dense", "other"}, "totals": {"experts", "dense", "embedding", "other"}}, as footprint.layer_bytes and
+        weight_bytes count a directory's: tensors kept as their blocks (gguf_names.kept_packed) at the file's bytes,
+        the rest decoded to the compute dtype (`dtype_bytes` a weight). `rope_freqs` is not loaded."""
+        from .gguf_names import LAYER, SCALARS, TOP, kept_packed
+
+        ours_of = {v: k for k, v in TOP.items()}
+        per = [{"experts": 0, "dense": 0, "other": 0} for _ in range(layers)]
+        totals = {"experts": 0, "dense": 0, "embedding": 0, "other": 0}
+        for t in self.tensors.values():
+            decoded = int(np.prod(t.shape, dtype=np.int64)) * dtype_bytes
+            if t.name.startswith("blk."):
+                _, n, rest = t.name.split(".", 2)
+                suffix = next((ours for ours, g in LAYER.items() if g in (rest, rest + ".weight")), None)
+                if suffix is None or not n.isdigit() or int(n) >= layers:  # a scalar, or a tensor not loaded
+                    if any(rest.removesuffix(".weight") == g for g in SCALARS.values()):
+                        totals["other"] += decoded
+                    continue
+                part = ("experts" if suffix.startswith("experts.") else
+                        "dense" if suffix.split(".")[0] in ("self_attn", "mlp") and "norm" not in suffix else "other")
+                size = t.nbytes if kept_packed(f"layers.{n}.{suffix}", t.kind) else decoded
+                per[int(n)][part] += size
+            elif t.name == "token_embd.weight":
+                totals["embedding"] += decoded  # decoded: the head reads it whole
+            elif t.name in ours_of:
+                totals["other"] += t.nbytes if kept_packed(ours_of[t.name], t.kind) else decoded
+        for lb in per:
+            for part in ("experts", "dense", "other"):
+                totals[part] += lb[part]
+        return {"layers": per, "totals": totals}
+
     def config_dict(self) -> dict:
         """The model's config in config.json's layout (config.ModelConfig.from_dict reads it), from the file's
         `diffusion-gemma.*` keys: per-layer kv heads and the sliding pattern give the layer types and the full

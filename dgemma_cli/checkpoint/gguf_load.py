@@ -1,7 +1,8 @@
 """A DiffusionGemma GGUF into the network: the config from the file's keys, every tensor found by its converter name
-(gguf_names.py) and checked before any is decoded, then each decoded with torch (quant/ggml.py) into the compute
-dtype where it runs: the CPU path of every block type. No kernel reads the blocks in place yet, so a GGUF's weights
-take their dequantized size in memory (the 26B model: 52 GB in bfloat16), which the planner counts.
+(gguf_names.py) and checked before any is read; the routed experts and the block-typed projections kept as the file's
+bytes (quant/ggml_modules.py, decoded with torch where they are used), the rest decoded to the compute dtype here.
+The model takes about its file's size in memory (the 26B Q4_K_M: 17.6 GB, its embedding decoded), which the planner
+counts from the file (gguf_file.GGUFFile.footprint). No kernel reads the blocks in place yet: the torch path.
 """
 
 from __future__ import annotations
@@ -14,27 +15,29 @@ import torch
 from ..config import ModelConfig
 from ..errors import ModelError
 from .gguf_file import GGUFFile
-from .gguf_names import find, gguf_name
-from .weights import expected_tensors
+from .gguf_names import find, gguf_name, kept_packed
+from .weights import _set_module, expected_tensors
 
 
 def load_gguf_model(path: Path | GGUFFile, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                     host_layers=frozenset(), layer_devices: list | None = None):
     """Build the network on the meta device and fill it from a GGUF file (or a split file's first part; or the file
-    read_gguf read), as weights.load_model does from a directory: dtype None is float32; host_layers' experts are
-    decoded into host memory (pinned for a card), never onto `device`; layer_devices places each layer. Returns
-    (model, ModelConfig)."""
-    from ..model import DiffusionGemma
+    gguf_file.read_gguf read), as weights.load_model does from a directory: dtype None is float32; host_layers'
+    experts are read into host memory (pinned for a card), never onto `device`; layer_devices places each layer.
+    Every routed expert stack and every block-typed projection of attention, the dense MLP and self-conditioning is
+    kept as the file's bytes (gguf_names.kept_packed; quant/ggml_modules.py decodes them where they are used); the
+    rest is decoded here. Returns (model, ModelConfig)."""
+    from ..model import DiffusionGemma, Experts, QuantizedExperts
     from quant import ggml
+    from quant.ggml_modules import GGUFLinear, GGUFStack
 
     f = path if isinstance(path, GGUFFile) else GGUFFile(Path(path))
     cfg = ModelConfig.from_dict(f.config_dict())
     dtype = dtype or torch.float32
     with torch.device("meta"):
         model = DiffusionGemma(cfg)
-    expected = expected_tensors(model)
     found = {}
-    for name, meta in expected.items():  # every name and shape checked before a block is decoded
+    for name, meta in expected_tensors(model).items():  # every name and shape checked before a block is read
         t = find(f.tensors, name)
         if t is None:
             raise ModelError(f"{f.path.name}: the file has no tensor {gguf_name(name)} (the model's {name})")
@@ -43,16 +46,32 @@ def load_gguf_model(path: Path | GGUFFile, device: str | torch.device = "cpu", d
             raise ModelError(f"{f.path.name}: tensor {t.name} is {list(t.shape)}, the model's {name} is "
                              f"{list(meta.shape)}")
         found[name] = t
+    for path_, mod in list(model.named_modules()):  # what stays as its blocks
+        if isinstance(mod, Experts):
+            gu, dn = found[path_ + ".gate_up_proj"], found[path_ + ".down_proj"]
+            E, two_i, H = mod.gate_up_proj.shape
+            _set_module(model, path_, QuantizedExperts(E, GGUFStack(E, two_i, H, gu.kind, "meta"),
+                                                       GGUFStack(E, H, two_i // 2, dn.kind, "meta")))
+            for proj in ("gate_up_proj", "down_proj"):
+                found[f"{path_}.{proj}.weight"] = found.pop(f"{path_}.{proj}")
+        elif isinstance(mod, torch.nn.Linear) and kept_packed(path_ + ".weight", found[path_ + ".weight"].kind):
+            _set_module(model, path_, GGUFLinear(mod.in_features, mod.out_features, found[path_ + ".weight"].kind,
+                                                 "meta"))
+    expected = expected_tensors(model)
     L = cfg.text.num_hidden_layers
     state, scalars = {}, {"encoder_layer_scalar": [None] * L, "decoder_layer_scalar": [None] * L}
     host_prefixes = tuple(f"layers.{i}.experts." for i in host_layers)
     pin = torch.device(device).type == "cuda"
-    for name, t in found.items():
+    for name, meta in expected.items():
+        t = found[name]
         target = device
         if layer_devices is not None and name.startswith("layers."):
             target = layer_devices[int(name.split(".")[1])]
         raw = torch.from_numpy(np.asarray(t.data).copy())  # the mapped blocks are read-only: one tensor's copy
-        value = ggml.decode(raw, t.kind, tuple(expected[name].shape), dtype)
+        if meta.dtype == torch.uint8:  # kept as the file's bytes
+            value = raw.view(torch.uint8).reshape(meta.shape)
+        else:
+            value = ggml.decode(raw, t.kind, tuple(meta.shape), dtype)
         del raw
         if name.startswith(host_prefixes):
             state[name] = value.pin_memory() if pin else value
@@ -70,4 +89,3 @@ def load_gguf_model(path: Path | GGUFFile, device: str | torch.device = "cpu", d
         model.layer_devices = [torch.device(d) for d in layer_devices]
     model.eval().requires_grad_(False)
     return model, cfg
-

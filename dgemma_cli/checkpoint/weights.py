@@ -175,12 +175,12 @@ def stored_format(directory: Path, raw_config: dict) -> tuple[str, str | None]:
 
 
 def stored_model(path: Path) -> tuple[ModelConfig, str, str | None]:
-    """(config, format, policy) of a model as `dgemma run` runs it: a GGUF's weights are decoded to 16 bits at load
-    (no kernel reads its blocks in place yet), so it runs, and is planned, as bf16."""
+    """(config, format, policy) of a model as `dgemma run` runs it: "gguf" for a GGUF file (its tensors' own types:
+    gguf_file.GGUFFile.footprint counts them)."""
     from .stored import is_gguf, model_config
 
     if is_gguf(path):
-        return model_config(path), "bf16", None
+        return model_config(path), "gguf", None
     cfg = ModelConfig.from_dir(path)
     return (cfg, *stored_format(path, cfg.raw))
 

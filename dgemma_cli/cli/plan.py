@@ -62,13 +62,13 @@ def plan(
 
         if is_gguf(path):
             if quant != "auto" or policy is not None:
-                raise UsageError(f"{path.name} runs as it is (its blocks decoded to 16 bits at load): plan it with "
-                                 "no --quant or --policy")
+                raise UsageError(f"{path.name} runs as it is (its own block types): plan it with no --quant or "
+                                 "--policy")
             from ..store.models import describe_gguf
 
             d = describe_gguf(path)
             gguf = {"file": path.name, "bytes_by_type": d["bytes_by_type"], "weights_on_disk": d["weights_on_disk"],
-                    "decoded_at_load": "bf16", "note": GGUF_NOTE}
+                    "weights_in_memory": d["weights_in_memory"], "footprint": d["footprint"], "note": GGUF_NOTE}
     published = stored if stored != "bf16" else None
     if published is not None and quant not in ("auto", published):
         raise UsageError(f"{model} is stored in {published}; plan it as it is (--quant auto or {published})")
@@ -96,8 +96,11 @@ def plan(
         remedies.append("a smaller --quant")
     elif published is None and (policy or DEFAULT_POLICY[fmt]) == "experts":
         remedies.append("--policy all")
+    if gguf:
+        remedies = [r for r in remedies if "--quant" not in r and "--policy" not in r]
     p = make_plan(cfg, fmt, cards, context=context, batch=batch, policy=policy, host_free=system_free() or None,
-                  remedies=remedies + ["a larger --gpu", "another --gpu"])
+                  remedies=remedies + ["a larger --gpu", "another --gpu"],
+                  footprint=gguf["footprint"] if gguf else None)
     from ..placement.bounds import no_bound, step_bounds
 
     # the tables hold the published 26B-A4B's layers: another model's shapes get no bound
@@ -106,7 +109,8 @@ def plan(
         sys.stdout.write(json.dumps({**p.as_dict(), **bounds, **({"gguf": gguf} if gguf else {})}) + "\n")
     else:
         if gguf:
-            sys.stdout.write(f"{gguf['file']}: {gb(gguf['weights_on_disk'])} of GGUF blocks; {GGUF_NOTE}\n")
+            sys.stdout.write(f"{gguf['file']}: {gb(gguf['weights_on_disk'])} of GGUF blocks, "
+                             f"{gb(gguf['weights_in_memory'])} in memory; {GGUF_NOTE}\n")
         _table(p, bounds)
     if not p.fits:
         if as_json:
@@ -114,8 +118,9 @@ def plan(
         raise ModelError(p.refusal)
 
 
-GGUF_NOTE = ("no kernel reads GGUF blocks in place yet: every weight is decoded to 16 bits at load, and planned as "
-             "such")
+GGUF_NOTE = ("the routed experts and the attention and MLP projections are held as the file's blocks, the rest "
+             "(the embedding the head reads, norms, the router) decoded to 16 bits; no kernel reads the blocks in "
+             "place yet (the torch path decodes a layer's experts at a time, counted)")
 
 
 def _local_card():

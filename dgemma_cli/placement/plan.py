@@ -184,20 +184,23 @@ def _gb(n: int) -> str:
 
 def plan(cfg: ModelConfig, fmt: str, cards: list[Card], context: int = 8192, batch: int = 1,
          policy: str | None = None, host_free: int | None = None, fused_experts: bool = True,
-         remedies: Sequence[str] = ()) -> Plan:
+         remedies: Sequence[str] = (), footprint: dict | None = None) -> Plan:
     """The placement of `cfg` in format `fmt` on `cards` (in order) at `context` tokens and `batch` rows.
 
     host_free: available host memory, bytes (None: not checked). fused_experts: the GPU's fused MoE kernels read
     quantized experts packed (False: one layer is unpacked at a time, as on the CPU). A plan that cannot hold says
     so in `refusal`, one line, before anything loads; a card too small ends it with `remedies`, what the caller can
-    change (its own flags: "a smaller --batch"), when there are any."""
-    policy = policy or DEFAULT_POLICY[fmt]
+    change (its own flags: "a smaller --batch"), when there are any. footprint: the bytes a model holds by layer and
+    part where they are not the format's arithmetic on shapes (a GGUF's, gguf_file.GGUFFile.footprint: its tensors'
+    own types; no fused kernel reads them, so a layer is unpacked at a time)."""
+    policy = policy or DEFAULT_POLICY.get(fmt, "all")
     t = cfg.text
     L = t.num_hidden_layers
-    layers = layer_bytes(cfg, fmt, policy)
+    layers = footprint["layers"] if footprint else layer_bytes(cfg, fmt, policy)
     cache = layer_cache_bytes(cfg, context, batch)
-    totals = weight_bytes(cfg, fmt, policy)
-    expert = layers[0]["experts"]  # every layer's experts have the same shapes
+    totals = footprint["totals"] if footprint else weight_bytes(cfg, fmt, policy)
+    expert = max(lb["experts"] for lb in layers)  # a format's layers are alike; a GGUF's may mix types by layer
+    fused_experts = fused_experts and footprint is None
     per_layer = [lb["dense"] + lb["other"] + kv for lb, kv in zip(layers, cache)]  # what never streams
     shared = totals["embedding"] + (totals["other"] - sum(lb["other"] for lb in layers))
     # a request's step memory per row, and the slack; a quantized format's experts unpacked one layer at a time only

@@ -129,16 +129,23 @@ class ExpertStream:
                 src = t.detach()
                 if src.device.type != "cpu":
                     raise ValueError(f"layer {i}'s experts were loaded onto {src.device}, not host memory")
-                if first is not None and (first[name].shape, first[name].dtype) != (src.shape, src.dtype):
-                    raise ValueError(f"layer {i}'s experts differ in shape from the other streamed layers' ({name})")
+                if first is not None and (name not in first or first[name].dtype != src.dtype):
+                    raise ValueError(f"layer {i}'s experts differ in kind from the other streamed layers' ({name})")
                 host[name] = src.pin_memory() if pin and not src.is_pinned() else src
             self.host[i] = host
+        # a buffer holds the largest of its layers' copies of each tensor: a GGUF's layers may differ in block type
+        # (llama.cpp gives some layers more bits), so in size; each layer's view is shaped as its own tensor
+        largest: list[dict[str, int]] = [{}, {}]
+        for i in self.layers:
+            sizes = largest[self.buffer_of[i]]
+            for name, src in self.host[i].items():
+                sizes[name] = max(sizes.get(name, 0), src.numel())
         for i in self.layers:
             buffer, self.views[i] = self.buffers[self.buffer_of[i]], {}
             for name, src in self.host[i].items():
                 if name not in buffer:
-                    buffer[name] = torch.empty(src.numel() + ALIGN // src.element_size(), dtype=src.dtype,
-                                               device=self.device)
+                    buffer[name] = torch.empty(largest[self.buffer_of[i]][name] + ALIGN // src.element_size(),
+                                               dtype=src.dtype, device=self.device)
                 view = self.views[i][name] = _at(buffer[name], src, self._offset(src))
                 owner, leaf = _owner(model.layers[i].experts, name)
                 if leaf in owner._parameters:

@@ -103,9 +103,9 @@ def describe(path: Path) -> dict:
 
 def describe_gguf(path: Path) -> dict:
     """`describe` for a GGUF file (checkpoint/gguf_file.py): its block types by share of the bytes, the sizes, and
-    what it holds in memory as loaded today: every weight decoded to 16 bits (no kernel reads the blocks in place
-    yet), which the GPU estimate counts."""
-    from ..checkpoint.footprint import runtime_bytes, weight_bytes
+    what it holds in memory as loaded (GGUFFile.footprint: the experts and projections as their blocks, the rest in
+    16 bits), with one layer's experts unpacked at a time for the GPU estimate."""
+    from ..checkpoint.footprint import RUNTIME_SLACK, dequantized_layer_bytes, kv_cache_bytes, request_bytes
     from ..checkpoint.gguf_file import read_gguf, split_parts
     from ..placement.plan import planned_context
 
@@ -115,14 +115,17 @@ def describe_gguf(path: Path) -> dict:
     for t in f.tensors.values():
         by_type[t.kind] = by_type.get(t.kind, 0) + t.nbytes
     total = sum(by_type.values())
+    footprint = f.footprint(cfg.text.num_hidden_layers)
+    in_memory = sum(footprint["totals"].values())
     kinds = sorted(by_type, key=lambda k: -by_type[k])
     return {"path": str(path), "format": "gguf", "scheme": ", ".join(f"{k} {by_type[k] / total:.0%}" for k in kinds),
             "quantized": [k for k in kinds if k not in ("F32", "F16", "BF16")], "dtype_on_disk": "gguf blocks",
             "policy": None, "size_on_disk": sum(p.stat().st_size for p in split_parts(path)),
             "weights_on_disk": total, "bytes_by_type": by_type, "vision_tower_on_disk": 0, "images": False,
-            "no_images_because": "a GGUF holds no vision tower", "decoded_at_load": "bf16",
-            "weights_in_memory": sum(weight_bytes(cfg, "bf16").values()),
-            "gpu_memory_estimate": runtime_bytes(cfg, "bf16", context=context), "gpu_memory_context": context,
+            "no_images_because": "a GGUF holds no vision tower", "footprint": footprint,
+            "weights_in_memory": in_memory,
+            "gpu_memory_estimate": in_memory + kv_cache_bytes(cfg, context) + request_bytes(cfg)
+            + dequantized_layer_bytes(cfg) + RUNTIME_SLACK, "gpu_memory_context": context,
             "source": {}, "layers": cfg.text.num_hidden_layers, "experts": cfg.text.num_experts,
             "vocab": cfg.text.vocab_size}
 
