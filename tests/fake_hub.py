@@ -216,7 +216,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             info = {"id": repo_id, "modelId": repo_id, "sha": sha, "private": False,
                     "gated": "manual" if repo.token else False, "disabled": False, "tags": [],
-                    "siblings": [{"rfilename": name} for name in sorted(repo.files)]}
+                    "siblings": [{"rfilename": name, "size": len(data)}  # sizes: the Hub's with files_metadata
+                                 for name, data in sorted(repo.files.items())]}
             return self._json(info, send_body=send_body)
         if len(tail) >= 2 and tail[0] == "tree":
             sha = self._commit(repo, unquote(tail[1]), send_body)

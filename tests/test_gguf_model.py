@@ -16,6 +16,7 @@ gguf = pytest.importorskip("gguf")
 
 from checkpoints import build_checkpoint  # noqa: E402
 from cli_helpers import run_main  # noqa: E402
+from fake_hub import fake_hub  # noqa: E402, F401  (the fixture)
 from gguf_fixture import GGUF_SPEC, write_gguf, write_twin  # noqa: E402
 from test_exactness import random_prompt, ref_generate  # noqa: E402
 
@@ -213,3 +214,56 @@ def test_streamed_gguf_experts_give_the_resident_runs_tokens(files):
     before = stream.copies
     assert streamed.generate(prompt, **kw).token_ids == resident.generate(prompt, **kw).token_ids
     assert stream.copies - before >= len(layers)
+
+
+# ----------------------------------------------------------------------------- dgemma pull of a GGUF repository
+
+
+def test_pull_takes_one_gguf_of_a_repository_as_published_and_its_name_runs(files, fake_hub, tmp_path, capsys,
+                                                                            monkeypatch):
+    """`dgemma pull OWNER/NAME-GGUF --quant LABEL` fetches that file alone (and a split file's every part), as
+    published, with the tokenizer and generation config of the base repository beside it where the GGUF repository
+    has none (said); `--quant auto` takes the largest the card holds whole; the store name runs."""
+    from dgemma_cli.checkpoint import footprint
+    from dgemma_cli.store import models as store
+
+    path, _, src = files
+    small = tmp_path / "small.gguf"
+    write_gguf(src, small, types={})  # the mix again, in other bytes: a second quantization of the same model
+    big = tmp_path / "big.gguf"
+    write_gguf(src, big, types={n: "F16" for n in ("embed_tokens.weight",)})
+    repo = "acme/tiny-GGUF"
+    published = {"tiny-Q4_K_M.gguf": path.read_bytes(), "tiny-F16.gguf": big.read_bytes(),
+                 "mmproj-F16.gguf": b"not a model", "README.md": b"# tiny"}
+    fake_hub.add_repo(repo, published)
+    fake_hub.add_repo(store.DEFAULT_REPO, {n: (src / n).read_bytes() for n in ("tokenizer.json",
+                                                                               "tokenizer_config.json",
+                                                                               "generation_config.json")})
+    assert run_main(["pull", repo, "--quant", "nvfp4"]) == 2  # a GGUF repository runs as published
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "q4_k_m" in err and "f16" in err and not fake_hub.file_requests("tiny-Q4_K_M.gguf")
+    assert run_main(["pull", repo, "--quant", "q4_k_m"]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() == f"{repo}:q4_k_m" and f"the tokenizer, chat template and generation config are " \
+        f"{store.DEFAULT_REPO}'s" in out.err
+    assert not fake_hub.file_requests("tiny-F16.gguf", "GET") and not fake_hub.file_requests("mmproj-F16.gguf", "GET")
+    (entry,) = store.entries()
+    assert entry.quant == "q4_k_m" and (entry.path / "tiny-Q4_K_M.gguf").read_bytes() == path.read_bytes()
+    assert (entry.path / "tokenizer.json").is_file() and entry.manifest["store"]["format"] == "gguf"
+    args = ["run", "--seed", "0", "--max-new-tokens", "16", "--view", "none", "--json", "-q", "hello"]
+    assert run_main([*args, "--model", f"{repo}:q4_k_m"]) == 0
+    by_name = json.loads(capsys.readouterr().out)["token_ids"]
+    assert run_main([*args, "--model", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == by_name
+    # --quant auto: the largest that the card holds whole, else the smallest
+    sizes = {"q4_k_m": len(published["tiny-Q4_K_M.gguf"]), "f16": len(published["tiny-F16.gguf"])}
+    assert sizes["f16"] > sizes["q4_k_m"]
+    for k, (free, want, says) in enumerate(((sizes["f16"] + store.GGUF_ALLOWANCE + 1, "f16", "the largest that fits"),
+                                            (sizes["f16"] + store.GGUF_ALLOWANCE - 1, "q4_k_m", "the largest"),
+                                            (1e9, "q4_k_m", "will partly stream"))):
+        other = f"acme/copy{k}-GGUF"
+        fake_hub.add_repo(other, published)
+        monkeypatch.setattr(footprint, "free_memory", lambda free=free: (free, "a test GPU"))
+        assert run_main(["pull", other]) == 0
+        out = capsys.readouterr()
+        assert out.out.strip() == f"{other}:{want}" and f"--quant auto: {want}" in out.err and says in out.err

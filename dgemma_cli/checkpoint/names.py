@@ -75,9 +75,11 @@ BUNDLED_ABOUT = {  # what each bundled model does, as `dgemma list` says it
 
 MANIFEST = "dgemma-manifest.json"  # the same name quant.convert writes
 QUANTS = ("bf16", "fp8", "int8", "nvfp4")
+# a GGUF repository's quantizations, by the label its file names carry (q4_k_m, q8_0, iq4_xs, ud-q4_k_xl, bf16, ...)
+GGUF_QUANT = re.compile(r"^(?:ud-)?(?:[it]?q\d(?:_[a-z0-9]+)+|bf16|f16|f32)$")
 POLICIES = ("experts", "all")  # what a format quantizes: the routed experts, or also attention and the dense MLP
 STORE_NAME = re.compile(r"^(?:(?P<owner>[A-Za-z0-9][A-Za-z0-9._-]*)/)?(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)"
-                        r"(?::(?P<quant>[a-z0-9]+))?$")
+                        r"(?::(?P<quant>[a-z0-9_-]+))?$")
 
 
 def store_root() -> Path:
@@ -126,6 +128,12 @@ def entries() -> list[Entry]:
     return out
 
 
+def entry_model(path: Path) -> Path:
+    """What runs from a store entry: the directory, or the GGUF file in it (a split file's first part)."""
+    files = sorted(path.glob("*.gguf"))
+    return files[0] if files and not (path / "config.json").is_file() else path
+
+
 def find(ref: str) -> list[Entry]:
     """Entries matching a store name `[OWNER/]NAME[:QUANT]` (names compare without regard to case)."""
     m = STORE_NAME.match(ref)
@@ -160,11 +168,12 @@ def resolve(ref: str, demo: Path) -> Path:
     m = STORE_NAME.match(ref)
     if not m:
         raise UsageError(f"{ref!r} is neither a model directory nor a store name ([OWNER/]NAME[:QUANT])")
-    if m["quant"] and m["quant"] not in QUANTS:
-        raise UsageError(f"{ref}: unknown format {m['quant']!r} (one of {', '.join(QUANTS)})")
+    if m["quant"] and m["quant"] not in QUANTS and not GGUF_QUANT.match(m["quant"]):
+        raise UsageError(f"{ref}: unknown format {m['quant']!r} (one of {', '.join(QUANTS)}, or a GGUF file's "
+                         "quantization: q4_k_m, q8_0, ...)")
     found = [e for e in find(ref) if e.quant != "lora"]  # an adapter is not a model (--adapter takes it)
     if len(found) == 1:
-        return found[0].path
+        return entry_model(found[0].path)
     if len(found) > 1:
         names = ", ".join(e.name for e in found)
         raise UsageError(f"{ref} matches {len(found)} models in the store ({names}); add :QUANT to choose")

@@ -14,7 +14,8 @@ from .options import QUIET_OPTION, be_quiet, gb, model_arg, note
 
 def pull(
     repo: str = typer.Argument("google/diffusiongemma-26B-A4B-it", help="Hub repository id (OWNER/NAME)."),
-    quant: str = typer.Option("auto", "--quant", help="auto (from free GPU memory), bf16, fp8, int8 or nvfp4."),
+    quant: str = typer.Option("auto", "--quant", help="auto (from free GPU memory), bf16, fp8, int8 or nvfp4; for a "
+                              "GGUF repository, a file's quantization (q4_k_m, q8_0, ...), taken as published."),
     revision: Optional[str] = typer.Option(None, "--revision",
                                            help="Branch, tag or commit (default: main). An entry already stored "
                                                 "from another commit is not replaced: it says how."),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 from pathlib import Path, PurePosixPath
 from typing import Callable
 
@@ -71,19 +72,37 @@ class _NoBars(hf_tqdm):
 
 
 def download(repo_id: str, revision: str | None = None, *, progress: bool = True,
-             on_config: Callable[[Path], None] | None = None) -> Path:
+             on_config: Callable[[Path], None] | None = None,
+             on_gguf: Callable[[dict], str] | None = None) -> Path:
     """Fetch the model (text stack and vision tower) from the Hub into huggingface_hub's own cache; return the
     snapshot dir. A LoRA adapter's repository (adapter_config.json, no config.json) gives its two files only.
 
     on_config(snapshot dir) runs once the small files (config.json first) are there and before any weights are
-    fetched: a caller can refuse the model there without downloading gigabytes.
+    fetched: a caller can refuse the model there without downloading gigabytes. on_gguf(choices) picks one of a
+    GGUF repository's quantizations ({label: [(file, bytes), ...]}, `gguf_choices`) before any is fetched; then
+    that file (every part of a split one) and the small files the repository has are fetched. Without it a
+    GGUF-only repository is refused in one line.
     """
     try:
-        return _download(repo_id, revision, None if progress else _NoBars, on_config)
+        return _download(repo_id, revision, None if progress else _NoBars, on_config, on_gguf)
     except DgemmaError:
         raise
     except Exception as e:  # KeyboardInterrupt is not an Exception: it propagates unchanged
         raise DgemmaError(_one_line(_explain(e, repo_id, revision))) from e
+
+
+def fetch_files(repo_id: str, names, revision: str | None = None, *, progress: bool = True) -> dict[str, Path]:
+    """The small files of `names` that `repo_id` has (from the cache when offline), by name; no weights."""
+    out = {}
+    for name in names:
+        try:
+            out[name] = Path(hf_hub_download(repo_id, name, revision=revision, local_files_only=is_offline_mode(),
+                                             tqdm_class=None if progress else _NoBars))
+        except (LocalEntryNotFoundError, RemoteEntryNotFoundError):
+            continue
+        except Exception as e:  # KeyboardInterrupt is not an Exception: it propagates unchanged
+            raise DgemmaError(_one_line(_explain(e, repo_id, revision))) from e
+    return out
 
 
 def resolve_commit(repo_id: str, revision: str | None) -> str:
@@ -97,17 +116,19 @@ def resolve_commit(repo_id: str, revision: str | None) -> str:
         raise DgemmaError(_one_line(_explain(e, repo_id, revision))) from e
 
 
-def _download(repo_id: str, revision: str | None, bars, on_config=None) -> Path:
+def _download(repo_id: str, revision: str | None, bars, on_config=None, on_gguf=None) -> Path:
     api = HfApi()
     offline = is_offline_mode()
     # One commit for every file; falls back to the cached ref when the Hub cannot be reached.
     rev = api.resolve_revision(repo_id, revision=revision, local_files_only=offline)
     listing: set[str] | None = None  # the repo's files; None: use the cache alone
+    sizes: dict[str, int] = {}  # their bytes (asked for where a GGUF repository may be met)
     unreachable: Exception | None = None
     if not offline:
         try:
-            info = api.model_info(repo_id, revision=rev.resolved)
+            info = api.model_info(repo_id, revision=rev.resolved, files_metadata=on_gguf is not None)
             listing = {s.rfilename for s in info.siblings or ()}
+            sizes = {s.rfilename: int(s.size or 0) for s in info.siblings or ()}
         except (httpx2.TransportError, OfflineModeIsEnabled) as e:
             unreachable = e
         except HfHubHTTPError as e:
@@ -115,7 +136,9 @@ def _download(repo_id: str, revision: str | None, bars, on_config=None) -> Path:
                 raise
             unreachable = e
 
-    if listing is not None:
+    gguf = gguf_choices(sizes) if listing is not None and not (SINGLE_FILE in listing or INDEX_FILE in listing) \
+        else {}
+    if gguf and on_gguf is None:
         _refuse_gguf(repo_id, listing)
     snapshot: Path | None = None
 
@@ -136,6 +159,16 @@ def _download(repo_id: str, revision: str | None, bars, on_config=None) -> Path:
 
     def has(name: str) -> bool:
         return listing is None or name in listing
+
+    if gguf:  # llama.cpp's format: the chosen quantization's file (or parts), as published
+        label = on_gguf(gguf)
+        for name in SMALL_FILES:
+            if has(name):
+                fetch(name, required=False)
+        for name, _ in gguf[label]:
+            fetch(name)
+        assert snapshot is not None
+        return snapshot
 
     # A LoRA adapter's repository (PEFT's files, no model config): its two files, as published.
     if listing is not None and ADAPTER_FILES[0] in listing and CONFIG_FILE not in listing or \
@@ -173,14 +206,28 @@ READS = ("safetensors checkpoints: bf16 (google/diffusiongemma-26B-A4B-it), Mode
 
 
 def _refuse_gguf(repo_id: str, listing: set[str]) -> None:
-    """A repository of GGUF files only (llama.cpp's format) is refused before anything is fetched, saying what to
-    pull instead."""
-    if SINGLE_FILE in listing or INDEX_FILE in listing:
-        return
+    """A repository of GGUF files only, where the caller takes none, is refused before anything is fetched."""
     gguf = sorted(n for n in listing if n.lower().endswith(".gguf"))
-    if gguf:
-        raise DgemmaError(f"{repo_id} holds GGUF files ({len(gguf)}, e.g. {gguf[0]}), llama.cpp's format, which "
-                          f"dgemma does not read; dgemma reads {READS}")
+    raise DgemmaError(f"{repo_id} holds GGUF files ({len(gguf)}, e.g. {gguf[0]}), llama.cpp's format: `dgemma pull "
+                      f"{repo_id} --quant LABEL` takes one (dgemma also reads {READS})")
+
+
+_GGUF_LABEL = re.compile(r"[-_.](?P<label>(?:UD-)?(?:[IT]?Q\d(?:_[A-Z0-9]+)+|BF16|F16|F32))"  # q4_k_m, ud-q4_k_xl
+                         r"(?:-\d{5}-of-\d{5})?\.gguf$", re.IGNORECASE)  # a split file's part
+
+
+def gguf_choices(sizes: dict[str, int]) -> dict[str, list[tuple[str, int]]]:
+    """A repository's GGUF files by quantization label (lower case, from the file name: `...-Q4_K_M.gguf` ->
+    q4_k_m, a split file's parts together, in order): {label: [(file, bytes), ...]}. Vision projector files
+    (`mmproj*`) are not models and are left out."""
+    out: dict[str, list[tuple[str, int]]] = {}
+    for name, size in sorted(sizes.items()):
+        base = PurePosixPath(name).name
+        m = _GGUF_LABEL.search(base)
+        if m is None or base.lower().startswith("mmproj"):
+            continue
+        out.setdefault(m["label"].lower(), []).append((name, size))
+    return out
 
 
 def _model_shards(index: Path, repo_id: str) -> list[str]:

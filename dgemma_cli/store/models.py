@@ -230,13 +230,15 @@ def pull(repo: str, quant: str = "auto", revision: str | None = None, policy: st
          progress: bool = True, note=lambda s: sys.stderr.write(f"dgemma: {s}\n")) -> Entry | None:
     """Download `repo` and make its store entry in the requested format. Returns the entry (None when it was
     already there: that is said, and nothing else is done)."""
-    from ..checkpoint.names import POLICIES
+    from ..checkpoint.names import GGUF_QUANT, POLICIES
 
     # Bad flags first, before anything imports torch (seconds).
     if not REPO_ID.match(repo):
         raise UsageError(f"{repo!r} is not a repository id (OWNER/NAME, e.g. {DEFAULT_REPO})")
-    if quant not in QUANTS + ("auto",):
-        raise UsageError(f"--quant must be auto, {', '.join(QUANTS)} (got {quant!r})")
+    quant = quant.lower()
+    if quant not in QUANTS + ("auto",) and not GGUF_QUANT.match(quant):
+        raise UsageError(f"--quant must be auto, {', '.join(QUANTS)}, or a GGUF repository's quantization (q4_k_m, "
+                         f"q8_0, ...) (got {quant!r})")
     if policy is not None and policy not in POLICIES:
         raise UsageError(f"--policy must be one of {', '.join(POLICIES)} (got {policy!r})")
     from ..checkpoint.footprint import DEFAULT_POLICY, candidates, capability, choose_format, free_memory, runtime_bytes
@@ -289,7 +291,19 @@ def pull(repo: str, quant: str = "auto", revision: str | None = None, policy: st
                              "and pull again")
         decided.update(quant=fmt, published=published, out=out)
 
-    snapshot = hub.download(repo, revision, progress=progress, on_config=decide)
+    def take_gguf(choices: dict) -> str:
+        """A GGUF repository: which quantization's file, before any is fetched."""
+        label = _gguf_label(repo, quant, choices, note)
+        out = entry_dir(repo, label)
+        if out.exists():
+            raise ModelError(f"{out} exists but is not a complete store entry (no readable manifest); remove it "
+                             "and pull again")
+        decided.update(quant=label, gguf=[name for name, _ in choices[label]], out=out)
+        return label
+
+    snapshot = hub.download(repo, revision, progress=progress, on_config=decide, on_gguf=take_gguf)
+    if decided.get("gguf"):
+        return _store_gguf(repo, snapshot, decided, progress, note)
     if not decided and (snapshot / ADAPTER_CONFIG).is_file():  # a LoRA adapter: stored as published
         return _store_adapter(repo, quant, snapshot, note)
     quant, published, out = decided["quant"], decided["published"], decided["out"]
@@ -307,6 +321,64 @@ def pull(repo: str, quant: str = "auto", revision: str | None = None, policy: st
         manifest = quantize_checkpoint(snapshot, out, quant, policy, device=device, store_meta=meta, progress=progress,
                                        note=note)
     return Entry(repo, quant, out, manifest)
+
+
+GGUF_ALLOWANCE = 3.5e9  # beyond a GGUF file's bytes on the card at an 8k context (26B-A4B: its embedding decoded,
+# one layer's experts unpacked, the KV cache, a request's step memory, slack): an estimate made before the file is
+# there, from `dgemma plan` of the published Q4_K_M (17.6 GB held, 20.2 GB estimated: 3.4 GB over its 16.8 GB)
+BASE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+def _gguf_label(repo: str, quant: str, choices: dict, note) -> str:
+    """The quantization to pull from a GGUF repository: the one named, or with --quant auto the largest whose file
+    the card holds whole (with GGUF_ALLOWANCE), else the smallest (it streams least)."""
+    from ..checkpoint.footprint import free_memory
+
+    labels = ", ".join(sorted(choices))
+    sizes = {label: sum(size for _, size in files) for label, files in choices.items()}
+    if quant == "auto":
+        free, where = free_memory()
+        fits = [label for label in choices if sizes[label] + GGUF_ALLOWANCE <= free]
+        label = max(fits, key=sizes.get) if fits else min(choices, key=sizes.get)
+        how = ("the largest that fits whole in" if fits else "the smallest (its experts will partly stream from host "
+               "memory; `dgemma plan` shows how) for")
+        note(f"--quant auto: {label} ({sizes[label] / 1e9:.1f} GB) of {repo}'s GGUF files ({labels}), {how} the "
+             f"{free / 1e9:.1f} GB free in {where}")
+        return label
+    if quant not in choices:
+        raise UsageError(f"{repo} holds GGUF files, as published: --quant takes one of their quantizations "
+                         f"({labels}), not {quant}")
+    return quant
+
+
+def _store_gguf(repo: str, snapshot: Path, decided: dict, progress: bool, note) -> Entry:
+    """A GGUF entry: the chosen file (every part) as published, hard-linked where the file system allows, with the
+    tokenizer, chat template and generation config beside it: the repository's own, else the base model's (said)."""
+    from quant.convert import partial_dir, write_manifest
+
+    from . import hub
+
+    out, label = decided["out"], decided["quant"]
+    work = partial_dir(out)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    for name in decided["gguf"]:
+        _link_or_copy(snapshot / name, work / Path(name).name)
+    for name in BASE_FILES:
+        if (snapshot / name).is_file():
+            _link_or_copy(snapshot / name, work / name)
+    if not (work / "tokenizer.json").is_file():
+        note(f"{repo} has no tokenizer.json: the tokenizer, chat template and generation config are "
+             f"{DEFAULT_REPO}'s")
+        for name, path in hub.fetch_files(DEFAULT_REPO, BASE_FILES, progress=progress).items():
+            if not (work / name).is_file():
+                _link_or_copy(path, work / name)
+    meta = {"repo": repo, "quant": label, "revision": snapshot.name, "policy": None, "published": True,
+            "format": "gguf", "vision_tower": False, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    note("checking the files (sha256)")
+    manifest = write_manifest(work, {"store": meta})
+    os.rename(work, out)
+    return Entry(repo, label, out, manifest)
 
 
 def _store_adapter(repo: str, quant: str, snapshot: Path, note) -> Entry:
