@@ -397,13 +397,15 @@ def test_pull_refuses_a_bad_published_config_in_one_line(fake_hub, tmp_path, cap
     assert store.entries() == []
 
 
-def test_pull_of_a_gguf_repository_says_what_dgemma_reads(fake_hub, capsys):  # noqa: F811
+def test_pull_of_a_gguf_repository_into_a_format_says_it_runs_as_published(fake_hub, capsys):  # noqa: F811
+    """A GGUF repository is taken as published, one of its quantizations (tests/test_gguf_model.py pulls one): asked
+    for another format, the pull names them, before anything is downloaded."""
     fake_hub.add_repo("unsloth/diffusiongemma-26B-A4B-it-GGUF", {
         "README.md": b"# GGUF\n", "diffusiongemma-26B-A4B-it-Q4_K_M.gguf": b"GGUF" + b"\0" * 60,
         "diffusiongemma-26B-A4B-it-Q8_0.gguf": b"GGUF" + b"\0" * 60})
-    assert run_main(["pull", "unsloth/diffusiongemma-26B-A4B-it-GGUF"]) == 1
+    assert run_main(["pull", "unsloth/diffusiongemma-26B-A4B-it-GGUF", "--quant", "nvfp4"]) == 2
     msg = one_error_line(capsys)
-    assert "GGUF" in msg and "ModelOpt NVFP4" in msg and "compressed-tensors FP8/INT8" in msg
+    assert "GGUF" in msg and "q4_k_m" in msg and "q8_0" in msg and "not nvfp4" in msg
     assert not [r for r in fake_hub.requests if "/resolve/" in r.path]  # nothing downloaded
 
 
