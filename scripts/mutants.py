@@ -414,6 +414,17 @@ MUTATIONS: list[Mutation] = [
         "        bound = max(dram, tensor)\n",
         "        bound = dram\n",
         "tests/test_doctor.py::test_each_kernel_call_at_a_models_sizes_is_timed_against_its_bound"),
+    # ------------------------------------------------------------------ GGUF files
+    mutation(
+        "gguf/q-and-k-norms-swapped", "dgemma_cli/checkpoint/gguf_names.py",
+        '    "self_attn.q_norm.weight": "attn_q_norm.weight",\n    "self_attn.k_norm.weight": "attn_k_norm.weight",\n',
+        '    "self_attn.q_norm.weight": "attn_k_norm.weight",\n    "self_attn.k_norm.weight": "attn_q_norm.weight",\n',
+        "tests/test_gguf_model.py::test_a_gguf_gives_the_references_tokens_on_its_twin"),
+    mutation(
+        "gguf/stream-buffer-sized-by-one-layer", STREAMING,
+        "                sizes[name] = max(sizes.get(name, 0), src.numel())\n",
+        "                sizes[name] = sizes.get(name, src.numel())\n",
+        "tests/test_gguf_model.py::test_streamed_gguf_experts_give_the_resident_runs_tokens"),
     # ------------------------------------------------------------------ placement: streamed experts, split layers
     mutation(
         "placement/experts-run-before-their-copy-lands", STREAMING,

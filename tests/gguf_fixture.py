@@ -67,21 +67,59 @@ def encode(kind: str, value: np.ndarray, seed: int) -> tuple[np.ndarray, object]
     return random_blocks(kind, value, seed), getattr(T, kind)
 
 
+# The converter's names (llama.cpp's `diffusion-gemma` converter), from transformers' names: written here apart from
+# dgemma's own table (dgemma_cli/checkpoint/gguf_names.py), so that a wrong entry there shows as other tokens.
+CONVERTER_TOP = {
+    "model.decoder.embed_tokens.weight": "token_embd.weight",
+    "model.decoder.norm.weight": "output_norm.weight",
+    "model.decoder.self_conditioning.pre_norm.weight": "self_cond_pre_norm.weight",
+    "model.decoder.self_conditioning.gate_proj.weight": "self_cond_gate.weight",
+    "model.decoder.self_conditioning.up_proj.weight": "self_cond_up.weight",
+    "model.decoder.self_conditioning.down_proj.weight": "self_cond_down.weight",
+}
+CONVERTER_LAYER = {  # model.decoder.layers.N.<key> -> blk.N.<value>
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight", "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",
+    "post_feedforward_layernorm_2.weight": "post_ffw_norm_2.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight", "router.proj.weight": "ffn_gate_inp.weight",
+    "router.scale": "ffn_gate_inp.scale", "router.per_expert_scale": "ffn_down_exps.scale",
+    "experts.gate_up_proj": "ffn_gate_up_exps.weight", "experts.down_proj": "ffn_down_exps.weight",
+    "layer_scalar": "layer_output_scale",
+}
+
+
+def converter_name(hf: str) -> str | None:
+    """The GGUF name of a transformers tensor of the text stack, None for what a GGUF does not hold (vision)."""
+    if hf in CONVERTER_TOP:
+        return CONVERTER_TOP[hf]
+    for prefix, table in (("model.decoder.layers.", CONVERTER_LAYER),
+                          ("model.encoder.language_model.layers.", {"layer_scalar": "enc_layer_output_scale"})):
+        if hf.startswith(prefix):
+            n, _, rest = hf[len(prefix):].partition(".")
+            return f"blk.{n}.{table[rest]}" if rest in table else None
+    return None
+
+
 def write_gguf(src: Path, out: Path, *, types: dict[str, str] | None = None, drop=(), metadata: bool = True,
                arch: str = "diffusion-gemma") -> dict[str, np.ndarray]:
-    """`src` (a checkpoint directory) as a DiffusionGemma GGUF at `out`; returns our name -> the float32 weights the
-    file holds (gguf.dequantize of what was written). types: our name -> type, overriding the spread above; drop:
-    our names left out of the file."""
+    """`src` (a checkpoint directory, transformers' names) as a DiffusionGemma GGUF at `out`, named as the converter
+    names its tensors; returns transformers' name -> the float32 weights the file holds (gguf.dequantize of what was
+    written). types: GGUF name -> type, overriding the spread above; drop: GGUF names left out of the file."""
     import gguf
+    from safetensors.torch import load_file
 
-    from dgemma_cli.checkpoint.gguf_names import gguf_name
-    from dgemma_cli.checkpoint.weights import expected_tensors, load_model
+    from dgemma_cli.config import ModelConfig
 
-    model, cfg = load_model(src, dtype=torch.float32)
-    state = {k: v.detach() for k, v in model.state_dict().items()}
-    for kind in ("encoder_layer_scalar", "decoder_layer_scalar"):
-        for i, v in enumerate(state.pop(kind)):
-            state[f"{kind}.{i}"] = v.reshape(1)
+    cfg = ModelConfig.from_dir(src)
+    tensors = {}
+    for f in sorted(Path(src).glob("model*.safetensors")):
+        tensors.update(load_file(f))
     t = cfg.text
     w = gguf.GGUFWriter(str(out), arch)
     a = arch + "."
@@ -104,25 +142,26 @@ def write_gguf(src: Path, out: Path, *, types: dict[str, str] | None = None, dro
         w.add_uint32(a + "context_length", t.max_position_embeddings)
         w.add_uint32("diffusion.canvas_length", cfg.canvas_length)
     held, turn = {}, 0
-    for name in expected_tensors(model):
-        if name in drop:
+    for hf, tensor in tensors.items():
+        name = converter_name(hf)
+        if name is None or name in drop:
             continue
-        value = state[name].float().numpy()
+        value = tensor.float().numpy().reshape(-1) if tensor.dim() == 0 else tensor.float().numpy()
         kind = (types or {}).get(name)
         if kind is None:
-            if name == "embed_tokens.weight":
+            if name == "token_embd.weight":
                 kind = "Q6_K"
-            elif value.ndim >= 2 and value.shape[-1] % 256 == 0 and "router" not in name:
+            elif value.ndim >= 2 and value.shape[-1] % 256 == 0 and "ffn_gate_inp" not in name:
                 kind, turn = MATRIX_TYPES[turn % len(MATRIX_TYPES)], turn + 1
             else:
                 kind = "F32"
         array, raw_dtype = encode(kind, value, seed=len(held))
         if raw_dtype is None:
-            w.add_tensor(gguf_name(name), array)
+            w.add_tensor(name, array)
         else:
-            w.add_tensor(gguf_name(name), array, raw_dtype=raw_dtype)
+            w.add_tensor(name, array, raw_dtype=raw_dtype)
         back = (gguf.dequantize(array, raw_dtype) if raw_dtype is not None else array).astype(np.float32)
-        held[name] = back.reshape(value.shape)
+        held[hf] = back.reshape(tensor.shape)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -131,20 +170,15 @@ def write_gguf(src: Path, out: Path, *, types: dict[str, str] | None = None, dro
 
 
 def write_twin(src: Path, out: Path, held: dict[str, np.ndarray]) -> Path:
-    """`src` rewritten with the GGUF's weights (`held`, our names): every tensor of the text stack replaced by
-    what the file holds, in float32, the rest (the vision tower) as it was. The reference loads it."""
+    """`src` rewritten with the GGUF's weights (`held`, transformers' names): every tensor of the text stack replaced
+    by what the file holds, in float32, the rest (the vision tower) as it was. The reference loads it."""
     from safetensors.torch import load_file, save_file
-
-    from dgemma_cli.checkpoint.layout import checkpoint_name, text_prefix
 
     tensors = {}
     for f in sorted(Path(src).glob("model*.safetensors")):
         tensors.update(load_file(f))
-    prefix = text_prefix(tensors)
     for name, value in held.items():
-        ck = checkpoint_name(name, prefix)
-        assert ck in tensors, ck
-        tensors[ck] = torch.from_numpy(value).reshape(tensors[ck].shape).float()
+        tensors[name] = torch.from_numpy(value).reshape(tensors[name].shape).float()
     out.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, out / "model.safetensors")
     for extra in Path(src).iterdir():

@@ -117,7 +117,7 @@ def test_what_a_gguf_cannot_do_is_one_line(files, tmp_path, capsys):
     assert rc != 0 and err.count("\n") == 1 and "no vision tower" in err and "dgemma pull" in err, err
     # a tensor the file lacks: named, before any weight is decoded
     short = tmp_path / "short.gguf"
-    write_gguf(src, short, drop=("layers.1.mlp.up_proj.weight",))
+    write_gguf(src, short, drop=("blk.1.ffn_up.weight",))
     rc = run_main(["run", "--model", str(short), "-q", "hello"])
     err = capsys.readouterr().err
     assert rc != 0 and err.count("\n") == 1 and "blk.1.ffn_up.weight" in err and "Traceback" not in err, err
@@ -192,14 +192,20 @@ def test_plan_info_and_show_read_a_real_shaped_gguf_from_its_header(tmp_path, ca
     assert err.count("\n") == 1 and "runs as it is" in err
 
 
-def test_streamed_gguf_experts_give_the_resident_runs_tokens(files):
+def test_streamed_gguf_experts_give_the_resident_runs_tokens(files, tmp_path):
     """A card too small for every layer's experts streams them as their blocks: layers whose stacks differ in block
-    type (so in size: llama.cpp gives some layers more bits) share the two buffers, each copy viewed as its own."""
+    type (so in size: llama.cpp gives some layers more bits) share the two buffers, each copy viewed as its own, a
+    buffer as large as the largest of its layers (here the last layer's, F16, after smaller Q4_K ones)."""
     from dgemma_cli.checkpoint.gguf_file import read_gguf
     from dgemma_cli.placement.cards import Card
     from dgemma_cli.placement.plan import plan, planned_context
 
-    path = files[0]
+    path = tmp_path / "gguf" / "mixed.gguf"
+    path.parent.mkdir()
+    L = GGUF_SPEC["text"]["num_hidden_layers"]
+    kinds = {f"blk.{i}.{p}.weight": "F16" if i == L - 1 else "Q4_K" for i in range(L)
+             for p in ("ffn_gate_up_exps", "ffn_down_exps")}
+    write_gguf(files[2], path, types=kinds)
     f, cfg = read_gguf(path)
     whole = plan(cfg, "gguf", [Card("any", 10**15, 0.0, 4, 16)], context=planned_context(cfg),
                  footprint=f.footprint(cfg.text.num_hidden_layers))
@@ -208,7 +214,9 @@ def test_streamed_gguf_experts_give_the_resident_runs_tokens(files):
     streamed = load(path, device="cpu", dtype="float32", gpu_memory=c.fixed_bytes + 3 * c.expert_bytes)
     layers = streamed.model.placement.streamed
     stream = streamed.model.expert_streams[0]
-    assert len(layers) >= 2 and len({stream.host[i]["gate_up_proj.weight"].numel() for i in layers}) > 1
+    size = {i: stream.host[i]["gate_up_proj.weight"].numel() for i in layers}
+    assert len(layers) >= 2 and L - 1 in layers
+    assert any(size[i] > size[stream.first[stream.buffer_of[i]]] for i in layers)  # a buffer's later layer is larger
     prompt = [[2, 30, 31, 32, 33, 34]]
     kw = dict(raw=True, seed=3, max_new_tokens=3 * cfg.canvas_length, max_denoising_steps=6)
     before = stream.copies
@@ -231,7 +239,7 @@ def test_pull_takes_one_gguf_of_a_repository_as_published_and_its_name_runs(file
     small = tmp_path / "small.gguf"
     write_gguf(src, small, types={})  # the mix again, in other bytes: a second quantization of the same model
     big = tmp_path / "big.gguf"
-    write_gguf(src, big, types={n: "F16" for n in ("embed_tokens.weight",)})
+    write_gguf(src, big, types={"token_embd.weight": "F16"})
     repo = "acme/tiny-GGUF"
     published = {"tiny-Q4_K_M.gguf": path.read_bytes(), "tiny-F16.gguf": big.read_bytes(),
                  "mmproj-F16.gguf": b"not a model", "README.md": b"# tiny"}
