@@ -29,6 +29,9 @@ ELEMENTS = {"F32": 1, "F16": 1, "BF16": 1, "Q8_0": 32, "Q5_0": 32, "Q5_1": 32, "
 BYTES = {"F32": 4, "F16": 2, "BF16": 2, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "IQ4_NL": 18, "Q4_K": 144,
          "Q5_K": 176, "Q6_K": 210, "Q3_K": 110, "IQ4_XS": 136}
 SUPPORTED = tuple(ELEMENTS)
+# where each block type keeps its f16 halves (byte offsets in a block): d, and dmin / m where it has one
+HALVES = {"Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+          "Q3_K": (108,), "IQ4_XS": (0,)}
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
@@ -181,3 +184,14 @@ def _nibbles_interleaved(b: torch.Tensor) -> torch.Tensor:
 
 _DECODERS = {"Q8_0": _q8_0, "Q5_0": _q5_0, "Q5_1": _q5_1, "IQ4_NL": _iq4_nl, "Q4_K": _q4_k, "Q5_K": _q5_k,
              "Q6_K": _q6_k, "Q3_K": _q3_k, "IQ4_XS": _iq4_xs}
+
+
+def random_blocks(kind: str, rows: int, columns: int, generator: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    """uint8 [rows, row bytes]: random blocks of a block type whose f16 halves are in [-scale, scale] (random bytes
+    there would be NaN or huge): the doctor's probe, and tests."""
+    n = rows * columns // ELEMENTS[kind]
+    raw = torch.randint(0, 256, (n, BYTES[kind]), generator=generator, dtype=torch.uint8)
+    for at in HALVES[kind]:
+        halves = ((torch.rand(n, generator=generator) * 2 - 1) * scale).to(torch.float16)
+        raw[:, at : at + 2] = halves.view(torch.uint8).reshape(n, 2)
+    return raw.reshape(rows, -1)

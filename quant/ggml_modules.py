@@ -2,9 +2,10 @@
 (rows of ggml blocks, quant/ggml.py) and decode them where they are used, so a GGUF model takes its file's size in
 memory, not its 16-bit size.
 
-The decode is torch's (quant/ggml.py, bit for bit `gguf.dequantize`): a linear decodes its matrix each call, an
-expert stack a few experts at a time as the other packed stacks do (dgemma_cli/model.py QuantizedExperts: one layer's
-experts unpacked at most). No kernel reads the blocks in place yet, so on a GPU this is the slow path.
+The decode is one Triton kernel where it runs (kernels/ggml_decode.py), else torch's (quant/ggml.py); both are bit
+for bit `gguf.dequantize` in the interpreter. A linear decodes its matrix each call, an expert stack a few experts at
+a time as the other packed stacks do (dgemma_cli/model.py QuantizedExperts: one layer's experts unpacked at most).
+No matmul reads the blocks in its tiles yet: a layer's decode is written out and read back.
 """
 
 from __future__ import annotations
@@ -15,6 +16,25 @@ import torch.nn.functional as F
 
 from . import ggml
 from .modules import _Stack
+
+
+def decode(raw: torch.Tensor, kind: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The blocks' weights: one Triton kernel where it runs (kernels/ggml_decode.py, checked on first use), else
+    quant/ggml.py's torch decode."""
+    from .kernels import use_triton
+    from .kernels.probe import family_ok
+
+    if kind in ggml_decode_kinds() and use_triton(raw.device) and family_ok("ggml_decode", raw.device, dtype):
+        from .kernels.ggml_decode import ggml_decode
+
+        return ggml_decode(raw, kind, shape, dtype)
+    return ggml.decode(raw, kind, shape, dtype)
+
+
+def ggml_decode_kinds() -> tuple[str, ...]:
+    from .kernels.ggml_decode import KINDS
+
+    return KINDS
 
 
 class GGUFLinear(nn.Module):
@@ -29,7 +49,7 @@ class GGUFLinear(nn.Module):
                                                    device=device))
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return ggml.decode(self.weight, self.kind, (self.out_features, self.in_features), dtype)
+        return decode(self.weight, self.kind, (self.out_features, self.in_features), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantize(x.dtype))
@@ -52,7 +72,7 @@ class GGUFStack(_Stack):
 
     def dequantize_experts(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
         _, N, K = self.shape
-        return ggml.decode(self.weight[lo:hi], self.kind, (hi - lo, N, K), dtype)
+        return decode(self.weight[lo:hi], self.kind, (hi - lo, N, K), dtype)
 
     def fused_experts(self, down, x, top_k_index, top_k_weights, ordered: bool = False, lora=None):
         return None  # no fused kernel reads ggml blocks yet: the reference path, a layer unpacked at a time

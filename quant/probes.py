@@ -589,6 +589,23 @@ def _router(device: torch.device, dtype: torch.dtype, sizes: Sizes | None = None
     return _rel_error(got_w[same], want_w[same], dtype)
 
 
+def _ggml_decode(device: torch.device, dtype: torch.dtype) -> str | None:
+    """3 rows of each GGUF block type dgemma reads, 512 weights a row (288 for the 32-weight types: a partial tile),
+    random blocks with sane scales, through the one-pass decode kernel against quant/ggml.py's torch decode."""
+    from . import ggml
+    from .kernels.ggml_decode import KINDS, ggml_decode
+
+    g = torch.Generator().manual_seed(0)
+    for kind in KINDS:
+        K = 512 if ggml.ELEMENTS[kind] == 256 else 288
+        raw = ggml.random_blocks(kind, 3, K, g)
+        err = _rel_error(ggml_decode(raw.to(device), kind, (3, K), dtype).cpu().float(),
+                         ggml.decode(raw, kind, (3, K), dtype).float(), dtype)
+        if err is not None:
+            return f"{kind}: {err}"
+    return None
+
+
 PROBLEMS = {
     "router": _router,
     "moe_plan": _moe_plan,
@@ -610,6 +627,7 @@ PROBLEMS = {
     "moe_w8a8_int8": lambda device, dtype: _moe_w8a8("int8", device, dtype),
     "moe_w8a8_fp8": lambda device, dtype: _moe_w8a8("fp8", device, dtype),
     "head": _head,
+    "ggml_decode": _ggml_decode,
 }
 
 # Those whose problem also runs at a model's sizes (`dgemma doctor` on a card). The others (the W8A8 and W4A4

@@ -27,9 +27,6 @@ GGUF_SPEC = dict(
     canvas_length=16,
 )
 MATRIX_TYPES = ("Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_XS", "F16", "BF16")
-# where each block type keeps its f16 halves (byte offsets in a block)
-HALVES = {"Q8_0": [0], "Q5_0": [0], "Q5_1": [0, 2], "IQ4_NL": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
-          "Q3_K": [108], "IQ4_XS": [0]}
 
 
 def random_blocks(kind: str, value: np.ndarray, seed: int) -> np.ndarray:
@@ -37,6 +34,7 @@ def random_blocks(kind: str, value: np.ndarray, seed: int) -> np.ndarray:
     `value`'s standard deviation."""
     import gguf
     from quant import ggml
+    from quant.ggml import HALVES
 
     rng = np.random.default_rng(seed)
     n = value.size // ggml.ELEMENTS[kind]

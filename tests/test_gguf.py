@@ -16,9 +16,7 @@ from dgemma_cli.errors import ModelError  # noqa: E402
 from quant import ggml  # noqa: E402
 
 T = gguf.GGMLQuantizationType
-# where each type keeps its f16 scales (byte offsets in a block): random bytes there would be NaN or huge
-HALVES = {"Q8_0": [0], "Q5_0": [0], "Q5_1": [0, 2], "IQ4_NL": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
-          "Q3_K": [108], "IQ4_XS": [0]}
+HALVES = ggml.HALVES  # where each type keeps its f16 scales (byte offsets in a block)
 
 
 def blocks(kind: str, rows: int, columns: int, seed: int = 0) -> np.ndarray:
@@ -171,3 +169,37 @@ def test_a_key_the_config_needs_is_named_when_missing(tmp_path):
     f = GGUFFile(write(tmp_path / "m.gguf", tensors=mixed()))
     with pytest.raises(ModelError, match=f"without {ARCH}.attention.head_count_kv"):
         f.config_dict()
+
+
+@pytest.mark.parametrize("kind", sorted(HALVES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_one_pass_decode_kernel_equals_the_torch_decode(kind, dtype):
+    """kernels/ggml_decode.py in Triton's interpreter: bit for bit quant/ggml.py's decode (which is gguf's), on rows
+    whose tiles are partial, in float32 and rounded to bfloat16; and the packed modules take it where Triton runs."""
+    from quant.kernels.ggml_decode import ggml_decode
+
+    K = 768 if ggml.ELEMENTS[kind] == 256 else 288
+    raw = ggml.random_blocks(kind, 19, K, torch.Generator().manual_seed(3))
+    want = ggml.decode(raw, kind, (19, K), dtype)
+    assert torch.equal(ggml_decode(raw, kind, (19, K), dtype), want)
+    if dtype == torch.float32:  # and the torch decode is gguf's own
+        assert np.array_equal(want.numpy(), gguf.dequantize(raw.numpy(), getattr(T, kind)).astype(np.float32))
+
+
+def test_the_packed_stacks_decode_with_the_kernel_where_triton_runs(monkeypatch):
+    import quant.kernels.ggml_decode as kernel
+    from quant.ggml_modules import GGUFLinear, GGUFStack
+
+    calls = []
+    real = kernel.ggml_decode
+    monkeypatch.setattr(kernel, "ggml_decode", lambda *a: calls.append(a[1]) or real(*a))
+    stack = GGUFStack(3, 64, 256, "Q4_K")
+    stack.weight.copy_(ggml.random_blocks("Q4_K", 3 * 64, 256, torch.Generator().manual_seed(0)).reshape(3, 64, -1))
+    linear = GGUFLinear(256, 32, "Q6_K")
+    linear.weight.copy_(ggml.random_blocks("Q6_K", 32, 256, torch.Generator().manual_seed(1)))
+    monkeypatch.setenv("DGEMMA_KERNELS", "torch")
+    plain = stack.dequantize_experts(1, 3, torch.float32), linear.dequantize(torch.float32)
+    assert calls == []
+    monkeypatch.setenv("DGEMMA_KERNELS", "triton")
+    fused = stack.dequantize_experts(1, 3, torch.float32), linear.dequantize(torch.float32)
+    assert calls == ["Q4_K", "Q6_K"] and all(torch.equal(a, b) for a, b in zip(plain, fused))
