@@ -192,6 +192,7 @@ def test_plan_info_and_show_read_a_real_shaped_gguf_from_its_header(tmp_path, ca
     assert err.count("\n") == 1 and "runs as it is" in err
 
 
+@pytest.mark.slow  # a second GGUF and two loads (make test's time)
 def test_streamed_gguf_experts_give_the_resident_runs_tokens(files, tmp_path):
     """A card too small for every layer's experts streams them as their blocks: layers whose stacks differ in block
     type (so in size: llama.cpp gives some layers more bits) share the two buffers, each copy viewed as its own, a
@@ -227,6 +228,7 @@ def test_streamed_gguf_experts_give_the_resident_runs_tokens(files, tmp_path):
 # ----------------------------------------------------------------------------- dgemma pull of a GGUF repository
 
 
+@pytest.mark.slow  # five pulls through a local hub (make test's time)
 def test_pull_takes_one_gguf_of_a_repository_as_published_and_its_name_runs(files, fake_hub, tmp_path, capsys,
                                                                             monkeypatch):
     """`dgemma pull OWNER/NAME-GGUF --quant LABEL` fetches that file alone (and a split file's every part), as
