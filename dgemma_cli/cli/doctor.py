@@ -99,6 +99,12 @@ def _sizes(name: str | None, model: str | None, quick: bool, cuda: bool) -> tupl
     from ..bench import config_for
     from ..config import ModelConfig
 
+    from ..checkpoint.names import resolve_model
+    from ..checkpoint.stored import is_gguf, model_config
+
+    if model and name == model_arg(model, quiet=True) and is_gguf(resolve_model(name)):  # a GGUF: its own keys
+        path = resolve_model(name)
+        return (path.name, Sizes.of(model_config(path))), None
     label, raw = config_for(name)
     return (Path(label).name if "/" in label else label, Sizes.of(ModelConfig.from_dict(raw))), None
 

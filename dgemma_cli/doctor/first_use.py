@@ -13,8 +13,11 @@ from .checks import families_for, kernel_checks, not_for
 
 def model_format(path: Path) -> str:
     """The checkpoint's format's short name ('bf16' unquantized), as run runs it."""
+    from ..checkpoint.stored import is_gguf
     from ..checkpoint.weights import stored_format
 
+    if is_gguf(path):
+        return "gguf"
     try:
         raw = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
