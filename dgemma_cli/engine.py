@@ -11,7 +11,6 @@ The engine joins the pieces (weights, network, tokenizer, sampler) and owns noth
 from __future__ import annotations
 
 import dataclasses
-
 import os
 import threading
 from dataclasses import dataclass

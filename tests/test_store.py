@@ -488,3 +488,10 @@ def test_pull_auto_on_a_card_too_small_plans_streamed_experts(served, monkeypatc
     err = capsys.readouterr().err
     assert "--quant auto: nvfp4" in err
     assert f"{len(c.layers) - 1} of {len(c.layers)} layers' experts will stream" in err
+
+
+def test_a_gguf_quantization_asked_of_a_safetensors_repository_is_one_line(served, capsys):
+    assert run_main(["pull", REPO, "--quant", "q4_k_m"]) == 2
+    msg = one_error_line(capsys)
+    assert "safetensors checkpoint" in msg and "q4_k_m" in msg
+    assert not store.entries() and not served.file_requests("model-00001-of-00002.safetensors", "GET")

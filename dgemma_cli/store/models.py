@@ -260,6 +260,9 @@ def pull(repo: str, quant: str = "auto", revision: str | None = None, policy: st
 
     def decide(snapshot: Path) -> None:
         """From the config alone, before any weights are fetched: the format, and whether it can be made."""
+        if quant not in QUANTS + ("auto",):  # a GGUF file's label, for a repository of safetensors
+            raise UsageError(f"{repo} is a safetensors checkpoint: --quant takes auto, {', '.join(QUANTS)} ({quant} "
+                             "names a file of a GGUF repository)")
         cfg = ModelConfig.from_dir(snapshot)
         published = read_quant_format(snapshot, cfg.raw)
         fmt = quant
