@@ -1,8 +1,8 @@
 """A DiffusionGemma GGUF into the network: the config from the file's keys, every tensor found by its converter name
 (gguf_names.py) and checked before any is read; the routed experts and the block-typed projections kept as the file's
-bytes (quant/ggml_modules.py, decoded with torch where they are used), the rest decoded to the compute dtype here.
-The model takes about its file's size in memory (the 26B Q4_K_M: 17.6 GB, its embedding decoded), which the planner
-counts from the file (gguf_file.GGUFFile.footprint). No kernel reads the blocks in place yet: the torch path.
+bytes (quant/ggml_modules.py, decoded where they are used), the rest decoded to the compute dtype here. The model
+takes about its file's size in memory (the 26B Q4_K_M: 17.6 GB, its embedding decoded), which the planner counts
+from the file (gguf_file.GGUFFile.footprint).
 """
 
 from __future__ import annotations

@@ -97,10 +97,9 @@ def _sizes(name: str | None, model: str | None, quick: bool, cuda: bool) -> tupl
     from quant.probes import Sizes
 
     from ..bench import config_for
-    from ..config import ModelConfig
-
     from ..checkpoint.names import resolve_model
     from ..checkpoint.stored import is_gguf, model_config
+    from ..config import ModelConfig
 
     if model and name == model_arg(model, quiet=True) and is_gguf(resolve_model(name)):  # a GGUF: its own keys
         path = resolve_model(name)

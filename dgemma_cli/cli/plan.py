@@ -119,8 +119,9 @@ def plan(
 
 
 GGUF_NOTE = ("the routed experts and the attention and MLP projections are held as the file's blocks, the rest "
-             "(the embedding the head reads, norms, the router) decoded to 16 bits; no kernel reads the blocks in "
-             "place yet (the torch path decodes a layer's experts at a time, counted)")
+             "(the embedding the head reads, norms, the router) decoded to 16 bits; no matmul reads the blocks in "
+             "its tiles yet: a layer's experts are decoded before their matmuls (one kernel pass where Triton runs), "
+             "counted")
 
 
 def _local_card():
