@@ -240,3 +240,20 @@ def test_the_doctor_leaves_the_processs_kernel_setting_as_it_found_it(fresh, mon
     monkeypatch.delenv("DGEMMA_KERNELS", raising=False)
     assert run_main(["doctor", "--quick", "--sizes", "none", "-q"]) == 0
     assert "DGEMMA_KERNELS" not in os.environ  # later work in this process takes its own path, not the interpreter's
+
+
+def test_a_card_too_small_for_a_sized_check_is_not_a_failing_kernel(fresh, monkeypatch):
+    """Running out of the card's memory while a check at the model's sizes builds its problem says so and decides
+    nothing: the family is not turned off for a card that merely has less memory than the check."""
+    from quant.kernels import probe
+
+    from dgemma_cli.doctor.sizes import sized_checks
+
+    def oom(device, dtype, sizes=None):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setitem(probe.PROBES, "softcap", oom)
+    (check,) = sized_checks(torch.device("cpu"), torch.float32, ("softcap",), tiny_sizes(), "tiny")
+    assert check.status == "not run" and "free memory" in check.detail
+    assert "softcap float32" not in probe.kept_verdicts(torch.device("cpu"))
+    assert probe.family_ok("softcap", torch.device("cpu"), torch.float32)

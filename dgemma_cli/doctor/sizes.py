@@ -96,6 +96,11 @@ def sized_checks(device, dtype, families, sizes, label: str, progress: Callable[
             reason = probe.check(family, device, dtype, sizes)
         seconds = time.perf_counter() - t0
         error = max(probe.measured) if probe.measured else None
+        if reason is not None and "OutOfMemoryError" in reason:  # the card's memory, not the kernel: nothing decided
+            probe.timed.clear()
+            checks.append(Check(family, what, "not run", f"the card's free memory cannot hold this check at "
+                                f"{label}'s sizes ({reason})", None, seconds))
+            continue
         if reason is not None:
             checks.append(Check(family, what, "off", reason, error, seconds))
             decided[probe.verdict_name(family, dtype)] = {"ok": False, "why": f"{reason} at {label}'s sizes",
