@@ -2,10 +2,10 @@
 (rows of ggml blocks, quant/ggml.py) and decode them where they are used, so a GGUF model takes its file's size in
 memory, not its 16-bit size.
 
-The decode is one Triton kernel where it runs (kernels/ggml_decode.py), else torch's (quant/ggml.py); both are bit
-for bit `gguf.dequantize` in the interpreter. A linear decodes its matrix each call, an expert stack a few experts at
-a time as the other packed stacks do (dgemma_cli/model.py QuantizedExperts: one layer's experts unpacked at most).
-No matmul reads the blocks in its tiles yet: a layer's decode is written out and read back.
+Where Triton runs, the routed experts go through the MoE kernels reading the blocks in their own tiles (FORMAT gguf:
+kernels/moe_gate_up.weight_tile), and a linear decodes its matrix in one kernel pass (kernels/ggml_decode.py) before
+its matmul. Elsewhere torch decodes (quant/ggml.py): a linear its matrix each call, an expert stack a few experts at a
+time as the other packed stacks do (dgemma_cli/model.py QuantizedExperts: one layer's experts unpacked at most).
 """
 
 from __future__ import annotations
@@ -75,7 +75,32 @@ class GGUFStack(_Stack):
         return decode(self.weight[lo:hi], self.kind, (hi - lo, N, K), dtype)
 
     def fused_experts(self, down, x, top_k_index, top_k_weights, ordered: bool = False, lora=None):
-        return None  # no fused kernel reads ggml blocks yet: the reference path, a layer unpacked at a time
+        """The routed experts through the MoE kernels reading the blocks in their own tiles (FORMAT gguf: no layer
+        decoded), or None (the reference path, a layer unpacked at a time): adapters, a float stack, or no Triton."""
+        from .kernels import use_triton
+        from .kernels.probe import family_ok
+
+        kinds = ggml_decode_kinds()
+        if (ordered or lora is not None or self.kind not in kinds or getattr(down, "kind", None) not in kinds
+                or not use_triton(x.device) or not family_ok("moe_gguf", x.device, x.dtype)):
+            return None
+        return gguf_experts(self, down, x, top_k_index, top_k_weights)
 
     def takes_pair_order(self, down, x) -> bool:
         return False
+
+
+def gguf_experts(gate_up: GGUFStack, down: GGUFStack, x: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor, cfg: dict | None = None) -> torch.Tensor:
+    """x [T, H] -> [T, H] through moe_gate_up and moe_down on GGUF blocks (their first launch candidate, or `cfg`)."""
+    from .kernels.moe_down import moe_down
+    from .kernels.moe_gate_up import candidates, moe_gate_up
+    from .modules import block_plan
+
+    T, K = top_k_index.shape
+    E, two_i, H = gate_up.shape
+    cfg = cfg or candidates(T * K / E, H, two_i // 2, x.device)[0]
+    ids, block_expert = block_plan(top_k_index, E, cfg["BLOCK_M"])
+    h = moe_gate_up(x, ids, block_expert, "gguf", gate_up.weight, None, None, K, cfg, kind=gate_up.kind)
+    return moe_down(h, ids, block_expert, "gguf", down.weight, None, None, top_k_weights.reshape(-1), T, K, cfg,
+                    kind=down.kind)

@@ -606,6 +606,30 @@ def _ggml_decode(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+def _moe_gguf(device: torch.device, dtype: torch.dtype) -> str | None:
+    """9 tokens, 4 experts (one never routed to), top-2, hidden 256, width 96 (partial tiles) through the MoE kernels
+    reading GGUF blocks in their tiles, gate-up and down of different block types (Q4_K / Q5_0, Q6_K / Q8_0, IQ4_XS /
+    IQ4_NL), against the reference expert math on the stacks decoded to the compute dtype."""
+    from . import ggml
+    from .ggml_modules import GGUFStack, gguf_experts
+
+    g = torch.Generator().manual_seed(0)
+    T, E, H, I, top = 9, 4, 256, 96, 2
+    x = torch.randn(T, H, generator=g).to(dtype).to(device)
+    index = torch.rand(T, E - 1, generator=g).argsort(dim=1)[:, :top].to(device)
+    weights = torch.rand(T, top, generator=g).to(device)
+    for gu_kind, dn_kind in (("Q4_K", "Q5_0"), ("Q6_K", "Q8_0"), ("IQ4_XS", "IQ4_NL")):
+        gu, dn = GGUFStack(E, 2 * I, H, gu_kind), GGUFStack(E, H, I, dn_kind)
+        gu.weight.copy_(ggml.random_blocks(gu_kind, E * 2 * I, H, g, 0.002).reshape(gu.weight.shape))
+        dn.weight.copy_(ggml.random_blocks(dn_kind, E * H, I, g, 0.002).reshape(dn.weight.shape))
+        gu, dn = gu.to(device), dn.to(device)
+        ref = expert_math(gu.dequantize(dtype), dn.dequantize(dtype), x, index, weights)
+        err = _rel_error(gguf_experts(gu, dn, x, index, weights), ref, dtype)
+        if err is not None:
+            return f"{gu_kind} / {dn_kind}: {err}"
+    return None
+
+
 PROBLEMS = {
     "router": _router,
     "moe_plan": _moe_plan,
@@ -628,6 +652,7 @@ PROBLEMS = {
     "moe_w8a8_fp8": lambda device, dtype: _moe_w8a8("fp8", device, dtype),
     "head": _head,
     "ggml_decode": _ggml_decode,
+    "moe_gguf": _moe_gguf,
 }
 
 # Those whose problem also runs at a model's sizes (`dgemma doctor` on a card). The others (the W8A8 and W4A4

@@ -203,3 +203,31 @@ def test_the_packed_stacks_decode_with_the_kernel_where_triton_runs(monkeypatch)
     monkeypatch.setenv("DGEMMA_KERNELS", "triton")
     fused = stack.dequantize_experts(1, 3, torch.float32), linear.dequantize(torch.float32)
     assert calls == ["Q4_K", "Q6_K"] and all(torch.equal(a, b) for a, b in zip(plain, fused))
+
+
+def test_gguf_experts_read_their_blocks_in_the_kernels_where_triton_runs(monkeypatch):
+    """QuantizedExperts over GGUF stacks: with Triton (here its interpreter) the MoE kernels read the blocks in their
+    own tiles (no layer decoded), within the kernel tests' float32 tolerance of the reference path, which decodes."""
+    import quant.ggml_modules as modules
+    from quant.ggml_modules import GGUFStack
+
+    from dgemma_cli.model import QuantizedExperts
+
+    g = torch.Generator().manual_seed(5)
+    E, H, I, T = 3, 256, 64, 5
+    gu, dn = GGUFStack(E, 2 * I, H, "Q5_K"), GGUFStack(E, H, I, "Q5_1")
+    gu.weight.copy_(ggml.random_blocks("Q5_K", E * 2 * I, H, g, 0.002).reshape(gu.weight.shape))
+    dn.weight.copy_(ggml.random_blocks("Q5_1", E * H, I, g, 0.002).reshape(dn.weight.shape))
+    experts = QuantizedExperts(E, gu, dn)
+    x = torch.randn(T, H, generator=g)
+    index = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2], [1, 0]])
+    weights = torch.rand(T, 2, generator=g)
+    calls = []
+    real = modules.gguf_experts
+    monkeypatch.setattr(modules, "gguf_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setenv("DGEMMA_KERNELS", "torch")
+    want = experts(x, index, weights)
+    monkeypatch.setenv("DGEMMA_KERNELS", "triton")
+    got = experts(x, index, weights)
+    assert calls == [1]
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5

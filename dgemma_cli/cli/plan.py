@@ -119,9 +119,8 @@ def plan(
 
 
 GGUF_NOTE = ("the routed experts and the attention and MLP projections are held as the file's blocks, the rest "
-             "(the embedding the head reads, norms, the router) decoded to 16 bits; no matmul reads the blocks in "
-             "its tiles yet: a layer's experts are decoded before their matmuls (one kernel pass where Triton runs), "
-             "counted")
+             "(the embedding the head reads, norms, the router) decoded to 16 bits; where Triton runs the experts' "
+             "kernels read the blocks in their tiles, elsewhere a layer's experts are decoded at a time (counted)")
 
 
 def _local_card():

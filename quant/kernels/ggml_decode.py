@@ -6,8 +6,9 @@ the few bytes that make it (the block's f16 scales, its sub-block's packed scale
 blocks lie; the arithmetic is quant/ggml.py's in the same float32 order, so in the interpreter the result equals the
 torch decode bit for bit (on a GPU a fused multiply-add may round the last bit of Q5_1's d q + m and the K types'
 d sc q - dmin m differently: the probe's tolerance). One kernel for every type: KIND (constexpr) is its index in
-KINDS. It replaces the torch decode's dozen passes over a layer's experts (what the packed GGUF stacks unpack before
-their matmuls, quant/ggml_modules.py); a matmul that decodes its tiles in registers is the step after it.
+KINDS. It replaces the torch decode's dozen passes over a matrix (the packed GGUF linears, quant/ggml_modules.py);
+`decode_tile` is also what the routed experts' kernels call to read GGUF blocks in their own tiles
+(moe_gate_up.weight_tile, FORMAT 2).
 """
 
 from __future__ import annotations
@@ -125,6 +126,29 @@ def decode_tile(w_ptr, rows, ks, row_bytes, KIND: tl.constexpr):
         q = (_u8(b + 8 + sb * 16 + t % 16) >> (4 * (t // 16))) & 15
         w = (_f16(b) * sc) * _iq4(q)
     return w
+
+
+@triton.jit
+def row_bytes_of(K, KIND: tl.constexpr):
+    """Bytes of a row of K weights of KINDS[KIND]."""
+    if KIND == 0:
+        return K // 32 * 34
+    elif KIND == 1:
+        return K // 32 * 22
+    elif KIND == 2:
+        return K // 32 * 24
+    elif KIND == 3:
+        return K // 32 * 18
+    elif KIND == 4:
+        return K // 256 * 144
+    elif KIND == 5:
+        return K // 256 * 176
+    elif KIND == 6:
+        return K // 256 * 210
+    elif KIND == 7:
+        return K // 256 * 110
+    else:
+        return K // 256 * 136
 
 
 @triton.jit

@@ -22,7 +22,8 @@ import triton.language as tl
 
 from . import interpreting
 from .common import block_rows, dot_acc, store_rounded
-from .moe_gate_up import half_factor, lora_operands, weight_tile
+from .ggml_decode import KINDS
+from .moe_gate_up import FORMATS, half_factor, lora_operands, weight_tile
 from .moe_lora import LoRAFactors, lora_epilogue
 
 
@@ -30,7 +31,7 @@ from .moe_lora import LoRAFactors, lora_epilogue
 def moe_down_kernel(h_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, ys_ptr, t_ptr, lb_ptr, H, I, E,
                     FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EVEN: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr,
-                    LORA: tl.constexpr = False, BLOCK_R: tl.constexpr = 16):
+                    LORA: tl.constexpr = False, BLOCK_R: tl.constexpr = 16, KIND: tl.constexpr = 0):
     pid_n = tl.program_id(0)  # fastest: the programs of one block share its h rows (L2)
     pid_b = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_b)
@@ -47,7 +48,7 @@ def moe_down_kernel(h_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, ys_p
         else:
             h = tl.load(h_ptr + slots[:, None].to(tl.int64) * I + rk[None, :],
                         mask=live[:, None] & (rk[None, :] < I), other=0.0)
-        w = weight_tile(w_ptr, s_ptr, e, cols, k0, I, H, FORMAT, BLOCK_K, BLOCK_N, dtype, EVEN, EMULATE)
+        w = weight_tile(w_ptr, s_ptr, e, cols, k0, I, H, FORMAT, BLOCK_K, BLOCK_N, dtype, EVEN, EMULATE, KIND)
         acc = dot_acc(acc, h, tl.trans(w), IEEE, EMULATE)
     acc = acc * half_factor(s2_ptr, e, False, 1, FORMAT, dtype)  # one global scale per expert
     if LORA:  # the adapters' t B_e^T (moe_lora.py)
@@ -72,9 +73,10 @@ def moe_sum_kernel(ys_ptr, tw_ptr, y_ptr, H, TOPK: tl.constexpr, BLOCK: tl.const
 def moe_down(h: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor, fmt: str, weight: torch.Tensor,
              scale: torch.Tensor, scale_2: torch.Tensor | None, top_k_weights: torch.Tensor, tokens: int,
              topk: int, cfg: dict, lora: LoRAFactors | None = None,
-             token_slots: torch.Tensor | None = None) -> torch.Tensor:
+             token_slots: torch.Tensor | None = None, kind: str | None = None) -> torch.Tensor:
     """-> [tokens, H] in h's dtype: each token's K weighted expert outputs summed in slot order (float32). lora,
-    token_slots: adapters' low-rank terms on the down projection (moe_gate_up's)."""
+    token_slots: adapters' low-rank terms on the down projection (moe_gate_up's). fmt "gguf": weight is the file's
+    blocks [E, H, row bytes] of block type `kind`, scale and scale_2 None."""
     E, H = weight.shape[0], weight.shape[1]
     I = h.shape[1]
     ys = torch.empty(tokens * topk, H, dtype=h.dtype, device=h.device)  # every row is written: one per assignment
@@ -84,14 +86,16 @@ def moe_down(h: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tens
             raise ValueError(f"NVFP4 down stacks have one global scale per expert (got {scale_2.shape[1]})")
         weight, scale, s2 = weight.contiguous().view(torch.int32), scale.view(torch.uint8), scale_2.float().contiguous()
     else:
+        scale = weight if scale is None else scale  # GGUF: the scales are in the blocks
         s2 = scale  # unused
     grid = (triton.cdiv(H, cfg["DN_N"]), block_expert.numel())
     t, lb, rank = lora_operands(lora, h, sorted_ids, block_expert, token_slots, topk, cfg["BLOCK_M"], False, nvfp4,
                                 (E, H, I))
-    moe_down_kernel[grid](h, sorted_ids, block_expert, weight, scale, s2, ys, t, lb, H, I, E,
-                          0 if nvfp4 else 1, cfg["BLOCK_M"], cfg["DN_N"], cfg["DN_K"],
+    moe_down_kernel[grid](h, sorted_ids, block_expert, weight.contiguous(), scale, s2, ys, t, lb, H, I, E,
+                          FORMATS[fmt], cfg["BLOCK_M"], cfg["DN_N"], cfg["DN_K"],
                           H % cfg["DN_N"] == 0 and I % cfg["DN_K"] == 0, h.dtype == torch.float32,
-                          interpreting(), lora is not None, rank, num_warps=cfg["DN_W"])
+                          interpreting(), lora is not None, rank, KINDS.index(kind) if kind else 0,
+                          num_warps=cfg["DN_W"])
     y = torch.empty(tokens, H, dtype=h.dtype, device=h.device)
     block = min(1024, triton.next_power_of_2(H))
     moe_sum_kernel[(tokens, triton.cdiv(H, block))](ys, top_k_weights.float().contiguous(), y, H, topk, block,

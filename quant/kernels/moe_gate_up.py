@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from . import arch, interpreting, shared_b_operand
+from .ggml_decode import KINDS, decode_tile, row_bytes_of
 from .common import (block_rows, dot_acc, gate_up_rows, gelu_tanh, global_segments, load_nvfp4_tile, nvfp4_operand,
                      pair_order, segment_scale, split_gate_up, store_rounded, to_compute)
 from .common import pair_ordered  # noqa: F401  (re-exported for callers)
@@ -32,25 +33,37 @@ from .moe_lora import LoRAFactors, lora_epilogue
 from .routing import moe_blocks  # noqa: F401  (re-exported for callers)
 
 
+FORMATS = {"nvfp4": 0, "int8": 1, "gguf": 2}  # the kernels' FORMAT constexpr
+
+
 @triton.jit
 def weight_tile(w_ptr, s_ptr, e, rows, k0, H, NROWS, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
-                BLOCK_N: tl.constexpr, dtype: tl.constexpr, EVEN: tl.constexpr, EMULATE: tl.constexpr):
+                BLOCK_N: tl.constexpr, dtype: tl.constexpr, EVEN: tl.constexpr, EMULATE: tl.constexpr,
+                KIND: tl.constexpr):
     """Expert e's rows `rows` at inputs k0..k0+BLOCK_K as the dot's operand [BLOCK_N, BLOCK_K] (rows of an
     [E, NROWS, H] stack). NVFP4: a * s * 2^-62 (bfloat16 / float32) or a * s (float16), common.nvfp4_operand, with
     the inputs of each group of 8 in the decode's own order (common.pair_order: the other operand comes in that
     order too); the global scale is left to the epilogue (half_factor). INT8: q * row scale rounded to the compute
-    dtype, as the reference dequantizes, in K order. EVEN: whole tiles (rows < NROWS, inputs < H): no masks."""
+    dtype, as the reference dequantizes, in K order. GGUF (2): each weight decoded from the file's blocks where they
+    lie (ggml_decode.decode_tile; KIND: its block type) and rounded to the compute dtype, in K order. EVEN: whole
+    tiles (rows < NROWS, inputs < H): no masks."""
     base = e.to(tl.int64) * NROWS + rows
     if FORMAT == 0:
         w, _ = nvfp4_operand(load_nvfp4_tile(w_ptr, s_ptr, base, k0, H, (e.to(tl.int64) + 1) * NROWS, BLOCK_N,
                                              BLOCK_K, False, not EVEN, EMULATE), dtype)
         return w
-    else:
+    elif FORMAT == 1:
         rk = k0 + tl.arange(0, BLOCK_K)
         m = (rows[:, None] < NROWS) & (rk[None, :] < H)
         q = tl.load(w_ptr + base[:, None] * H + rk[None, :], mask=m, other=0).to(tl.float32)
         scale = tl.load(s_ptr + base, mask=rows < NROWS, other=0.0)
         return to_compute(q * scale[:, None], dtype, EMULATE)
+    else:
+        rk = k0 + tl.arange(0, BLOCK_K)
+        inside = (rows[:, None] < NROWS) & (rk[None, :] < H)
+        safe = tl.where(rows < NROWS, base, e.to(tl.int64) * NROWS)  # rows past the stack read its first row
+        w = decode_tile(w_ptr, safe, tl.where(rk < H, rk, 0), row_bytes_of(H, KIND), KIND)
+        return to_compute(tl.where(inside, w, 0.0), dtype, EMULATE)
 
 
 @triton.jit
@@ -69,7 +82,7 @@ def half_factor(s2_ptr, e, UP: tl.constexpr, NSEG: tl.constexpr, FORMAT: tl.cons
 def moe_gate_up_kernel(x_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, h_ptr, t_ptr, lb_ptr, H, I, E, TOPK,
                        NSEG: tl.constexpr, FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr,
-                       LORA: tl.constexpr = False, BLOCK_R: tl.constexpr = 16):
+                       LORA: tl.constexpr = False, BLOCK_R: tl.constexpr = 16, KIND: tl.constexpr = 0):
     pid_n = tl.program_id(0)  # fastest: the programs of one block share its gathered x rows (L2)
     pid_b = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_b)
@@ -90,7 +103,8 @@ def moe_gate_up_kernel(x_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, h
         else:
             x = tl.load(x_ptr + tok[:, None].to(tl.int64) * H + rk[None, :],
                         mask=live[:, None] & (rk[None, :] < H), other=0.0)
-        w = weight_tile(w_ptr, s_ptr, e, rows, k0, H, 2 * I, FORMAT, BLOCK_K, 2 * BLOCK_N, dtype, EVEN, EMULATE)
+        w = weight_tile(w_ptr, s_ptr, e, rows, k0, H, 2 * I, FORMAT, BLOCK_K, 2 * BLOCK_N, dtype, EVEN, EMULATE,
+                        KIND)
         acc = dot_acc(acc, x, tl.trans(w), IEEE, EMULATE)
     acc_g, acc_u = split_gate_up(acc, BLOCK_M, BLOCK_N)
     acc_g = acc_g * half_factor(s2_ptr, e, False, NSEG, FORMAT, dtype)
@@ -139,11 +153,13 @@ def candidates(rows_per_expert: float, H: int, I: int, device: torch.device) -> 
 
 def moe_gate_up(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor, fmt: str,
                 weight: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor | None, topk: int,
-                cfg: dict, lora: LoRAFactors | None = None, token_slots: torch.Tensor | None = None) -> torch.Tensor:
+                cfg: dict, lora: LoRAFactors | None = None, token_slots: torch.Tensor | None = None,
+                kind: str | None = None) -> torch.Tensor:
     """-> h [len(sorted_ids), I] (see the module docstring); cfg from `candidates`. NVFP4: x's inputs and h's
     columns are in the decode's pair order (common.pair_order; `pair_ordered` gives x that order). lora: adapters'
     low-rank terms added to gate and up before the activation; token_slots int32 [T]: each token's adapter slot
-    (None: every adapter on every token)."""
+    (None: every adapter on every token). fmt "gguf": weight is the file's blocks [E, 2I, row bytes] of block type
+    `kind` (ggml_decode.KINDS), scale and scale_2 None."""
     T, H = x.shape
     E, two_i = weight.shape[0], weight.shape[1]
     I = two_i // 2
@@ -154,15 +170,16 @@ def moe_gate_up(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.T
         segments = global_segments(scale_2)
         weight, scale, s2 = weight.contiguous().view(torch.int32), scale.view(torch.uint8), scale_2.float().contiguous()
     else:
+        scale = weight if scale is None else scale  # GGUF: the scales are in the blocks
         s2, segments = scale, 1  # unused
     grid = (triton.cdiv(I, cfg["GU_N"]), block_expert.numel())
     x = x.contiguous()
     t, lb, rank = lora_operands(lora, x, sorted_ids, block_expert, token_slots, topk, cfg["BLOCK_M"], True, nvfp4,
                                 (E, two_i, H))
-    moe_gate_up_kernel[grid](x, sorted_ids, block_expert, weight, scale, s2, h, t, lb, H, I, E, topk,
-                             segments, 0 if nvfp4 else 1, cfg["BLOCK_M"], cfg["GU_N"], cfg["GU_K"],
+    moe_gate_up_kernel[grid](x, sorted_ids, block_expert, weight.contiguous(), scale, s2, h, t, lb, H, I, E, topk,
+                             segments, FORMATS[fmt], cfg["BLOCK_M"], cfg["GU_N"], cfg["GU_K"],
                              I % cfg["GU_N"] == 0 and H % cfg["GU_K"] == 0, x.dtype == torch.float32, interpreting(),
-                             lora is not None, rank, num_warps=cfg["GU_W"])
+                             lora is not None, rank, KINDS.index(kind) if kind else 0, num_warps=cfg["GU_W"])
     return h
 
 
