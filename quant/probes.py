@@ -606,25 +606,35 @@ def _ggml_decode(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def _moe_gguf(device: torch.device, dtype: torch.dtype) -> str | None:
+def _moe_gguf(device: torch.device, dtype: torch.dtype, sizes: Sizes | None = None) -> str | None:
     """9 tokens, 4 experts (one never routed to), top-2, hidden 256, width 96 (partial tiles) through the MoE kernels
     reading GGUF blocks in their tiles, gate-up and down of different block types (Q4_K / Q5_0, Q6_K / Q8_0, IQ4_XS /
-    IQ4_NL), against the reference expert math on the stacks decoded to the compute dtype."""
+    IQ4_NL), against the reference expert math on the stacks decoded to the compute dtype. A model's sizes: its step's
+    tokens, experts, top-k and widths in Q4_K_M's pair (Q4_K gate-up, Q5_0 down: 704 is no whole K block)."""
     from . import ggml
     from .ggml_modules import GGUFStack, gguf_experts
 
     g = torch.Generator().manual_seed(0)
-    T, E, H, I, top = 9, 4, 256, 96, 2
+    T, E, H, I, top = ((9, 4, 256, 96, 2) if sizes is None else
+                       (sizes.rows, sizes.experts, sizes.hidden, sizes.expert_width, sizes.top_k))
     x = torch.randn(T, H, generator=g).to(dtype).to(device)
     index = torch.rand(T, E - 1, generator=g).argsort(dim=1)[:, :top].to(device)
     weights = torch.rand(T, top, generator=g).to(device)
-    for gu_kind, dn_kind in (("Q4_K", "Q5_0"), ("Q6_K", "Q8_0"), ("IQ4_XS", "IQ4_NL")):
+    pairs = ((("Q4_K", "Q5_0"), ("Q6_K", "Q8_0"), ("IQ4_XS", "IQ4_NL")) if sizes is None else
+             (("Q4_K" if H % 256 == 0 else "Q8_0", "Q5_0"),))  # a small config's rows may be no whole K block
+    for gu_kind, dn_kind in pairs:
         gu, dn = GGUFStack(E, 2 * I, H, gu_kind), GGUFStack(E, H, I, dn_kind)
         gu.weight.copy_(ggml.random_blocks(gu_kind, E * 2 * I, H, g, 0.002).reshape(gu.weight.shape))
         dn.weight.copy_(ggml.random_blocks(dn_kind, E * H, I, g, 0.002).reshape(dn.weight.shape))
         gu, dn = gu.to(device), dn.to(device)
+        call = lambda: gguf_experts(gu, dn, x, index, weights)  # noqa: E731
+        got = call()
+        if sizes is not None:  # the experts the step reaches, each read once
+            hit = int(index.unique().numel())
+            _time(f"moe_gguf {gu_kind}/{dn_kind} {T} tokens, top {top} of {E}, {H}->{I}", call,
+                  (gu.weight.numel() + dn.weight.numel()) * hit / E + _nbytes(x, got), 2 * T * top * 3 * H * I)
         ref = expert_math(gu.dequantize(dtype), dn.dequantize(dtype), x, index, weights)
-        err = _rel_error(gguf_experts(gu, dn, x, index, weights), ref, dtype)
+        err = _rel_error(got, ref, dtype)
         if err is not None:
             return f"{gu_kind} / {dn_kind}: {err}"
     return None
@@ -652,12 +662,12 @@ PROBLEMS = {
     "moe_w8a8_fp8": lambda device, dtype: _moe_w8a8("fp8", device, dtype),
     "head": _head,
     "ggml_decode": _ggml_decode,
-    "moe_gguf": _moe_gguf,
+    "moe_gguf": lambda device, dtype, sizes=None: _moe_gguf(device, dtype, sizes),
 }
 
 # Those whose problem also runs at a model's sizes (`dgemma doctor` on a card). The others (the W8A8 and W4A4
 # experts, whose references loop over every token and slot in Python, and the three LoRA families) run small only.
 AT_SIZES = ("router", "moe_plan", "softcap", "gelu_mul", "w8a8_linear_fp8", "w8a8_linear_int8", "rms_norm",
-            "nvfp4_linear", "nvfp4_w4a4", "int8_linear", "moe_nvfp4", "moe_int8", "head")
+            "nvfp4_linear", "nvfp4_w4a4", "int8_linear", "moe_nvfp4", "moe_int8", "head", "moe_gguf")
 
 register(PROBLEMS, AT_SIZES)
