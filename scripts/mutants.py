@@ -421,6 +421,11 @@ MUTATIONS: list[Mutation] = [
         '    "self_attn.q_norm.weight": "attn_k_norm.weight",\n    "self_attn.k_norm.weight": "attn_q_norm.weight",\n',
         "tests/test_gguf_model.py::test_a_gguf_gives_the_references_tokens_on_its_twin"),
     mutation(
+        "gguf/k-quant-sub-blocks-read-in-the-wrong-half", "quant/kernels/ggml_decode.py",
+        "        q = (_u8(b + qs + (sb // 2) * 32 + pos) >> (4 * (sb % 2))) & 15\n",
+        "        q = (_u8(b + qs + (sb % 2) * 32 + pos) >> (4 * (sb // 2 % 2))) & 15\n",
+        "tests/test_gguf.py::test_gguf_experts_read_their_blocks_in_the_kernels_where_triton_runs"),
+    mutation(
         "gguf/stream-buffer-sized-by-one-layer", STREAMING,
         "                sizes[name] = max(sizes.get(name, 0), src.numel())\n",
         "                sizes[name] = sizes.get(name, src.numel())\n",
