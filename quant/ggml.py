@@ -29,6 +29,7 @@ ELEMENTS = {"F32": 1, "F16": 1, "BF16": 1, "Q8_0": 32, "Q5_0": 32, "Q5_1": 32, "
 BYTES = {"F32": 4, "F16": 2, "BF16": 2, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "IQ4_NL": 18, "Q4_K": 144,
          "Q5_K": 176, "Q6_K": 210, "Q3_K": 110, "IQ4_XS": 136}
 SUPPORTED = tuple(ELEMENTS)
+BLOCK_KINDS = tuple(k for k in SUPPORTED if ELEMENTS[k] > 1)  # the quantized ones (not F32 / F16 / BF16)
 # where each block type keeps its f16 halves (byte offsets in a block): d, and dmin / m where it has one
 HALVES = {"Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
           "Q3_K": (108,), "IQ4_XS": (0,)}

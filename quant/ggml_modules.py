@@ -24,17 +24,11 @@ def decode(raw: torch.Tensor, kind: str, shape: tuple[int, ...], dtype: torch.dt
     from .kernels import use_triton
     from .kernels.probe import family_ok
 
-    if kind in ggml_decode_kinds() and use_triton(raw.device) and family_ok("ggml_decode", raw.device, dtype):
-        from .kernels.ggml_decode import ggml_decode
+    if kind in ggml.BLOCK_KINDS and use_triton(raw.device) and family_ok("ggml_decode", raw.device, dtype):
+        from .kernels.ggml_decode import ggml_decode  # (imports triton: only where it runs)
 
         return ggml_decode(raw, kind, shape, dtype)
     return ggml.decode(raw, kind, shape, dtype)
-
-
-def ggml_decode_kinds() -> tuple[str, ...]:
-    from .kernels.ggml_decode import KINDS
-
-    return KINDS
 
 
 class GGUFLinear(nn.Module):
@@ -80,7 +74,7 @@ class GGUFStack(_Stack):
         from .kernels import use_triton
         from .kernels.probe import family_ok
 
-        kinds = ggml_decode_kinds()
+        kinds = ggml.BLOCK_KINDS
         if (ordered or lora is not None or self.kind not in kinds or getattr(down, "kind", None) not in kinds
                 or not use_triton(x.device) or not family_ok("moe_gguf", x.device, x.dtype)):
             return None

@@ -21,7 +21,7 @@ from .. import ggml
 from . import interpreting
 from .common import store_rounded
 
-KINDS = ("Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_XS")
+KINDS = ggml.BLOCK_KINDS  # KIND (constexpr) is the index here: Q8_0, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K, Q3_K, IQ4_XS
 
 
 @triton.jit
