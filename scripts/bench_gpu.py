@@ -193,7 +193,7 @@ def run_doctor(json_path: Path, env: dict, timeout: float, command: list[str] | 
     elif rc == 0:
         status = "passed"
     elif rc == 1:
-        status = "a kernel family turned off"
+        status = "a kernel family turned off or a check failed"  # the report's turned_off and failed say which
     else:
         status = f"failed (exit {rc})"
     try:
