@@ -96,8 +96,13 @@ def sized_checks(device, dtype, families, sizes, label: str, progress: Callable[
             reason = probe.check(family, device, dtype, sizes)
         seconds = time.perf_counter() - t0
         error = max(probe.measured) if probe.measured else None
+        if reason is not None:
+            probe.timed.clear()  # the problem's tensors go with the calls
+            if device.type == "cuda":
+                import torch
+
+                torch.cuda.empty_cache()  # the next check's problem gets the memory back
         if reason is not None and "OutOfMemoryError" in reason:  # the card's memory, not the kernel: nothing decided
-            probe.timed.clear()
             checks.append(Check(family, what, "not run", f"the card's free memory cannot hold this check at "
                                 f"{label}'s sizes ({reason})", None, seconds))
             continue
