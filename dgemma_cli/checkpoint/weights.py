@@ -295,7 +295,6 @@ def load_model(directory: Path, device: str | torch.device = "cpu", dtype: torch
         model = DiffusionGemma(cfg)
     swapped = swap_quantized_modules(model, records, prefix, fmt)
     per_expert = {p for p, kind in swapped.items() if kind == "per_expert"}
-    L = cfg.text.num_hidden_layers
 
     # Check everything before reading any data: a damaged checkpoint fails fast, naming the tensor.
     expected = expected_tensors(model)
@@ -314,7 +313,6 @@ def load_model(directory: Path, device: str | torch.device = "cpu", dtype: torch
 
     files = MappedFiles()
     state = {}
-    scalars = {"encoder_layer_scalar": [None] * L, "decoder_layer_scalar": [None] * L}
     host_prefixes = tuple(f"layers.{i}.experts." for i in host_layers)
     pin = torch.device(device).type == "cuda"  # the host store of streamed experts: pinned where a card copies from it
     for name, parts in plan.items():
@@ -347,18 +345,29 @@ def load_model(directory: Path, device: str | torch.device = "cpu", dtype: torch
             else:
                 t = read_converted(rec, want, target)
             t = t.reshape(meta.shape)  # only scalars differ ([] vs [1])
-        if name.split(".")[0] in scalars:
-            kind, i = name.split(".")
+        state[name] = t
+    assign_weights(model, state, device, dtype, layer_devices)
+    return model, cfg
+
+
+def assign_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device, dtype: torch.dtype,
+                   layer_devices: list | None = None) -> None:
+    """Give the network built on the meta device its tensors, by expected_tensors' names: the per-layer scalars
+    (`decoder_layer_scalar.N`, `encoder_layer_scalar.N`) stacked into their [L] parameters on `device` in `dtype`,
+    the rest assigned as they are; then each layer's device where the plan splits them, and eval mode."""
+    state, scalars = {}, {kind: {} for kind in ("encoder_layer_scalar", "decoder_layer_scalar")}
+    for name, t in tensors.items():
+        kind, _, i = name.partition(".")
+        if kind in scalars:
             scalars[kind][int(i)] = t.reshape(())
         else:
             state[name] = t
     for kind, parts in scalars.items():
-        state[kind] = torch.stack(parts).to(device=device, dtype=dtype)
+        state[kind] = torch.stack([parts[i] for i in range(len(parts))]).to(device=device, dtype=dtype)
     model.load_state_dict(state, assign=True, strict=True)
     if layer_devices is not None:
         model.layer_devices = [torch.device(d) for d in layer_devices]
     model.eval().requires_grad_(False)
-    return model, cfg
 
 
 def checked_record(records: dict[str, TensorRecord], ck: str, meta: torch.Tensor, idx: tuple | None,
