@@ -139,12 +139,28 @@ class GGUFFile:
                 "text_config": text}
 
 
+_read: dict[tuple, tuple] = {}  # (path, size, mtime) -> (GGUFFile, ModelConfig), this process
+
+
 def read_gguf(path: Path):
-    """(the file, its ModelConfig): the metadata and tensors' places read, nothing decoded; every refusal one line."""
+    """(the file, its ModelConfig): the metadata and tensors' places read, nothing decoded; every refusal one line.
+    Read once a process per file as it is on disk: the `gguf` library parses a real file's header (262,144 tokens,
+    514,906 merges) in many seconds, and plan, info and show each ask for the file more than once."""
     from ..config import ModelConfig
 
-    f = GGUFFile(Path(path))
-    return f, ModelConfig.from_dict(f.config_dict())
+    path = Path(path)
+    try:
+        st = path.stat()
+        key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    except OSError:  # GGUFFile says what is wrong with it
+        key = None
+    if key is None or key not in _read:
+        f = GGUFFile(path)
+        found = (f, ModelConfig.from_dict(f.config_dict()))
+        if key is None:
+            return found
+        _read[key] = found
+    return _read[key]
 
 
 # The sampler's hints a file may carry (`diffusion.eb_*`, the entropy-bound sampler's settings) -> GenerationSettings'

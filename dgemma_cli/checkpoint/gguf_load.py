@@ -14,9 +14,9 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ModelError
-from .gguf_file import GGUFFile
+from .gguf_file import GGUFFile, read_gguf
 from .gguf_names import find, gguf_name, kept_packed
-from .weights import _set_module, expected_tensors
+from .weights import _set_module, assign_weights, expected_tensors
 
 
 def load_gguf_model(path: Path | GGUFFile, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
@@ -31,8 +31,7 @@ def load_gguf_model(path: Path | GGUFFile, device: str | torch.device = "cpu", d
     from quant import ggml
     from quant.ggml_modules import GGUFLinear, GGUFStack
 
-    f = path if isinstance(path, GGUFFile) else GGUFFile(Path(path))
-    cfg = ModelConfig.from_dict(f.config_dict())
+    f, cfg = (path, ModelConfig.from_dict(path.config_dict())) if isinstance(path, GGUFFile) else read_gguf(path)
     dtype = dtype or torch.float32
     with torch.device("meta"):
         model = DiffusionGemma(cfg)
@@ -58,8 +57,7 @@ def load_gguf_model(path: Path | GGUFFile, device: str | torch.device = "cpu", d
             _set_module(model, path_, GGUFLinear(mod.in_features, mod.out_features, found[path_ + ".weight"].kind,
                                                  "meta"))
     expected = expected_tensors(model)
-    L = cfg.text.num_hidden_layers
-    state, scalars = {}, {"encoder_layer_scalar": [None] * L, "decoder_layer_scalar": [None] * L}
+    state = {}
     host_prefixes = tuple(f"layers.{i}.experts." for i in host_layers)
     pin = torch.device(device).type == "cuda"
     for name, meta in expected.items():
@@ -76,16 +74,6 @@ def load_gguf_model(path: Path | GGUFFile, device: str | torch.device = "cpu", d
         if name.startswith(host_prefixes):
             state[name] = value.pin_memory() if pin else value
             continue
-        value = value.to(target)
-        if name.split(".")[0] in scalars:
-            kind, i = name.split(".")
-            scalars[kind][int(i)] = value.reshape(())
-        else:
-            state[name] = value
-    for kind, parts in scalars.items():
-        state[kind] = torch.stack(parts).to(device=device, dtype=dtype)
-    model.load_state_dict(state, assign=True, strict=True)
-    if layer_devices is not None:
-        model.layer_devices = [torch.device(d) for d in layer_devices]
-    model.eval().requires_grad_(False)
+        state[name] = value.to(target)
+    assign_weights(model, state, device, dtype, layer_devices)
     return model, cfg

@@ -117,7 +117,6 @@ def info(
 def _local_placement(path, described: dict) -> dict | None:
     """The model as stored (`described`: describe's format and policy), planned onto this machine's first NVIDIA
     card at an 8k context (None: no card found). No torch."""
-    from ..config import ModelConfig
     from ..placement.cards import local_cards
     from ..placement.plan import plan, planned_context
 
@@ -210,7 +209,7 @@ def show(
                              "(those of the model it adapts apply)")
         return _adapter_info(model, as_json)
     from ..checkpoint.names import resolve_model
-    from ..config import SAMPLER_FLAGS, GenerationSettings, ModelConfig
+    from ..config import SAMPLER_FLAGS, GenerationSettings
     from ..store.models import describe
     from ..tokenizer import Tokenizer
 
@@ -228,10 +227,9 @@ def show(
     if gguf:  # its own sampler hints, as run reads them
         import dataclasses
 
-        from ..checkpoint.gguf_file import GGUFFile
-        from ..checkpoint.gguf_file import sampler_defaults
+        from ..checkpoint.gguf_file import read_gguf, sampler_defaults
 
-        settings = dataclasses.replace(settings, **sampler_defaults(GGUFFile(path)))
+        settings = dataclasses.replace(settings, **sampler_defaults(read_gguf(path)[0]))
     params = {flag: getattr(settings, name) for flag, (name, _, _) in SAMPLER_FLAGS.items()}
     params.update({"canvas-length": cfg.canvas_length, "context": cfg.text.max_position_embeddings,
                    "eos-token-ids": list(settings.eos_token_ids)})
