@@ -47,22 +47,10 @@ def kind_of(name: str, mix: dict, columns: int) -> str:
     return kind
 
 
-def write(out: Path, mix_name: str) -> int:
-    import gguf
-    import torch
-
-    from dgemma_cli.checkpoint.gguf_names import gguf_name
-    from dgemma_cli.checkpoint.weights import expected_tensors
-    from dgemma_cli.config import DIFFUSIONGEMMA_26B_A4B, ModelConfig
-    from dgemma_cli.model import DiffusionGemma
-    from quant import ggml
-
-    cfg = ModelConfig.from_dict(DIFFUSIONGEMMA_26B_A4B)
-    with torch.device("meta"):
-        model = DiffusionGemma(cfg)
-    t, mix, arch = cfg.text, MIXES[mix_name], "diffusion-gemma"
-    w = gguf.GGUFWriter(str(out), arch)
-    a = arch + "."
+def write_metadata(w, cfg, arch: str = "diffusion-gemma") -> None:
+    """A ModelConfig's keys as the `diffusion-gemma` converter writes them (GGUFWriter `w`): what
+    dgemma_cli/checkpoint/gguf_file.py config_dict reads back. tests/gguf_fixture.py writes its files with it too."""
+    t, a = cfg.text, arch + "."
     sliding = [lt == "sliding_attention" for lt in t.layer_types]
     w.add_uint32(a + "block_count", t.num_hidden_layers)
     w.add_uint32(a + "context_length", t.max_position_embeddings)
@@ -80,6 +68,24 @@ def write(out: Path, mix_name: str) -> int:
     w.add_float32(a + "final_logit_softcapping", t.final_logit_softcapping)
     w.add_float32(a + "attention.layer_norm_rms_epsilon", t.rms_norm_eps)
     w.add_uint32("diffusion.canvas_length", cfg.canvas_length)
+
+
+def write(out: Path, mix_name: str) -> int:
+    import gguf
+    import torch
+
+    from dgemma_cli.checkpoint.gguf_names import gguf_name
+    from dgemma_cli.checkpoint.weights import expected_tensors
+    from dgemma_cli.config import DIFFUSIONGEMMA_26B_A4B, ModelConfig
+    from dgemma_cli.model import DiffusionGemma
+    from quant import ggml
+
+    cfg = ModelConfig.from_dict(DIFFUSIONGEMMA_26B_A4B)
+    with torch.device("meta"):
+        model = DiffusionGemma(cfg)
+    mix, arch = MIXES[mix_name], "diffusion-gemma"
+    w = gguf.GGUFWriter(str(out), arch)
+    write_metadata(w, cfg, arch)
     data = 0
     for name, meta in expected_tensors(model).items():
         g = gguf_name(name)

@@ -104,6 +104,18 @@ def converter_name(hf: str) -> str | None:
     return None
 
 
+def write_metadata(w, cfg, arch: str) -> None:
+    """The config's keys, as scripts/make_gguf_shaped.py writes them (the converter's)."""
+    import sys
+
+    scripts = str(Path(__file__).resolve().parent.parent / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    from make_gguf_shaped import write_metadata as write
+
+    write(w, cfg, arch)
+
+
 def write_gguf(src: Path, out: Path, *, types: dict[str, str] | None = None, drop=(), metadata: bool = True,
                arch: str = "diffusion-gemma") -> dict[str, np.ndarray]:
     """`src` (a checkpoint directory, transformers' names) as a DiffusionGemma GGUF at `out`, named as the converter
@@ -118,27 +130,9 @@ def write_gguf(src: Path, out: Path, *, types: dict[str, str] | None = None, dro
     tensors = {}
     for f in sorted(Path(src).glob("model*.safetensors")):
         tensors.update(load_file(f))
-    t = cfg.text
     w = gguf.GGUFWriter(str(out), arch)
-    a = arch + "."
     if metadata:
-        w.add_uint32(a + "block_count", t.num_hidden_layers)
-        w.add_uint32(a + "embedding_length", t.hidden_size)
-        w.add_uint32(a + "feed_forward_length", t.intermediate_size)
-        w.add_uint32(a + "attention.head_count", t.num_attention_heads)
-        sliding = [lt == "sliding_attention" for lt in t.layer_types]
-        w.add_array(a + "attention.head_count_kv", [spec.num_kv_heads for spec in t.layers])
-        w.add_array(a + "attention.sliding_window_pattern", sliding)
-        w.add_uint32(a + "attention.sliding_window", t.sliding_window)
-        w.add_uint32(a + "attention.key_length", next(sp.head_dim for sp, s in zip(t.layers, sliding) if not s))
-        w.add_uint32(a + "attention.key_length_swa", next(sp.head_dim for sp, s in zip(t.layers, sliding) if s))
-        w.add_uint32(a + "expert_count", t.num_experts)
-        w.add_uint32(a + "expert_used_count", t.top_k_experts)
-        w.add_uint32(a + "expert_feed_forward_length", t.moe_intermediate_size)
-        w.add_float32(a + "final_logit_softcapping", t.final_logit_softcapping)
-        w.add_float32(a + "attention.layer_norm_rms_epsilon", t.rms_norm_eps)
-        w.add_uint32(a + "context_length", t.max_position_embeddings)
-        w.add_uint32("diffusion.canvas_length", cfg.canvas_length)
+        write_metadata(w, cfg, arch)
     held, turn = {}, 0
     for hf, tensor in tensors.items():
         name = converter_name(hf)
