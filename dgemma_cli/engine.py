@@ -660,8 +660,7 @@ def load(model: str | Path, device: str = "auto", dtype: str = "auto", adapters=
     attach(net, read, adapter_slots)
     from .doctor.first_use import first_use
 
-    notes = [first_use(d, path, dt, adapters=bool(read), fmt="gguf" if gguf else None)
-             for d in dict.fromkeys(devs or [dev])]
+    notes = [first_use(d, path, dt, adapters=bool(read)) for d in dict.fromkeys(devs or [dev])]
     net.kernel_note = "; ".join(n for n in notes if n) or None  # said by the command that loaded it
     if dev.type == "cpu":  # no more threads than usable cores, one for a demo-size model (see device.py)
         fit_cpu_threads(small=cfg.canvas_length * cfg.text.vocab_size < SMALL_STEP)

@@ -25,17 +25,16 @@ def model_format(path: Path) -> str:
     return stored_format(path, raw)[0]
 
 
-def first_use(device, path: Path, dtype, adapters: bool = False, fmt: str | None = None) -> str | None:
-    """Check the families a model at `path` (its format `fmt`, else read from its directory) uses on `device` if none
-    was decided for this card yet; the line to say, or None (nothing checked: verdicts kept already, or no Triton
-    kernel runs on this device unprobed)."""
+def first_use(device, path: Path, dtype, adapters: bool = False) -> str | None:
+    """Check the families a model at `path` uses on `device` if none was decided for this card yet; the line to say,
+    or None (nothing checked: verdicts kept already, or no Triton kernel runs on this device unprobed)."""
     from quant.kernels import probe, use_triton
     from quant.kernels.verdicts import card_name
 
     if not use_triton(device) or not probe.needs_probe(device):
         return None
     kept = probe.kept_verdicts(device)
-    todo = [f for f in families_for(fmt or model_format(path), adapters)
+    todo = [f for f in families_for(model_format(path), adapters)
             if probe.verdict_name(f, dtype) not in kept and not_for(f, device) is None]
     if not todo:
         return None
