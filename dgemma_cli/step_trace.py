@@ -41,7 +41,9 @@ from torch.utils._pytree import tree_flatten
 
 # NVIDIA's ModelOpt NVFP4 release; compressed-tensors FP8 and INT8 W8A8 releases
 # "nvfp4-experts": the routed experts alone in NVFP4, attention and the dense MLP 16-bit (NVIDIA's published release)
-FORMATS = ("nvfp4", "w8a8-fp8", "w8a8-int8", "nvfp4-experts")
+# "gguf-q4_k_m", "gguf-q8_0": a GGUF of that llama.cpp mix (checkpoint/gguf_mixes.py) as dgemma holds one
+# (checkpoint/gguf_load.py): the experts and the block-typed projections as their blocks, the rest decoded
+FORMATS = ("nvfp4", "w8a8-fp8", "w8a8-int8", "nvfp4-experts", "gguf-q4_k_m", "gguf-q8_0")
 
 
 @dataclass
@@ -261,6 +263,9 @@ def _install_format(model, fmt: str) -> None:
 
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)} (got {fmt!r})")
+    if fmt.startswith("gguf-"):
+        _install_gguf(model, fmt.split("-", 1)[1])
+        return
     form = ModelOptNVFP4() if fmt.startswith("nvfp4") else CompressedTensorsW8A8(fmt.split("-")[1], ["Linear"], [])
     for layer in model.layers:
         for parent in (layer.self_attn, layer.mlp) if fmt != "nvfp4-experts" else ():
@@ -277,6 +282,32 @@ def _install_format(model, fmt: str) -> None:
                 gate_up.expect_input_scale()
                 down.expect_input_scale()
             layer.experts = QuantizedExperts(E, gate_up, down)
+
+
+def _install_gguf(model, mix_name: str) -> None:
+    """A GGUF of llama.cpp's `mix_name` as checkpoint/gguf_load.py holds one: each routed expert stack and each
+    projection of attention, the dense MLP and self-conditioning whose type is a block type as its blocks (quant's
+    GGUFStack / GGUFLinear), in the block type the mix gives its tensor; the embedding, router and norms decoded to
+    the compute dtype (as the loader decodes them)."""
+    from quant.ggml_modules import GGUFLinear, GGUFStack
+
+    from .checkpoint.gguf_mixes import MIXES, kind_of
+    from .checkpoint.gguf_names import gguf_name, kept_packed
+    from .checkpoint.weights import _set_module
+    from .model import Experts, QuantizedExperts
+
+    mix = MIXES[mix_name]
+    for path, mod in list(model.named_modules()):
+        if isinstance(mod, Experts):
+            E, two_i, H = mod.gate_up_proj.shape
+            gu = kind_of(gguf_name(path + ".gate_up_proj"), mix, H)
+            dn = kind_of(gguf_name(path + ".down_proj"), mix, two_i // 2)
+            _set_module(model, path, QuantizedExperts(E, GGUFStack(E, two_i, H, gu, "meta"),
+                                                      GGUFStack(E, H, two_i // 2, dn, "meta")))
+        elif isinstance(mod, torch.nn.Linear):
+            kind = kind_of(gguf_name(path + ".weight"), mix, mod.in_features)
+            if kept_packed(path + ".weight", kind):
+                _set_module(model, path, GGUFLinear(mod.in_features, mod.out_features, kind, "meta"))
 
 
 def trace_step(batch: int = 1, prompt: int = 256, target: int = 90, fmt: str = "nvfp4", config: dict | None = None,

@@ -3,8 +3,9 @@
 memory, not its 16-bit size.
 
 Where Triton runs, the routed experts go through the MoE kernels reading the blocks in their own tiles (FORMAT gguf:
-kernels/moe_gate_up.weight_tile), and a linear decodes its matrix in one kernel pass (kernels/ggml_decode.py) before
-its matmul. Elsewhere torch decodes (quant/ggml.py): a linear its matrix each call, an expert stack a few experts at a
+kernels/moe_gate_up.weight_tile) and a linear through kernels/ggml_linear.py, which does the same (kernels/ggml_tile.py);
+a matrix asked for whole (`dequantize`: LoRA merges, the embedding at load) is decoded in one kernel pass
+(kernels/ggml_decode.py). Elsewhere torch decodes (quant/ggml.py): a linear its matrix each call, an expert stack a few experts at a
 time as the other packed stacks do (dgemma_cli/model.py QuantizedExperts: one layer's experts unpacked at most).
 """
 
@@ -46,6 +47,13 @@ class GGUFLinear(nn.Module):
         return decode(self.weight, self.kind, (self.out_features, self.in_features), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from .kernels import use_triton
+        from .kernels.probe import family_ok
+
+        if self.kind in ggml.BLOCK_KINDS and use_triton(x.device) and family_ok("ggml_linear", x.device, x.dtype):
+            from .kernels.ggml_linear import ggml_linear  # (imports triton: only where it runs)
+
+            return ggml_linear(x, self.weight, self.kind, self.in_features)
         return F.linear(x, self.dequantize(x.dtype))
 
     def extra_repr(self) -> str:

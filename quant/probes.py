@@ -606,6 +606,34 @@ def _ggml_decode(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+def _ggml_linear(device: torch.device, dtype: torch.dtype, sizes: Sizes | None = None) -> str | None:
+    """33 rows through a GGUF linear of each block type, K 512 (288 for the 32-weight types: a partial tile) -> N 80
+    (partial tiles in M, N and K), against x @ the torch decode (float64 products). A model's sizes: its step's rows
+    through the dense MLP's gate in Q4_K (hidden -> intermediate) and its down projection in Q5_0 (no whole K block)."""
+    from . import ggml
+    from .kernels.ggml_decode import KINDS
+    from .kernels.ggml_linear import ggml_linear
+
+    g = torch.Generator().manual_seed(0)
+    M = 33 if sizes is None else sizes.rows
+    shapes = ([(kind, 80, 512 if ggml.ELEMENTS[kind] == 256 else 288) for kind in KINDS] if sizes is None else
+              [("Q4_K" if sizes.hidden % 256 == 0 else "Q8_0", sizes.intermediate, sizes.hidden),
+               ("Q5_0", sizes.hidden, sizes.intermediate)])
+    for kind, N, K in shapes:
+        raw = ggml.random_blocks(kind, N, K, g, 0.02)
+        x = torch.randn(M, K, generator=g).to(dtype)
+        w, xd = raw.to(device), x.to(device)
+        call = lambda: ggml_linear(xd, w, kind, K)  # noqa: E731
+        got = call()
+        if sizes is not None:
+            _time(f"ggml_linear {kind} {M}x{K}->{N}", call, _nbytes(w, xd, got), 2 * M * N * K)
+        want = x.double() @ ggml.decode(raw, kind, (N, K), dtype).double().T
+        err = _rel_error(got.cpu(), want, dtype)
+        if err is not None:
+            return f"{kind}: {err}"
+    return None
+
+
 def _moe_gguf(device: torch.device, dtype: torch.dtype, sizes: Sizes | None = None) -> str | None:
     """9 tokens, 4 experts (one never routed to), top-2, hidden 256, width 96 (partial tiles) through the MoE kernels
     reading GGUF blocks in their tiles, gate-up and down of different block types (Q4_K / Q5_0, Q6_K / Q8_0, IQ4_XS /
@@ -663,11 +691,13 @@ PROBLEMS = {
     "head": _head,
     "ggml_decode": _ggml_decode,
     "moe_gguf": lambda device, dtype, sizes=None: _moe_gguf(device, dtype, sizes),
+    "ggml_linear": _ggml_linear,
 }
 
 # Those whose problem also runs at a model's sizes (`dgemma doctor` on a card). The others (the W8A8 and W4A4
 # experts, whose references loop over every token and slot in Python, and the three LoRA families) run small only.
 AT_SIZES = ("router", "moe_plan", "softcap", "gelu_mul", "w8a8_linear_fp8", "w8a8_linear_int8", "rms_norm",
-            "nvfp4_linear", "nvfp4_w4a4", "int8_linear", "moe_nvfp4", "moe_int8", "head", "moe_gguf")
+            "nvfp4_linear", "nvfp4_w4a4", "int8_linear", "moe_nvfp4", "moe_int8", "head", "moe_gguf",
+            "ggml_linear")
 
 register(PROBLEMS, AT_SIZES)

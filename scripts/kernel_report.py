@@ -3,6 +3,7 @@
     make kernel-report [ARGS=--update-benchmarks]
     python scripts/kernel_report.py [--out kernel-report] [-j N] [--targets 80,86,89,90,100,120]
                                     [--update-benchmarks]
+    python scripts/kernel_report.py --gguf-steps [--out DIR] [--update-benchmarks]   (the GGUF step table alone)
 
 For each target, every launch the kernel entry points make at the real 26B-A4B shapes (batch 1 and 4, bf16 and
 fp16), with the launch settings the wrappers choose for that GPU, is compiled ahead of time with Triton's bundled
@@ -265,15 +266,26 @@ def torch_op_us(gpu, op) -> float:
     return max(roofline.dram_us(gpu, op.bytes), op.flops / (rate * 1e6))
 
 
-def whole_step_rows(step_work, jobs, results, job_of, errors: list[str]) -> list[dict]:
+def fastest_rate(gpu, fmt: str) -> float:
+    """The fastest dense TFLOPS a format's quantized matmuls allow on `gpu` (the physical floor's): FP4 x FP4 for
+    NVFP4 where the card has it; 8-bit x 8-bit for FP8 W8A8 and for GGUF (its blocks' integers fit int8, as
+    llama.cpp's integer kernels multiply them with 8-bit activations; dgemma's GGUF kernels multiply in bf16)."""
+    if fmt.startswith("nvfp4"):
+        return gpu.fp4_tflops or gpu.tensor_tflops
+    return 2 * gpu.tensor_tflops
+
+
+def whole_step_rows(step_work, jobs, results, job_of, errors: list[str], gpus=None) -> list[dict]:
     """Per target, format and batch: the step's bound (every op at its own bound, summed), its kernels, its
     transient memory per request and its physical floor. A launch that did not compile, or whose loops the
-    declarations cannot count, is an error and leaves the step's bound unknown (None)."""
+    declarations cannot count, is an error and leaves the step's bound unknown (None). gpus: {cc: [GPU]} to bound
+    each target's step on (default: the target's GPU and roofline.STEP_ALSO's)."""
     from dgemma_cli.step_trace import floor_of
 
     rows = []
     for cc, items in step_work.items():
-        for gpu, w in [(gpu, w) for gpu in (GPUS[cc], *roofline.STEP_ALSO.get(cc, ())) for w in items]:
+        on = gpus[cc] if gpus else (GPUS[cc], *roofline.STEP_ALSO.get(cc, ()))
+        for gpu, w in [(gpu, w) for gpu in on for w in items]:
             trace, groups, unknown, tags = w.trace, {}, [], set()
             for op in trace.ops:
                 if isinstance(op, aot.Launch):
@@ -307,7 +319,7 @@ def whole_step_rows(step_work, jobs, results, job_of, errors: list[str]) -> list
                 if e not in errors:
                     errors.append(e)
             f = floor_of(trace)
-            fast = {"nvfp4": gpu.fp4_tflops or gpu.tensor_tflops, "w8a8-fp8": 2 * gpu.tensor_tflops}[trace.fmt]
+            fast = fastest_rate(gpu, trace.fmt)
             floor_mem = roofline.dram_us(gpu, f.weight_bytes) / 1e3
             floor_tc = (2 * f.quantized_params * f.rows / (fast * 1e6)
                         + 2 * f.dense_params * f.rows / (gpu.tensor_tflops * 1e6)) / 1e3
@@ -367,6 +379,113 @@ def whole_step_detail(rows, top: int = 12) -> list[str]:
             out.append(f"| {g['op']} | {g['n']} | {g['ms']:.3f} | {g['least_ms']:.3f} | {g['bytes'] / 1e9:.3f} | "
                        f"{g['flops'] / GFLOP:,.1f} |")
     return out
+
+
+# ------------------------------------------------------------------------------------------------ GGUF steps
+
+# The GGUF files people hold (dgemma_cli/checkpoint/gguf_mixes.py: Q4_K_M, Q8_0) on the consumer cards they run on,
+# beside the NVFP4 step on the same card (`--gguf-steps`): the step's bound, its floors, and the instructions each
+# quantized matmul kernel issues per weight, from its compiled code.
+GGUF_STEP_GPUS = {86: ("RTX 3090",), 89: ("RTX 4090", "RTX 4080"), 120: ("RTX 5090",)}
+GGUF_STEP_FORMATS = ("nvfp4", "gguf-q4_k_m", "gguf-q8_0")
+GGUF_BEGIN, GGUF_END = "<!-- gguf-steps:begin -->", "<!-- gguf-steps:end -->"
+MATMULS = {"moe_gate_up_kernel": "experts gate-up", "moe_down_kernel": "experts down", "ggml_linear_kernel": "linear",
+           "nvfp4_linear_kernel": "linear", "nvfp4_w4a4_kernel": "linear (W4A4)",
+           "moe_gate_up_w4a4_kernel": "experts gate-up (W4A4)", "moe_down_w4a4_kernel": "experts down (W4A4)"}
+
+
+def named_gpu(name: str):
+    return next(g for g in [*GPUS.values(), *(g for _, g in CARD_GPUS.values())] if g.name == name)
+
+
+def gguf_step_traces() -> dict[int, list]:
+    """{cc: [Work]}: the step of each GGUF_STEP_FORMATS format at batch 1 and 4, as a GPU of that compute capability
+    runs it."""
+    from dgemma_cli.step_trace import trace_step
+
+    out: dict[int, list] = {}
+    for cc in GGUF_STEP_GPUS:
+        for fmt in GGUF_STEP_FORMATS:
+            for batch in aot.BATCHES:
+                trace = trace_step(batch=batch, prompt=STEP_PROMPT, target=cc, fmt=fmt)
+                w = aot.Work(family="gguf step", label=fmt, batch=batch, dtype="bfloat16", count=1, floor_bytes=0,
+                             flops=0, launches=trace.launches)
+                w.trace = trace
+                out.setdefault(cc, []).append(w)
+    return out
+
+
+def matmul_instructions(w, jobs, results, job_of) -> dict[str, float]:
+    """Thread-instructions per weight of each quantized matmul kernel the step launches (its loop, from its SASS),
+    by kernel and weight type; a kernel launched with several settings: the most."""
+    from quant.kernels.ggml_decode import KINDS
+
+    per: dict[str, float] = {}
+    for op in w.trace.launches:
+        res = results[jobs[job_of[id(op)]].key]
+        if op.kernel not in MATMULS or not res["ok"]:
+            continue
+        named = aot.routed(op.named(), w.batch * aot.CANVAS, w.batch)
+        _, pe = roofline.warp_instructions(op.kernel, roofline.declaration(op.kernel), named, op.grid,
+                                           res["num_warps"], res["loops"], res["straight"])
+        kind = KINDS[named["KIND"]] if named.get("FORMAT", 2) == 2 and "KIND" in named else "NVFP4"
+        label = f"{MATMULS[op.kernel]} {kind}"
+        per[label] = max(pe, per.get(label, 0.0))
+    return per
+
+
+def gguf_steps_markdown(rows, per_weight) -> list[str]:
+    nvfp4 = {(r["gpu"], r["batch"]): r["bound_ms"] for r in rows if r["fmt"] == "nvfp4"}
+    out = ["| GPU | format | batch | weights GB | step bound ms | bound / NVFP4's | physical floor ms (memory / math) "
+           "| bound / floor | serial floor ms | thread-instructions per weight (kernel, type) |",
+           "|---|---|---:|---:|---:|---:|---|---:|---:|---|"]
+    for r in sorted(rows, key=lambda r: (r["gpu"], r["batch"], r["fmt"])):
+        base = nvfp4.get((r["gpu"], r["batch"]))
+        vs = None if r["bound_ms"] is None or not base else r["bound_ms"] / base
+        instr = ", ".join(f"{k} {v:.1f}" for k, v in sorted(per_weight[r["cc"], r["fmt"], r["batch"]].items()))
+        out.append(f"| {r['gpu']} | {r['fmt']} | {r['batch']} | {r['weight_gb']:.2f} | {_f(r['bound_ms'])} | "
+                   f"{_f(vs)} | {r['floor_ms']:.2f} ({r['floor_mem_ms']:.2f} / {r['floor_tc_ms']:.2f}) | "
+                   f"{_f(r['ratio'])} | {_f(r['serial_ms'])} | {instr} |")
+    return out
+
+
+def gguf_steps(args, argv) -> int:
+    """--gguf-steps: trace, compile and bound the GGUF_STEP_FORMATS steps alone; write OUT/gguf_steps.md (and
+    BENCHMARKS.md's gguf-steps section with --update-benchmarks)."""
+    t0 = time.perf_counter()
+    cache = tempfile.mkdtemp(prefix="triton-cache-")
+    os.environ["TRITON_CACHE_DIR"] = cache
+    try:
+        shutil.rmtree(args.out, ignore_errors=True)
+        (args.out / "kernels").mkdir(parents=True)
+        work = gguf_step_traces()
+        jobs, results, job_of = compile_work(work, args.j, args.out / "kernels")
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    errors = [f"{j.tag}: {results[k]['error']}" for k, j in jobs.items() if not results[k]["ok"]]
+    gpus = {cc: [named_gpu(n) for n in names] for cc, names in GGUF_STEP_GPUS.items()}
+    rows = whole_step_rows(work, jobs, results, job_of, errors, gpus)
+    per_weight = {(cc, w.label, w.batch): matmul_instructions(w, jobs, results, job_of)
+                  for cc, items in work.items() for w in items}
+    prov = provenance(argv)
+    head = (f"{prov['date']} · triton {prov['triton']} · torch {prov['torch']} · commit {prov['commit']} · "
+            f"`{prov['command']}` · no GPU: compiled for sm_{', sm_'.join(map(str, GGUF_STEP_GPUS))} with Triton's "
+            f"bundled ptxas; {len(jobs)} compilations, {time.perf_counter() - t0:.0f} s"
+            + (f"; **{len(errors)} errors**" if errors else ""))
+    table = gguf_steps_markdown(rows, per_weight)
+    (args.out / "gguf_steps.md").write_text("\n".join([head, "", *table, *whole_step_detail(rows, top=8),
+                                                       "", *[f"- error: {e}" for e in errors]]) + "\n")
+    if args.update_benchmarks:
+        text = (ROOT / "BENCHMARKS.md").read_text()
+        if GGUF_BEGIN not in text or GGUF_END not in text:
+            raise SystemExit(f"BENCHMARKS.md has no {GGUF_BEGIN} ... {GGUF_END} markers")
+        before, rest = text.split(GGUF_BEGIN, 1)
+        (ROOT / "BENCHMARKS.md").write_text(before + GGUF_BEGIN + "\n" + "\n".join([head + ".", "", *table]) + "\n"
+                                            + GGUF_END + rest.split(GGUF_END, 1)[1])
+    print("\n".join(table))
+    for e in errors:
+        log(f"kernel report: {e}")
+    return 1 if errors else 0
 
 
 # ------------------------------------------------------------------------------------------------ markdown
@@ -505,7 +624,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--fp16-targets", default=None,
                     help="compile the float16 builds for these targets only (default: every target; the tests take "
                          "two, for time)")
+    ap.add_argument("--gguf-steps", action="store_true",
+                    help="only the GGUF steps (Q4_K_M, Q8_0) beside NVFP4's on the RTX 3090, 4090, 4080 and 5090: "
+                         "OUT/gguf_steps.md, and BENCHMARKS.md's gguf-steps section with --update-benchmarks")
     args = ap.parse_args(argv)
+    if args.gguf_steps:
+        if reason := aot.missing_tools():
+            log(f"kernel report: {reason}")
+            return 2
+        return gguf_steps(args, argv)
     targets = [int(t) for t in args.targets.split(",")]
     fp16 = set(targets) if args.fp16_targets is None else {int(t) for t in args.fp16_targets.split(",")}
     if args.update_benchmarks and fp16 != set(targets):

@@ -14,6 +14,9 @@ gguf = pytest.importorskip("gguf")
 from dgemma_cli.checkpoint.gguf_file import ARCH, GGUFFile  # noqa: E402
 from dgemma_cli.errors import ModelError  # noqa: E402
 from quant import ggml  # noqa: E402
+from quant.kernels.ggml_tile import ggml_tile, tile_order  # noqa: E402, F401  (the tile test's kernel uses them)
+
+import triton.language as tl  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 HALVES = ggml.HALVES  # where each type keeps its f16 scales (byte offsets in a block)
@@ -205,9 +208,11 @@ def test_the_packed_stacks_decode_with_the_kernel_where_triton_runs(monkeypatch)
     assert calls == ["Q4_K", "Q6_K"] and all(torch.equal(a, b) for a, b in zip(plain, fused))
 
 
-def test_gguf_experts_read_their_blocks_in_the_kernels_where_triton_runs(monkeypatch):
+@pytest.mark.parametrize("pair", ["Q4_K/Q5_0", "Q6_K/Q8_0", "Q5_K/Q5_1", "IQ4_XS/IQ4_NL"])
+def test_gguf_experts_read_their_blocks_in_the_kernels_where_triton_runs(pair, monkeypatch):
     """QuantizedExperts over GGUF stacks: with Triton (here its interpreter) the MoE kernels read the blocks in their
-    own tiles (no layer decoded), within the kernel tests' float32 tolerance of the reference path, which decodes."""
+    own tiles (no layer decoded), within the kernel tests' float32 tolerance of the reference path, which decodes;
+    the published files' pairs (Q4_K_M's Q4_K / Q5_0 and Q6_K / Q8_0) and the slow path's types."""
     import quant.ggml_modules as modules
     from quant.ggml_modules import GGUFStack
 
@@ -215,9 +220,10 @@ def test_gguf_experts_read_their_blocks_in_the_kernels_where_triton_runs(monkeyp
 
     g = torch.Generator().manual_seed(5)
     E, H, I, T = 3, 256, 64, 5
-    gu, dn = GGUFStack(E, 2 * I, H, "Q5_K"), GGUFStack(E, H, I, "Q5_1")
-    gu.weight.copy_(ggml.random_blocks("Q5_K", E * 2 * I, H, g, 0.002).reshape(gu.weight.shape))
-    dn.weight.copy_(ggml.random_blocks("Q5_1", E * H, I, g, 0.002).reshape(dn.weight.shape))
+    gu_kind, dn_kind = pair.split("/")
+    gu, dn = GGUFStack(E, 2 * I, H, gu_kind), GGUFStack(E, H, I, dn_kind)
+    gu.weight.copy_(ggml.random_blocks(gu_kind, E * 2 * I, H, g, 0.002).reshape(gu.weight.shape))
+    dn.weight.copy_(ggml.random_blocks(dn_kind, E * H, I, g, 0.002).reshape(dn.weight.shape))
     experts = QuantizedExperts(E, gu, dn)
     x = torch.randn(T, H, generator=g)
     index = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2], [1, 0]])
@@ -231,3 +237,64 @@ def test_gguf_experts_read_their_blocks_in_the_kernels_where_triton_runs(monkeyp
     got = experts(x, index, weights)
     assert calls == [1]
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+def _tile_kernel():
+    """A kernel that writes ggml_tile's tiles where tile_order says they belong: the matrix in K order (its names are
+    the module's globals, which a jitted function resolves)."""
+    import triton
+
+    @triton.jit
+    def tile_to_matrix(w_ptr, out_ptr, R, K, row_bytes, KIND: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k0 = tl.program_id(1) * BLOCK_K
+        safe = tl.where(rows < R, rows, 0).to(tl.int64)
+        w_t = ggml_tile(w_ptr, safe, k0, K, row_bytes, KIND, BLOCK_N, BLOCK_K)  # [BLOCK_K, BLOCK_N]
+        ks = k0 + tile_order(BLOCK_K, KIND)
+        tl.store(out_ptr + rows[None, :] * K + ks[:, None], w_t, mask=(ks[:, None] < K) & (rows[None, :] < R))
+
+    return tile_to_matrix
+
+
+# the super-block types' tiles are 128 or 256 inputs (ggml_linear.block_k, moe_gate_up.gguf_block_k)
+TILES = [(kind, bk) for kind in sorted(HALVES) for bk in (64, 128, 256) if bk >= 128 or ggml.ELEMENTS[kind] == 32]
+
+
+@pytest.mark.parametrize("kind,block_k", TILES)
+def test_the_matmul_tile_reads_each_block_type_exactly_in_its_own_order(kind, block_k):
+    """kernels/ggml_tile.py in Triton's interpreter: every weight of the tiles the GGUF matmuls multiply by, put back
+    where tile_order says it belongs, is bit for bit the torch decode (gguf's), on 19 rows (a partial row tile) and,
+    for the 32-weight types, a K that ends inside a tile (its missing blocks read as 0, never read)."""
+    import triton
+
+    from quant.kernels.ggml_decode import KINDS
+
+    K = 768 if ggml.ELEMENTS[kind] == 256 else 288
+    raw = ggml.random_blocks(kind, 19, K, torch.Generator().manual_seed(block_k))
+    out = torch.full((19, K), float("nan"))
+    _tile_kernel()[(2, triton.cdiv(K, block_k))](raw, out, 19, K, ggml.row_bytes(kind, K), KINDS.index(kind), 16,
+                                                 block_k)
+    assert torch.equal(out, ggml.decode(raw, kind, (19, K)))
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_K", "Q6_K", "IQ4_XS"])
+def test_gguf_linears_multiply_by_their_blocks_where_triton_runs(kind, monkeypatch):
+    """GGUFLinear through kernels/ggml_linear.py (no decoded matrix): against x @ the torch decode, float32, with
+    partial tiles in M, N and K; bfloat16 within its tolerance."""
+    import quant.kernels.ggml_decode as decode_kernel
+    from quant.ggml_modules import GGUFLinear
+
+    g = torch.Generator().manual_seed(7)
+    K = 512 if ggml.ELEMENTS[kind] == 256 else 160
+    linear = GGUFLinear(K, 72, kind)
+    linear.weight.copy_(ggml.random_blocks(kind, 72, K, g, 0.02))
+    x = torch.randn(2, 9, K, generator=g)
+    want = x.double() @ ggml.decode(linear.weight, kind, (72, K)).double().T
+    monkeypatch.setattr(decode_kernel, "ggml_decode", lambda *a: pytest.fail("a GGUF linear decoded its matrix"))
+    monkeypatch.setenv("DGEMMA_KERNELS", "triton")
+    got = linear(x)
+    assert got.shape == (2, 9, 72)
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-6
+    got16 = linear(x.bfloat16()).double()
+    assert ((got16 - want).abs().max() / want.abs().max()).item() < 8e-3

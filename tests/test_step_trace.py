@@ -18,7 +18,8 @@ import json, sys
 import torch
 from dgemma_cli.step_trace import TorchOp, floor_of, trace_step
 out = {}
-for fmt, target in (("nvfp4", int(sys.argv[1])), ("w8a8-fp8", int(sys.argv[1])), ("nvfp4@120", 120)):
+for fmt, target in (("nvfp4", int(sys.argv[1])), ("w8a8-fp8", int(sys.argv[1])), ("nvfp4@120", 120),
+                    ("gguf-q4_k_m@89", 89)):
     t = trace_step(batch=1, prompt=256, target=target, fmt=fmt.split("@")[0])
     f = floor_of(t)
     mms = [o for o in t.torch_ops if o.name == "aten::mm"]
@@ -29,7 +30,9 @@ for fmt, target in (("nvfp4", int(sys.argv[1])), ("w8a8-fp8", int(sys.argv[1])),
                     quantized=f.quantized_params, dense=f.dense_params, rows=f.rows,
                     negative=[o.name for o in t.torch_ops if o.read < 0 or o.written < 0 or o.persistent > o.read],
                     eager=t.eager_kernels, outside=sorted({getattr(o, "name", "triton") for i, o in enumerate(t.ops)
-                                                           if not t.graphed[0] <= i < t.graphed[1]}))
+                                                           if not t.graphed[0] <= i < t.graphed[1]}),
+                    formats=sorted({(l.kernel, l.named().get("FORMAT"), l.named().get("KIND")) for l in t.launches
+                                    if l.kernel.startswith(("moe_gate_up", "moe_down", "ggml"))}))
 print(json.dumps(out))
 """
 
@@ -64,6 +67,16 @@ def test_the_step_is_the_cuda_path(traced):
     # makes the input (the attention's output, the dense MLP's hidden activation, the experts')
     w4a4 = traced["nvfp4@120"]
     assert {"nvfp4_w4a4_kernel", "moe_gate_up_w4a4_kernel"} <= set(w4a4["launches"])
+    # a GGUF Q4_K_M (as on an RTX 4090): every quantized matmul reads the file's blocks in its tiles, no matrix is
+    # decoded whole (no ggml_decode_kernel, no 16-bit matmul of a projection): the experts in FORMAT gguf with
+    # Q4_K gate-up and Q5_0 / Q8_0 down projections (llama.cpp's mix), the dense linears on the GGUF linear kernel
+    gguf = traced["gguf-q4_k_m@89"]
+    assert "ggml_decode_kernel" not in gguf["launches"] and "ggml_linear_kernel" in gguf["launches"]
+    kinds = {(k, f, kind) for k, f, kind in map(tuple, gguf["formats"])}
+    assert {("moe_gate_up_kernel", 2, 4), ("moe_down_kernel", 2, 1), ("moe_down_kernel", 2, 0)} <= kinds
+    assert all(f == 2 for k, f, _ in kinds if k.startswith("moe"))
+    assert 17e9 < gguf["weights"] < 18e9  # the file's 16.8 GB of blocks, its Q6_K embedding held 16-bit
+    assert gguf["mm_flops"] == [] and not gguf["negative"]  # self-conditioning too reads its blocks
 
 
 @pytest.mark.slow

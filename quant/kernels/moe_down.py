@@ -23,7 +23,7 @@ import triton.language as tl
 from . import interpreting
 from .common import block_rows, dot_acc, store_rounded
 from .ggml_decode import KINDS
-from .moe_gate_up import FORMATS, half_factor, lora_operands, weight_tile
+from .moe_gate_up import FORMATS, gguf_block_k, half_factor, input_order, lora_operands, weight_tile
 from .moe_lora import LoRAFactors, lora_epilogue
 
 
@@ -41,8 +41,9 @@ def moe_down_kernel(h_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, ys_p
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of H
     dtype = ys_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    order = input_order(FORMAT, KIND, BLOCK_K)
     for k0 in range(0, I, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
+        rk = k0 + order
         if EVEN:
             h = tl.load(h_ptr + slots[:, None].to(tl.int64) * I + rk[None, :], mask=live[:, None], other=0.0)
         else:
@@ -88,6 +89,8 @@ def moe_down(h: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tens
     else:
         scale = weight if scale is None else scale  # GGUF: the scales are in the blocks
         s2 = scale  # unused
+    if fmt == "gguf":
+        cfg = dict(cfg, DN_K=gguf_block_k(cfg["DN_K"], kind))
     grid = (triton.cdiv(H, cfg["DN_N"]), block_expert.numel())
     t, lb, rank = lora_operands(lora, h, sorted_ids, block_expert, token_slots, topk, cfg["BLOCK_M"], False, nvfp4,
                                 (E, H, I))

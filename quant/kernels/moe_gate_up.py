@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from . import arch, interpreting, shared_b_operand
-from .ggml_decode import KINDS, decode_tile, row_bytes_of
+from .ggml_decode import KINDS, row_bytes_of
+from .ggml_tile import SUPER_BLOCK_KINDS, ggml_tile, tile_order
 from .common import (block_rows, dot_acc, gate_up_rows, gelu_tanh, global_segments, load_nvfp4_tile, nvfp4_operand,
                      pair_order, segment_scale, split_gate_up, store_rounded, to_compute)
 from .common import pair_ordered  # noqa: F401  (re-exported for callers)
@@ -44,9 +45,9 @@ def weight_tile(w_ptr, s_ptr, e, rows, k0, H, NROWS, FORMAT: tl.constexpr, BLOCK
     [E, NROWS, H] stack). NVFP4: a * s * 2^-62 (bfloat16 / float32) or a * s (float16), common.nvfp4_operand, with
     the inputs of each group of 8 in the decode's own order (common.pair_order: the other operand comes in that
     order too); the global scale is left to the epilogue (half_factor). INT8: q * row scale rounded to the compute
-    dtype, as the reference dequantizes, in K order. GGUF (2): each weight decoded from the file's blocks where they
-    lie (ggml_decode.decode_tile; KIND: its block type) and rounded to the compute dtype, in K order. EVEN: whole
-    tiles (rows < NROWS, inputs < H): no masks."""
+    dtype, as the reference dequantizes, in K order. GGUF (2): the file's blocks read where they lie
+    (ggml_tile.ggml_tile; KIND: the block type) and rounded to the compute dtype, in the tile's own order (the
+    activations are loaded in it: `input_order`). EVEN: whole tiles (rows < NROWS, inputs < H): no masks."""
     base = e.to(tl.int64) * NROWS + rows
     if FORMAT == 0:
         w, _ = nvfp4_operand(load_nvfp4_tile(w_ptr, s_ptr, base, k0, H, (e.to(tl.int64) + 1) * NROWS, BLOCK_N,
@@ -59,11 +60,21 @@ def weight_tile(w_ptr, s_ptr, e, rows, k0, H, NROWS, FORMAT: tl.constexpr, BLOCK
         scale = tl.load(s_ptr + base, mask=rows < NROWS, other=0.0)
         return to_compute(q * scale[:, None], dtype, EMULATE)
     else:
-        rk = k0 + tl.arange(0, BLOCK_K)
-        inside = (rows[:, None] < NROWS) & (rk[None, :] < H)
         safe = tl.where(rows < NROWS, base, e.to(tl.int64) * NROWS)  # rows past the stack read its first row
-        w = decode_tile(w_ptr, safe, tl.where(rk < H, rk, 0), row_bytes_of(H, KIND), KIND)
-        return to_compute(tl.where(inside, w, 0.0), dtype, EMULATE)
+        w = tl.trans(ggml_tile(w_ptr, safe, k0, H, row_bytes_of(H, KIND), KIND, BLOCK_N, BLOCK_K))  # the callers
+        if not EVEN:  # transpose it back for their dot: the two transposes cancel
+            w = tl.where((rows < NROWS)[:, None], w, 0.0)
+        return to_compute(w, dtype, EMULATE)
+
+
+@triton.jit
+def input_order(FORMAT: tl.constexpr, KIND: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_K]: the input (offset from k0) each column of `weight_tile` holds: K order, or a GGUF tile's own
+    (ggml_tile.tile_order), in which the kernels load their activations."""
+    if FORMAT == 2:
+        return tile_order(BLOCK_K, KIND)
+    else:
+        return tl.arange(0, BLOCK_K)
 
 
 @triton.jit
@@ -96,8 +107,9 @@ def moe_gate_up_kernel(x_ptr, ids_ptr, block_expert_ptr, w_ptr, s_ptr, s2_ptr, h
     rows = gate_up_rows(pid_n, I, BLOCK_N)
     dtype = h_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    order = input_order(FORMAT, KIND, BLOCK_K)
     for k0 in range(0, H, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
+        rk = k0 + order
         if EVEN:
             x = tl.load(x_ptr + tok[:, None].to(tl.int64) * H + rk[None, :], mask=live[:, None], other=0.0)
         else:
@@ -151,6 +163,12 @@ def candidates(rows_per_expert: float, H: int, I: int, device: torch.device) -> 
     return [small, large] if rows_per_expert <= 10 else [large, small]
 
 
+def gguf_block_k(block_k: int, kind: str) -> int:
+    """A MoE kernel's BLOCK_K for a GGUF stack of `kind`: a super-block type's tiles are 128 or 256 inputs
+    (ggml_tile.py)."""
+    return min(max(block_k, 128), 256) if KINDS.index(kind) in SUPER_BLOCK_KINDS else block_k
+
+
 def moe_gate_up(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor, fmt: str,
                 weight: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor | None, topk: int,
                 cfg: dict, lora: LoRAFactors | None = None, token_slots: torch.Tensor | None = None,
@@ -172,6 +190,8 @@ def moe_gate_up(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.T
     else:
         scale = weight if scale is None else scale  # GGUF: the scales are in the blocks
         s2, segments = scale, 1  # unused
+    if fmt == "gguf":
+        cfg = dict(cfg, GU_K=gguf_block_k(cfg["GU_K"], kind))
     grid = (triton.cdiv(I, cfg["GU_N"]), block_expert.numel())
     x = x.contiguous()
     t, lb, rank = lora_operands(lora, x, sorted_ids, block_expert, token_slots, topk, cfg["BLOCK_M"], True, nvfp4,

@@ -193,6 +193,13 @@ def _lora_passes(a: dict) -> dict[str, int]:
     return {"t_ptr": int(bool(a.get("LORA"))), "lb_ptr": int(bool(a.get("LORA")))}
 
 
+def _moe_passes(a: dict) -> dict[str, int]:
+    """The 16-bit-MMA MoE kernels: _lora_passes, and the scale operands a FORMAT does not read (stand-ins: INT8 has
+    no global scale, a GGUF's scales are in its blocks, which w_ptr already counts)."""
+    fmt = a.get("FORMAT", 0)
+    return dict(_lora_passes(a), s_ptr=int(fmt != 2), s2_ptr=int(fmt == 0))
+
+
 # Keyed by kernel function name. Update an entry with its kernel: the report fails when they disagree.
 KERNELS = {
     # for k0 in range(0, K, BLOCK_K): one CTA per BLOCK_M x BLOCK_N tile of y
@@ -220,6 +227,10 @@ KERNELS = {
                                 mma=lambda a: 2 * a["BLOCK_M"] * a["BLOCK_R"] * _cdiv(a["K"], a["BLOCK_K"])
                                 * a["BLOCK_K"],
                                 useful=lambda a: 2 * a["M"] * a["BLOCK_R"] * a["K"]),
+    # a GGUF linear (ggml_linear.py): for k0 in range(0, K, BLOCK_K), one CTA per BLOCK_M x BLOCK_N tile of y
+    "ggml_linear_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])],
+                                elems=lambda a: a["BLOCK_N"] * a["K"], mma=_tile_mma(1, "K"),
+                                useful=lambda a: 2 * a["M"] * a["N"] * a["K"]),
     "int8_linear_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])],
                                 elems=lambda a: a["BLOCK_N"] * a["K"], mma=_tile_mma(1, "K"),
                                 useful=lambda a: 2 * a["M"] * a["N"] * a["K"]),
@@ -228,12 +239,12 @@ KERNELS = {
     # gate and up columns (_lora_epilogue)
     "moe_gate_up_kernel": Loops(trips=lambda a: [_cdiv(a["H"], a["BLOCK_K"])],
                                 elems=lambda a: 2 * a["BLOCK_N"] * (a["H"] + _lora_rank(a)), ctas=_live_blocks,
-                                passes=_lora_passes, mma=lambda a: _tile_mma(2, "H")(a) + _lora_epilogue(a, 2),
+                                passes=_moe_passes, mma=lambda a: _tile_mma(2, "H")(a) + _lora_epilogue(a, 2),
                                 useful=lambda a: 2 * _routed(a) * 2 * a["I"] * (a["H"] + _lora_rank(a))),
     # for k0 in range(0, I, BLOCK_K) (LORA as the gate-up kernel's)
     "moe_down_kernel": Loops(trips=lambda a: [_cdiv(a["I"], a["BLOCK_K"])],
                              elems=lambda a: a["BLOCK_N"] * (a["I"] + _lora_rank(a)), ctas=_live_blocks,
-                             passes=_lora_passes, mma=lambda a: _tile_mma(1, "I")(a) + _lora_epilogue(a, 1),
+                             passes=_moe_passes, mma=lambda a: _tile_mma(1, "I")(a) + _lora_epilogue(a, 1),
                              useful=lambda a: 2 * _routed(a) * a["H"] * (a["I"] + _lora_rank(a))),
     # the experts' LoRA rank product: for k0 in range(0, K, BLOCK_K), one CTA per block of the plan (moe_lora.py)
     "moe_lora_shrink_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])],

@@ -1,0 +1,202 @@
+"""A matmul's weight tile read from GGUF blocks where they lie, word by word: the fast decode for the block types the
+published files are made of (Q8_0, Q5_0, Q5_1, Q4_K, Q6_K), for the kernels that multiply by a GGUF matrix (the
+routed experts, moe_gate_up / moe_down FORMAT gguf; the dense linears, ggml_linear.py).
+
+`ggml_tile` gives rows `rows` of a [R, K] ggml matrix at inputs k0..k0+BLOCK_K as float32 [BLOCK_K, BLOCK_N]
+(transposed: the dot's right operand) in the tile's own order: the order in which the block's packed words yield
+their weights, not K order. `tile_order` says which input each of its rows holds, so the caller loads its activations at k0 + tile_order and the dot is the same sum
+(the routed experts' NVFP4 path does the same with its pair order). Reading the blocks in K order would mean a byte
+gather per weight (ggml_decode.decode_tile, about 30 instructions a weight, and the slow path here for the other
+types); in the tile's order each packed 16- or 32-bit word is loaded once and gives 2 to 8 weights by shifts and
+masks, and each sub-block's scale is made once per word a thread holds, not per weight.
+
+The arithmetic is quant/ggml.py's, in its float32 order: in Triton's interpreter each weight equals the torch
+decode bit for bit (on a GPU a fused multiply-add may round the K types' d sc q - dmin m differently in the last
+bit, as ggml_decode's). Tiles: BLOCK_K a multiple of the block for the 32-weight types (a tile past K reads no byte:
+its blocks are masked to 0), 128 or 256 for Q4_K and Q6_K (half or all of a super-block; K is whole super-blocks).
+
+Layouts (ggml-common.h, little-endian; quant/ggml.py says the same):
+- Q8_0, 34 bytes: f16 d, int8 q[32]. Each 16-bit word holds q[2j], q[2j + 1]: K order.
+- Q5_0, 22 bytes: f16 d, qh[4], qs[16]; Q5_1, 24 bytes: f16 d, f16 m, qh[4], qs[16]. The 16-bit word j of qs holds
+  weights 2j, 2j + 1 (low nibbles) and 2j + 16, 2j + 17 (high nibbles); bit i of qh is weight i's fifth bit.
+- Q4_K, 144 bytes: f16 d, f16 dmin, 12 scale bytes, qs[128]. The 32-bit word w of chunk c (32 bytes) holds weights
+  64c + 4w + b (byte b's low nibble) and 64c + 32 + 4w + b (its high nibble), sub-blocks 2c and 2c + 1.
+- Q6_K, 210 bytes: ql[128], qh[64], int8 scales[16], f16 d. In half h, weight r = 32 quarter + 4w + b takes its low
+  four bits from ql's word 16h + 8 (quarter % 2) + w, byte b, nibble quarter // 2, and its high two from qh's word
+  8h + w, byte b, bits 2 quarter; its scale is sub-block 8h + r // 16.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .ggml_decode import decode_tile, row_bytes_of
+
+# KINDS indices (ggml_decode.KINDS, quant/ggml.BLOCK_KINDS): Q8_0 0, Q5_0 1, Q5_1 2, Q4_K 4, Q6_K 6 are read here
+FAST_KINDS = (0, 1, 2, 4, 6)
+SUPER_BLOCK_KINDS = (4, 5, 6, 7, 8)  # 256 weights a block: tiles of 128 or 256 inputs
+
+
+@triton.jit
+def _words(p, mask, BITS: tl.constexpr):
+    """The little-endian 16- or 32-bit words at byte pointers p (uint8), as int32 (16-bit ones zero-extended)."""
+    if BITS == 16:
+        return tl.load(p.to(tl.pointer_type(tl.int16)), mask=mask, other=0).to(tl.int32) & 0xFFFF
+    return tl.load(p.to(tl.pointer_type(tl.int32)), mask=mask, other=0)
+
+
+@triton.jit
+def _words_all(p, BITS: tl.constexpr):
+    """`_words` where every word lies inside the matrix (no mask)."""
+    if BITS == 16:
+        return tl.load(p.to(tl.pointer_type(tl.int16))).to(tl.int32) & 0xFFFF
+    return tl.load(p.to(tl.pointer_type(tl.int32)))
+
+
+@triton.jit
+def _half(p, mask):
+    """The f16 at byte pointers p (2-byte aligned) as float32."""
+    return tl.load(p.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _half_all(p):
+    return tl.load(p.to(tl.pointer_type(tl.float16))).to(tl.float32)
+
+
+@triton.jit
+def _q5_index():
+    """Q5_0 / Q5_1 tile order as [1, 8, 2, 2, 1] (block, qs word j, half, byte, row): the input within the block,
+    16 half + 2 j + byte."""
+    j = tl.arange(0, 8)[None, :, None, None, None]
+    half = tl.arange(0, 2)[None, None, :, None, None]
+    byte = tl.arange(0, 2)[None, None, None, :, None]
+    return 16 * half + 2 * j + byte
+
+
+@triton.jit
+def _q4k_index(C: tl.constexpr):
+    """Q4_K tile order as [C, 8, 4, 2, 1] (chunk, word, byte, half, row): the input within the tile,
+    64 c + 32 half + 4 w + byte."""
+    c = tl.arange(0, C)[:, None, None, None, None]
+    w = tl.arange(0, 8)[None, :, None, None, None]
+    byte = tl.arange(0, 4)[None, None, :, None, None]
+    half = tl.arange(0, 2)[None, None, None, :, None]
+    return 64 * c + 32 * half + 4 * w + byte
+
+
+@triton.jit
+def _q6k_index(H2: tl.constexpr):
+    """Q6_K tile order as [H2, 2, 8, 4, 2, 1] (half, quarter % 2, word, byte, quarter // 2, row): the input within
+    the tile, 128 h + 32 quarter + 4 w + byte."""
+    h = tl.arange(0, H2)[:, None, None, None, None, None]
+    par = tl.arange(0, 2)[None, :, None, None, None, None]
+    w = tl.arange(0, 8)[None, None, :, None, None, None]
+    byte = tl.arange(0, 4)[None, None, None, :, None, None]
+    hi = tl.arange(0, 2)[None, None, None, None, :, None]
+    return 128 * h + 32 * (2 * hi + par) + 4 * w + byte
+
+
+@triton.jit
+def tile_order(BLOCK_K: tl.constexpr, KIND: tl.constexpr):
+    """[BLOCK_K] int32: the input (offset from k0) each row of `ggml_tile` holds."""
+    if KIND == 1 or KIND == 2:
+        NB: tl.constexpr = BLOCK_K // 32
+        return tl.reshape(_q5_index() + 32 * tl.arange(0, NB)[:, None, None, None, None], (BLOCK_K,))
+    elif KIND == 4:
+        return tl.reshape(_q4k_index(BLOCK_K // 64), (BLOCK_K,))
+    elif KIND == 6:
+        return tl.reshape(_q6k_index(BLOCK_K // 128), (BLOCK_K,))
+    else:  # Q8_0's words hold K-adjacent pairs; the other types are read in K order
+        return tl.arange(0, BLOCK_K)
+
+
+@triton.jit
+def ggml_tile(w_ptr, rows, k0, K, row_bytes, KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows `rows` ([BLOCK_N] int64, inside the matrix) of the ggml matrix at w_ptr (uint8, `row_bytes` a row, K
+    inputs) at inputs k0 + tile_order(BLOCK_K, KIND), transposed: float32 [BLOCK_K, BLOCK_N] (the dot's right
+    operand). k0 a multiple of BLOCK_K; inputs past K are 0.
+
+    The row is the last dimension of every intermediate: Triton lays the lanes of a warp along it, so a thread holds
+    all of a row's weights in the tile and makes each sub-block's scale once, not once per weight (with the row
+    first, a thread held one weight of each of 128 rows and rebuilt a scale for each)."""
+    row = w_ptr + rows[None, :] * row_bytes  # [1, BLOCK_N]
+    if KIND == 0:  # Q8_0: [NB, 16, 2, BLOCK_N]
+        NB: tl.constexpr = BLOCK_K // 32
+        nb = k0 // 32 + tl.arange(0, NB)
+        live = (nb < K // 32)[:, None]
+        blk = row + nb[:, None] * 34  # [NB, BLOCK_N]
+        d = _half(blk, live)[:, None, None, :]
+        v = _words(blk[:, None, :] + 2 + 2 * tl.arange(0, 16)[None, :, None], live[:, None, :], 16)
+        s = tl.arange(0, 2)[None, None, :, None]
+        q = ((v[:, :, None, :] << (24 - 8 * s)) >> 24).to(tl.float32)  # q[2j + s], sign-extended
+        return tl.reshape(q * d, (BLOCK_K, BLOCK_N))
+    elif KIND == 1 or KIND == 2:  # Q5_0, Q5_1: [NB, 8, 2, 2, BLOCK_N]
+        NB: tl.constexpr = BLOCK_K // 32
+        nb = k0 // 32 + tl.arange(0, NB)
+        live = (nb < K // 32)[:, None]
+        blk = row + nb[:, None] * (22 if KIND == 1 else 24)
+        d = _half(blk, live)[:, None, None, None, :]
+        qh_at = blk + (2 if KIND == 1 else 4)
+        qh = _words(qh_at, live, 16) | (_words(qh_at + 2, live, 16) << 16)  # [NB, BLOCK_N]
+        qs_at = blk + (6 if KIND == 1 else 8)
+        v = _words(qs_at[:, None, :] + 2 * tl.arange(0, 8)[None, :, None], live[:, None, :], 16)
+        half = tl.arange(0, 2)[None, None, :, None, None]
+        byte = tl.arange(0, 2)[None, None, None, :, None]
+        nib = (v[:, :, None, None, :] >> (8 * byte + 4 * half)) & 15
+        fifth = ((qh[:, None, None, None, :] >> _q5_index()) & 1) << 4
+        q = (nib | fifth).to(tl.float32)
+        if KIND == 1:
+            w = d * (q - 16.0)
+        else:
+            w = d * q + _half(blk + 2, live)[:, None, None, None, :]
+        return tl.reshape(w, (BLOCK_K, BLOCK_N))
+    elif KIND == 4:  # Q4_K: [C, 8, 4, 2, BLOCK_N]
+        C: tl.constexpr = BLOCK_K // 64
+        blk = row + (k0 // 256) * 144  # [1, BLOCK_N]
+        c = (k0 % 256) // 64 + tl.arange(0, C)  # the tile's chunks of the super-block
+        v = _words_all(blk[:, None, :] + 16 + 32 * c[:, None, None] + 4 * tl.arange(0, 8)[None, :, None], 32)
+        byte = tl.arange(0, 4)[None, None, :, None, None]
+        half = tl.arange(0, 2)[None, None, None, :, None]
+        q = ((v[:, :, None, None, :] >> (8 * byte + 4 * half)) & 15).to(tl.float32)
+        # sub-block 2c + half's six-bit scale and min (ggml._k_scales), from the three words of scale bytes
+        sb = 2 * c[:, None, None, None, None] + half  # [C, 1, 1, 2, 1]
+        s0 = _words_all(blk + 4, 32)[:, None, None, None, :]
+        s1 = _words_all(blk + 8, 32)[:, None, None, None, :]
+        s2 = _words_all(blk + 12, 32)[:, None, None, None, :]
+        j = 8 * (sb % 4)
+        b0, b1, b2 = (s0 >> j) & 255, (s1 >> j) & 255, (s2 >> j) & 255
+        lo = sb < 4
+        sc = tl.where(lo, b0 & 63, (b2 & 15) | ((b0 >> 6) << 4)).to(tl.float32)
+        mn = tl.where(lo, b1 & 63, (b2 >> 4) | ((b1 >> 6) << 4)).to(tl.float32)
+        d = _half_all(blk)[:, None, None, None, :]
+        dmin = _half_all(blk + 2)[:, None, None, None, :]
+        return tl.reshape((d * sc) * q - dmin * mn, (BLOCK_K, BLOCK_N))
+    elif KIND == 6:  # Q6_K: [H2, 2, 8, 4, 2, BLOCK_N]
+        H2: tl.constexpr = BLOCK_K // 128
+        blk = row + (k0 // 256) * 210
+        b6 = blk[:, None, None, None, None, :]
+        h = (k0 % 256) // 128 + tl.arange(0, H2)[:, None, None, None, None, None]
+        par = tl.arange(0, 2)[None, :, None, None, None, None]
+        w = tl.arange(0, 8)[None, None, :, None, None, None]
+        byte = tl.arange(0, 4)[None, None, None, :, None, None]
+        hi = tl.arange(0, 2)[None, None, None, None, :, None]
+        ql = _words_all(b6 + 64 * h + 32 * par + 4 * w, 32)  # [H2, 2, 8, 1, 1, BLOCK_N]
+        qh = _words_all(b6 + 128 + 32 * h + 4 * w, 32)  # [H2, 1, 8, 1, 1, BLOCK_N]
+        quarter = 2 * hi + par
+        low = (ql >> (8 * byte + 4 * hi)) & 15
+        high = (qh >> (8 * byte + 2 * quarter)) & 3
+        q = ((low | (high << 4)) - 32).to(tl.float32)
+        sc = tl.load(b6 + 192 + 8 * h + 2 * quarter + w // 4).to(tl.int8, bitcast=True).to(tl.float32)
+        d = _half_all(blk + 208)[:, None, None, None, None, :]
+        return tl.reshape((d * sc) * q, (BLOCK_K, BLOCK_N))
+    else:  # the other types: an element's bytes gathered where they lie, in K order (tile_order: arange)
+        ks = k0 + tl.arange(0, BLOCK_K)
+        w = decode_tile(w_ptr, rows, tl.where(ks < K, ks, 0), row_bytes, KIND)
+        return tl.trans(tl.where(ks[None, :] < K, w, 0.0))
+
+
+@triton.jit
+def ggml_row_bytes(K, KIND: tl.constexpr):
+    return row_bytes_of(K, KIND)
