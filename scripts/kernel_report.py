@@ -450,8 +450,8 @@ def gguf_steps_markdown(rows, per_weight) -> list[str]:
 
 
 def gguf_steps(args, argv) -> int:
-    """--gguf-steps: trace, compile and bound the GGUF_STEP_FORMATS steps alone; write OUT/gguf_steps.md (and
-    BENCHMARKS.md's gguf-steps section with --update-benchmarks)."""
+    """--gguf-steps: trace, compile and bound the GGUF_STEP_FORMATS steps alone; write OUT/gguf_steps.md and
+    OUT/gguf_steps.json (and BENCHMARKS.md's gguf-steps section with --update-benchmarks)."""
     t0 = time.perf_counter()
     cache = tempfile.mkdtemp(prefix="triton-cache-")
     os.environ["TRITON_CACHE_DIR"] = cache
@@ -475,6 +475,9 @@ def gguf_steps(args, argv) -> int:
     table = gguf_steps_markdown(rows, per_weight)
     (args.out / "gguf_steps.md").write_text("\n".join([head, "", *table, *whole_step_detail(rows, top=8),
                                                        "", *[f"- error: {e}" for e in errors]]) + "\n")
+    (args.out / "gguf_steps.json").write_text(json.dumps(dict(
+        **prov, errors=errors, rows=[{k: v for k, v in r.items() if k != "groups"} for r in rows],
+        per_weight=[dict(cc=cc, fmt=fmt, batch=b, kernels=v) for (cc, fmt, b), v in per_weight.items()]), indent=1))
     if args.update_benchmarks:
         text = (ROOT / "BENCHMARKS.md").read_text()
         if GGUF_BEGIN not in text or GGUF_END not in text:
