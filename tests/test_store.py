@@ -495,3 +495,63 @@ def test_a_gguf_quantization_asked_of_a_safetensors_repository_is_one_line(serve
     msg = one_error_line(capsys)
     assert "safetensors checkpoint" in msg and "q4_k_m" in msg
     assert not store.entries() and not served.file_requests("model-00001-of-00002.safetensors", "GET")
+
+
+def test_an_nvfp4_release_of_the_experts_becomes_policy_all(fake_hub, checkpoints, tmp_path, monkeypatch,
+                                                             capsys):  # noqa: F811
+    """NVIDIA's NVFP4 release (experts only) pulled with --policy all, or with --quant auto on a card where it would
+    stream and `all` would not: its experts are carried over byte for byte, its 16-bit attention and dense MLP
+    quantized to NVFP4 here; the entry plans and runs as NVFP4 `all`. Said in one line each time."""
+    from safetensors import safe_open
+
+    from dgemma_cli.checkpoint import footprint
+    from dgemma_cli.checkpoint.layout import stored_policy
+    from dgemma_cli.checkpoint.weights import load_model
+
+    write_modelopt_checkpoint(checkpoints["five_to_one"], tmp_path / "published")
+    serve_directory(fake_hub, "vendor/tiny-NVFP4", tmp_path / "published")
+    assert run_main(["pull", "vendor/tiny-NVFP4", "--policy", "all"]) == 0
+    assert "--policy all" in capsys.readouterr().err
+    (entry,) = store.entries()
+    assert entry.quant == "nvfp4" and entry.manifest["store"]["policy"] == "all"
+    assert entry.manifest["store"]["published"] is False and stored_policy(entry.path) == "all"
+    with safe_open(str(tmp_path / "published" / "model.safetensors"), "pt") as src:
+        experts = [n for n in src.keys() if ".experts." in n]
+        assert experts
+        mine = {}
+        for f in entry.path.glob("*.safetensors"):
+            with safe_open(str(f), "pt") as out:
+                mine.update({n: out.get_tensor(n) for n in out.keys()})
+        assert all(torch.equal(src.get_tensor(n), mine[n]) for n in experts)  # as published
+        dense = [n for n in mine if n.endswith("self_attn.q_proj.weight")]
+        assert dense and all(mine[n].dtype == torch.uint8 and n[:-len("weight")] + "input_scale" in mine
+                             for n in dense)
+    model, _ = load_model(entry.path, device="cpu")
+    assert type(model.layers[0].self_attn.q_proj).__name__ == "NVFP4Linear"
+    assert run_main(["run", "--model", "vendor/tiny-NVFP4", "--raw", "--max-new-tokens", "4", "--device", "cpu",
+                     "--view", "none", "hi"]) == 0
+    # --quant auto: converted where the release as published would stream and `all` fits whole
+    assert run_main(["rm", "vendor/tiny-NVFP4:nvfp4", "--yes"]) == 0
+    from dgemma_cli.config import ModelConfig
+    from dgemma_cli.placement.plan import plan, planned_context
+    from dgemma_cli.placement.cards import Card
+
+    cfg = ModelConfig.from_dir(tmp_path / "published")
+
+    def streamed(free, policy):
+        return len(plan(cfg, "nvfp4", [Card("test card", free, 0.0, 4, 16)], context=planned_context(cfg),
+                        policy=policy).streamed)
+
+    free = next(f for f in range(1 << 20, 1 << 34, 1 << 16) if streamed(f, "all") == 0 < streamed(f, "experts"))
+    monkeypatch.setattr(footprint, "free_memory", lambda: (free, "GPU test card"))
+    capsys.readouterr()
+    assert run_main(["pull", "vendor/tiny-NVFP4"]) == 0
+    assert "would stream" in capsys.readouterr().err
+    (entry,) = store.entries()
+    assert entry.manifest["store"]["policy"] == "all"
+    # where the release as published fits, it is stored as published
+    assert run_main(["rm", "vendor/tiny-NVFP4:nvfp4", "--yes"]) == 0
+    monkeypatch.setattr(footprint, "free_memory", lambda: (1 << 40, "GPU test card"))
+    assert run_main(["pull", "vendor/tiny-NVFP4"]) == 0
+    (entry,) = store.entries()
+    assert entry.manifest["store"]["published"] is True and entry.manifest["store"]["policy"] is None

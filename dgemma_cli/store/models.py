@@ -271,6 +271,7 @@ def pull(repo: str, quant: str = "auto", revision: str | None = None, policy: st
                 raise UsageError(f"{repo} is published in {published}; it cannot be converted to {quant} "
                                  f"(pull the unquantized checkpoint for that)")
             fmt = published
+            decided["to_all"] = _release_to_all(cfg, snapshot, published, quant, policy, note)
         elif quant == "auto":
             free, where = free_memory()
             cap = capability()
@@ -311,10 +312,11 @@ def pull(repo: str, quant: str = "auto", revision: str | None = None, policy: st
         return _store_adapter(repo, quant, snapshot, note)
     quant, published, out = decided["quant"], decided["published"], decided["out"]
     commit = snapshot.name
-    as_is = quant == "bf16" or published is not None
-    policy = policy or DEFAULT_POLICY[quant]
+    to_all = decided.get("to_all", False)  # NVIDIA's NVFP4 release, its 16-bit attention and dense MLP quantized
+    as_is = quant == "bf16" or (published is not None and not to_all)
+    policy = "all" if to_all else policy or DEFAULT_POLICY[quant]
     meta = {"repo": repo, "quant": quant, "revision": commit, "policy": None if as_is else policy,
-            "published": published is not None, "vision_tower": _has_vision(snapshot),
+            "published": published is not None and not to_all, "vision_tower": _has_vision(snapshot),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if as_is:
         manifest = _store_as_is(snapshot, out, meta, note)
@@ -324,6 +326,37 @@ def pull(repo: str, quant: str = "auto", revision: str | None = None, policy: st
         manifest = quantize_checkpoint(snapshot, out, quant, policy, device=device, store_meta=meta, progress=progress,
                                        note=note)
     return Entry(repo, quant, out, manifest)
+
+
+def _release_to_all(cfg, snapshot: Path, published: str, quant: str, policy: str | None, note) -> bool:
+    """Whether a published NVFP4 release of the experts alone (NVIDIA's) is made NVFP4 `all` here, its 16-bit
+    attention and dense MLP quantized (dgemma_cli/store/quantize.py): asked for (--policy all), or --quant auto on a
+    card where the release as published would stream experts from host memory and `all` would not (a 16 GB card:
+    the RTX 4080's step bound is about twice as long streamed). Said in one line when it is chosen."""
+    from quant.formats.modelopt import excludes_dense
+
+    from ..checkpoint.footprint import free_memory
+    from ..placement.cards import Card
+    from ..placement.plan import plan, planned_context
+
+    if published != "nvfp4" or not excludes_dense(cfg.raw, snapshot) or policy == "experts":
+        return False
+    if policy == "all":
+        note("quantizing the release's 16-bit attention and dense MLP to NVFP4 (--policy all); its experts are kept "
+             "as published")
+        return True
+    if quant != "auto":
+        return False
+    free, where = free_memory()
+    card = [Card(where, free, 0.0, 4, 16)]
+    as_is = plan(cfg, "nvfp4", card, context=planned_context(cfg), policy="experts")
+    whole = plan(cfg, "nvfp4", card, context=planned_context(cfg), policy="all")
+    if as_is.streamed and whole.fits and len(whole.streamed) < len(as_is.streamed):
+        note(f"--quant auto: the release as published would stream {len(as_is.streamed)} layers' experts in the "
+             f"{free / 1e9:.1f} GB free in {where}; with attention and the dense MLP quantized too (--policy all) "
+             f"{len(whole.streamed) or 'none'} stream: quantizing them, the experts kept as published")
+        return True
+    return False
 
 
 GGUF_ALLOWANCE = 3.5e9  # beyond a GGUF file's bytes on the card at an 8k context (26B-A4B: its embedding decoded,

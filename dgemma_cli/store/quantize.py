@@ -285,10 +285,15 @@ def plan(src: Path, fmt: str, policy: str, search: bool, device,
         raise ModelError(f"{src}: no such model directory")
     cfg = ModelConfig.from_dir(src)
     raw_config = cfg.raw
-    if read_quant_format(src, raw_config) is not None:
-        raise UsageError(f"{src}: already quantized; quantize from the unquantized (bf16) checkpoint")
     records = index_checkpoint(src)
     prefix = text_prefix(records)
+    # NVIDIA's NVFP4 release (experts only) to NVFP4 `all`: its experts carried over as published, its 16-bit
+    # attention and dense MLP quantized here (a 16 GB card then holds the model without streaming, from a 16 GB
+    # download rather than the 52 GB bf16 one)
+    from_release = release_to_all(src, raw_config, fmt, policy)
+    if read_quant_format(src, raw_config) is not None and not from_release:
+        raise UsageError(f"{src}: already quantized; quantize from the unquantized (bf16) checkpoint (an NVFP4 "
+                         "release of the experts alone also converts to --quant nvfp4 --policy all)")
     with torch.device("meta"):
         model = DiffusionGemma(cfg)
     expected = expected_tensors(model)
@@ -301,6 +306,9 @@ def plan(src: Path, fmt: str, policy: str, search: bool, device,
             rec = records.get(ck)
         return ck, checked_record(records, ck, expected[name], None, rec)
 
+    def released_expert(name: str) -> bool:  # the release's experts: carried over, not read as 16-bit tensors
+        return from_release and ".experts." in name and name.startswith("layers.")
+
     if fmt == "nvfp4":  # every quantized input dimension must split into 16-wide blocks
         t = cfg.text
         dims = [t.hidden_size, t.moe_intermediate_size] + ([t.intermediate_size] + [
@@ -309,7 +317,17 @@ def plan(src: Path, fmt: str, policy: str, search: bool, device,
         if bad:
             raise UsageError(f"NVFP4 needs input dimensions that are multiples of 16; this model has {bad[0]}")
     for name in expected:  # every tensor present and of the right shape before any work (calibration included)
-        source(name)
+        if not released_expert(name):
+            source(name)
+    released = {}  # per layer, the release's expert tensors (the per-expert NVFP4 names), carried over
+    if from_release:
+        for layer in range(cfg.text.num_hidden_layers):
+            base = expert_base(layer, prefix) + "."
+            released[layer] = {n: r for n, r in records.items() if n.startswith(base)}
+            want = 3 * 4 * cfg.text.num_experts  # gate, up, down: weight, weight_scale, weight_scale_2, input_scale
+            if len(released[layer]) != want:
+                raise ModelError(f"{src}: layer {layer}'s experts hold {len(released[layer])} NVFP4 tensors, not "
+                                 f"{want} (weight, weight_scale, weight_scale_2 and input_scale of each projection)")
     vision = vision_sources(src, records, note)
     facts: dict = {}
     amax: dict = {}
@@ -330,7 +348,11 @@ def plan(src: Path, fmt: str, policy: str, search: bool, device,
         return "rest"
 
     for path, mod in model.named_modules():
-        if isinstance(mod, Experts):
+        if isinstance(mod, Experts) and from_release:
+            layer = int(path.split(".")[1])
+            by_shard.setdefault(shard_of(path), []).extend(copy_group(n, r) for n, r in released[layer].items())
+            written.update({f"{path}.gate_up_proj", f"{path}.down_proj"})
+        elif isinstance(mod, Experts):
             layer = int(path.split(".")[1])
             _, gu = source(f"{path}.gate_up_proj")
             _, dn = source(f"{path}.down_proj")
@@ -373,7 +395,18 @@ def plan(src: Path, fmt: str, policy: str, search: bool, device,
     if amax:  # the scales are part of what is written: a different calibration is a different job
         job["input_amax"] = {k: float(v) for k, v in sorted(amax.items())}
     facts.update(policy=policy, scales="search" if search else "absmax", vision_tensors=len(vision))
+    if from_release:
+        facts["experts"] = "carried over from the NVFP4 release as published"
     return shards, files, job, facts
+
+
+def release_to_all(src: Path, raw_config: dict, fmt: str, policy: str) -> bool:
+    """Whether `src` is an NVFP4 release of the routed experts alone (NVIDIA's) asked for as NVFP4 `all`: the one
+    quantized source `plan` takes (its experts kept, the rest quantized)."""
+    from ..checkpoint.layout import stored_policy
+
+    return (fmt, policy) == ("nvfp4", "all") and read_quant_format(src, raw_config) == "nvfp4" \
+        and stored_policy(src) == "experts"
 
 
 def quantize_checkpoint(src: Path, out: Path, fmt: str, policy: str | None = None, search: bool | None = None,

@@ -123,6 +123,22 @@ def quantization_config(quantize_dense: bool, producer: dict) -> dict:
             "kv_cache_scheme": dict(KV_CACHE_SCHEME), "producer": dict(producer), "quant_method": "modelopt"}
 
 
+def excludes_dense(config: dict, directory: Path) -> bool:
+    """From its descriptions alone (before any weights are fetched): whether a ModelOpt checkpoint leaves attention
+    and the dense MLP unquantized (the experts-only recipe, NVIDIA's release), by the ignore globs of config.json's
+    quantization_config, else of hf_quant_config.json's exclude_modules (per layer or generic)."""
+    from fnmatch import fnmatch
+
+    ignore = (config.get("quantization_config") or {}).get("ignore")
+    if ignore is None:
+        raw = read_json(Path(directory) / "hf_quant_config.json") or {}
+        ignore = (raw.get("quantization") or {}).get("exclude_modules") if isinstance(raw, dict) else None
+    ignore = [g for g in ignore or [] if isinstance(g, str)]
+    names = [f"{root}layers.0.{m}" for root in ("model.decoder.", "model.language_model.", "model.")
+             for m in ("self_attn.q_proj", "mlp.gate_proj")]
+    return any(fnmatch(n, g) for n in names for g in ignore)
+
+
 def hf_quant_config(qc: dict) -> dict:
     """hf_quant_config.json for a `quantization_config` made above (ModelOpt writes both)."""
     return {"producer": qc["producer"],
