@@ -426,6 +426,18 @@ MUTATIONS: list[Mutation] = [
         "        q = (_u8(b + qs + (sb % 2) * 32 + pos) >> (4 * (sb // 2 % 2))) & 15\n",
         "tests/test_gguf.py::test_gguf_experts_read_their_blocks_in_the_kernels_where_triton_runs"),
     mutation(
+        "gguf/q4k-tile-order-word-and-byte-transposed", "quant/kernels/ggml_tile.py",
+        "    return 64 * c + 32 * half + 4 * w + byte\n",
+        "    return 64 * c + 32 * half + w + 8 * byte\n",
+        "tests/test_gguf.py::test_the_matmul_tile_reads_each_block_type_exactly_in_its_own_order",
+        "tests/test_gguf.py::test_gguf_linears_multiply_by_their_blocks_where_triton_runs"),
+    mutation(
+        "gguf/q6k-tile-scale-of-the-wrong-sub-block", "quant/kernels/ggml_tile.py",
+        "        sc = tl.load(b6 + 192 + 8 * h + 2 * quarter + w // 4)",
+        "        sc = tl.load(b6 + 192 + 8 * h + 2 * quarter + w // 8)",
+        "tests/test_gguf.py::test_the_matmul_tile_reads_each_block_type_exactly_in_its_own_order",
+        "tests/test_gguf.py::test_gguf_experts_read_their_blocks_in_the_kernels_where_triton_runs"),
+    mutation(
         "gguf/stream-buffer-sized-by-one-layer", STREAMING,
         "                sizes[name] = max(sizes.get(name, 0), src.numel())\n",
         "                sizes[name] = sizes.get(name, src.numel())\n",

@@ -298,3 +298,45 @@ def test_gguf_linears_multiply_by_their_blocks_where_triton_runs(kind, monkeypat
     assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-6
     got16 = linear(x.bfloat16()).double()
     assert ((got16 - want).abs().max() / want.abs().max()).item() < 8e-3
+
+
+def test_the_lean_header_reads_what_the_gguf_library_reads(tmp_path):
+    """checkpoint/gguf_header.py against gguf.GGUFReader on a file with every metadata value type, small and long
+    arrays of numbers and of strings (a tokenizer's), and a tensor of each type: the same values, the same tensors at
+    the same offsets; a long string array is left in the map (its length at once, its strings when read)."""
+    from dgemma_cli.checkpoint.gguf_header import SMALL, StringArray, read_header
+
+    path = tmp_path / "h.gguf"
+    w = gguf.GGUFWriter(str(path), ARCH)
+    w.add_uint8("t.u8", 7), w.add_int8("t.i8", -7), w.add_uint16("t.u16", 65535), w.add_int16("t.i16", -3)
+    w.add_uint32("t.u32", 4_000_000_000), w.add_int32("t.i32", -5), w.add_float32("t.f32", 0.25)
+    w.add_uint64("t.u64", 2**40), w.add_int64("t.i64", -(2**40)), w.add_float64("t.f64", 1e-300)
+    w.add_bool("t.bool", True), w.add_string("t.str", "héllo ▁world")
+    w.add_array("t.bools", [True, False, True])
+    w.add_array("t.ints", [3, 1, 4, 1, 5])
+    long_tokens = [f"▁t{i}" + "é" * (i % 3) for i in range(SMALL + 5)]
+    w.add_token_list(long_tokens)
+    w.add_token_scores([float(i) / 7 for i in range(SMALL + 5)])
+    w.add_array("t.short_strings", ["a", "", "ü"])
+    for name, (kind, array) in mixed().items():
+        w.add_tensor(name, array, raw_dtype=None if kind == "F32" else getattr(T, kind))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
+    w.close()
+
+    h = read_header(path)
+    reader = gguf.GGUFReader(str(path))
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        want, got = field.contents(), h.metadata[name]
+        if isinstance(got, StringArray):
+            assert len(got) == len(want) and list(got) == want, name
+        elif isinstance(got, np.ndarray):
+            assert np.array_equal(got, np.array(want, dtype=got.dtype)), name
+        else:
+            assert got == want, name
+    assert isinstance(h.metadata["tokenizer.ggml.tokens"], StringArray)
+    assert h.metadata["tokenizer.ggml.tokens"][SMALL + 4] == long_tokens[-1]
+    assert [(t.name, tuple(reversed(t.dims))) for t in h.tensors] == \
+        [(t.name, tuple(reversed(t.shape.tolist()))) for t in reader.tensors]
+    assert [t.offset for t in h.tensors] == [int(t.data_offset) for t in reader.tensors]

@@ -285,3 +285,50 @@ def test_the_doctor_checks_what_a_gguf_uses(files, tmp_path):
     assert run_main(["doctor", "--model", str(files[0]), "--sizes", "none", "--json", str(out), "-q"]) == 0
     names = [k["name"] for k in json.loads(out.read_text())["kernels"]]
     assert "ggml_decode" in names and "rms_norm" in names and "nvfp4_linear" not in names
+
+
+def test_a_gguf_split_over_two_cards_gives_one_cards_tokens(files):
+    """The planner's split over two cards (here the CPU standing in for both, as `dgemma doctor`'s two-card check
+    runs there) of a GGUF, each layer's blocks on its card: the tokens of the model on one."""
+    from dgemma_cli.checkpoint.gguf_file import read_gguf
+    from dgemma_cli.placement.cards import Card
+    from dgemma_cli.placement.plan import plan, planned_context
+
+    path = files[0]
+    f, cfg = read_gguf(path)
+    kw = dict(context=planned_context(cfg), footprint=f.footprint(cfg.text.num_hidden_layers))
+    size = plan(cfg, "gguf", [Card("any", 10**15, 0.0, 4, 16)], **kw).resident_bytes
+    while size > 0:  # the largest card memory at which two cards split the layers, nothing streamed
+        p = plan(cfg, "gguf", [Card("card", size, 0.0, 4, 16)] * 2, **kw)
+        if p.fits and len(p.cards) == 2 and all(c.layers for c in p.cards) and not any(c.streamed for c in p.cards):
+            break
+        size -= max(1, p.expert_bytes // 4)
+    assert size > 0
+    one = load(path, device="cpu", dtype="float32")
+    split = load(path, devices="cpu,cpu", dtype="float32", gpu_memory=size)
+    assert [len(c.layers) > 0 for c in split.model.placement.cards] == [True, True]
+    prompt = [[2, 30, 31, 32, 33, 34]]
+    kw = dict(raw=True, seed=5, max_new_tokens=2 * cfg.canvas_length, max_denoising_steps=6)
+    assert split.generate(prompt, **kw).token_ids == one.generate(prompt, **kw).token_ids
+
+
+def test_a_lora_adapter_on_a_gguf_gives_its_twins_tokens(files, tmp_path):
+    """A PEFT adapter (attention, the dense MLP and the routed experts, rank 4, random factors) attached to the GGUF
+    gives the tokens it gives on the GGUF's twin, and other tokens than the GGUF without it."""
+    from dgemma_cli.tuner.lora import new_adapter, save_adapter, trainable
+
+    path, twin, _ = files
+    base = load(twin, device="cpu", dtype="float32")
+    ad = new_adapter(base.model, rank=4, alpha=8, targets=("attention", "mlp"), expert_rank=4)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for t in trainable(ad):
+            t.copy_(torch.randn(t.shape, generator=g) * 0.2)
+    save_adapter(ad, tmp_path / "adapter")
+    prompt = [[2, 30, 31, 32, 33, 34, 35, 36]]
+    kw = dict(raw=True, seed=2, max_new_tokens=2 * base.config.canvas_length, max_denoising_steps=6)
+    adapters = [(tmp_path / "adapter", 1.0)]
+    on_twin = load(twin, device="cpu", dtype="float32", adapters=adapters).generate(prompt, **kw).token_ids
+    on_gguf = load(path, device="cpu", dtype="float32", adapters=adapters).generate(prompt, **kw).token_ids
+    plain = load(path, device="cpu", dtype="float32").generate(prompt, **kw).token_ids
+    assert on_gguf == on_twin and on_gguf != plain

@@ -1,6 +1,7 @@
-"""A DiffusionGemma GGUF file (llama.cpp's format, as the `diffusion-gemma` converter writes it), read with the
-llama.cpp project's own `gguf` library: its metadata, its tensors' types and shapes, and its blocks where they lie
-(a memory map; quant/ggml.py decodes them).
+"""A DiffusionGemma GGUF file (llama.cpp's format, as the `diffusion-gemma` converter writes it): its metadata, its
+tensors' types and shapes, and its blocks where they lie (a memory map; quant/ggml.py decodes them). The header is
+parsed by gguf_header.py (a real file's in about a second; the `gguf` library's reader takes many), the type names
+are the `gguf` library's.
 
 Everything that can refuse a file does so here, in one line and before any weight is read: not a GGUF, a file cut
 short, another architecture, a tensor of a type dgemma does not read (quant/ggml.py SUPPORTED). A split file
@@ -29,7 +30,7 @@ class GGUFTensor:
     name: str
     kind: str
     shape: tuple[int, ...]
-    data: np.ndarray  # uint8, the raw blocks (float arrays for F32 / F16)
+    data: np.ndarray  # uint8: the raw bytes (blocks; the floats of F32 / F16 / BF16), a read-only view of the map
 
     @property
     def nbytes(self) -> int:
@@ -46,12 +47,11 @@ class GGUFFile:
         self.metadata: dict = {}
         self.tensors: dict[str, GGUFTensor] = {}
         for k, part in enumerate(parts):
-            reader = _open(part)
+            header = _open(part)
             if k == 0:
-                self.metadata = {name: _value(field) for name, field in reader.fields.items()
-                                 if not name.startswith("GGUF.")}
-            for t in reader.tensors:
-                self.tensors[t.name] = _tensor(part, t)
+                self.metadata = header.metadata
+            for t in header.tensors:
+                self.tensors[t.name] = _tensor(part, t, header)
         arch = self.metadata.get("general.architecture")
         if arch != ARCH:
             raise ModelError(f"{self.path.name}: a GGUF of architecture {arch!r}, not DiffusionGemma ({ARCH!r})")
@@ -192,42 +192,44 @@ def split_parts(path: Path) -> list[Path]:
 
 
 def _open(path: Path):
-    try:
-        from gguf import GGUFReader
-    except ImportError:  # pragma: no cover - a dependency of dgemma
-        raise ModelError("reading a GGUF file needs the `gguf` package (pip install gguf)") from None
+    from .gguf_header import HeaderError, read_header
+
     if not path.is_file():
         raise ModelError(f"{path}: no such file")
     try:
         with open(path, "rb") as f:
             if f.read(4) != b"GGUF":
                 raise ModelError(f"{path.name}: not a GGUF file (it does not start with 'GGUF')")
-        return GGUFReader(path)
-    except ModelError:
-        raise
-    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as e:
-        raise ModelError(f"{path.name}: not a whole GGUF file (cut short or damaged: {str(e).splitlines()[0]})") \
-            from None
+        return read_header(path)
+    except HeaderError as e:
+        raise ModelError(f"{path.name}: not a whole GGUF file (cut short or damaged: {e})") from None
+    except OSError as e:
+        raise ModelError(f"{path.name}: cannot read it ({e.strerror or e})") from None
 
 
-def _value(field):
-    """A metadata field's value: a number, a string, a bool, or a list of them."""
+def _type_name(type_id: int) -> str:
     try:
-        return field.contents()
-    except (ValueError, IndexError, AttributeError):  # a type the library reads only as parts
-        return None
+        from gguf import GGMLQuantizationType
+    except ImportError:  # pragma: no cover - a dependency of dgemma
+        raise ModelError("reading a GGUF file needs the `gguf` package (pip install gguf)") from None
+    try:
+        return GGMLQuantizationType(type_id).name
+    except ValueError:
+        return f"type {type_id}"
 
 
-def _tensor(part: Path, t) -> GGUFTensor:
+def _tensor(part: Path, t, header) -> GGUFTensor:
     from quant import ggml
 
-    kind = t.tensor_type.name
-    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    kind = _type_name(t.type_id)
+    shape = tuple(int(d) for d in reversed(t.dims))
     if kind not in ggml.SUPPORTED:
         raise ModelError(f"{part.name}: tensor {t.name} is {kind}, a type dgemma does not read "
                          f"(it reads {', '.join(ggml.SUPPORTED)})")
+    if shape and shape[-1] % ggml.ELEMENTS[kind]:
+        raise ModelError(f"{part.name}: tensor {t.name}'s rows of {shape[-1]} are not whole {kind} blocks")
     want = int(np.prod(shape[:-1], dtype=np.int64)) * ggml.row_bytes(kind, shape[-1]) if shape else 0
-    if t.data.nbytes != want:  # the reader maps what the file has: a tensor past its end is shorter
-        raise ModelError(f"{part.name}: not a whole GGUF file (tensor {t.name} has {t.data.nbytes:,} of its "
-                         f"{want:,} bytes)")
-    return GGUFTensor(t.name, kind, shape, t.data)
+    have = max(0, min(want, header.size - t.offset))
+    if have != want:  # the data section is shorter than the header says: a file cut short
+        raise ModelError(f"{part.name}: not a whole GGUF file (tensor {t.name} has {have:,} of its {want:,} bytes)")
+    return GGUFTensor(t.name, kind, shape, np.frombuffer(header.map, dtype=np.uint8, count=want, offset=t.offset))
