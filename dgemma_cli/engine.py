@@ -666,6 +666,13 @@ def load(model: str | Path, device: str = "auto", dtype: str = "auto", adapters=
         fit_cpu_threads(small=cfg.canvas_length * cfg.text.vocab_size < SMALL_STEP)
     beside = path.parent if gguf else path  # a GGUF's tokenizer and sampler defaults: the files beside it
     tokenizer = Tokenizer.from_dir(beside) if (beside / "tokenizer.json").is_file() else None
+    net.tokenizer_note = None  # said by the command that loaded it
+    if tokenizer is None and gguf:  # no tokenizer.json beside the file: its own (checkpoint/gguf_tokenizer.py)
+        from .checkpoint.gguf_tokenizer import tokenizer_from_metadata
+
+        tokenizer = tokenizer_from_metadata(gfile.metadata, path.name)
+        net.tokenizer_note = (f"the tokenizer and chat template from {path.name}'s own metadata (no tokenizer.json "
+                              "beside it)" if tokenizer is not None else None)
     settings = GenerationSettings.from_checkpoint(beside, cfg.text)
     if gguf:
         from .checkpoint.gguf_file import sampler_defaults

@@ -116,11 +116,42 @@ def write_metadata(w, cfg, arch: str) -> None:
     write(w, cfg, arch)
 
 
+def write_tokenizer(w, src: Path) -> None:
+    """`src`'s tokenizer.json and chat template as the `diffusion-gemma` converter writes Gemma 4's (model `gemma4`:
+    every token by id, its type, the merges, the control ids, no space prefix, the template)."""
+    import json
+
+    spec = json.loads((Path(src) / "tokenizer.json").read_text())
+    tokens = dict(spec["model"]["vocab"])
+    special = set()
+    for t in spec["added_tokens"]:
+        tokens[t["content"]] = t["id"]
+        if t.get("special"):
+            special.add(t["id"])
+    by_id = sorted(tokens.items(), key=lambda kv: kv[1])
+    assert [i for _, i in by_id] == list(range(len(by_id)))
+    w.add_tokenizer_model("gemma4")
+    w.add_token_list([t for t, _ in by_id])
+    w.add_token_scores([0.0] * len(by_id))
+    w.add_token_types([3 if i in special else 6 if t.startswith("<0x") and len(t) == 6 else 1 for t, i in by_id])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+    for name, value in (("bos", "<bos>"), ("eos", "<eos>"), ("unk", "<unk>"), ("pad", "<pad>")):
+        getattr(w, {"bos": "add_bos_token_id", "eos": "add_eos_token_id", "unk": "add_unk_token_id",
+                    "pad": "add_pad_token_id"}[name])(tokens[value])
+    w.add_uint32("tokenizer.ggml.mask_token_id", tokens["<mask>"])
+    w.add_add_bos_token(True)
+    w.add_add_space_prefix(False)
+    template = Path(src) / "chat_template.jinja"
+    if template.is_file():
+        w.add_chat_template(template.read_text())
+
+
 def write_gguf(src: Path, out: Path, *, types: dict[str, str] | None = None, drop=(), metadata: bool = True,
-               arch: str = "diffusion-gemma") -> dict[str, np.ndarray]:
+               arch: str = "diffusion-gemma", tokenizer: bool = False) -> dict[str, np.ndarray]:
     """`src` (a checkpoint directory, transformers' names) as a DiffusionGemma GGUF at `out`, named as the converter
     names its tensors; returns transformers' name -> the float32 weights the file holds (gguf.dequantize of what was
-    written). types: GGUF name -> type, overriding the spread above; drop: GGUF names left out of the file."""
+    written). types: GGUF name -> type, overriding the spread above; drop: GGUF names left out of the file;
+    tokenizer: the tokenizer in the file's metadata too (write_tokenizer)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -133,6 +164,8 @@ def write_gguf(src: Path, out: Path, *, types: dict[str, str] | None = None, dro
     w = gguf.GGUFWriter(str(out), arch)
     if metadata:
         write_metadata(w, cfg, arch)
+    if tokenizer:
+        write_tokenizer(w, src)
     held, turn = {}, 0
     for hf, tensor in tensors.items():
         name = converter_name(hf)

@@ -332,3 +332,47 @@ def test_a_lora_adapter_on_a_gguf_gives_its_twins_tokens(files, tmp_path):
     on_gguf = load(path, device="cpu", dtype="float32", adapters=adapters).generate(prompt, **kw).token_ids
     plain = load(path, device="cpu", dtype="float32").generate(prompt, **kw).token_ids
     assert on_gguf == on_twin and on_gguf != plain
+
+
+def test_a_gguf_alone_runs_with_its_own_tokenizer(files, tmp_path, capsys, monkeypatch):
+    """A GGUF with no tokenizer.json beside it reads its own (`tokenizer.ggml.*`, the converter's `gemma4` model, and
+    `tokenizer.chat_template`): the same ids as the base model's tokenizer.json for a corpus (prose, code, other
+    scripts, byte fallback, control tokens), the same text back, the same chat prompt; said in one line."""
+    from dgemma_cli.checkpoint.gguf_file import GGUFFile
+    from dgemma_cli.checkpoint.gguf_tokenizer import CORPUS, agrees, tokenizer_from_metadata
+    from dgemma_cli.tokenizer import Tokenizer
+    from tokenizer_fixture import CORPUS as TRAINED
+
+    src = files[2]
+    (tmp_path / "alone").mkdir()
+    path = tmp_path / "alone" / "tiny.gguf"
+    write_gguf(src, path, tokenizer=True)
+    reference = Tokenizer.from_dir(src)
+    ours = tokenizer_from_metadata(GGUFFile(path).metadata, path.name)
+    assert ours is not None and agrees(ours, reference, CORPUS + tuple(TRAINED)) is None
+    chat = [{"role": "user", "content": "Why is the sky blue?"}]
+    assert ours.encode_chat(chat) == reference.encode_chat(chat)
+    # a tokenizer of another kind is not rebuilt, and the check says where two disagree
+    assert tokenizer_from_metadata({**GGUFFile(path).metadata, "tokenizer.ggml.model": "llama"}, "x") is None
+    other = tokenizer_from_metadata({**GGUFFile(path).metadata, "tokenizer.ggml.merges": []}, "x")
+    assert "ids differ" in agrees(other, reference)
+    # pulled beside the base model's tokenizer.json (a GGUF repository without one), the two are checked at pull
+    from dgemma_cli.store.models import _check_own_tokenizer
+
+    said = []
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(src / name, tmp_path / name)
+    _check_own_tokenizer(path, tmp_path, said.append)
+    assert len(said) == 1 and "agrees with" in said[0]
+    from dgemma_cli.checkpoint import gguf_file
+
+    real = gguf_file.read_gguf
+    no_merges = type("File", (), {"metadata": {**real(path)[0].metadata, "tokenizer.ggml.merges": []}})()
+    monkeypatch.setattr(gguf_file, "read_gguf", lambda p: (no_merges, None))  # a file whose merges are not the base's
+    _check_own_tokenizer(path, tmp_path, said.append)
+    monkeypatch.undo()
+    assert "differs from" in said[1] and "beside it is used" in said[1]
+    # the command line runs it, and says where the tokenizer came from
+    assert run_main(["run", "--model", str(path), "--max-new-tokens", "8", "--device", "cpu", "--view", "none",
+                     "Why is the sky blue?"]) == 0
+    assert "tokenizer and chat template from tiny.gguf's own metadata" in capsys.readouterr().err

@@ -177,6 +177,8 @@ def note_placement(engine) -> None:
         note(said)
     if getattr(engine.model, "kernel_note", None):  # the kernels checked on a card met for the first time
         note(engine.model.kernel_note)
+    if getattr(engine.model, "tokenizer_note", None):  # a GGUF read with its own tokenizer
+        note(engine.model.tokenizer_note)
 
 
 def gb(n: int) -> str:

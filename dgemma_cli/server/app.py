@@ -187,6 +187,8 @@ def serve(model: str, *, host: str, port: int, api_key: str | None, max_batch: i
         note(said)
     if getattr(engine.model, "kernel_note", None):  # the kernels checked on a card met for the first time
         note(engine.model.kernel_note)
+    if getattr(engine.model, "tokenizer_note", None):  # a GGUF read with its own tokenizer
+        note(engine.model.tokenizer_note)
     engine.set_compile_budget(*compile_budget)  # each structure a client sends: structured/worker.py
     engine.start_compiler()  # its worker reads and walks the vocabulary while the server starts
     if engine.model.device.type == "cuda" and prefix_cache_bytes:  # the stored prompts live on the GPU: never more

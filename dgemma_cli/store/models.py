@@ -409,12 +409,31 @@ def _store_gguf(repo: str, snapshot: Path, decided: dict, progress: bool, note) 
         for name, path in hub.fetch_files(DEFAULT_REPO, BASE_FILES, progress=progress).items():
             if not (work / name).is_file():
                 _link_or_copy(path, work / name)
+        _check_own_tokenizer(work / Path(decided["gguf"][0]).name, work, note)
     meta = {"repo": repo, "quant": label, "revision": snapshot.name, "policy": None, "published": True,
             "format": "gguf", "vision_tower": False, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     note("checking the files (sha256)")
     manifest = write_manifest(work, {"store": meta})
     os.rename(work, out)
     return Entry(repo, label, out, manifest)
+
+
+def _check_own_tokenizer(gguf_path: Path, beside: Path, note) -> None:
+    """Where a GGUF carries its own tokenizer (checkpoint/gguf_tokenizer.py) and the base model's tokenizer.json is
+    beside it: whether the two give the same ids for a text corpus, said in one line (the one beside is what runs)."""
+    from ..checkpoint.gguf_file import read_gguf
+    from ..checkpoint.gguf_tokenizer import CORPUS, agrees, tokenizer_from_metadata
+    from ..tokenizer import Tokenizer
+
+    if not (beside / "tokenizer.json").is_file():
+        return
+    own = tokenizer_from_metadata(read_gguf(gguf_path)[0].metadata, gguf_path.name)
+    if own is None:
+        return
+    differs = agrees(own, Tokenizer.from_dir(beside))
+    note(f"the file's own tokenizer agrees with {DEFAULT_REPO}'s tokenizer.json on {len(CORPUS)} texts"
+         if differs is None else f"the file's own tokenizer differs from {DEFAULT_REPO}'s tokenizer.json ({differs});"
+         " the tokenizer.json beside it is used")
 
 
 def _store_adapter(repo: str, quant: str, snapshot: Path, note) -> Entry:
