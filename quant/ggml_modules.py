@@ -46,6 +46,22 @@ class GGUFLinear(nn.Module):
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return decode(self.weight, self.kind, (self.out_features, self.in_features), dtype)
 
+    def gated(self, x: torch.Tensor, up: nn.Module) -> torch.Tensor | None:
+        """The dense MLP's gelu_tanh(x W_gate^T) * (x W_up^T) in one launch (kernels/ggml_linear.py, GATED), this
+        module the gate and `up` another GGUF linear of its shape; None where that does not run (the caller runs
+        the three ops)."""
+        from .kernels import use_triton
+        from .kernels.probe import family_ok
+
+        if (not isinstance(up, GGUFLinear) or (up.in_features, up.out_features) != (self.in_features,
+                                                                                   self.out_features)
+                or self.kind not in ggml.BLOCK_KINDS or up.kind not in ggml.BLOCK_KINDS
+                or not use_triton(x.device) or not family_ok("ggml_linear", x.device, x.dtype)):
+            return None
+        from .kernels.ggml_linear import ggml_linear
+
+        return ggml_linear(x, self.weight, self.kind, self.in_features, up=(up.weight, up.kind))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from .kernels import use_triton
         from .kernels.probe import family_ok

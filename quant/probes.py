@@ -631,7 +631,18 @@ def _ggml_linear(device: torch.device, dtype: torch.dtype, sizes: Sizes | None =
         err = _rel_error(got.cpu(), want, dtype)
         if err is not None:
             return f"{kind}: {err}"
-    return None
+    # the dense MLP's gate and up in one launch (GATED), of two types: gelu_tanh(x G^T) * (x U^T), each product and
+    # the activation rounded to the compute dtype as the reference's three ops round them
+    N, K = (80, 512) if sizes is None else (sizes.intermediate, sizes.hidden)
+    kinds = ("Q4_K", "Q6_K") if K % 256 == 0 else ("Q8_0", "Q5_0")
+    raws = [ggml.random_blocks(k, N, K, g, 0.02) for k in kinds]
+    x = torch.randn(M, K, generator=g).to(dtype)
+    xd = x.to(device)
+    got = ggml_linear(xd, raws[0].to(device), kinds[0], K, up=(raws[1].to(device), kinds[1]))
+    gate, up = ((x.double() @ ggml.decode(r, k, (N, K), dtype).double().T).to(dtype) for r, k in zip(raws, kinds))
+    want = torch.nn.functional.gelu(gate, approximate="tanh").double() * up.double()
+    err = _rel_error(got.cpu(), want, dtype)
+    return None if err is None else f"{'/'.join(kinds)} gated: {err}"
 
 
 def _moe_gguf(device: torch.device, dtype: torch.dtype, sizes: Sizes | None = None) -> str | None:

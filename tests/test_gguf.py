@@ -340,3 +340,33 @@ def test_the_lean_header_reads_what_the_gguf_library_reads(tmp_path):
     assert [(t.name, tuple(reversed(t.dims))) for t in h.tensors] == \
         [(t.name, tuple(reversed(t.shape.tolist()))) for t in reader.tensors]
     assert [t.offset for t in h.tensors] == [int(t.data_offset) for t in reader.tensors]
+
+
+@pytest.mark.parametrize("kinds", ["Q4_K/Q4_K", "Q4_K/Q6_K", "Q5_0/Q8_0"])
+def test_a_gguf_dense_mlp_runs_its_gate_and_up_in_one_launch(kinds, monkeypatch):
+    """dgemma_cli.model.MLP over GGUF linears: with Triton the gate and up projections run as one GATED launch of
+    kernels/ggml_linear.py (both block types read in their tiles, the activation in its epilogue), equal to the three
+    ops of the torch path within float32's tolerance."""
+    import quant.kernels.ggml_linear as kernel
+    from quant.ggml_modules import GGUFLinear
+
+    from dgemma_cli.model import MLP
+
+    gk, uk = kinds.split("/")
+    H, I = (256, 96) if gk != "Q5_0" else (96, 64)
+    g = torch.Generator().manual_seed(11)
+    mlp = MLP(H, I)
+    mlp.gate_proj, mlp.up_proj = GGUFLinear(H, I, gk), GGUFLinear(H, I, uk)
+    mlp.down_proj = GGUFLinear(I, H, "Q8_0")
+    for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        m.weight.copy_(ggml.random_blocks(m.kind, m.out_features, m.in_features, g, 0.05))
+    x = torch.randn(2, 7, H, generator=g)
+    monkeypatch.setenv("DGEMMA_KERNELS", "torch")
+    want = mlp(x)
+    calls = []
+    real = kernel.ggml_linear
+    monkeypatch.setattr(kernel, "ggml_linear", lambda *a, **k: calls.append("up" in k) or real(*a, **k))
+    monkeypatch.setenv("DGEMMA_KERNELS", "triton")
+    got = mlp(x)
+    assert calls == [True, False]  # gate and up together, then the down projection
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5

@@ -81,10 +81,10 @@ def test_the_step_is_the_cuda_path(traced):
 
 @pytest.mark.slow
 def test_at_most_640_kernels_a_step_on_every_path(traced):
-    """The issue-36 budget: NVFP4 with 16-bit activations, W4A4, FP8 W8A8; and what the sampler and the engine add
+    """The issue-36 budget: NVFP4 with 16-bit activations, W4A4, FP8 W8A8, a GGUF Q4_K_M; and what the sampler and the engine add
     to the forward pass is counted (the step's record for its event, the stop test and its copy to the host, the
     generator's seed and offset written before the replay)."""
-    for fmt in ("nvfp4", "w8a8-fp8", "nvfp4@120"):
+    for fmt in ("nvfp4", "w8a8-fp8", "nvfp4@120", "gguf-q4_k_m@89"):
         assert traced[fmt]["kernels"] <= 640, (fmt, traced[fmt]["kernels"])
         assert {"aten::copy_", "aten::index_copy_", "aten::all", "aten::fill_"} <= set(traced[fmt]["names"])
 
@@ -95,7 +95,7 @@ def test_the_kernels_outside_the_graph(traced):
     acceptance, renoising and stop test): what CUDA launches one by one around its replay is the generator's seed
     and offset (two fills) and the verdict's copy to the host, nothing else (the whole-step table charges each a
     launch)."""
-    for fmt in ("nvfp4", "w8a8-fp8", "nvfp4@120"):
+    for fmt in ("nvfp4", "w8a8-fp8", "nvfp4@120", "gguf-q4_k_m@89"):
         t = traced[fmt]
         assert t["eager"] == 3 and t["outside"] == ["aten::copy_", "aten::fill_"], (fmt, t["eager"], t["outside"])
 

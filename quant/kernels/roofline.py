@@ -228,9 +228,12 @@ KERNELS = {
                                 * a["BLOCK_K"],
                                 useful=lambda a: 2 * a["M"] * a["BLOCK_R"] * a["K"]),
     # a GGUF linear (ggml_linear.py): for k0 in range(0, K, BLOCK_K), one CTA per BLOCK_M x BLOCK_N tile of y
+    # GATED: the gate's and the up projection's tiles each step (two decodes, two products)
     "ggml_linear_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])],
-                                elems=lambda a: a["BLOCK_N"] * a["K"], mma=_tile_mma(1, "K"),
-                                useful=lambda a: 2 * a["M"] * a["N"] * a["K"]),
+                                elems=lambda a: (2 if a.get("GATED") else 1) * a["BLOCK_N"] * a["K"],
+                                passes=lambda a: {"wu_ptr": int(bool(a.get("GATED")))},
+                                mma=lambda a: (2 if a.get("GATED") else 1) * _tile_mma(1, "K")(a),
+                                useful=lambda a: (2 if a.get("GATED") else 1) * 2 * a["M"] * a["N"] * a["K"]),
     "int8_linear_kernel": Loops(trips=lambda a: [_cdiv(a["K"], a["BLOCK_K"])],
                                 elems=lambda a: a["BLOCK_N"] * a["K"], mma=_tile_mma(1, "K"),
                                 useful=lambda a: 2 * a["M"] * a["N"] * a["K"]),
