@@ -607,16 +607,17 @@ def _ggml_decode(device: torch.device, dtype: torch.dtype) -> str | None:
 
 
 def _ggml_linear(device: torch.device, dtype: torch.dtype, sizes: Sizes | None = None) -> str | None:
-    """33 rows through a GGUF linear of each block type, K 512 (288 for the 32-weight types: a partial tile) -> N 80
-    (partial tiles in M, N and K), against x @ the torch decode (float64 products). A model's sizes: its step's rows
-    through the dense MLP's gate in Q4_K (hidden -> intermediate) and its down projection in Q5_0 (no whole K block)."""
+    """33 rows through a GGUF linear of each block type, K 256 (192 for the 32-weight types) -> N 48 (partial tiles
+    in M and N), against x @ the torch decode (float64 products), and a gate and up of two types in one launch. A
+    model's sizes: its step's rows through the dense MLP's gate in Q4_K (hidden -> intermediate) and its down
+    projection in Q5_0 (no whole K block)."""
     from . import ggml
     from .kernels.ggml_decode import KINDS
     from .kernels.ggml_linear import ggml_linear
 
     g = torch.Generator().manual_seed(0)
     M = 33 if sizes is None else sizes.rows
-    shapes = ([(kind, 80, 512 if ggml.ELEMENTS[kind] == 256 else 288) for kind in KINDS] if sizes is None else
+    shapes = ([(kind, 48, 256 if ggml.ELEMENTS[kind] == 256 else 192) for kind in KINDS] if sizes is None else
               [("Q4_K" if sizes.hidden % 256 == 0 else "Q8_0", sizes.intermediate, sizes.hidden),
                ("Q5_0", sizes.hidden, sizes.intermediate)])
     for kind, N, K in shapes:
@@ -633,7 +634,7 @@ def _ggml_linear(device: torch.device, dtype: torch.dtype, sizes: Sizes | None =
             return f"{kind}: {err}"
     # the dense MLP's gate and up in one launch (GATED), of two types: gelu_tanh(x G^T) * (x U^T), each product and
     # the activation rounded to the compute dtype as the reference's three ops round them
-    N, K = (80, 512) if sizes is None else (sizes.intermediate, sizes.hidden)
+    N, K = (48, 256) if sizes is None else (sizes.intermediate, sizes.hidden)
     kinds = ("Q4_K", "Q6_K") if K % 256 == 0 else ("Q8_0", "Q5_0")
     raws = [ggml.random_blocks(k, N, K, g, 0.02) for k in kinds]
     x = torch.randn(M, K, generator=g).to(dtype)
