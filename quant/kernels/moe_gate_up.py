@@ -61,8 +61,9 @@ def weight_tile(w_ptr, s_ptr, e, rows, k0, H, NROWS, FORMAT: tl.constexpr, BLOCK
         return to_compute(q * scale[:, None], dtype, EMULATE)
     else:
         safe = tl.where(rows < NROWS, base, e.to(tl.int64) * NROWS)  # rows past the stack read its first row
-        w = tl.trans(ggml_tile(w_ptr, safe, k0, H, row_bytes_of(H, KIND), KIND, BLOCK_N, BLOCK_K))  # the callers
-        if not EVEN:  # transpose it back for their dot: the two transposes cancel
+        # ggml_tile gives the dot's operand [BLOCK_K, BLOCK_N]; the callers transpose this one back (the two cancel)
+        w = tl.trans(ggml_tile(w_ptr, safe, k0, H, row_bytes_of(H, KIND), KIND, BLOCK_N, BLOCK_K))
+        if not EVEN:
             w = tl.where((rows < NROWS)[:, None], w, 0.0)
         return to_compute(w, dtype, EMULATE)
 
