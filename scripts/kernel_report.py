@@ -135,8 +135,8 @@ STEP_TARGETS = (89, 90, 120)  # RTX 4090, H200, RTX 5090: the GPUs the whole-ste
 LORA_ONLY_TARGETS = (100,)
 STEP_FORMATS = ("nvfp4", "w8a8-fp8")
 STEP_PROMPT = 256  # cached prompt tokens before the canvas
-# a LoRA adapter on the step (dgemma_cli/tuner/lora.py), traced beside the plain one: its terms fused (attention and dense
-# MLP: quant/kernels/lora.py; the routed experts: in the MoE kernels' epilogues, quant/kernels/moe_gate_up.py)
+# a LoRA adapter on the step (dgemma_cli/tuner/lora.py), traced beside the plain one: its terms fused (attention and
+# dense MLP: quant/kernels/lora.py; the routed experts: in the MoE kernels' epilogues, quant/kernels/moe_gate_up.py)
 STEP_ADAPTER = dict(rank=16, alpha=32, targets=("attention", "mlp"), expert_rank=16)
 STEP_ADAPTER_LABEL = "nvfp4 + LoRA r16 (attention, dense MLP, experts)"
 

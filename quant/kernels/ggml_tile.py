@@ -1,11 +1,12 @@
 """A matmul's weight tile read from GGUF blocks where they lie, word by word: the fast decode for the block types the
-published files are made of (Q8_0, Q5_0, Q5_1, Q4_K, Q6_K), for the kernels that multiply by a GGUF matrix (the
-routed experts, moe_gate_up / moe_down FORMAT gguf; the dense linears, ggml_linear.py).
+published files are made of (Q8_0, Q5_0, Q5_1, Q4_K, Q6_K, Q3_K), for the kernels that multiply by a GGUF matrix
+(the routed experts, moe_gate_up / moe_down FORMAT gguf; the dense linears, ggml_linear.py).
 
 `ggml_tile` gives rows `rows` of a [R, K] ggml matrix at inputs k0..k0+BLOCK_K as float32 [BLOCK_K, BLOCK_N]
 (transposed: the dot's right operand) in the tile's own order: the order in which the block's packed words yield
-their weights, not K order. `tile_order` says which input each of its rows holds, so the caller loads its activations at k0 + tile_order and the dot is the same sum
-(the routed experts' NVFP4 path does the same with its pair order). Reading the blocks in K order would mean a byte
+their weights, not K order. `tile_order` says which input each of its rows holds, so the caller loads its
+activations at k0 + tile_order and the dot is the same sum (the routed experts' NVFP4 path does the same with its
+pair order). Reading the blocks in K order would mean a byte
 gather per weight (ggml_decode.decode_tile, about 30 instructions a weight, and the slow path here for the other
 types); in the tile's order each packed 16- or 32-bit word is loaded once and gives 2 to 8 weights by shifts and
 masks, and each sub-block's scale is made once per word a thread holds, not per weight.
@@ -13,7 +14,8 @@ masks, and each sub-block's scale is made once per word a thread holds, not per 
 The arithmetic is quant/ggml.py's, in its float32 order: in Triton's interpreter each weight equals the torch
 decode bit for bit (on a GPU a fused multiply-add may round the K types' d sc q - dmin m differently in the last
 bit, as ggml_decode's). Tiles: BLOCK_K a multiple of the block for the 32-weight types (a tile past K reads no byte:
-its blocks are masked to 0), 128 or 256 for Q4_K and Q6_K (half or all of a super-block; K is whole super-blocks).
+its blocks are masked to 0), 128 or 256 for the 256-weight types (half or all of a super-block; K is whole
+super-blocks).
 
 Layouts (ggml-common.h, little-endian; quant/ggml.py says the same):
 - Q8_0, 34 bytes: f16 d, int8 q[32]. Each 16-bit word holds q[2j], q[2j + 1]: K order.
@@ -21,6 +23,9 @@ Layouts (ggml-common.h, little-endian; quant/ggml.py says the same):
   weights 2j, 2j + 1 (low nibbles) and 2j + 16, 2j + 17 (high nibbles); bit i of qh is weight i's fifth bit.
 - Q4_K, 144 bytes: f16 d, f16 dmin, 12 scale bytes, qs[128]. The 32-bit word w of chunk c (32 bytes) holds weights
   64c + 4w + b (byte b's low nibble) and 64c + 32 + 4w + b (its high nibble), sub-blocks 2c and 2c + 1.
+- Q3_K, 110 bytes (2-byte aligned): hmask[32], qs[64], 12 scale bytes, f16 d. In half h, weight r = 32 s + j takes
+  bits 2s of qs byte 32 h + j and bit 4h + s of hmask byte j (16-bit words here): K order; its scale is sub-block
+  8h + r // 16.
 - Q6_K, 210 bytes: ql[128], qh[64], int8 scales[16], f16 d. In half h, weight r = 32 quarter + 4w + b takes its low
   four bits from ql's word 16h + 8 (quarter % 2) + w, byte b, nibble quarter // 2, and its high two from qh's word
   8h + w, byte b, bits 2 quarter; its scale is sub-block 8h + r // 16.
@@ -33,8 +38,9 @@ import triton.language as tl
 
 from .ggml_decode import decode_tile, row_bytes_of
 
-# KINDS indices (ggml_decode.KINDS, quant/ggml.BLOCK_KINDS): Q8_0 0, Q5_0 1, Q5_1 2, Q4_K 4, Q6_K 6 are read here
-FAST_KINDS = (0, 1, 2, 4, 6)
+# KINDS indices (ggml_decode.KINDS, quant/ggml.BLOCK_KINDS): Q8_0 0, Q5_0 1, Q5_1 2, Q4_K 4, Q6_K 6, Q3_K 7 are read
+# here word by word; the others (Q5_K, IQ4_NL, IQ4_XS) a weight's bytes at a time
+FAST_KINDS = (0, 1, 2, 4, 6, 7)
 SUPER_BLOCK_KINDS = (4, 5, 6, 7, 8)  # 256 weights a block: tiles of 128 or 256 inputs
 
 
@@ -190,6 +196,27 @@ def ggml_tile(w_ptr, rows, k0, K, row_bytes, KIND: tl.constexpr, BLOCK_N: tl.con
         q = ((low | (high << 4)) - 32).to(tl.float32)
         sc = tl.load(b6 + 192 + 8 * h + 2 * quarter + w // 4).to(tl.int8, bitcast=True).to(tl.float32)
         d = _half_all(blk + 208)[:, None, None, None, None, :]
+        return tl.reshape((d * sc) * q, (BLOCK_K, BLOCK_N))
+    elif KIND == 7:  # Q3_K (110-byte blocks: 16-bit words): [H2, 4, 2, 8, 2, BLOCK_N], in K order
+        H2: tl.constexpr = BLOCK_K // 128
+        blk = row + (k0 // 256) * 110
+        b6 = blk[:, None, None, None, None, :]
+        h = (k0 % 256) // 128 + tl.arange(0, H2)[:, None, None, None, None, None]
+        shift = tl.arange(0, 4)[None, :, None, None, None, None]  # which 2 bits of a qs byte: weights 32 apart
+        hi = tl.arange(0, 2)[None, None, :, None, None, None]
+        lo = tl.arange(0, 8)[None, None, None, :, None, None]
+        byte = tl.arange(0, 2)[None, None, None, None, :, None]
+        hw = 8 * hi + lo  # the 16-bit word of the half's 32 qs bytes (and of hmask's 32)
+        qs = _words_all(b6 + 32 + 32 * h + 2 * hw, 16)  # [H2, 1, 2, 8, 1, BLOCK_N]
+        hm = _words_all(b6 + 2 * hw, 16)  # [1, 1, 2, 8, 1, BLOCK_N]
+        ql = (qs >> (8 * byte + 2 * shift)) & 3
+        high_bit = (hm >> (8 * byte + 4 * h + shift)) & 1
+        q = (ql | (high_bit << 2)).to(tl.float32) - 4.0  # the high bit clear subtracts 4
+        sub = 8 * h + 2 * shift + hi  # [H2, 4, 2, 1, 1, 1]: the sixteen-weight sub-block
+        low = (tl.load(b6 + 96 + sub % 8).to(tl.int32) >> (4 * (sub // 8))) & 15
+        high = (tl.load(b6 + 104 + sub % 4).to(tl.int32) >> (2 * (sub // 4))) & 3
+        sc = ((low | (high << 4)) - 32).to(tl.float32)
+        d = _half_all(blk + 108)[:, None, None, None, None, :]
         return tl.reshape((d * sc) * q, (BLOCK_K, BLOCK_N))
     else:  # the other types: an element's bytes gathered where they lie, in K order (tile_order: arange)
         ks = k0 + tl.arange(0, BLOCK_K)
