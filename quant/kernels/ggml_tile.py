@@ -1,5 +1,5 @@
 """A matmul's weight tile read from GGUF blocks where they lie, word by word: the fast decode for the block types the
-published files are made of (Q8_0, Q5_0, Q5_1, Q4_K, Q6_K, Q3_K), for the kernels that multiply by a GGUF matrix
+published files are made of (Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q3_K), for the kernels that multiply by a GGUF matrix
 (the routed experts, moe_gate_up / moe_down FORMAT gguf; the dense linears, ggml_linear.py).
 
 `ggml_tile` gives rows `rows` of a [R, K] ggml matrix at inputs k0..k0+BLOCK_K as float32 [BLOCK_K, BLOCK_N]
@@ -26,6 +26,8 @@ Layouts (ggml-common.h, little-endian; quant/ggml.py says the same):
 - Q3_K, 110 bytes (2-byte aligned): hmask[32], qs[64], 12 scale bytes, f16 d. In half h, weight r = 32 s + j takes
   bits 2s of qs byte 32 h + j and bit 4h + s of hmask byte j (16-bit words here): K order; its scale is sub-block
   8h + r // 16.
+- Q5_K, 176 bytes: Q4_K's d, dmin and scale bytes, qh[32] (bit sb of byte j: sub-block sb's weight j's fifth bit),
+  then Q4_K's qs[128].
 - Q6_K, 210 bytes: ql[128], qh[64], int8 scales[16], f16 d. In half h, weight r = 32 quarter + 4w + b takes its low
   four bits from ql's word 16h + 8 (quarter % 2) + w, byte b, nibble quarter // 2, and its high two from qh's word
   8h + w, byte b, bits 2 quarter; its scale is sub-block 8h + r // 16.
@@ -38,9 +40,9 @@ import triton.language as tl
 
 from .ggml_decode import decode_tile, row_bytes_of
 
-# KINDS indices (ggml_decode.KINDS, quant/ggml.BLOCK_KINDS): Q8_0 0, Q5_0 1, Q5_1 2, Q4_K 4, Q6_K 6, Q3_K 7 are read
-# here word by word; the others (Q5_K, IQ4_NL, IQ4_XS) a weight's bytes at a time
-FAST_KINDS = (0, 1, 2, 4, 6, 7)
+# KINDS indices (ggml_decode.KINDS, quant/ggml.BLOCK_KINDS): Q8_0 0, Q5_0 1, Q5_1 2, Q4_K 4, Q5_K 5, Q6_K 6, Q3_K 7
+# are read here word by word; IQ4_NL and IQ4_XS a weight's bytes at a time
+FAST_KINDS = (0, 1, 2, 4, 5, 6, 7)
 SUPER_BLOCK_KINDS = (4, 5, 6, 7, 8)  # 256 weights a block: tiles of 128 or 256 inputs
 
 
@@ -110,7 +112,7 @@ def tile_order(BLOCK_K: tl.constexpr, KIND: tl.constexpr):
     if KIND == 1 or KIND == 2:
         NB: tl.constexpr = BLOCK_K // 32
         return tl.reshape(_q5_index() + 32 * tl.arange(0, NB)[:, None, None, None, None], (BLOCK_K,))
-    elif KIND == 4:
+    elif KIND == 4 or KIND == 5:
         return tl.reshape(_q4k_index(BLOCK_K // 64), (BLOCK_K,))
     elif KIND == 6:
         return tl.reshape(_q6k_index(BLOCK_K // 128), (BLOCK_K,))
@@ -158,16 +160,22 @@ def ggml_tile(w_ptr, rows, k0, K, row_bytes, KIND: tl.constexpr, BLOCK_N: tl.con
         else:
             w = d * q + _half(blk + 2, live)[:, None, None, None, :]
         return tl.reshape(w, (BLOCK_K, BLOCK_N))
-    elif KIND == 4:  # Q4_K: [C, 8, 4, 2, BLOCK_N]
+    elif KIND == 4 or KIND == 5:  # Q4_K, Q5_K: [C, 8, 4, 2, BLOCK_N]
         C: tl.constexpr = BLOCK_K // 64
-        blk = row + (k0 // 256) * 144  # [1, BLOCK_N]
+        blk = row + (k0 // 256) * (144 if KIND == 4 else 176)  # [1, BLOCK_N]
         c = (k0 % 256) // 64 + tl.arange(0, C)  # the tile's chunks of the super-block
-        v = _words_all(blk[:, None, :] + 16 + 32 * c[:, None, None] + 4 * tl.arange(0, 8)[None, :, None], 32)
+        w = tl.arange(0, 8)[None, :, None]
+        v = _words_all(blk[:, None, :] + (16 if KIND == 4 else 48) + 32 * c[:, None, None] + 4 * w, 32)
         byte = tl.arange(0, 4)[None, None, :, None, None]
         half = tl.arange(0, 2)[None, None, None, :, None]
-        q = ((v[:, :, None, None, :] >> (8 * byte + 4 * half)) & 15).to(tl.float32)
-        # sub-block 2c + half's six-bit scale and min (ggml._k_scales), from the three words of scale bytes
+        # sub-block 2c + half: its weights' low four bits, and their scale and min (ggml._k_scales), from the three
+        # words of scale bytes
         sb = 2 * c[:, None, None, None, None] + half  # [C, 1, 1, 2, 1]
+        q = (v[:, :, None, None, :] >> (8 * byte + 4 * half)) & 15
+        if KIND == 5:  # the fifth bit: bit sb of qh byte 4w + byte (qh, 32 bytes, after the scales)
+            qh = _words_all(blk[:, None, :] + 16 + 4 * w, 32)[:, :, None, None, :]  # [1, 8, 1, 1, BLOCK_N]
+            q = q | (((qh >> (8 * byte + sb)) & 1) << 4)
+        q = q.to(tl.float32)
         s0 = _words_all(blk + 4, 32)[:, None, None, None, :]
         s1 = _words_all(blk + 8, 32)[:, None, None, None, :]
         s2 = _words_all(blk + 12, 32)[:, None, None, None, :]
