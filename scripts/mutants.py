@@ -424,7 +424,7 @@ MUTATIONS: list[Mutation] = [
         "gguf/k-quant-sub-blocks-read-in-the-wrong-half", "quant/kernels/ggml_decode.py",
         "        q = (_u8(b + qs + (sb // 2) * 32 + pos) >> (4 * (sb % 2))) & 15\n",
         "        q = (_u8(b + qs + (sb % 2) * 32 + pos) >> (4 * (sb // 2 % 2))) & 15\n",
-        "tests/test_gguf.py::test_gguf_experts_read_their_blocks_in_the_kernels_where_triton_runs"),
+        "tests/test_gguf.py::test_the_one_pass_decode_kernel_equals_the_torch_decode"),
     mutation(
         "gguf/q4k-tile-order-word-and-byte-transposed", "quant/kernels/ggml_tile.py",
         "    return 64 * c + 32 * half + 4 * w + byte\n",
