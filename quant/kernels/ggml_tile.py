@@ -1,5 +1,5 @@
 """A matmul's weight tile read from GGUF blocks where they lie, word by word: the fast decode for the block types the
-published files are made of (Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q3_K), for the kernels that multiply by a GGUF matrix
+published files are made of (every type dgemma reads: quant/ggml.py), for the kernels that multiply by a GGUF matrix
 (the routed experts, moe_gate_up / moe_down FORMAT gguf; the dense linears, ggml_linear.py).
 
 `ggml_tile` gives rows `rows` of a [R, K] ggml matrix at inputs k0..k0+BLOCK_K as float32 [BLOCK_K, BLOCK_N]
@@ -26,6 +26,9 @@ Layouts (ggml-common.h, little-endian; quant/ggml.py says the same):
 - Q3_K, 110 bytes (2-byte aligned): hmask[32], qs[64], 12 scale bytes, f16 d. In half h, weight r = 32 s + j takes
   bits 2s of qs byte 32 h + j and bit 4h + s of hmask byte j (16-bit words here): K order; its scale is sub-block
   8h + r // 16.
+- IQ4_NL, 18 bytes: f16 d, qs[16] as Q5_0's; the 4-bit codes index a grid of 16 int8 values (`_iq4`).
+- IQ4_XS, 136 bytes: f16 d, u16 scales_h, scales_l[4], qs[128]; sub-block sb's 16 qs bytes as IQ4_NL's, its six-bit
+  scale from scales_l[sb / 2]'s nibble and scales_h's bits 2 sb.
 - Q5_K, 176 bytes: Q4_K's d, dmin and scale bytes, qh[32] (bit sb of byte j: sub-block sb's weight j's fifth bit),
   then Q4_K's qs[128].
 - Q6_K, 210 bytes: ql[128], qh[64], int8 scales[16], f16 d. In half h, weight r = 32 quarter + 4w + b takes its low
@@ -40,9 +43,8 @@ import triton.language as tl
 
 from .ggml_decode import decode_tile, row_bytes_of
 
-# KINDS indices (ggml_decode.KINDS, quant/ggml.BLOCK_KINDS): Q8_0 0, Q5_0 1, Q5_1 2, Q4_K 4, Q5_K 5, Q6_K 6, Q3_K 7
-# are read here word by word; IQ4_NL and IQ4_XS a weight's bytes at a time
-FAST_KINDS = (0, 1, 2, 4, 5, 6, 7)
+# KINDS indices (ggml_decode.KINDS, quant/ggml.BLOCK_KINDS): every block type dgemma reads is read here word by word
+FAST_KINDS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
 SUPER_BLOCK_KINDS = (4, 5, 6, 7, 8)  # 256 weights a block: tiles of 128 or 256 inputs
 
 
@@ -84,6 +86,25 @@ def _q5_index():
 
 
 @triton.jit
+def _iq4(q):
+    """IQ4_NL's and IQ4_XS's grid (ggml.IQ4_VALUES) at 4-bit codes q (int32): the 16 int8 values packed four to a
+    word, a word chosen by q's two high bits, its byte by the two low ones, sign-extended: float32."""
+    w = tl.where(q < 8, tl.where(q < 4, -1079142271, -152379953), tl.where(q < 12, 639175937, 1901675829))
+    return ((w << (24 - 8 * (q & 3))) >> 24).to(tl.float32)
+
+
+@triton.jit
+def _iq4xs_index(SB: tl.constexpr):
+    """IQ4_XS tile order as [SB, 4, 4, 2, 1] (sub-block, qs word, byte, nibble, row): the input within the tile,
+    32 sb + 16 nibble + 4 word + byte."""
+    sb = tl.arange(0, SB)[:, None, None, None, None]
+    u = tl.arange(0, 4)[None, :, None, None, None]
+    byte = tl.arange(0, 4)[None, None, :, None, None]
+    half = tl.arange(0, 2)[None, None, None, :, None]
+    return 32 * sb + 16 * half + 4 * u + byte
+
+
+@triton.jit
 def _q4k_index(C: tl.constexpr):
     """Q4_K tile order as [C, 8, 4, 2, 1] (chunk, word, byte, half, row): the input within the tile,
     64 c + 32 half + 4 w + byte."""
@@ -109,9 +130,11 @@ def _q6k_index(H2: tl.constexpr):
 @triton.jit
 def tile_order(BLOCK_K: tl.constexpr, KIND: tl.constexpr):
     """[BLOCK_K] int32: the input (offset from k0) each row of `ggml_tile` holds."""
-    if KIND == 1 or KIND == 2:
+    if KIND == 1 or KIND == 2 or KIND == 3:
         NB: tl.constexpr = BLOCK_K // 32
         return tl.reshape(_q5_index() + 32 * tl.arange(0, NB)[:, None, None, None, None], (BLOCK_K,))
+    elif KIND == 8:
+        return tl.reshape(_iq4xs_index(BLOCK_K // 32), (BLOCK_K,))
     elif KIND == 4 or KIND == 5:
         return tl.reshape(_q4k_index(BLOCK_K // 64), (BLOCK_K,))
     elif KIND == 6:
@@ -140,25 +163,28 @@ def ggml_tile(w_ptr, rows, k0, K, row_bytes, KIND: tl.constexpr, BLOCK_N: tl.con
         s = tl.arange(0, 2)[None, None, :, None]
         q = ((v[:, :, None, :] << (24 - 8 * s)) >> 24).to(tl.float32)  # q[2j + s], sign-extended
         return tl.reshape(q * d, (BLOCK_K, BLOCK_N))
-    elif KIND == 1 or KIND == 2:  # Q5_0, Q5_1: [NB, 8, 2, 2, BLOCK_N]
+    elif KIND == 1 or KIND == 2 or KIND == 3:  # Q5_0, Q5_1, IQ4_NL: [NB, 8, 2, 2, BLOCK_N]
         NB: tl.constexpr = BLOCK_K // 32
         nb = k0 // 32 + tl.arange(0, NB)
         live = (nb < K // 32)[:, None]
-        blk = row + nb[:, None] * (22 if KIND == 1 else 24)
+        blk = row + nb[:, None] * (22 if KIND == 1 else (24 if KIND == 2 else 18))
         d = _half(blk, live)[:, None, None, None, :]
-        qh_at = blk + (2 if KIND == 1 else 4)
-        qh = _words(qh_at, live, 16) | (_words(qh_at + 2, live, 16) << 16)  # [NB, BLOCK_N]
-        qs_at = blk + (6 if KIND == 1 else 8)
+        qs_at = blk + (6 if KIND == 1 else (8 if KIND == 2 else 2))
         v = _words(qs_at[:, None, :] + 2 * tl.arange(0, 8)[None, :, None], live[:, None, :], 16)
         half = tl.arange(0, 2)[None, None, :, None, None]
         byte = tl.arange(0, 2)[None, None, None, :, None]
         nib = (v[:, :, None, None, :] >> (8 * byte + 4 * half)) & 15
-        fifth = ((qh[:, None, None, None, :] >> _q5_index()) & 1) << 4
-        q = (nib | fifth).to(tl.float32)
-        if KIND == 1:
-            w = d * (q - 16.0)
+        if KIND == 3:
+            w = d * _iq4(nib)
         else:
-            w = d * q + _half(blk + 2, live)[:, None, None, None, :]
+            qh_at = blk + (2 if KIND == 1 else 4)
+            qh = _words(qh_at, live, 16) | (_words(qh_at + 2, live, 16) << 16)  # [NB, BLOCK_N]
+            fifth = ((qh[:, None, None, None, :] >> _q5_index()) & 1) << 4
+            q = (nib | fifth).to(tl.float32)
+            if KIND == 1:
+                w = d * (q - 16.0)
+            else:
+                w = d * q + _half(blk + 2, live)[:, None, None, None, :]
         return tl.reshape(w, (BLOCK_K, BLOCK_N))
     elif KIND == 4 or KIND == 5:  # Q4_K, Q5_K: [C, 8, 4, 2, BLOCK_N]
         C: tl.constexpr = BLOCK_K // 64
@@ -226,6 +252,21 @@ def ggml_tile(w_ptr, rows, k0, K, row_bytes, KIND: tl.constexpr, BLOCK_N: tl.con
         sc = ((low | (high << 4)) - 32).to(tl.float32)
         d = _half_all(blk + 108)[:, None, None, None, None, :]
         return tl.reshape((d * sc) * q, (BLOCK_K, BLOCK_N))
+    elif KIND == 8:  # IQ4_XS: [SB, 4, 4, 2, BLOCK_N]
+        SB: tl.constexpr = BLOCK_K // 32
+        blk = row + (k0 // 256) * 136
+        sb = (k0 % 256) // 32 + tl.arange(0, SB)[:, None, None, None, None]  # the tile's sub-blocks of 32
+        u = tl.arange(0, 4)[None, :, None, None, None]
+        byte = tl.arange(0, 4)[None, None, :, None, None]
+        half = tl.arange(0, 2)[None, None, None, :, None]
+        b5 = blk[:, None, None, None, :]
+        v = _words_all(b5 + 8 + 16 * sb + 4 * u, 32)  # [SB, 4, 1, 1, BLOCK_N]
+        nib = (v >> (8 * byte + 4 * half)) & 15
+        low = (tl.load(b5 + 4 + sb // 2).to(tl.int32) >> (4 * (sb % 2))) & 15  # [SB, 1, 1, 1, BLOCK_N]
+        high = (_words_all(b5 + 2, 16) >> (2 * sb)) & 3
+        sc = ((low | (high << 4)) - 32).to(tl.float32)
+        d = _half_all(blk)[:, None, None, None, :]
+        return tl.reshape((d * sc) * _iq4(nib), (BLOCK_K, BLOCK_N))
     else:  # the other types: an element's bytes gathered where they lie, in K order (tile_order: arange)
         ks = k0 + tl.arange(0, BLOCK_K)
         w = decode_tile(w_ptr, rows, tl.where(ks < K, ks, 0), row_bytes, KIND)
