@@ -438,6 +438,11 @@ MUTATIONS: list[Mutation] = [
         "tests/test_gguf.py::test_the_matmul_tile_reads_each_block_type_exactly_in_its_own_order",
         "tests/test_gguf.py::test_gguf_experts_read_their_blocks_in_the_kernels_where_triton_runs"),
     mutation(
+        "gguf/iq4-grid-words-in-the-wrong-order", "quant/kernels/ggml_tile.py",
+        "tl.where(q < 4, -1079142271, -152379953)",
+        "tl.where(q < 4, -152379953, -1079142271)",
+        "tests/test_gguf.py::test_the_matmul_tile_reads_each_block_type_exactly_in_its_own_order"),
+    mutation(
         "gguf/stream-buffer-sized-by-one-layer", STREAMING,
         "                sizes[name] = max(sizes.get(name, 0), src.numel())\n",
         "                sizes[name] = sizes.get(name, src.numel())\n",
