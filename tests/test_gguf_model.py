@@ -279,12 +279,13 @@ def test_pull_takes_one_gguf_of_a_repository_as_published_and_its_name_runs(file
         assert out.out.strip() == f"{other}:{want}" and f"--quant auto: {want}" in out.err and says in out.err
 
 
+@pytest.mark.slow  # every family a GGUF uses, in Triton's interpreter (15 s)
 def test_the_doctor_checks_what_a_gguf_uses(files, tmp_path):
     """`dgemma doctor --model FILE.gguf`: the common families and the GGUF block decode, as a first use would."""
     out = tmp_path / "r.json"
     assert run_main(["doctor", "--model", str(files[0]), "--sizes", "none", "--json", str(out), "-q"]) == 0
     names = [k["name"] for k in json.loads(out.read_text())["kernels"]]
-    assert "ggml_decode" in names and "rms_norm" in names and "nvfp4_linear" not in names
+    assert {"ggml_decode", "ggml_linear", "moe_gguf", "rms_norm"} <= set(names) and "nvfp4_linear" not in names
 
 
 def test_a_gguf_split_over_two_cards_gives_one_cards_tokens(files):
