@@ -6,10 +6,10 @@ published files are made of (every type dgemma reads: quant/ggml.py), for the ke
 (transposed: the dot's right operand) in the tile's own order: the order in which the block's packed words yield
 their weights, not K order. `tile_order` says which input each of its rows holds, so the caller loads its
 activations at k0 + tile_order and the dot is the same sum (the routed experts' NVFP4 path does the same with its
-pair order). Reading the blocks in K order would mean a byte
-gather per weight (ggml_decode.decode_tile, about 30 instructions a weight, and the slow path here for the other
-types); in the tile's order each packed 16- or 32-bit word is loaded once and gives 2 to 8 weights by shifts and
-masks, and each sub-block's scale is made once per word a thread holds, not per weight.
+pair order). Reading the blocks in K order means a byte gather per weight
+(ggml_decode.decode_tile: 22 to 106 thread-instructions a weight in the MoE kernels, BENCHMARKS.md); in the tile's
+order each packed 16- or 32-bit word is loaded once and gives 2 to 8 weights by shifts and masks, and each
+sub-block's scale is made once per word a thread holds, not per weight.
 
 The arithmetic is quant/ggml.py's, in its float32 order: in Triton's interpreter each weight equals the torch
 decode bit for bit (on a GPU a fused multiply-add may round the K types' d sc q - dmin m differently in the last
@@ -43,9 +43,8 @@ import triton.language as tl
 
 from .ggml_decode import decode_tile, row_bytes_of
 
-# KINDS indices (ggml_decode.KINDS, quant/ggml.BLOCK_KINDS): every block type dgemma reads is read here word by word
-FAST_KINDS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
-SUPER_BLOCK_KINDS = (4, 5, 6, 7, 8)  # 256 weights a block: tiles of 128 or 256 inputs
+# KINDS indices (ggml_decode.KINDS, quant/ggml.BLOCK_KINDS) of the 256-weight types: their tiles are 128 or 256 inputs
+SUPER_BLOCK_KINDS = (4, 5, 6, 7, 8)
 
 
 @triton.jit
@@ -77,7 +76,7 @@ def _half_all(p):
 
 @triton.jit
 def _q5_index():
-    """Q5_0 / Q5_1 tile order as [1, 8, 2, 2, 1] (block, qs word j, half, byte, row): the input within the block,
+    """Q5_0 / Q5_1 / IQ4_NL tile order as [1, 8, 2, 2, 1] (block, qs word j, half, byte, row): the input within the block,
     16 half + 2 j + byte."""
     j = tl.arange(0, 8)[None, :, None, None, None]
     half = tl.arange(0, 2)[None, None, :, None, None]
