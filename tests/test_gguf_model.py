@@ -353,6 +353,20 @@ def test_a_gguf_alone_runs_with_its_own_tokenizer(files, tmp_path, capsys, monke
     assert ours is not None and agrees(ours, reference, CORPUS + tuple(TRAINED)) is None
     chat = [{"role": "user", "content": "Why is the sky blue?"}]
     assert ours.encode_chat(chat) == reference.encode_chat(chat)
+    # a real file's long arrays come as the header left them (gguf_header: numpy arrays, string arrays in the map)
+    import numpy as np
+
+    from dgemma_cli.checkpoint.gguf_header import StringArray
+
+    from dgemma_cli.checkpoint import gguf_header
+
+    monkeypatch.setattr(gguf_header, "SMALL", 16)  # this fixture's arrays are short: read as long ones are
+    long = GGUFFile(path).metadata
+    monkeypatch.undo()
+    assert isinstance(long["tokenizer.ggml.tokens"], StringArray) and isinstance(long["tokenizer.ggml.merges"],
+                                                                                  StringArray)
+    assert isinstance(long["tokenizer.ggml.token_type"], np.ndarray)
+    assert agrees(tokenizer_from_metadata(long, path.name), reference) is None
     # a tokenizer of another kind is not rebuilt, and the check says where two disagree
     assert tokenizer_from_metadata({**GGUFFile(path).metadata, "tokenizer.ggml.model": "llama"}, "x") is None
     other = tokenizer_from_metadata({**GGUFFile(path).metadata, "tokenizer.ggml.merges": []}, "x")

@@ -41,7 +41,8 @@ def tokenizer_from_metadata(metadata: dict, origin: str):
     if metadata.get("tokenizer.ggml.model") not in MODELS or tokens is None or merges is None:
         return None
     tokens = list(tokens)
-    types = list(metadata.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+    types = metadata.get("tokenizer.ggml.token_type")  # a list, or a numpy array for a real vocabulary's length
+    types = [NORMAL] * len(tokens) if types is None else [int(k) for k in types]
     vocab = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
