@@ -479,12 +479,7 @@ def gguf_steps(args, argv) -> int:
         **prov, errors=errors, rows=[{k: v for k, v in r.items() if k != "groups"} for r in rows],
         per_weight=[dict(cc=cc, fmt=fmt, batch=b, kernels=v) for (cc, fmt, b), v in per_weight.items()]), indent=1))
     if args.update_benchmarks:
-        text = (ROOT / "BENCHMARKS.md").read_text()
-        if GGUF_BEGIN not in text or GGUF_END not in text:
-            raise SystemExit(f"BENCHMARKS.md has no {GGUF_BEGIN} ... {GGUF_END} markers")
-        before, rest = text.split(GGUF_BEGIN, 1)
-        (ROOT / "BENCHMARKS.md").write_text(before + GGUF_BEGIN + "\n" + "\n".join([head + ".", "", *table]) + "\n"
-                                            + GGUF_END + rest.split(GGUF_END, 1)[1])
+        update_benchmarks(ROOT / "BENCHMARKS.md", [head + ".", "", *table], GGUF_BEGIN, GGUF_END)
     print("\n".join(table))
     for e in errors:
         log(f"kernel report: {e}")
@@ -605,12 +600,12 @@ def report_markdown(head, timing, errors, warnings, steps, compiled, targets, wh
                   "## Compiled kernels", "", *compiled_markdown(compiled), ""]
 
 
-def update_benchmarks(path: Path, section: list[str]) -> None:
+def update_benchmarks(path: Path, section: list[str], begin: str = BEGIN, end: str = END) -> None:
     text = path.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{path} has no {BEGIN} ... {END} markers")
-    head, rest = text.split(BEGIN, 1)
-    path.write_text(head + BEGIN + "\n" + "\n".join(section) + "\n" + END + rest.split(END, 1)[1])
+    if begin not in text or end not in text:
+        raise SystemExit(f"{path} has no {begin} ... {end} markers")
+    head, rest = text.split(begin, 1)
+    path.write_text(head + begin + "\n" + "\n".join(section) + "\n" + end + rest.split(end, 1)[1])
 
 
 # ------------------------------------------------------------------------------------------------ main

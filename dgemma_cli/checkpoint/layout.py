@@ -207,5 +207,9 @@ def stored_policy(directory: Path) -> str:
     """What a quantized checkpoint quantizes, read from its headers: "all" when the dense MLP's projections are stored
     with scales (attention and the dense MLP quantized), else "experts"."""
     records = index_checkpoint(Path(directory))
-    prefix = text_prefix(records)
+    return policy_of(records, text_prefix(records))
+
+
+def policy_of(records: dict, prefix: str) -> str:
+    """`stored_policy` from a checkpoint already indexed (index_checkpoint's records, text_prefix's prefix)."""
     return "all" if checkpoint_name("layers.0.mlp.up_proj.weight_scale", prefix) in records else "experts"

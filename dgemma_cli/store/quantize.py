@@ -290,8 +290,9 @@ def plan(src: Path, fmt: str, policy: str, search: bool, device,
     # NVIDIA's NVFP4 release (experts only) to NVFP4 `all`: its experts carried over as published, its 16-bit
     # attention and dense MLP quantized here (a 16 GB card then holds the model without streaming, from a 16 GB
     # download rather than the 52 GB bf16 one)
-    from_release = release_to_all(src, raw_config, fmt, policy)
-    if read_quant_format(src, raw_config) is not None and not from_release:
+    published = read_quant_format(src, raw_config)
+    from_release = release_to_all(published, records, prefix, fmt, policy)
+    if published is not None and not from_release:
         raise UsageError(f"{src}: already quantized; quantize from the unquantized (bf16) checkpoint (an NVFP4 "
                          "release of the experts alone also converts to --quant nvfp4 --policy all)")
     with torch.device("meta"):
@@ -400,13 +401,13 @@ def plan(src: Path, fmt: str, policy: str, search: bool, device,
     return shards, files, job, facts
 
 
-def release_to_all(src: Path, raw_config: dict, fmt: str, policy: str) -> bool:
-    """Whether `src` is an NVFP4 release of the routed experts alone (NVIDIA's) asked for as NVFP4 `all`: the one
-    quantized source `plan` takes (its experts kept, the rest quantized)."""
-    from ..checkpoint.layout import stored_policy
+def release_to_all(published: str | None, records: dict, prefix: str, fmt: str, policy: str) -> bool:
+    """Whether a source published in `published` (read_quant_format's), indexed as `records` under `prefix`, is an
+    NVFP4 release of the routed experts alone (NVIDIA's) asked for as NVFP4 `all`: the one quantized source `plan`
+    takes (its experts kept, the rest quantized)."""
+    from ..checkpoint.layout import policy_of
 
-    return (fmt, policy) == ("nvfp4", "all") and read_quant_format(src, raw_config) == "nvfp4" \
-        and stored_policy(src) == "experts"
+    return (fmt, policy) == ("nvfp4", "all") and published == "nvfp4" and policy_of(records, prefix) == "experts"
 
 
 def quantize_checkpoint(src: Path, out: Path, fmt: str, policy: str | None = None, search: bool | None = None,

@@ -41,7 +41,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .ggml_decode import decode_tile, row_bytes_of
+from .ggml_decode import decode_tile
 
 # KINDS indices (ggml_decode.KINDS, quant/ggml.BLOCK_KINDS) of the 256-weight types: their tiles are 128 or 256 inputs
 SUPER_BLOCK_KINDS = (4, 5, 6, 7, 8)
@@ -270,8 +270,3 @@ def ggml_tile(w_ptr, rows, k0, K, row_bytes, KIND: tl.constexpr, BLOCK_N: tl.con
         ks = k0 + tl.arange(0, BLOCK_K)
         w = decode_tile(w_ptr, rows, tl.where(ks < K, ks, 0), row_bytes, KIND)
         return tl.trans(tl.where(ks[None, :] < K, w, 0.0))
-
-
-@triton.jit
-def ggml_row_bytes(K, KIND: tl.constexpr):
-    return row_bytes_of(K, KIND)
