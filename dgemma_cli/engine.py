@@ -81,6 +81,7 @@ class ModelDenoiser:
         self.canvas_length = model.cfg.canvas_length
         self.hidden_size = model.cfg.text.hidden_size
         self.dtype = model.dtype
+        self.head_family = model.head_family  # the fused head's kernels: GGUF blocks have their own
         self.plain_head = not model.token_rows  # the fused head reads the embedding as it is, without adapter rows
         self.ctx = None
         # Soft tokens [N, H] of the images in the next encoded chunk (the prompt): used once, then dropped.

@@ -726,7 +726,15 @@ class DiffusionGemma(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        """The compute dtype: the embedding's, or where it is held as GGUF blocks (uint8) the final norm's."""
+        w = self.embed_tokens.weight
+        return w.dtype if w.is_floating_point() else self.norm.weight.dtype
+
+    @property
+    def packed_embedding(self) -> bool:
+        """Whether the tied embedding is held as GGUF blocks (quant/ggml_modules.GGUFEmbedding): every read of it
+        goes through that module (lookup, head, soft) or the fused head's block-reading kernels."""
+        return getattr(self.embed_tokens, "format", None) == "gguf"
 
     @property
     def device(self) -> torch.device:
@@ -737,12 +745,11 @@ class DiffusionGemma(nn.Module):
         the weight's device, or with `as_float` the same value as a Python float (for a kernel's argument). Made
         once per device and dtype (neither a host-to-device copy nor a device read can happen inside a captured CUDA
         graph)."""
-        w = self.embed_tokens.weight
-        key = (w.device, w.dtype)
+        key = (self.device, self.dtype)
         cached = self.__dict__.get("_embed_scale")
         if cached is None or cached[0] != key:
-            value = torch.tensor(self.cfg.text.hidden_size**0.5, dtype=torch.float32).to(w.dtype)
-            self.__dict__["_embed_scale"] = cached = (key, value.to(w.device), value.item())
+            value = torch.tensor(self.cfg.text.hidden_size**0.5, dtype=torch.float32).to(self.dtype)
+            self.__dict__["_embed_scale"] = cached = (key, value.to(self.device), value.item())
         return cached[2] if as_float else cached[1]
 
     def _feed_forward(self, layer: Layer, x: torch.Tensor, scalar: torch.Tensor, experts_per_row: bool = False,
@@ -767,7 +774,10 @@ class DiffusionGemma(nn.Module):
         return checkpoint(stage, x, scalar, use_reentrant=False)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        x = F.embedding(ids, self.embed_tokens.weight)
+        if self.packed_embedding:
+            x = self.embed_tokens.lookup(ids, self.dtype)
+        else:
+            x = F.embedding(ids, self.embed_tokens.weight)
         rows = self.token_rows.get(self.phase.side)
         if rows is not None:  # an adapter's replaced rows (peft's trainable tokens), this pass's lookups
             x = rows.lookup(ids, x)
@@ -783,6 +793,16 @@ class DiffusionGemma(nn.Module):
         w = self.embed_tokens.weight
         cap = self.cfg.text.final_logit_softcapping
         rows = self.token_rows.get("encoder")  # the tied head takes the encoder's embedding rows, as peft ties them
+        if self.packed_embedding:  # the blocks' product (GGUF), then as below
+            logits = self.embed_tokens.head(hidden.reshape(B * T, H)).view(B, T, -1).float()
+            if rows is not None:
+                logits = logits.index_copy(-1, rows.ids, F.linear(hidden, rows.rows.to(hidden.dtype)).float())
+            if cap:
+                logits = torch.tanh(logits / cap) * cap
+            if out is None:
+                return logits
+            out.copy_(logits.view(B * T, -1))
+            return out.view(B, T, -1)
         if out is None or rows is not None:  # out of place (differentiable): the same values
             logits = F.linear(hidden, w).float()
             if rows is not None:
@@ -813,7 +833,13 @@ class DiffusionGemma(nn.Module):
 
         B, T, H = hidden.shape
         return fused_head(hidden.reshape(B * T, H), self.embed_tokens.weight, self.cfg.text.final_logit_softcapping,
-                          self.embed_scale(as_float=True), temperature, uniforms, buffers)
+                          self.embed_scale(as_float=True), temperature, uniforms, buffers,
+                          kind=self.embed_tokens.kind if self.packed_embedding else None)
+
+    @property
+    def head_family(self) -> str:
+        """The doctor's kernel family the fused head runs as (quant/kernels/probe.py): the GGUF blocks' own."""
+        return "head_gguf" if self.packed_embedding else "head"
 
     def split(self) -> LayerSplit | None:
         """A pass's LayerSplit when the layers span several devices, else None."""
@@ -960,6 +986,8 @@ class DiffusionGemma(nn.Module):
         When the weights are in another dtype the probabilities are converted `rows_at_once` rows at a time, so no
         second canvas x vocab tensor is made (the sampler may hold only one: the buffer `probs` lives in).
         """
+        if self.packed_embedding:
+            return self.embed_tokens.soft(probs, self.dtype) * self.embed_scale()
         w = self.embed_tokens.weight
         if probs.dtype == w.dtype:
             return torch.matmul(probs, w) * self.embed_scale()

@@ -219,9 +219,10 @@ def sample_step(buf: SamplerBuffers, temperature: torch.Tensor, generators: list
     return sample, argmax, entropy
 
 
-def use_fused_head(device: torch.device, dtype: torch.dtype) -> bool:
-    """The fused head (quant/kernels/head.py) runs where DGEMMA_KERNELS selects Triton on a CUDA device and the model
-    is 16-bit. Not on the CPU, even under the interpreter: there the torch path keeps the reference's random draws,
+def use_fused_head(device: torch.device, dtype: torch.dtype, family: str = "head") -> bool:
+    """The fused head (quant/kernels/head.py) runs where DGEMMA_KERNELS selects Triton on a CUDA device, the model
+    is 16-bit and its kernel family (`family`: the model's `head_family`, "head_gguf" where the embedding is GGUF
+    blocks) passed its check. Not on the CPU, even under the interpreter: there the torch path keeps the reference's random draws,
     so tokens stay comparable. DGEMMA_SAMPLER=torch keeps the torch path on CUDA too (the reference's draws: runs
     then compare token for token); auto (the default) decides as above."""
     import os
@@ -234,14 +235,15 @@ def use_fused_head(device: torch.device, dtype: torch.dtype) -> bool:
     from quant.kernels import use_triton
     from quant.kernels.probe import family_ok
 
-    return use_triton(device) and family_ok("head", device, dtype)
+    return use_triton(device) and family_ok(family, device, dtype)
 
 
 def new_buffers(rows: int, denoiser: Denoiser, device: torch.device, logits: bool = False) -> SamplerBuffers:
     """The buffers for `rows` rows of `denoiser`'s model: the fused head's where it runs, else the torch path's
     (always with `logits`: constrained canvases search the step's log-probabilities)."""
     logits = logits or not getattr(denoiser, "plain_head", True)  # an adapter's head rows: the torch path's logits
-    head = (denoiser.hidden_size, denoiser.dtype) if not logits and use_fused_head(device, denoiser.dtype) else None
+    head = (denoiser.hidden_size, denoiser.dtype) if not logits and use_fused_head(
+        device, denoiser.dtype, getattr(denoiser, "head_family", "head")) else None
     return SamplerBuffers(rows, denoiser.vocab_size, device, head)
 
 

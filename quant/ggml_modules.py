@@ -76,6 +76,60 @@ class GGUFLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
 
 
+class GGUFEmbedding(nn.Module):
+    """The tied embedding [V, H] held as ggml blocks of `kind` (uint8 [V, row bytes]: the file's token_embd, Q6_K in
+    the published files, 0.6 GB at the real shapes against 1.5 GB decoded). It is read three ways, none of which
+    decodes the whole matrix at once: `lookup` decodes the rows of the ids asked for (the prompt, the canvas); `head`
+    gives h W^T (the logits; on a GPU through kernels/ggml_linear.py, else a vocabulary chunk decoded at a time);
+    `soft` gives p W (the soft embedding, a chunk at a time). The fused head (kernels/head.py, `kind` set) reads the
+    blocks in its own kernels."""
+
+    format = "gguf"
+    CHUNK = 16384  # vocabulary rows decoded at a time by the torch paths: [CHUNK, H] in the compute dtype (92 MB)
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, kind: str, device=None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.kind = num_embeddings, embedding_dim, kind
+        self.register_buffer("weight", torch.empty(num_embeddings, ggml.row_bytes(kind, embedding_dim),
+                                                   dtype=torch.uint8, device=device))
+
+    def rows(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows [lo, hi) decoded: [hi - lo, H] in dtype."""
+        return decode(self.weight[lo:hi], self.kind, (hi - lo, self.embedding_dim), dtype)
+
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """F.embedding(ids, W): [*ids.shape, H] in dtype, decoding only the rows asked for."""
+        flat = ids.reshape(-1)
+        return decode(self.weight[flat], self.kind, (flat.numel(), self.embedding_dim), dtype).view(
+            *ids.shape, self.embedding_dim)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """h [M, H] -> h W^T [M, V] in h's dtype (float32 sums)."""
+        from .kernels import use_triton
+        from .kernels.probe import family_ok
+
+        if self.kind in ggml.BLOCK_KINDS and use_triton(h.device) and family_ok("ggml_linear", h.device, h.dtype):
+            from .kernels.ggml_linear import ggml_linear
+
+            return ggml_linear(h.contiguous(), self.weight, self.kind, self.embedding_dim)
+        return torch.cat([F.linear(h, self.rows(lo, min(lo + self.CHUNK, self.num_embeddings), h.dtype))
+                          for lo in range(0, self.num_embeddings, self.CHUNK)], dim=-1)
+
+    def soft(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """p [R, V] -> p W [R, H] in dtype: the chunks' products summed in float32 (one chunk: the plain product)."""
+        V = self.num_embeddings
+        if V <= self.CHUNK:
+            return torch.matmul(p.to(dtype), self.rows(0, V, dtype))
+        acc = torch.zeros(p.shape[0], self.embedding_dim, dtype=torch.float32, device=p.device)
+        for lo in range(0, V, self.CHUNK):
+            hi = min(lo + self.CHUNK, V)
+            acc += torch.matmul(p[:, lo:hi].to(dtype), self.rows(lo, hi, dtype)).float()
+        return acc.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, kind={self.kind}"
+
+
 class GGUFStack(_Stack):
     """E matrices [N, K] held as ggml blocks of `kind` (uint8 [E, N, row bytes]): the routed experts' gate-up (gate
     rows, then up) or down stack as the file stores it."""

@@ -227,25 +227,35 @@ def _moe_lora(device: torch.device, dtype: torch.dtype) -> str | None:
     return _rel_error(got.cpu(), moe_w4a4.reference(x.cpu(), gu, dn, index.cpu(), weights.cpu(), lora=cpu), dtype)
 
 
-def _head(device: torch.device, dtype: torch.dtype, sizes: Sizes | None = None) -> str | None:
+def _head(device: torch.device, dtype: torch.dtype, sizes: Sizes | None = None, kind: str | None = None
+          ) -> str | None:
     """37 rows x hidden 96 x vocab 1,000 (two chunks of 512, a partial tile of 256 at the end, a partial row tile;
     a model's sizes: its step's rows, hidden and vocabulary, the head's own chunks and tiles): the fused head's draws,
     argmax, entropy and soft embedding against the same head in float32 torch ops from the same uniforms
-    (head.head_reference)."""
+    (head.head_reference). kind: the embedding as GGUF blocks of that type (a GGUF file's token_embd), hidden 256
+    small, against the reference on the blocks decoded to the compute dtype."""
     from .kernels.head import CHUNK, TILE, HeadBuffers, fused_head, head_reference
 
     g = _generator(device, sizes)
-    R, H, V = (37, 96, 1000) if sizes is None else (sizes.rows, sizes.hidden, sizes.vocab)
+    R, H, V = (37, 96 if kind is None else 256, 1000) if sizes is None else (sizes.rows, sizes.hidden, sizes.vocab)
     chunk, tile = (512, 256) if sizes is None else (CHUNK, TILE)
     h = _randn(g, R, H).to(dtype)
-    w = (_randn(g, V, H) * 0.3).to(dtype)
+    if kind is None:
+        w = (_randn(g, V, H) * 0.3).to(dtype)
+        held = w
+    else:  # codes times scales of rms ~0.05, as the 16-bit case's
+        from . import ggml
+
+        held = ggml.random_blocks(kind, V, H, torch.Generator().manual_seed(0), 1e-4 if kind == "Q6_K" else 1e-3)
+        w = ggml.decode(held, kind, (V, H), dtype)
     t = _rand(g, R) * 0.6 + 0.3
     u = _rand(g, R, 2)
     buf = HeadBuffers(R, V, H, dtype, device, chunk=chunk, tile=tile)
-    args = (h.to(device), w.to(device), 30.0, H**0.5, t.to(device), u.to(device), buf)
-    fused_head(*args)
+    args = (h.to(device), held.to(device), 30.0, H**0.5, t.to(device), u.to(device), buf)
+    fused_head(*args, kind=kind)
     if sizes is not None:  # the tied embedding read once, the rows in, the soft embedding out
-        _time(f"head {R} rows, vocab {V}", lambda: fused_head(*args), _nbytes(w, h, buf.soft), 4 * R * V * H)
+        _time(f"head {R} rows, vocab {V}{'' if kind is None else ', ' + kind}", lambda: fused_head(*args, kind=kind),
+              _nbytes(held, h, buf.soft), 4 * R * V * H)
     sample, argmax, entropy, soft = head_reference(h, w, 30.0, H**0.5, t, u, tile=tile)
     sample, argmax, entropy, soft = (r.cpu() for r in (sample, argmax, entropy, soft))
     if not ((buf.sample.cpu() >= 0) & (buf.sample.cpu() < V)).all():
@@ -701,6 +711,9 @@ PROBLEMS = {
     "moe_w8a8_int8": lambda device, dtype: _moe_w8a8("int8", device, dtype),
     "moe_w8a8_fp8": lambda device, dtype: _moe_w8a8("fp8", device, dtype),
     "head": _head,
+    # the published files' embedding type where the hidden size is whole super-blocks (the real 2,816: 11), else Q8_0
+    "head_gguf": lambda device, dtype, sizes=None: _head(device, dtype, sizes, "Q6_K" if sizes is None or
+                                                         sizes.hidden % 256 == 0 else "Q8_0"),
     "ggml_decode": _ggml_decode,
     "moe_gguf": lambda device, dtype, sizes=None: _moe_gguf(device, dtype, sizes),
     "ggml_linear": _ggml_linear,
@@ -710,6 +723,6 @@ PROBLEMS = {
 # experts, whose references loop over every token and slot in Python, and the three LoRA families) run small only.
 AT_SIZES = ("router", "moe_plan", "softcap", "gelu_mul", "w8a8_linear_fp8", "w8a8_linear_int8", "rms_norm",
             "nvfp4_linear", "nvfp4_w4a4", "int8_linear", "moe_nvfp4", "moe_int8", "head", "moe_gguf",
-            "ggml_linear")
+            "ggml_linear", "head_gguf")
 
 register(PROBLEMS, AT_SIZES)

@@ -272,7 +272,7 @@ def test_held_rows_search_the_heads_class_keys(monkeypatch):
 
     auto = automaton("function")
     model = _CanvasModel(8)
-    monkeypatch.setattr(sampler, "use_fused_head", lambda device, dtype: True)
+    monkeypatch.setattr(sampler, "use_fused_head", lambda device, dtype, family="head": True)
     steps = []
     real_keys = RowConstraint.step_keys
 

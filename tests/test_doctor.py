@@ -55,12 +55,12 @@ def test_the_doctor_reports_every_family_and_says_what_it_did_not_run(fresh, tmp
     assert report["not_done"]  # what the doctor does not check yet is said, never implied
     assert str(tmp_path) not in text and "/home" not in text and PROMPT not in text  # nothing of the user's
     assert "not run" in captured.out and "rms_norm" in captured.out  # the table
-    assert captured.err.strip().splitlines()[-1] == ("dgemma: 23 of 23 kernel families agree with the torch path "
+    assert captured.err.strip().splitlines()[-1] == ("dgemma: 24 of 24 kernel families agree with the torch path "
                                                      "on cpu (Triton interpreter)")
     from quant.kernels import verdicts
 
     kept = verdicts.load(report["card_key"])
-    assert len(kept) == 23 and all(v["ok"] for v in kept.values())
+    assert len(kept) == 24 and all(v["ok"] for v in kept.values())
 
 
 @pytest.mark.slow  # five generations and two doctors in the interpreter

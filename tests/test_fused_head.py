@@ -52,8 +52,9 @@ def test_fused_head_with_the_factor_after_the_product_equals_its_reference(monke
     V = w.shape[0]
     soft = {}
     for after in (False, True):
-        monkeypatch.setattr(head, "_settings", lambda device: {  # AFTER with sm_90's step, a whole tile
-            **settings(device), "soft": {**settings(device)["soft"], "AFTER": after, "BLOCK_K": 128 if after else 64}})
+        monkeypatch.setattr(head, "_settings", lambda device, *a, after=after: {  # AFTER with sm_90's step, a tile
+            **settings(device, *a), "soft": {**settings(device, *a)["soft"], "AFTER": after,
+                                             "BLOCK_K": 128 if after else 64}})
         buf = HeadBuffers(R, V, H, torch.bfloat16, DEVICE, chunk=512, tile=256)
         fused_head(h.to(DEVICE), w.to(DEVICE), 30.0, H**0.5, t.to(DEVICE), u.to(DEVICE), buf, splits=3)
         sample, argmax, entropy, want = head_reference(h, w, 30.0, H**0.5, t, u, tile=256)
@@ -80,6 +81,46 @@ def test_fused_head_soft_embedding_matches_the_torch_path():
     assert ((buf.soft.cpu().float() - want).abs().max() / want.abs().max()) < 1e-2
     entropy = torch.distributions.Categorical(logits=logits / t[:, None]).entropy()
     assert (buf.entropy.cpu() - entropy).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["Q6_K", "Q8_0"])
+def test_a_gguf_head_reads_its_blocks_as_the_decoded_embedding(kind, monkeypatch):
+    """The tied embedding as GGUF blocks (a GGUF file's token_embd, Q6_K in the published ones) read by both kernels
+    where they lie (ggml_tile, each in its own order): the same draws, argmax and entropy as the head over the
+    embedding decoded to bfloat16 (what a GGUF model held before), and against the float32 reference on that decoded
+    matrix; with the factor after the product (sm_90's soft embedding) too. Two chunks, a partial tile."""
+    from quant import ggml
+    from quant.kernels import head
+    from quant.kernels.head import HeadBuffers, fused_head, head_reference
+
+    g = torch.Generator().manual_seed(7)
+    R, H, V = 37, 256, 700
+    # weights of rms ~0.05 (the f16 scales times the random codes): logits of a few units, far from the cap
+    blocks = ggml.random_blocks(kind, V, H, g, scale=1e-4 if kind == "Q6_K" else 1e-3)
+    w = ggml.decode(blocks, kind, (V, H), torch.float32).to(torch.bfloat16)  # the embedding as loaded before
+    h = torch.randn(R, H, generator=g).to(torch.bfloat16)
+    t = torch.rand(R, generator=g) * 0.6 + 0.3
+    u = torch.rand(R, 2, generator=g)
+    sample, argmax, entropy, soft = head_reference(h, w, 30.0, H**0.5, t, u, tile=256)
+    assert len(set(sample.tolist())) > R // 2  # the draws are spread: a decode that is off would move them
+    settings = head._settings
+    for after in (False, True):
+        monkeypatch.setattr(head, "_settings", lambda device, *a, after=after: {
+            **settings(device, *a), "soft": {**settings(device, *a)["soft"], "AFTER": after}})
+        buf = HeadBuffers(R, V, H, torch.bfloat16, DEVICE, chunk=512, tile=256)
+        fused_head(h.to(DEVICE), blocks.to(DEVICE), 30.0, H**0.5, t.to(DEVICE), u.to(DEVICE), buf, splits=2,
+                   kind=kind)
+        plain = HeadBuffers(R, V, H, torch.bfloat16, DEVICE, chunk=512, tile=256)
+        fused_head(h.to(DEVICE), w.to(DEVICE), 30.0, H**0.5, t.to(DEVICE), u.to(DEVICE), plain, splits=2)
+        assert torch.equal(buf.sample.cpu(), sample) and torch.equal(buf.sample.cpu(), plain.sample.cpu())
+        assert torch.equal(buf.argmax.cpu(), argmax)
+        assert (buf.entropy.cpu() - entropy).abs().max() < 1e-4
+        assert (buf.entropy.cpu() - plain.entropy.cpu()).abs().max() < 1e-5
+        err = (buf.soft.cpu().float() - soft).abs().max() / soft.abs().max()
+        assert err < 8e-3, err
+        assert torch.allclose(buf.soft.cpu().float(), plain.soft.cpu().float(), rtol=1e-2, atol=1e-2 * soft.abs().max())
+    with pytest.raises(ValueError, match="cannot read"):
+        fused_head(h, blocks[:, 1:], 30.0, H**0.5, t, u, HeadBuffers(R, V, H, torch.bfloat16, "cpu"), kind=kind)
 
 
 @pytest.mark.slow
@@ -114,8 +155,8 @@ def fused_head_on(monkeypatch):
     import dgemma_cli.server.batching as batching
     import dgemma_cli.sampler as sampler
 
-    monkeypatch.setattr(sampler, "use_fused_head", lambda device, dtype: True)
-    monkeypatch.setattr(batching, "use_fused_head", lambda device, dtype: True)
+    monkeypatch.setattr(sampler, "use_fused_head", lambda device, dtype, family="head": True)
+    monkeypatch.setattr(batching, "use_fused_head", lambda device, dtype, family="head": True)
 
 
 def test_the_demo_answers_the_same_through_the_fused_head(fused_head_on, monkeypatch):
@@ -131,7 +172,7 @@ def test_the_demo_answers_the_same_through_the_fused_head(fused_head_on, monkeyp
     monkeypatch.setattr(sampler, "new_buffers", lambda *a, **kw: made.append(original(*a, **kw)) or made[-1])
     fused = engine.generate("What is the capital of France?", greedy=True, seed=0, max_new_tokens=32)
     assert made[-1].fused is not None and made[-1].logits is None  # no canvas x vocab float32 buffer
-    monkeypatch.setattr(sampler, "use_fused_head", lambda device, dtype: False)
+    monkeypatch.setattr(sampler, "use_fused_head", lambda device, dtype, family="head": False)
     torch_path = engine.generate("What is the capital of France?", greedy=True, seed=0, max_new_tokens=32)
     assert made[-1].fused is None
     assert fused.texts == torch_path.texts and fused.texts[0].strip()
@@ -309,7 +350,7 @@ def test_structured_rows_through_the_fused_head(fused_head_on, on_device, monkey
     for key, text in got.items():
         if key != "free":
             assert pattern.fullmatch(text), (key, text)
-    batching.use_fused_head = lambda device, dtype: False  # restored by the fixture's monkeypatch
+    batching.use_fused_head = lambda device, dtype, family="head": False  # restored by the fixture's monkeypatch
     torch_path, fused = run({"greedy": jobs["greedy"]})
     assert not fused and torch_path["greedy"] == got["greedy"]
 
@@ -350,7 +391,7 @@ def test_logprobs_through_the_fused_head_are_the_torch_paths(fused_head_on):
 
     head, fused = canvases()
     assert fused and head and all(c.logprobs is not None for c in head)
-    batching.use_fused_head = lambda device, dtype: False  # restored by the fixture's monkeypatch
+    batching.use_fused_head = lambda device, dtype, family="head": False  # restored by the fixture's monkeypatch
     torch_path, fused = canvases()
     assert not fused
     assert [c.tokens for c in head] == [c.tokens for c in torch_path]

@@ -85,8 +85,8 @@ class GGUFFile:
                         "dense" if suffix.split(".")[0] in ("self_attn", "mlp") and "norm" not in suffix else "other")
                 size = t.nbytes if kept_packed(f"layers.{n}.{suffix}", t.kind) else decoded
                 per[int(n)][part] += size
-            elif t.name == "token_embd.weight":
-                totals["embedding"] += decoded  # decoded: the head reads it whole
+            elif t.name == "token_embd.weight":  # as its blocks where it is of a block type (the head reads them)
+                totals["embedding"] += t.nbytes if kept_packed("embed_tokens.weight", t.kind) else decoded
             elif t.name in ours_of:
                 totals["other"] += t.nbytes if kept_packed(ours_of[t.name], t.kind) else decoded
         for lb in per:

@@ -1,7 +1,7 @@
 """A DiffusionGemma GGUF into the network: the config from the file's keys, every tensor found by its converter name
 (gguf_names.py) and checked before any is read; the routed experts and the block-typed projections kept as the file's
 bytes (quant/ggml_modules.py, decoded where they are used), the rest decoded to the compute dtype here. The model
-takes about its file's size in memory (the 26B Q4_K_M: 17.6 GB, its embedding decoded), which the planner counts
+takes about its file's size in memory (the 26B Q4_K_M: its blocks, the embedding's included), which the planner counts
 from the file (gguf_file.GGUFFile.footprint).
 """
 
@@ -29,7 +29,7 @@ def load_gguf_model(path: Path | GGUFFile, device: str | torch.device = "cpu", d
     rest is decoded here. Returns (model, ModelConfig)."""
     from ..model import DiffusionGemma, Experts, QuantizedExperts
     from quant import ggml
-    from quant.ggml_modules import GGUFLinear, GGUFStack
+    from quant.ggml_modules import GGUFEmbedding, GGUFLinear, GGUFStack
 
     f, cfg = (path, ModelConfig.from_dict(path.config_dict())) if isinstance(path, GGUFFile) else read_gguf(path)
     dtype = dtype or torch.float32
@@ -53,6 +53,9 @@ def load_gguf_model(path: Path | GGUFFile, device: str | torch.device = "cpu", d
                                                        GGUFStack(E, H, two_i // 2, dn.kind, "meta")))
             for proj in ("gate_up_proj", "down_proj"):
                 found[f"{path_}.{proj}.weight"] = found.pop(f"{path_}.{proj}")
+        elif path_ == "embed_tokens" and kept_packed("embed_tokens.weight", found["embed_tokens.weight"].kind):
+            _set_module(model, path_, GGUFEmbedding(mod.num_embeddings, mod.embedding_dim,
+                                                    found["embed_tokens.weight"].kind, "meta"))
         elif isinstance(mod, torch.nn.Linear) and kept_packed(path_ + ".weight", found[path_ + ".weight"].kind):
             _set_module(model, path_, GGUFLinear(mod.in_features, mod.out_features, found[path_ + ".weight"].kind,
                                                  "meta"))

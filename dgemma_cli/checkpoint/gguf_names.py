@@ -76,9 +76,11 @@ FLOAT_KINDS = ("F32", "F16", "BF16")
 
 def kept_packed(ours: str, kind: str) -> bool:
     """Whether one of our tensors is held as the file's bytes (quant/ggml_modules.py) rather than decoded at load:
-    every routed expert stack, and the attention, dense MLP and self-conditioning projections of a block type.
-    Everything else (the embedding, which the head reads whole, the router, norms, scalars) is decoded."""
+    every routed expert stack, and the tied embedding and the attention, dense MLP and self-conditioning projections
+    of a block type. Everything else (the router, norms, scalars) is decoded."""
     if ours.startswith("layers.") and ours.endswith(("experts.gate_up_proj", "experts.down_proj")):
         return True
+    if ours == "embed_tokens.weight":
+        return kind not in FLOAT_KINDS
     parts = ours.split(".")
     return kind not in FLOAT_KINDS and ours.endswith(".weight") and len(parts) >= 3 and parts[-3] in PACKED_LINEARS

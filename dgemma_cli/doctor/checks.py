@@ -19,7 +19,7 @@ BY_FORMAT = {
     "nvfp4": ("nvfp4_linear", "moe_nvfp4", "nvfp4_w4a4", "moe_nvfp4_w4a4", "nvfp4_w4a4_gated"),
     "int8": ("int8_linear", "moe_int8", "w8a8_linear_int8", "moe_w8a8_int8"),  # dgemma's INT8 and W8A8 INT8
     "fp8": ("w8a8_linear_fp8", "moe_w8a8_fp8"),
-    "gguf": ("ggml_decode", "moe_gguf", "ggml_linear"),  # a GGUF file's blocks
+    "gguf": ("ggml_decode", "moe_gguf", "ggml_linear", "head_gguf"),  # a GGUF file's blocks
     "bf16": (),
 }
 LORA = ("lora", "moe_lora", "lora_epilogue")
@@ -31,7 +31,7 @@ WHAT = {  # a family, in the report's words
     "moe_plan": "expert plan (routing)", "head": "fused head and its draws", "rms_norm": "RMS norms",
     "softcap": "logit softcap", "gelu_mul": "GELU x up", "lora": "LoRA (linear)", "moe_lora": "LoRA (experts)",
     "lora_epilogue": "LoRA (epilogue)", "ggml_decode": "GGUF block decode", "moe_gguf": "GGUF experts",
-    "ggml_linear": "GGUF linear",
+    "ggml_linear": "GGUF linear", "head_gguf": "fused head on GGUF blocks",
 }
 @dataclass
 class Check:

@@ -385,7 +385,7 @@ class BatchLoop:
         self.lagged = model.device.type == "cuda" if lagged is None else lagged
         self.discarded = 0  # steps run after a row's canvas had ended, undone (lagged stop tests)
         head = (model.cfg.text.hidden_size, model.dtype) \
-            if use_fused_head(model.device, model.dtype) and not model.token_rows else None
+            if use_fused_head(model.device, model.dtype, model.head_family) and not model.token_rows else None
         self.buf = SamplerBuffers(max_batch * self.C, self.V, model.device, head)
         self.pending: deque[Ticket] = deque()
         self.rows: list[_Row] = []

@@ -549,7 +549,7 @@ def check_fits(model, ad: Adapter) -> None:
                 raise AdapterError(f"adapter {ad.name} does not fit this model: layers.{i}.experts are {E} x "
                                    f"({H} -> {2 * I}, {I} -> {H}), the adapter's factors are {tuple(A.shape)} and "
                                    f"{tuple(B.shape)}")
-    V, H = model.embed_tokens.weight.shape
+    V, H = model.cfg.text.vocab_size, model.cfg.text.hidden_size  # (a GGUF embedding is held as its blocks)
     for side, (ids, rows) in ad.tokens.items():
         if rows.shape[1] != H or max(ids) >= V or min(ids) < 0:
             raise AdapterError(f"adapter {ad.name} does not fit this model: token rows {tuple(rows.shape)} for ids "

@@ -50,6 +50,8 @@ import triton.language as tl
 
 from . import arch, fewest_waves, interpreting, shared_b_operand
 from .class_pass import keep_max, pack
+from .common import to_compute
+from .ggml_tile import SUPER_BLOCK_KINDS, ggml_tile, tile_order
 from .rmsnorm import _round
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -95,7 +97,8 @@ def _held_classes(x, base, rows, rmask, u_ptr, slot_ptr, order_ptr, run_ptr, key
 def head_logits_kernel(h_ptr, w_ptr, temp_ptr, u_ptr, p_ptr, tmax_ptr, tsum_ptr, tw_ptr, targ_ptr, tsamp_ptr,
                        m_ptr, slot_ptr, order_ptr, run_ptr, key_ptr, R, H, V, v0, VC, NT, NC, chunk, cap, KR, KP,
                        HAS_CAP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
-                       BLOCK_K: tl.constexpr, EMULATE: tl.constexpr, HELD: tl.constexpr = False):
+                       BLOCK_K: tl.constexpr, EMULATE: tl.constexpr, HELD: tl.constexpr = False,
+                       KIND: tl.constexpr = -1, row_bytes=0):
     pid_m = tl.program_id(0)  # row tiles vary fastest: the programs sharing a W tile run together (L2)
     pid_n = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -107,18 +110,30 @@ def head_logits_kernel(h_ptr, w_ptr, temp_ptr, u_ptr, p_ptr, tmax_ptr, tsum_ptr,
     a_ptrs = h_ptr + rows[:, None].to(tl.int64) * H + ks[None, :]
     b_ptrs = w_ptr + cols[:, None].to(tl.int64) * H + ks[None, :]  # [TILE, BLOCK_K]: W rows, contiguous in k
     acc = tl.zeros((BLOCK_M, TILE), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs + k0, mask=rmask[:, None], other=0.0)
-            b = tl.load(b_ptrs + k0, mask=vmask[:, None], other=0.0)
-        else:
-            kmask = k0 + ks < H
-            a = tl.load(a_ptrs + k0, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(b_ptrs + k0, mask=vmask[:, None] & kmask[None, :], other=0.0)
-        if EMULATE:  # the interpreter's 16-bit products are not IEEE; these are exact in float32
-            acc += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)))
-        else:
-            acc = tl.dot(a, tl.trans(b), acc)
+    if KIND >= 0:  # W as GGUF blocks (ggml_tile: the tile in its own order, h loaded in that order; H whole blocks)
+        order = tile_order(BLOCK_K, KIND)
+        wrows = tl.where(vmask, cols, 0).to(tl.int64)  # columns past V read row 0 (masked out of x below)
+        for k0 in range(0, H, BLOCK_K):
+            a = tl.load(h_ptr + rows[:, None].to(tl.int64) * H + (k0 + order)[None, :], mask=rmask[:, None],
+                        other=0.0)
+            b = to_compute(ggml_tile(w_ptr, wrows, k0, H, row_bytes, KIND, TILE, BLOCK_K), a.dtype, EMULATE)
+            if EMULATE:
+                acc += tl.dot(a.to(tl.float32), b, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+    else:
+        for k0 in range(0, H, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs + k0, mask=rmask[:, None], other=0.0)
+                b = tl.load(b_ptrs + k0, mask=vmask[:, None], other=0.0)
+            else:
+                kmask = k0 + ks < H
+                a = tl.load(a_ptrs + k0, mask=rmask[:, None] & kmask[None, :], other=0.0)
+                b = tl.load(b_ptrs + k0, mask=vmask[:, None] & kmask[None, :], other=0.0)
+            if EMULATE:  # the interpreter's 16-bit products are not IEEE; these are exact in float32
+                acc += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)))
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
     if HAS_CAP:  # cap tanh(l / cap) as quant/kernels/softcap.py computes it
         v = tl.math.div_rn(acc, cap)
         e = tl.exp(-2.0 * tl.abs(v))
@@ -170,15 +185,31 @@ def _soft_operands(p_ptrs, w_ptrs, k0, ks, rmask, hmask, H, V, v0, EVEN_V: tl.co
 
 
 @triton.jit
+def _soft_blocks(p_ptrs, w_ptr, k0, ks, rmask, n0, H, V, v0, row_bytes, KIND: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_N: tl.constexpr, W_DT: tl.constexpr, EMULATE: tl.constexpr):
+    """`_soft_operands` where W is GGUF blocks: P [BLOCK_M, BLOCK_K] and W's rows k0 + ks of the chunk at hidden
+    n0 + tile_order(BLOCK_N, KIND) (ggml_tile's own order: the caller stores its sums there), [BLOCK_K, BLOCK_N] in
+    the compute dtype (float32 holding its values under EMULATE). Rows past V read row 0; their P is 0."""
+    p = tl.load(p_ptrs + k0, mask=rmask[:, None], other=0.0)
+    wrows = tl.where(v0 + k0 + ks < V, k0 + ks, 0).to(tl.int64)
+    b = tl.trans(ggml_tile(w_ptr, wrows, n0, H, row_bytes, KIND, BLOCK_K, BLOCK_N))
+    return p, to_compute(b, W_DT, EMULATE)
+
+
+@triton.jit
 def head_soft_kernel(p_ptr, w_ptr, tmax_ptr, m_ptr, part_ptr, R, H, V, v0, VC, NT, NC, chunk, KC, KS,
                      FIRST: tl.constexpr, EVEN_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, TILE: tl.constexpr, NC_P2: tl.constexpr, EMULATE: tl.constexpr,
-                     AFTER: tl.constexpr = False):
+                     AFTER: tl.constexpr = False, KIND: tl.constexpr = -1, row_bytes=0,
+                     W_DT: tl.constexpr = tl.bfloat16):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)  # the chunk's columns [split KS, (split + 1) KS), into running sum number `split`
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    hcols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if KIND >= 0:  # GGUF blocks: the hidden columns in the weight tile's own order
+        hcols = pid_n * BLOCK_N + tile_order(BLOCK_N, KIND)
+    else:
+        hcols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < R
     hmask = hcols < H
     cidx = tl.arange(0, NC_P2)
@@ -201,7 +232,11 @@ def head_soft_kernel(p_ptr, w_ptr, tmax_ptr, m_ptr, part_ptr, R, H, V, v0, VC, N
             f = tl.exp2(tl.load(f_ptrs + t0 // TILE, mask=rmask, other=0.0) - m_new)  # [BLOCK_M], <= 1
             part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for kk in tl.static_range(0, TILE, BLOCK_K):
-                p, b = _soft_operands(p_ptrs, w_ptrs, t0 + kk, ks, rmask, hmask, H, V, v0, EVEN_V)
+                if KIND >= 0:
+                    p, b = _soft_blocks(p_ptrs, w_ptr, t0 + kk, ks, rmask, pid_n * BLOCK_N, H, V, v0, row_bytes, KIND,
+                                        BLOCK_K, BLOCK_N, W_DT, EMULATE)
+                else:
+                    p, b = _soft_operands(p_ptrs, w_ptrs, t0 + kk, ks, rmask, hmask, H, V, v0, EVEN_V)
                 if EMULATE:  # the interpreter's 16-bit products are not IEEE; these are exact in float32
                     part += tl.dot(p.to(tl.float32), b.to(tl.float32))
                 else:
@@ -209,12 +244,17 @@ def head_soft_kernel(p_ptr, w_ptr, tmax_ptr, m_ptr, part_ptr, R, H, V, v0, VC, N
             acc += part * f[:, None]
     else:  # (P, the factor, W in this order: Triton 3.6 spills with the factor first on sm_80/86/89, last on sm_120)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            p = tl.load(p_ptrs + k0, mask=rmask[:, None], other=0.0)
-            f = tl.exp2(tl.load(f_ptrs + k0 // TILE, mask=rmask, other=0.0) - m_new)  # [BLOCK_M], <= 1
-            if EVEN_V:
-                b = tl.load(w_ptrs + k0 * H, mask=hmask[None, :], other=0.0)
+            if KIND >= 0:
+                p, b = _soft_blocks(p_ptrs, w_ptr, k0, ks, rmask, pid_n * BLOCK_N, H, V, v0, row_bytes, KIND,
+                                    BLOCK_K, BLOCK_N, W_DT, EMULATE)
+                f = tl.exp2(tl.load(f_ptrs + k0 // TILE, mask=rmask, other=0.0) - m_new)
             else:
-                b = tl.load(w_ptrs + k0 * H, mask=((v0 + k0 + ks) < V)[:, None] & hmask[None, :], other=0.0)
+                p = tl.load(p_ptrs + k0, mask=rmask[:, None], other=0.0)
+                f = tl.exp2(tl.load(f_ptrs + k0 // TILE, mask=rmask, other=0.0) - m_new)  # [BLOCK_M], <= 1
+                if EVEN_V:
+                    b = tl.load(w_ptrs + k0 * H, mask=hmask[None, :], other=0.0)
+                else:
+                    b = tl.load(w_ptrs + k0 * H, mask=((v0 + k0 + ks) < V)[:, None] & hmask[None, :], other=0.0)
             # mma.sync reads P from registers: the factor in bfloat16, multiplied in bfloat16 pairs (one instruction
             # per two elements): P picks up two more roundings, each a relative 2^-9, which the sum averages out
             if EMULATE:
@@ -329,11 +369,14 @@ class HeldRows:
         return HeldRows(self.slot[lo : lo + n], self.order, self.run, self.keys[:, lo : lo + n])
 
 
-def _settings(device: torch.device) -> dict:
+def _settings(device: torch.device, blocks: bool = False) -> dict:
+    """Launch settings per kernel; blocks: the weight is GGUF blocks (the logits kernel's K step then 128, half a
+    super-block: ggml_tile's smallest tile of the 256-weight types, whole blocks of the others)."""
     cc = arch(device)
     big = shared_b_operand(cc)  # Hopper / datacenter Blackwell: 227 KB of shared memory, wgmma / tcgen05
     # sm_100 reads the accumulator out of tensor memory for the epilogue: 16 warps keep it in registers (8 spill)
-    return dict(logits=dict(BLOCK_M=64, BLOCK_K=64, num_warps=16 if cc == 100 else 8, num_stages=3 if big else 2),
+    return dict(logits=dict(BLOCK_M=64, BLOCK_K=128 if blocks else 64, num_warps=16 if cc == 100 else 8,
+                            num_stages=3 if big else 2),
                 # AFTER: each vocab tile's factor on the partial sum where the tensor cores read P from shared memory
                 # (two stages of a whole tile's operands: 96 KB, two programs an SM). sm_90: the tile in one product
                 # (BLOCK_K = TILE): as two, Triton gave the first its own layout, both warpgroups computed it whole
@@ -350,22 +393,35 @@ def _splits(device: torch.device, programs: int, tiles: int) -> int:
 
 
 def fused_head(h: torch.Tensor, weight: torch.Tensor, cap: float | None, scale: float, temperature: torch.Tensor,
-               uniforms: torch.Tensor, buf: HeadBuffers, splits: int | None = None) -> HeadBuffers:
+               uniforms: torch.Tensor, buf: HeadBuffers, splits: int | None = None,
+               kind: str | None = None) -> HeadBuffers:
     """h [R, H] (final-normed hidden), weight [V, H], temperature float32 [R], uniforms float32 [R, 2] -> buf with
     sample, argmax, entropy [R] and soft [R, H] written (as the module docstring says). `scale`: the embedding scale
     sqrt(H) as the model holds it. splits: how many ways the soft embedding splits a chunk's columns (each split a
-    running sum of its own, added up at the end); None: `_splits` for the GPU."""
+    running sum of its own, added up at the end); None: `_splits` for the GPU. kind: the weight is GGUF blocks of
+    that type (uint8 [V, row bytes], quant/ggml.py; the published files' embedding is Q6_K), read where they lie by
+    both kernels (ggml_tile), each weight rounded to h's dtype as the decoded 16-bit embedding holds it."""
+    from .. import ggml
+    from .ggml_decode import KINDS
+
     R, H = h.shape
     V = weight.shape[0]
-    if (V, H) != (buf.vocab, buf.hidden) or buf.rows < R or weight.shape[1] != H:
+    if kind is not None:
+        if kind not in ggml.BLOCK_KINDS or weight.dtype != torch.uint8 or weight.shape[1] != ggml.row_bytes(kind, H):
+            raise ValueError(f"a GGUF head of {kind} cannot read a {weight.dtype} weight {tuple(weight.shape)} "
+                             f"for hidden {H}")
+        if H % (256 if KINDS.index(kind) in SUPER_BLOCK_KINDS else 128):
+            raise ValueError(f"a GGUF head of {kind} needs the hidden size in whole tiles (got {H})")
+    if (V, H) != (buf.vocab, buf.hidden) or buf.rows < R or (kind is None and weight.shape[1] != H):
         raise ValueError(f"head buffers for vocab {buf.vocab} x hidden {buf.hidden} and {buf.rows} rows "
                          f"cannot take h {tuple(h.shape)} and weight {tuple(weight.shape)}")
     if R == 0:
         return buf
     h, weight = h.contiguous(), weight.contiguous()
     temperature, uniforms = temperature.contiguous(), uniforms.contiguous()
-    cfg = _settings(h.device)
+    cfg = _settings(h.device, kind is not None)
     lg, sf = cfg["logits"], cfg["soft"]
+    gguf = dict(KIND=KINDS.index(kind), row_bytes=weight.shape[1]) if kind is not None else {}
     tile, VC, NT, NC = buf.tile, buf.chunk, buf.tiles, buf.chunks
     emulate = interpreting()
     nc_p2 = triton.next_power_of_2(NC)
@@ -396,12 +452,13 @@ def fused_head(h: torch.Tensor, weight: torch.Tensor, cap: float | None, scale: 
         head_logits_kernel[(triton.cdiv(R, lg["BLOCK_M"]), tiles)](
             h, w, temperature, uniforms, p, tmax, tsum, tw, targ, tsamp, buf.chunk_max, *held_args, R, H, V, v0, VC,
             NT, NC, c, float(cap or 0.0), *held_strides, bool(cap), H % lg["BLOCK_K"] == 0, lg["BLOCK_M"], tile,
-            lg["BLOCK_K"], emulate, held is not None, num_warps=lg["num_warps"], num_stages=lg["num_stages"])
+            lg["BLOCK_K"], emulate, held is not None, num_warps=lg["num_warps"], num_stages=lg["num_stages"], **gguf)
         per_split = triton.cdiv(triton.cdiv(VC, tile), S) * tile  # whole tiles a split (of a full chunk)
         head_soft_kernel[soft_grid + (S,)](
             p, w, tmax, buf.chunk_max, running, R, H, V, v0, VC, NT, NC, c, tiles * tile, per_split,
             c == 0, V % tile == 0, sf["BLOCK_M"], sf["BLOCK_N"], sf["BLOCK_K"], tile, nc_p2, emulate, sf["AFTER"],
-            num_warps=sf["num_warps"], num_stages=sf["num_stages"])
+            num_warps=sf["num_warps"], num_stages=sf["num_stages"],
+            **(dict(gguf, W_DT=tl.float16 if h.dtype == torch.float16 else tl.bfloat16) if gguf else {}))
     first = buf.first(R)
     head_finish_kernel[(R,)](stats[0], stats[1], stats[2], picks[0], picks[1], first.chunk_max, running, uniforms,
                              first.soft, first.sample, first.argmax, first.entropy, R, H, NT, NC, float(scale),

@@ -31,7 +31,7 @@ import torch
 FAMILIES = ("nvfp4_linear", "nvfp4_w4a4", "int8_linear", "moe_nvfp4", "moe_nvfp4_w4a4", "moe_int8",
             "moe_w8a8_int8", "moe_w8a8_fp8", "head", "rms_norm", "softcap", "moe_plan", "router", "lora",
             "moe_lora", "lora_epilogue", "gelu_mul", "w8a8_linear_fp8", "w8a8_linear_int8",
-            "nvfp4_w4a4_gated", "ggml_decode", "moe_gguf", "ggml_linear")
+            "nvfp4_w4a4_gated", "ggml_decode", "moe_gguf", "ggml_linear", "head_gguf")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 2e-3}  # max |kernel - ref| / max |ref|
 
 _ok: dict[tuple[str, int, torch.dtype], bool] = {}  # (family, device index, dtype) -> verdict, this process
