@@ -285,29 +285,25 @@ def _install_format(model, fmt: str) -> None:
 
 
 def _install_gguf(model, mix_name: str) -> None:
-    """A GGUF of llama.cpp's `mix_name` as checkpoint/gguf_load.py holds one: each routed expert stack and each
-    projection of attention, the dense MLP and self-conditioning whose type is a block type as its blocks (quant's
-    GGUFStack / GGUFLinear), in the block type the mix gives its tensor; the embedding, router and norms decoded to
-    the compute dtype (as the loader decodes them)."""
-    from quant.ggml_modules import GGUFLinear, GGUFStack
-
+    """A GGUF of llama.cpp's `mix_name` as checkpoint/gguf_load.py holds one (gguf_load.hold_as_blocks): the routed
+    expert stacks, the embedding and the projections of attention, the dense MLP and self-conditioning as their
+    blocks, each in the block type the mix gives its tensor; the router and norms decoded to the compute dtype."""
+    from .checkpoint.gguf_load import hold_as_blocks
     from .checkpoint.gguf_mixes import MIXES, kind_of
-    from .checkpoint.gguf_names import gguf_name, kept_packed
-    from .checkpoint.weights import _set_module
-    from .model import Experts, QuantizedExperts
+    from .checkpoint.gguf_names import gguf_name
 
-    mix = MIXES[mix_name]
-    for path, mod in list(model.named_modules()):
-        if isinstance(mod, Experts):
-            E, two_i, H = mod.gate_up_proj.shape
-            gu = kind_of(gguf_name(path + ".gate_up_proj"), mix, H)
-            dn = kind_of(gguf_name(path + ".down_proj"), mix, two_i // 2)
-            _set_module(model, path, QuantizedExperts(E, GGUFStack(E, two_i, H, gu, "meta"),
-                                                      GGUFStack(E, H, two_i // 2, dn, "meta")))
-        elif isinstance(mod, torch.nn.Linear):
-            kind = kind_of(gguf_name(path + ".weight"), mix, mod.in_features)
-            if kept_packed(path + ".weight", kind):
-                _set_module(model, path, GGUFLinear(mod.in_features, mod.out_features, kind, "meta"))
+    mix, text = MIXES[mix_name], model.cfg.text
+
+    def kind(name: str) -> str:  # the row length sets the fallback of a type whose blocks do not fit it
+        if name.endswith("experts.down_proj"):
+            width = text.moe_intermediate_size
+        elif name.endswith(".weight") and name != "embed_tokens.weight":
+            width = model.get_submodule(name.removesuffix(".weight")).in_features
+        else:
+            width = text.hidden_size
+        return kind_of(gguf_name(name), mix, width)
+
+    hold_as_blocks(model, kind)
 
 
 def trace_step(batch: int = 1, prompt: int = 256, target: int = 90, fmt: str = "nvfp4", config: dict | None = None,

@@ -29,10 +29,11 @@ for fmt, target in (("nvfp4", int(sys.argv[1])), ("w8a8-fp8", int(sys.argv[1])),
                     transient=t.transient_bytes, weights=t.persistent_bytes, vocab_f32=[list(s) for s in t.vocab_f32],
                     quantized=f.quantized_params, dense=f.dense_params, rows=f.rows,
                     negative=[o.name for o in t.torch_ops if o.read < 0 or o.written < 0 or o.persistent > o.read],
+                    decoded=[l.named()["R"] for l in t.launches if l.kernel == "ggml_decode_kernel"],
                     eager=t.eager_kernels, outside=sorted({getattr(o, "name", "triton") for i, o in enumerate(t.ops)
                                                            if not t.graphed[0] <= i < t.graphed[1]}),
                     formats=sorted({(l.kernel, l.named().get("FORMAT"), l.named().get("KIND")) for l in t.launches
-                                    if l.kernel.startswith(("moe_gate_up", "moe_down", "ggml"))}))
+                                    if l.kernel.startswith(("moe_gate_up", "moe_down", "ggml", "head_"))}))
 print(json.dumps(out))
 """
 
@@ -68,14 +69,17 @@ def test_the_step_is_the_cuda_path(traced):
     w4a4 = traced["nvfp4@120"]
     assert {"nvfp4_w4a4_kernel", "moe_gate_up_w4a4_kernel"} <= set(w4a4["launches"])
     # a GGUF Q4_K_M (as on an RTX 4090): every quantized matmul reads the file's blocks in its tiles, no matrix is
-    # decoded whole (no ggml_decode_kernel, no 16-bit matmul of a projection): the experts in FORMAT gguf with
-    # Q4_K gate-up and Q5_0 / Q8_0 down projections (llama.cpp's mix), the dense linears on the GGUF linear kernel
+    # decoded whole (no 16-bit matmul of a projection; the one block decode is the canvas's C embedding rows): the
+    # experts in FORMAT gguf with Q4_K gate-up and Q5_0 / Q8_0 down projections (llama.cpp's mix), the dense linears
+    # on the GGUF linear kernel
     gguf = traced["gguf-q4_k_m@89"]
-    assert "ggml_decode_kernel" not in gguf["launches"] and "ggml_linear_kernel" in gguf["launches"]
+    assert gguf["decoded"] == [C] and "ggml_linear_kernel" in gguf["launches"]
     kinds = {(k, f, kind) for k, f, kind in map(tuple, gguf["formats"])}
     assert {("moe_gate_up_kernel", 2, 4), ("moe_down_kernel", 2, 1), ("moe_down_kernel", 2, 0)} <= kinds
     assert all(f == 2 for k, f, _ in kinds if k.startswith("moe"))
-    assert 17e9 < gguf["weights"] < 18e9  # the file's 16.8 GB of blocks, its Q6_K embedding held 16-bit
+    assert 16e9 < gguf["weights"] < 16.8e9  # the file's 16.8 GB of blocks (its norms held in 16 bits)
+    # the fused head reads the Q6_K embedding as its blocks (KINDS index 6), the logits and the soft embedding both
+    assert {("head_logits_kernel", None, 6), ("head_soft_kernel", None, 6)} <= kinds
     assert gguf["mm_flops"] == [] and not gguf["negative"]  # self-conditioning too reads its blocks
 
 

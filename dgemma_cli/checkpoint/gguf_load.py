@@ -8,6 +8,7 @@ from the file (gguf_file.GGUFFile.footprint).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -27,9 +28,8 @@ def load_gguf_model(path: Path | GGUFFile, device: str | torch.device = "cpu", d
     Every routed expert stack and every block-typed projection of attention, the dense MLP and self-conditioning is
     kept as the file's bytes (gguf_names.kept_packed; quant/ggml_modules.py decodes them where they are used); the
     rest is decoded here. Returns (model, ModelConfig)."""
-    from ..model import DiffusionGemma, Experts, QuantizedExperts
+    from ..model import DiffusionGemma, QuantizedExperts
     from quant import ggml
-    from quant.ggml_modules import GGUFEmbedding, GGUFLinear, GGUFStack
 
     f, cfg = (path, ModelConfig.from_dict(path.config_dict())) if isinstance(path, GGUFFile) else read_gguf(path)
     dtype = dtype or torch.float32
@@ -45,20 +45,11 @@ def load_gguf_model(path: Path | GGUFFile, device: str | torch.device = "cpu", d
             raise ModelError(f"{f.path.name}: tensor {t.name} is {list(t.shape)}, the model's {name} is "
                              f"{list(meta.shape)}")
         found[name] = t
-    for path_, mod in list(model.named_modules()):  # what stays as its blocks
-        if isinstance(mod, Experts):
-            gu, dn = found[path_ + ".gate_up_proj"], found[path_ + ".down_proj"]
-            E, two_i, H = mod.gate_up_proj.shape
-            _set_module(model, path_, QuantizedExperts(E, GGUFStack(E, two_i, H, gu.kind, "meta"),
-                                                       GGUFStack(E, H, two_i // 2, dn.kind, "meta")))
+    hold_as_blocks(model, lambda name: found[name].kind)
+    for path_, mod in list(model.named_modules()):
+        if isinstance(mod, QuantizedExperts):
             for proj in ("gate_up_proj", "down_proj"):
                 found[f"{path_}.{proj}.weight"] = found.pop(f"{path_}.{proj}")
-        elif path_ == "embed_tokens" and kept_packed("embed_tokens.weight", found["embed_tokens.weight"].kind):
-            _set_module(model, path_, GGUFEmbedding(mod.num_embeddings, mod.embedding_dim,
-                                                    found["embed_tokens.weight"].kind, "meta"))
-        elif isinstance(mod, torch.nn.Linear) and kept_packed(path_ + ".weight", found[path_ + ".weight"].kind):
-            _set_module(model, path_, GGUFLinear(mod.in_features, mod.out_features, found[path_ + ".weight"].kind,
-                                                 "meta"))
     expected = expected_tensors(model)
     state = {}
     host_prefixes = tuple(f"layers.{i}.experts." for i in host_layers)
@@ -80,3 +71,25 @@ def load_gguf_model(path: Path | GGUFFile, device: str | torch.device = "cpu", d
         state[name] = value.to(target)
     assign_weights(model, state, device, dtype, layer_devices)
     return model, cfg
+
+
+def hold_as_blocks(model, kind: Callable[[str], str]) -> None:
+    """Swap the modules of `model` (built on the meta device) that a GGUF holds as its blocks for quant's block
+    modules, each tensor in its block type `kind(our name)`: every routed expert stack (GGUFStack, named
+    `...experts.gate_up_proj` / `...experts.down_proj`), and the embedding (GGUFEmbedding) and the attention, dense MLP
+    and self-conditioning projections (GGUFLinear) whose type is a block type (gguf_names.kept_packed). The loader
+    gives the file's types; the step trace (dgemma_cli/step_trace.py) a mix's."""
+    from quant.ggml_modules import GGUFEmbedding, GGUFLinear, GGUFStack
+
+    from ..model import Experts, QuantizedExperts
+
+    for path, mod in list(model.named_modules()):
+        if isinstance(mod, Experts):
+            E, two_i, H = mod.gate_up_proj.shape
+            _set_module(model, path, QuantizedExperts(E, GGUFStack(E, two_i, H, kind(path + ".gate_up_proj"), "meta"),
+                                                      GGUFStack(E, H, two_i // 2, kind(path + ".down_proj"), "meta")))
+        elif path == "embed_tokens" and kept_packed("embed_tokens.weight", kind("embed_tokens.weight")):
+            _set_module(model, path, GGUFEmbedding(mod.num_embeddings, mod.embedding_dim, kind("embed_tokens.weight"),
+                                                   "meta"))
+        elif isinstance(mod, torch.nn.Linear) and kept_packed(path + ".weight", kind(path + ".weight")):
+            _set_module(model, path, GGUFLinear(mod.in_features, mod.out_features, kind(path + ".weight"), "meta"))
