@@ -345,6 +345,9 @@ KERNELS = {
                          useful=lambda a: 2 * a["M"] * a["R"] * (a["K"] + a["N"])),
     # no loop: one CTA converts and caps BLOCK logits
     "softcap_kernel": Loops(trips=lambda a: [], elems=lambda a: a["BLOCK"]),
+    # GGUF blocks decoded (ggml_decode.py: a GGUF embedding's looked-up rows in a step), loop-free: one CTA per
+    # BLOCK_R rows x BLOCK_K columns
+    "ggml_decode_kernel": Loops(trips=lambda a: [], elems=lambda a: a["BLOCK_R"] * a["BLOCK_K"]),
     # the W8A8 MLP's gelu_tanh(gate) * up (gelu_mul.py): loop-free, BLOCK elements a CTA
     "gelu_mul_kernel": Loops(trips=lambda a: [], elems=lambda a: a["BLOCK"]),
     # no loop (the top-k rows unrolled): one CTA sums BLOCK columns of one token's TOPK rows
