@@ -391,7 +391,8 @@ GGUF_STEP_FORMATS = ("nvfp4", "gguf-q4_k_m", "gguf-q8_0")
 GGUF_BEGIN, GGUF_END = "<!-- gguf-steps:begin -->", "<!-- gguf-steps:end -->"
 MATMULS = {"moe_gate_up_kernel": "experts gate-up", "moe_down_kernel": "experts down", "ggml_linear_kernel": "linear",
            "nvfp4_linear_kernel": "linear", "nvfp4_w4a4_kernel": "linear (W4A4)",
-           "moe_gate_up_w4a4_kernel": "experts gate-up (W4A4)", "moe_down_w4a4_kernel": "experts down (W4A4)"}
+           "moe_gate_up_w4a4_kernel": "experts gate-up (W4A4)", "moe_down_w4a4_kernel": "experts down (W4A4)",
+           "head_logits_kernel": "head logits", "head_soft_kernel": "head soft embedding"}
 
 
 def named_gpu(name: str):
@@ -428,7 +429,10 @@ def matmul_instructions(w, jobs, results, job_of) -> dict[str, float]:
         named = aot.routed(op.named(), w.batch * aot.CANVAS, w.batch)
         _, pe = roofline.warp_instructions(op.kernel, roofline.declaration(op.kernel), named, op.grid,
                                            res["num_warps"], res["loops"], res["straight"])
-        kind = KINDS[named["KIND"]] if named.get("FORMAT", 2) == 2 and "KIND" in named else "NVFP4"
+        if op.kernel.startswith("head_"):  # the tied embedding: 16-bit, or GGUF blocks (KIND >= 0)
+            kind = KINDS[named["KIND"]] if named.get("KIND", -1) >= 0 else "bf16"
+        else:
+            kind = KINDS[named["KIND"]] if named.get("FORMAT", 2) == 2 and "KIND" in named else "NVFP4"
         label = f"{MATMULS[op.kernel]} {kind}"
         per[label] = max(pe, per.get(label, 0.0))
     return per

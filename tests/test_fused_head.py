@@ -83,7 +83,7 @@ def test_fused_head_soft_embedding_matches_the_torch_path():
     assert (buf.entropy.cpu() - entropy).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("kind", ["Q6_K", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q6_K", pytest.param("Q8_0", marks=pytest.mark.slow)])  # make test's time
 def test_a_gguf_head_reads_its_blocks_as_the_decoded_embedding(kind, monkeypatch):
     """The tied embedding as GGUF blocks (a GGUF file's token_embd, Q6_K in the published ones) read by both kernels
     where they lie (ggml_tile, each in its own order): the same draws, argmax and entropy as the head over the

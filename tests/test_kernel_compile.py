@@ -320,3 +320,5 @@ def test_the_gguf_q4_k_m_step_is_within_its_target_of_nvfp4s_on_the_cards_withou
     for r in gguf_steps["per_weight"]:
         if r["fmt"].startswith("gguf"):
             assert r["kernels"] and max(r["kernels"].values()) <= 25, r
+        if r["fmt"] == "gguf-q4_k_m":  # the fused head reads the Q6_K embedding's blocks
+            assert {"head logits Q6_K", "head soft embedding Q6_K"} <= set(r["kernels"]), r
