@@ -245,6 +245,7 @@ def test_chat_in_a_pseudo_terminal(tmp_path):
         term.close()
 
 
+@pytest.mark.slow  # make test's time (CI runs it in make test-slow)
 def test_save_writes_the_turns_the_context_dropped_too(tmp_path):
     """The real command with a small --context: three messages drop the first turn from the model's context, and
     /save still writes the whole conversation the user saw, the dropped turn marked as such."""

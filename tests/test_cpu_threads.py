@@ -73,6 +73,7 @@ def test_thread_count(monkeypatch):
         torch.set_num_threads(before)
 
 
+@pytest.mark.slow  # make test's time (CI runs it in make test-slow)
 def test_the_cli_runs_the_demo_on_one_thread():
     code = ("import dgemma_cli.engine as e, torch; e.load('demo', device='cpu'); print(torch.get_num_threads())")
     assert python(code) == "1"

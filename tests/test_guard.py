@@ -160,6 +160,7 @@ def test_every_route_refuses_a_foreign_host_and_answers_its_own(server):
             assert answered(r, path), (method, path, host, r.status_code, r.text)
 
 
+@pytest.mark.slow  # make test's time (CI runs it in make test-slow)
 def test_a_server_on_every_interface_answers_its_lan_names(tmp_path):
     """Bound to 0.0.0.0 (which needs a key), the server is reached by whatever name or address the LAN knows it
     by: any Host is answered, the key is what guards it (a 401 in each route's shape), and pages' Origin is still

@@ -346,6 +346,7 @@ def test_fused_moe_with_the_hopper_launch_settings(monkeypatch):
         assert rel(got, reference_experts(gu, dn, x, index, weights)) <= moe_tolerance("nvfp4", dtype)
 
 
+@pytest.mark.slow  # make test's time (CI runs it in make test-slow)
 @pytest.mark.parametrize("fmt", ["nvfp4", "int8"])
 def test_fused_moe_masked_tiles(fmt):
     """Hidden 48 and width 80: the tiles shrink to 16 to fit whole (moe_gate_up.candidates), so the gate-up kernel runs

@@ -554,6 +554,7 @@ def test_a_split_pass_moves_everything_a_layer_reads_onto_its_card(formats, monk
     assert back == [meta, meta] and logits.device == cpu and logits.shape[0] == 2
 
 
+@pytest.mark.slow  # make test's time (CI runs it in make test-slow)
 def test_a_server_on_a_split_answers_concurrent_requests_as_one_card_does(tmp_path):
     """`dgemma serve --devices cpu,cpu --gpu-memory SIZE` through a real socket: four requests at once, batched (each
     row's experts run apart on the CPU), answered as the demo answers them on one card."""

@@ -496,6 +496,7 @@ def _run_jobs(loop, jobs: list) -> list:
     return ends
 
 
+@pytest.mark.slow  # make test's time (CI runs it in make test-slow)
 def test_stop_tests_read_a_step_late_answer_as_at_once(engine):
     """The rows' stop tests read one step late (what the loop does on a GPU: no device-to-host wait in a step),
     against reading them at once and against the single run: the same tokens and steps per canvas for every row,
@@ -596,6 +597,7 @@ def test_stop_tests_read_a_step_late_on_a_gpu():
     assert runs[None][3] and runs[None][2] >= 1 and runs[False][2] == 0
 
 
+@pytest.mark.slow  # make test's time (CI runs it in make test-slow)
 def test_a_row_whose_forward_raises_fails_alone_mid_batch(engine, monkeypatch, capfd):
     """Four requests in one batch. Any forward that holds the third one's row at its third step or later raises (a
     row whose own input breaks the network): the batched step fails, each row then runs that step alone; the third

@@ -211,6 +211,7 @@ def test_published_nvfp4_is_stored_as_published(fake_hub, checkpoints, tmp_path,
                      "--view", "none", "hi"]) == 0
 
 
+@pytest.mark.slow  # make test's time (CI runs it in make test-slow)
 def test_interrupted_pull_keeps_finished_files(fake_hub, checkpoints, tmp_path, capsys):  # noqa: F811
     repo = sharded_with_vision(checkpoints["five_to_one"], tmp_path / "repo")
     serve_directory(fake_hub, REPO, repo)

@@ -270,6 +270,7 @@ def test_a_schema_too_large_for_an_automaton_runs_as_llguidances_json_grammar():
             jsonschema.validate(json.loads(text), schema)
 
 
+@pytest.mark.slow  # make test's time (CI runs it in make test-slow)
 def test_many_slow_compiles_never_starve_a_cached_structure(tmp_path):
     """Distinct slow structures queue for the worker (past MAX_WAITING: 429), while a structure already compiled is
     answered from the cache at once, and identical slow ones compile once."""

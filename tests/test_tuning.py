@@ -252,8 +252,8 @@ def test_a_wrong_fused_head_is_caught(probed, capsys, monkeypatch):
 
     real = kernel.fused_head
 
-    def wrong(*args):
-        buf = real(*args)
+    def wrong(*args, **kw):
+        buf = real(*args, **kw)
         buf.argmax.add_(1)
         return buf
 
