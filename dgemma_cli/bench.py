@@ -45,7 +45,9 @@ TINY = {"model_type": "diffusion_gemma", "canvas_length": 32, "text_config": dic
     num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, sliding_window=16,
     num_experts=8, top_k_experts=2, moe_intermediate_size=32)}
 CONFIGS = {"real": DIFFUSIONGEMMA_26B_A4B, "mid": MID, "tiny": TINY}
-FORMATS = ("bf16", "int8", "nvfp4", "fp8")  # fp8: W8A8 (FP8 weights and activations, sm_89+; elsewhere emulated)
+# fp8: W8A8 (FP8 weights and activations, sm_89+; elsewhere emulated); gguf-*: a GGUF of llama.cpp's mix
+# (checkpoint/gguf_mixes.py), held as dgemma holds a GGUF file (checkpoint/gguf_load.hold_as_blocks)
+FORMATS = ("bf16", "int8", "nvfp4", "fp8", "gguf-q4_k_m", "gguf-q8_0")
 COMPARE = ("transformers", "transformers-eager")
 
 
@@ -149,7 +151,9 @@ def random_model(cfg: ModelConfig, fmt: str, policy: str, device: torch.device, 
 
     with torch.device("meta"):
         model = DiffusionGemma(cfg)
-    if fmt != "bf16":
+    if fmt.startswith("gguf-"):
+        _hold_gguf(model, fmt)
+    elif fmt != "bf16":
         for path, mod in list(model.named_modules()):
             parent, _, leaf = path.rpartition(".")
             owner = model.get_submodule(parent) if parent else model
@@ -182,7 +186,16 @@ def random_model(cfg: ModelConfig, fmt: str, policy: str, device: torch.device, 
         for mod in model.modules():
             if isinstance(mod, RMSNorm) and mod.weight is not None:
                 mod.weight.fill_(1.0)
+        for mod in model.modules():  # GGUF blocks: random codes, f16 scales small (random halves are NaN or huge)
+            if getattr(mod, "format", None) == "gguf":
+                from quant.ggml import randomize_blocks_
+
+                randomize_blocks_(mod.weight, mod.kind, g if mod.weight.device.type == torch.device(device).type
+                                  else g_host, scale=1e-3)
         for name, b in model.named_buffers():
+            if b.dtype == torch.uint8 and getattr(model.get_submodule(name.rpartition(".")[0]) if "." in name else
+                                                  model, "format", None) == "gguf":
+                continue  # made above
             if b.dtype == torch.uint8:
                 b.copy_(torch.randint(0, 256, b.shape, generator=g, device=device, dtype=torch.int32))
             elif b.dtype == torch.int8:
@@ -195,6 +208,25 @@ def random_model(cfg: ModelConfig, fmt: str, policy: str, device: torch.device, 
             else:  # INT8 row scales
                 b.fill_(0.06 / 127)
     return model.eval().requires_grad_(False)
+
+
+def _hold_gguf(model, fmt: str) -> None:
+    """`model` (on the meta device) as dgemma holds a GGUF of the mix `fmt` names (gguf-q4_k_m: llama.cpp's
+    Q4_K_M): the step trace's installation (dgemma_cli/step_trace.py), whose types are the published files'."""
+    from .step_trace import _install_gguf
+
+    _install_gguf(model, fmt.removeprefix("gguf-"))
+
+
+def _gguf_bytes(cfg: ModelConfig, fmt: str, dtype: torch.dtype) -> int:
+    """What a GGUF of `fmt`'s mix holds in memory: its blocks, the rest in `dtype` (counted on the meta device)."""
+    from .model import DiffusionGemma
+
+    with torch.device("meta"):
+        model = DiffusionGemma(cfg)
+    _hold_gguf(model, fmt)
+    return (sum(b.numel() * b.element_size() for b in model.buffers())
+            + sum(p.numel() for p in model.parameters()) * dtype.itemsize)
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -414,8 +446,11 @@ def run_bench(config: str = "mid", fmt: str = "nvfp4", policy: str = "experts", 
     check_kernels(dev)
     from .checkpoint.footprint import system_free, weight_bytes
 
+    if fmt.startswith("gguf-") and (gpu_memory is not None or policy != "experts"):
+        raise UsageError(f"--format {fmt} runs as a GGUF file is held: no --policy, no --gpu-memory (not yet)")
     if dev.type == "cpu":  # random weights are made in place: refuse what cannot fit instead of swapping to death
-        need = sum(weight_bytes(cfg, fmt, policy).values()) * (dt.itemsize / 2)
+        need = (_gguf_bytes(cfg, fmt, dt) if fmt.startswith("gguf-") else
+                sum(weight_bytes(cfg, fmt, policy).values()) * (dt.itemsize / 2))
         free = system_free()
         if free and need > 0.8 * free:
             raise UsageError(f"--config {name} needs about {need / 1e9:.0f} GB for its weights on the CPU; "

@@ -187,6 +187,18 @@ _DECODERS = {"Q8_0": _q8_0, "Q5_0": _q5_0, "Q5_1": _q5_1, "IQ4_NL": _iq4_nl, "Q4
              "Q6_K": _q6_k, "Q3_K": _q3_k, "IQ4_XS": _iq4_xs}
 
 
+def randomize_blocks_(raw: torch.Tensor, kind: str, generator: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    """Fill uint8 `raw` (whole blocks of `kind`, any shape, on any device) in place with random blocks as
+    `random_blocks` makes them: random bytes, each f16 half in [-scale, scale]. For random models at real shapes
+    (dgemma bench's GGUF formats), made where they live."""
+    blocks = raw.view(-1, BYTES[kind])
+    blocks.copy_(torch.randint(0, 256, blocks.shape, generator=generator, device=raw.device, dtype=torch.int32))
+    for at in HALVES[kind]:
+        halves = ((torch.rand(blocks.shape[0], generator=generator, device=raw.device) * 2 - 1) * scale)
+        blocks[:, at : at + 2] = halves.to(torch.float16).view(torch.uint8).view(-1, 2)
+    return raw
+
+
 def random_blocks(kind: str, rows: int, columns: int, generator: torch.Generator, scale: float = 1.0) -> torch.Tensor:
     """uint8 [rows, row bytes]: random blocks of a block type whose f16 halves are in [-scale, scale] (random bytes
     there would be NaN or huge): the doctor's probe, and tests."""

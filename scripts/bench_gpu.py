@@ -15,8 +15,9 @@ soon as it is done and saved to DIR/bench-gpu.json (DIR: $OUT, else the current 
    steps, each row in a subprocess of its own (the same script with --row) stopped at its budget: NVFP4 (every
    projection, as the kernel report's NVFP4 rows) at batch 1 and 4 after 256 prompt tokens (the kernel report's
    context, so each is timed beside its static bound), the same planned for a 12 GB card (--gpu-memory: the experts
-   that do not fit stream from pinned host memory), INT8 and bf16 at batch 1, NVIDIA's NVFP4 release (experts
-   only) at an 8k prompt (peak memory). What the issue names and `dgemma bench` cannot time (FP8 W8A8, the server
+   that do not fit stream from pinned host memory), a GGUF of the published Q4_K_M's mix at batch 1 (its blocks
+   read by its own kernels; beside its bound and the NVFP4 step), INT8 and bf16 at batch 1, NVIDIA's NVFP4 release
+   (experts only) at an 8k prompt (peak memory). What the issue names and `dgemma bench` cannot time (FP8 W8A8, the server
    batched, a held answer at the real vocabulary, the transformers reference) is listed as "not timed" with why;
 3. the targets, each met, not met or not measured; the measured rows written into BENCHMARKS.md's GPU check section
    beside the kernel report's static bounds (`write_benchmarks`: only rows that were measured; nothing is written
@@ -72,20 +73,23 @@ class Part:
 NVFP4_ALL = dict(fmt="nvfp4", policy="all", prompt=256)
 PARTS = [
     Part("setup", 15, "setup", "wheels installed from .whl when present; python, torch and the device"),
-    Part("doctor", 140, "doctor", "`dgemma doctor --json DIR/doctor.json`: every kernel family on this card, small "
+    Part("doctor", 135, "doctor", "`dgemma doctor --json DIR/doctor.json`: every kernel family on this card, small "
          "and at the real model's sizes (each call timed against its bound), the graph, copy stream and split"),
-    Part("nvfp4 (all) b1 p256", 75, "bench", "the first row at the real shapes: Triton compiles what the doctor "
+    Part("nvfp4 (all) b1 p256", 70, "bench", "the first row at the real shapes: Triton compiles what the doctor "
          "did not (its cache is shared)",
          dict(NVFP4_ALL, batch=1), ("nvfp4", 1)),
-    Part("nvfp4 (all) b4 p256", 45, "bench", "batch 4", dict(NVFP4_ALL, batch=4), ("nvfp4", 4)),
-    Part("nvfp4 (all) b1 p256 in 12 GB", 60, "bench", "planned for a 12 GB card: experts streamed from host memory",
+    Part("nvfp4 (all) b4 p256", 40, "bench", "batch 4", dict(NVFP4_ALL, batch=4), ("nvfp4", 4)),
+    Part("nvfp4 (all) b1 p256 in 12 GB", 50, "bench", "planned for a 12 GB card: experts streamed from host memory",
          dict(NVFP4_ALL, batch=1, gpu_memory=12 * 10**9)),
-    Part("fp8 w8a8 (all) b1 p256", 45, "bench", "FP8 weights and activations (W8A8, the FP8 tensor cores): its "
+    Part("fp8 w8a8 (all) b1 p256", 40, "bench", "FP8 weights and activations (W8A8, the FP8 tensor cores): its "
          "kernels compile", dict(fmt="fp8", policy="all", batch=1, prompt=256), ("w8a8-fp8", 1)),
+    Part("gguf q4_k_m b1 p256", 35, "bench", "a GGUF of the published Q4_K_M's mix, held as dgemma holds the file "
+         "(random blocks): its block-reading kernels compile and run", dict(fmt="gguf-q4_k_m", batch=1, prompt=256),
+         ("gguf-q4_k_m", 1)),
     Part("fp8 w8a8 (all) b4 p256", 30, "bench", "batch 4", dict(fmt="fp8", policy="all", batch=4, prompt=256),
          ("w8a8-fp8", 4)),
     Part("bf16 b1 p256", 25, "bench", "16-bit weights (50.5 GB)", dict(fmt="bf16", batch=1, prompt=256)),
-    Part("nvfp4 (experts) b1 p8192", 40, "bench", "NVIDIA's release as published, an 8k prompt: peak memory",
+    Part("nvfp4 (experts) b1 p8192", 35, "bench", "NVIDIA's release as published, an 8k prompt: peak memory",
          dict(fmt="nvfp4", policy="experts", batch=1, prompt=8192)),
     Part("int8 (all) b1 p256", None, "not timed",
          "outside the 8-minute plan, which times the issue's rows first (NVFP4, FP8 W8A8): `dgemma bench --config "
@@ -255,6 +259,7 @@ def targets(results: dict) -> dict:
         return r.get(key) if isinstance(r, dict) else None
 
     b1, b4 = get("nvfp4 (all) b1 p256", "tokens_per_s"), get("nvfp4 (all) b4 p256", "tokens_per_s")
+    gguf, nvfp4 = get("gguf q4_k_m b1 p256", "ms_per_step"), get("nvfp4 (all) b1 p256", "ms_per_step")
     doctor = (results.get("doctor") or {}).get("status")
     table = [
         ("doctor: every kernel family passed or did not apply", None if doctor in (None, "not available") else doctor,
@@ -265,6 +270,8 @@ def targets(results: dict) -> dict:
         ("bf16 step within 1.2x of its floor", get("bf16 b1 p256", "floor_ratio"), lambda v: v <= 1.2),
         (">= 3000 tok/s in the canvas, NVFP4", b1, lambda v: v >= 3000),
         ("batch 4 >= 2.5x batch 1 tok/s", b4 / b1 if b1 and b4 else None, lambda v: v >= 2.5),
+        ("GGUF Q4_K_M step within 1.15x of the NVFP4 (all) step", gguf / nvfp4 if gguf and nvfp4 else None,
+         lambda v: v <= 1.15),
         ("NVFP4 peak memory at 8k < 20 GB", get("nvfp4 (experts) b1 p8192", "peak_memory_gb"), lambda v: v < 20),
         ("streamed step (12 GB plan) within 1.25x of max(resident step, its copies at the measured link)",
          streamed_ratio(parts), lambda v: v <= 1.25),
@@ -277,12 +284,13 @@ def targets(results: dict) -> dict:
 
 
 def static_bounds(text: str) -> dict[tuple[str, str, int], float]:
-    """The kernel report's step bounds in BENCHMARKS.md (its section between the kernel-report markers, the table
-    whose header has "step bound ms"): (GPU, format, batch) -> ms."""
-    m = re.search(r"<!-- kernel-report:begin -->(.*?)<!-- kernel-report:end -->", text, re.S)
+    """The kernel report's step bounds in BENCHMARKS.md (its sections between the kernel-report and the gguf-steps
+    markers, the tables whose header has "step bound ms"): (GPU, format, batch) -> ms."""
+    sections = [m.group(1) for name in ("kernel-report", "gguf-steps")
+                if (m := re.search(rf"<!-- {name}:begin -->(.*?)<!-- {name}:end -->", text, re.S))]
     bounds: dict[tuple[str, str, int], float] = {}
     column = None
-    for line in (m.group(1) if m else "").splitlines():
+    for line in "\n".join(sections).splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else None
         if cells is None:
             column = None

@@ -32,7 +32,8 @@ def tiny_elements() -> tuple[int, int]:
 HIT = 1 - (1 - 2 / 8) ** 32  # expected share of TINY's 8 experts (top-2) that 32 canvas tokens reach
 
 
-@pytest.mark.parametrize("fmt,policy", [("bf16", "experts"), ("int8", "experts"), ("nvfp4", "all")])
+@pytest.mark.parametrize("fmt,policy", [("bf16", "experts"), ("int8", "experts"), ("nvfp4", "all"),
+                                        ("gguf-q4_k_m", "experts")])
 def test_bench_reports_consistent_figures(capsys, fmt, policy):
     args = ["bench", "--config", "tiny", "--format", fmt, "--policy", policy, "--prompt", "20", "--steps", "5",
             "--device", "cpu", "--json"]
@@ -136,6 +137,19 @@ def test_random_model_keeps_packed_dtypes():
     assert stack.weight_scale_2.dtype == torch.float32
     assert m.embed_tokens.weight.dtype == torch.bfloat16 and m.layers[0].self_attn.q_proj.weight.dtype == torch.uint8
     assert torch.isfinite(m.layers[0].experts.weights(torch.float32)[0]).all()
+
+
+def test_a_random_gguf_model_is_held_as_the_file_would_be():
+    """--format gguf-q4_k_m: the experts, the projections and the embedding as GGUF blocks of the mix's types, their
+    f16 scales small, so every decoded weight is finite and of the size of the other formats' random weights."""
+    from quant.ggml_modules import GGUFEmbedding, GGUFLinear, GGUFStack
+
+    m = random_model(ModelConfig.from_dict(TINY), "gguf-q4_k_m", "experts", CPU, torch.bfloat16)
+    assert isinstance(m.embed_tokens, GGUFEmbedding) and isinstance(m.layers[0].self_attn.q_proj, GGUFLinear)
+    assert isinstance(m.layers[0].experts.gate_up_proj, GGUFStack) and m.dtype == torch.bfloat16
+    for w in (m.embed_tokens.rows(0, 512, torch.float32), m.layers[0].self_attn.q_proj.dequantize(torch.float32),
+              m.layers[1].experts.down_proj.dequantize_experts(0, 2, torch.float32)):
+        assert torch.isfinite(w).all() and 0 < w.abs().max() < 10
 
 
 def test_bench_usage_errors(capsys, monkeypatch):
@@ -364,12 +378,15 @@ def test_bench_gpu_plan_fits_eight_minutes_and_lists_every_part():
     # the issue's steps: NVFP4 and FP8 W8A8 at batch 1 and 4, NVFP4 streamed at 12 GB, each beside its bound
     benches = {(p.bench["fmt"], p.bench["batch"], p.bench.get("gpu_memory")) for p in g.PARTS if p.kind == "bench"}
     assert {("nvfp4", 1, None), ("nvfp4", 4, None), ("nvfp4", 1, 12 * 10**9), ("fp8", 1, None),
-            ("fp8", 4, None)} <= benches
+            ("fp8", 4, None), ("gguf-q4_k_m", 1, None)} <= benches
     assert all(p.bench["fmt"] in bench.FORMATS for p in g.PARTS if p.kind == "bench")
     assert {p.bound for p in g.PARTS if p.kind == "bench" and p.bench["fmt"] == "fp8"} == {("w8a8-fp8", 1),
                                                                                        ("w8a8-fp8", 4)}
     bounds = g.static_bounds((Path(__file__).resolve().parent.parent / "BENCHMARKS.md").read_text())
     assert ("H100 SXM", "w8a8-fp8", 1) in bounds and ("H100 SXM", "nvfp4", 4) in bounds  # the report has them
+    # the GGUF row's bound comes from the GGUF step table (consumer cards only: an H100 run has none to show)
+    assert {p.bound for p in g.PARTS if p.kind == "bench" and p.bench["fmt"].startswith("gguf")} == {
+        ("gguf-q4_k_m", 1)} and ("RTX 4090", "gguf-q4_k_m", 1) in bounds
 
 
 def test_bench_gpu_plan_touches_no_gpu():
