@@ -86,6 +86,7 @@ def test_version_and_shell_completion(tmp_path):
     assert ".bash_completions/dgemma.sh" in (tmp_path / ".bashrc").read_text()
 
 
+@pytest.mark.slow  # make test's time (CI runs it in make test-slow)
 def test_bench_takes_a_bundled_model_as_its_config():
     r = dgemma("bench", "--config", "demo", "--device", "cpu", "--steps", "5", "--json", "-q")
     assert r.returncode == 0, r.stderr

@@ -99,6 +99,7 @@ def test_the_class_pass_is_its_torch_path():
         assert torch.equal(values_of(ref[0, :, c]), v) and torch.equal(indices_of(ref[0, :, c]), toks[i])
 
 
+@pytest.mark.slow  # make test's time (CI runs it in make test-slow)
 def test_the_programme_is_its_torch_path():
     """The dynamic programme's kernel on made-up tables whose runs cross its chunks of lanes (a set of 100 classes,
     a target with 100 edges into it): both paths and ok equal the host's programme (constrain.host_path) on the same

@@ -126,6 +126,7 @@ def test_chat_logprobs_are_the_distribution_each_token_was_committed_from(server
         check_chat(engine, content, items, expected, alone.token_ids[0])
 
 
+@pytest.mark.slow  # make test's time (CI runs it in make test-slow)
 def test_completion_logprobs_over_several_canvases(server, engine, monkeypatch):
     """A raw completion of three canvases (the demo does not end it): tokens, values, alternatives and offsets;
     special tokens (decoded as nothing) are not among the tokens, as they are not in the text."""

@@ -322,6 +322,7 @@ def test_rows_choose_their_adapter_on_the_router_too():
     assert not torch.equal(mixed[1], forward(plain, [1], [None])[0])
 
 
+@pytest.mark.slow  # make test's time (CI runs it in make test-slow)
 def test_serve_answers_each_adapter_as_run_does(tmp_path):
     """`dgemma serve --adapter a=DIR --adapter b=DIR`: /v1/models lists them on the base; concurrent requests for
     the base and each adapter get exactly what the engine gives alone with that adapter."""

@@ -83,6 +83,7 @@ def test_streamed_events_in_the_apis_order(server):
         assert s.get_final_response().output_text == whole.output_text
 
 
+@pytest.mark.slow  # make test's time (CI runs it in make test-slow)
 def test_a_function_tool_loop(server):
     """A required call in the flat tool shape, its result sent back as function_call_output items: the same turns
     as the chat path's tool_calls and tool messages, streamed or not."""

@@ -214,6 +214,7 @@ def test_default_max_tokens_is_the_context_the_prompt_leaves_bounded(server, eng
     assert e.value.code == "context_length_exceeded"
 
 
+@pytest.mark.slow  # make test's time (CI runs it in make test-slow)
 def test_completion_with_suffix_equals_dgemma_fim(server, tmp_path):
     client = server.client()
     cases = [("upper: abc def 12 ghijk\nABC D", "HIJK\n", 3), ("upper: hello diffusions\nHELLO ", "USIONS\n", 0)]

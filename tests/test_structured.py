@@ -300,6 +300,7 @@ def test_openai_parse_with_a_pydantic_model(random_server):
     assert len({r.model_dump_json() for r in readings}) >= 5
 
 
+@pytest.mark.slow  # make test's time (CI runs it in make test-slow)
 def test_dates_and_times_are_held_as_rfc_3339_so_pydantic_parses_every_answer(random_server):
     """`format: date-time` (pydantic's datetime) was written with years of 20 digits and no offset, and the openai
     client's `parse` raised ValidationError on seeds 0-3. Now date-time, date and time are held as RFC 3339 writes
