@@ -837,9 +837,15 @@ class DiffusionGemma(nn.Module):
                           kind=self.embed_tokens.kind if self.packed_embedding else None)
 
     @property
-    def head_family(self) -> str:
-        """The doctor's kernel family the fused head runs as (quant/kernels/probe.py): the GGUF blocks' own."""
-        return "head_gguf" if self.packed_embedding else "head"
+    def head_family(self) -> str | None:
+        """The doctor's kernel family the fused head runs as (quant/kernels/probe.py): the GGUF blocks' own; None
+        where its kernels cannot read this embedding's blocks (a hidden size not in whole tiles of theirs: the
+        sampler's torch path then)."""
+        if not self.packed_embedding:
+            return "head"
+        from quant.ggml_modules import fused_head_fits
+
+        return "head_gguf" if fused_head_fits(self.embed_tokens.kind, self.embed_tokens.embedding_dim) else None
 
     def split(self) -> LayerSplit | None:
         """A pass's LayerSplit when the layers span several devices, else None."""

@@ -219,10 +219,10 @@ def sample_step(buf: SamplerBuffers, temperature: torch.Tensor, generators: list
     return sample, argmax, entropy
 
 
-def use_fused_head(device: torch.device, dtype: torch.dtype, family: str = "head") -> bool:
+def use_fused_head(device: torch.device, dtype: torch.dtype, family: str | None = "head") -> bool:
     """The fused head (quant/kernels/head.py) runs where DGEMMA_KERNELS selects Triton on a CUDA device, the model
     is 16-bit and its kernel family (`family`: the model's `head_family`, "head_gguf" where the embedding is GGUF
-    blocks) passed its check. Not on the CPU, even under the interpreter: there the torch path keeps the reference's random draws,
+    blocks, None where no fused head reads it) passed its check. Not on the CPU, even under the interpreter: there the torch path keeps the reference's random draws,
     so tokens stay comparable. DGEMMA_SAMPLER=torch keeps the torch path on CUDA too (the reference's draws: runs
     then compare token for token); auto (the default) decides as above."""
     import os
@@ -230,7 +230,7 @@ def use_fused_head(device: torch.device, dtype: torch.dtype, family: str = "head
     choice = os.environ.get("DGEMMA_SAMPLER", "auto").strip().lower() or "auto"
     if choice not in ("auto", "torch"):
         raise ValueError(f"DGEMMA_SAMPLER must be auto or torch (got {choice!r})")
-    if choice == "torch" or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+    if choice == "torch" or family is None or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return False
     from quant.kernels import use_triton
     from quant.kernels.probe import family_ok

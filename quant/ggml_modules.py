@@ -76,6 +76,12 @@ class GGUFLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
 
 
+def fused_head_fits(kind: str, hidden: int) -> bool:
+    """Whether the fused head's kernels (kernels/head.py) read an embedding of `kind` blocks at this hidden size: a
+    block type, the hidden size in whole tiles of theirs (256 inputs for the 256-weight types, else 128)."""
+    return kind in ggml.BLOCK_KINDS and hidden % (256 if ggml.ELEMENTS[kind] == 256 else 128) == 0
+
+
 class GGUFEmbedding(nn.Module):
     """The tied embedding [V, H] held as ggml blocks of `kind` (uint8 [V, row bytes]: the file's token_embd, Q6_K in
     the published files, 0.6 GB at the real shapes against 1.5 GB decoded). It is read three ways, none of which

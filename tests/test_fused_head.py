@@ -123,6 +123,24 @@ def test_a_gguf_head_reads_its_blocks_as_the_decoded_embedding(kind, monkeypatch
         fused_head(h, blocks[:, 1:], 30.0, H**0.5, t, u, HeadBuffers(R, V, H, torch.bfloat16, "cpu"), kind=kind)
 
 
+def test_a_gguf_embedding_the_head_kernels_cannot_tile_takes_the_torch_path():
+    """The GGUF head's kernels read whole tiles of the hidden size (256 inputs for the 256-weight types, else 128):
+    where a model's is not (a small model), its head family is None and the sampler keeps the torch path."""
+    import types
+
+    from dgemma_cli.model import DiffusionGemma
+    from dgemma_cli.sampler import use_fused_head
+    from quant.ggml_modules import GGUFEmbedding, fused_head_fits
+
+    assert fused_head_fits("Q6_K", 2816) and fused_head_fits("Q8_0", 2816) and fused_head_fits("Q8_0", 128)
+    assert not fused_head_fits("Q6_K", 128) and not fused_head_fits("Q8_0", 96) and not fused_head_fits("F16", 256)
+    for H, kind, family in ((256, "Q6_K", "head_gguf"), (96, "Q8_0", None)):
+        model = types.SimpleNamespace(embed_tokens=GGUFEmbedding(8, H, kind, "meta"))
+        model.packed_embedding = True
+        assert DiffusionGemma.head_family.fget(model) == family
+    assert not use_fused_head(torch.device("cuda"), torch.bfloat16, None)
+
+
 @pytest.mark.slow
 def test_fused_head_draws_follow_the_distribution():
     """Many rows of the same logits: each token is drawn about p_v of the time (chi-square well below its 0.999

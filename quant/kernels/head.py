@@ -51,7 +51,7 @@ import triton.language as tl
 from . import arch, fewest_waves, interpreting, shared_b_operand
 from .class_pass import keep_max, pack
 from .common import to_compute
-from .ggml_tile import SUPER_BLOCK_KINDS, ggml_tile, tile_order
+from .ggml_tile import ggml_tile, tile_order
 from .rmsnorm import _round
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -402,6 +402,7 @@ def fused_head(h: torch.Tensor, weight: torch.Tensor, cap: float | None, scale: 
     that type (uint8 [V, row bytes], quant/ggml.py; the published files' embedding is Q6_K), read where they lie by
     both kernels (ggml_tile), each weight rounded to h's dtype as the decoded 16-bit embedding holds it."""
     from .. import ggml
+    from ..ggml_modules import fused_head_fits
     from .ggml_decode import KINDS
 
     R, H = h.shape
@@ -410,7 +411,7 @@ def fused_head(h: torch.Tensor, weight: torch.Tensor, cap: float | None, scale: 
         if kind not in ggml.BLOCK_KINDS or weight.dtype != torch.uint8 or weight.shape[1] != ggml.row_bytes(kind, H):
             raise ValueError(f"a GGUF head of {kind} cannot read a {weight.dtype} weight {tuple(weight.shape)} "
                              f"for hidden {H}")
-        if H % (256 if KINDS.index(kind) in SUPER_BLOCK_KINDS else 128):
+        if not fused_head_fits(kind, H):
             raise ValueError(f"a GGUF head of {kind} needs the hidden size in whole tiles (got {H})")
     if (V, H) != (buf.vocab, buf.hidden) or buf.rows < R or (kind is None and weight.shape[1] != H):
         raise ValueError(f"head buffers for vocab {buf.vocab} x hidden {buf.hidden} and {buf.rows} rows "
