@@ -40,6 +40,12 @@ Kernels: 2 x chunks + 1 a step.
 Operands: h [R, H] 16-bit (final-normed hidden, contiguous), W [V, H] 16-bit (the tied embedding), temperature
 float32 [R], uniforms float32 [R, 2] in [0, 1). Outputs (in `HeadBuffers`): sample, argmax int64 [R], entropy
 float32 [R], soft [R, H] in h's dtype (the next step's self-conditioning input, already times sqrt(H)).
+
+A GGUF model's embedding stays as its blocks (uint8 [V, row bytes], `fused_head(kind=...)`: Q6_K in the published
+files, 0.61 GB against 1.48 GB in 16 bits): both kernels then decode their W tile from the blocks in registers
+(kernels/ggml_tile.py), in the tile's own order: the logits kernel loads h in that order, the soft-embedding kernel
+stores its sums at the hidden columns in that order. Each weight is rounded to the compute dtype, as the decoded
+16-bit embedding holds it; the logits kernel's K step is then 128 (half a super-block).
 """
 
 from __future__ import annotations
