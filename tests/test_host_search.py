@@ -76,7 +76,6 @@ def test_the_two_level_draw_has_the_rows_law():
         assert (seen - want).abs().max() < 0.006
 
 
-@pytest.mark.slow  # make test's time (CI runs it in make test-slow)
 def test_a_drawn_token_has_the_law_of_what_the_structure_allows():
     """One position whose allowed tokens span several classes, the biggest among them: the drawn token falls on
     each allowed token as the distribution restricted to them says, with the sampler's free draw given (it lands in

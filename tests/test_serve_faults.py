@@ -355,7 +355,6 @@ def test_a_thought_comes_apart_as_reasoning_content(engine):
     assert "thought" not in "".join(d[0] for d in deltas)
 
 
-@pytest.mark.slow  # make test's time (CI runs it in make test-slow)
 def test_a_taken_port_fails_at_once_and_a_second_ctrl_c_stops_at_once(server, tmp_path):
     import os
     import signal
@@ -553,7 +552,6 @@ def test_a_body_of_many_objects_is_parsed_in_the_helper_not_the_server(server):
     sock.close()
 
 
-@pytest.mark.slow  # make test's time (CI runs it in make test-slow)
 def test_a_flood_of_flat_arrays_is_refused_unparsed_and_stalls_nobody(server):
     """8 clients each POST a 20 MiB body of one flat array of five million numbers at once (an ignored field of a
     chat; Ollama's `context`). Parsed in the server, they took it from 540 MB to a 4 GB peak and held /health and a

@@ -139,7 +139,6 @@ def test_a_required_call_that_cannot_be_written_is_refused(server, params, says)
     assert r.json()["error"]["param"] == "tools"
 
 
-@pytest.mark.slow  # make test's time (CI runs it in make test-slow)
 def test_sigterm_during_a_compile_stops_the_server_within_seconds(tmp_path):
     s = ServerProcess(tmp_path, "--compile-timeout", "120")
     try:
@@ -184,7 +183,6 @@ def _run(*args: str, **kw) -> subprocess.Popen:
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **kw)
 
 
-@pytest.mark.slow  # make test's time (CI runs it in make test-slow)
 def test_run_refuses_the_bomb_in_one_line_and_ctrl_c_during_a_compile_exits_130(tmp_path):
     (tmp_path / "bomb.json").write_text(json.dumps(BOMB))
     (tmp_path / "slow.json").write_text(json.dumps(SLOW))
@@ -272,7 +270,6 @@ def test_a_schema_too_large_for_an_automaton_runs_as_llguidances_json_grammar():
             jsonschema.validate(json.loads(text), schema)
 
 
-@pytest.mark.slow  # make test's time (CI runs it in make test-slow)
 def test_many_slow_compiles_never_starve_a_cached_structure(tmp_path):
     """Distinct slow structures queue for the worker (past MAX_WAITING: 429), while a structure already compiled is
     answered from the cache at once, and identical slow ones compile once."""
